@@ -1,0 +1,149 @@
+"""hkvd's wire protocol: message types, versions and the message base class.
+
+A frame is a 4-byte big-endian length followed by ``msgpack.packb([msg_type, *fields])``. Message
+types are explicit, append-only integers grouped by family (control 1-19, kv 20-39, events 40-49,
+peer 60-79): a number, once shipped, never changes meaning. Messages are frozen slotted dataclasses;
+``from_wire`` type-checks every field (bad input gets ``ProtocolViolation``, never a crash) and
+``validate`` checks the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from typing import Any, ClassVar
+
+from hkvd.transport.wire.errors import ProtocolViolation, UnknownMessage
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+# Bounds on list fields: far above real use (a 1M-token prompt in 256-token chunks is 4096 keys),
+# low enough that one frame cannot make the daemon do unbounded work.
+MAX_KEYS = 1 << 16
+MAX_ITEMS = 1 << 16
+KEY_BYTES = 16
+
+
+class MsgType(enum.IntEnum):
+    # control
+    HELLO = 1
+    HELLO_ACK = 2
+    REGISTER = 3
+    REGISTER_ACK = 4
+    UNREGISTER = 5
+    BYE = 6
+    STATUS = 7
+    STATUS_REPLY = 8
+    PING = 9
+    PONG = 10
+    # kv
+    LOOKUP = 20
+    LOOKUP_REPLY = 21
+    STORE = 22
+    RETRIEVE = 23
+    DONE = 24
+    ABORT = 25
+    ABORT_ACK = 26
+    ERROR = 27
+    RELEASE = 28
+    # events
+    STEP_EVENT = 40
+
+
+MESSAGE_CLASSES: dict[int, type[Message]] = {}
+
+
+def _check(value: Any, hint: Any, where: str) -> None:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolViolation(f"{where}: expected a list, got {type(value).__name__}")
+        (inner,) = typing.get_args(hint)
+        if inner is not Any:
+            for i, v in enumerate(value):
+                _check(v, inner, f"{where}[{i}]")
+        return
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolViolation(f"{where}: expected a map, got {type(value).__name__}")
+        return
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ProtocolViolation(f"{where}: expected a number, got {type(value).__name__}")
+        return
+    if hint is int and isinstance(value, bool):
+        raise ProtocolViolation(f"{where}: expected an integer, got bool")
+    if not isinstance(value, hint):
+        raise ProtocolViolation(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+
+
+class Message:
+    """Base of every wire message. Subclasses are frozen slotted dataclasses with a ``TYPE``."""
+
+    __slots__ = ()
+    TYPE: ClassVar[MsgType]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "TYPE" in cls.__dict__:
+            prev = MESSAGE_CLASSES.get(cls.TYPE)
+            # dataclass(slots=True) rebuilds the class, so the same class arrives twice.
+            if prev is not None and prev.__qualname__ != cls.__qualname__:
+                raise TypeError(f"message type {cls.TYPE!r} defined twice")
+            MESSAGE_CLASSES[cls.TYPE] = cls
+
+    @classmethod
+    def _field_hints(cls) -> list[tuple[str, Any]]:
+        hints = cls.__dict__.get("_hints_cache")
+        if hints is None:
+            resolved = typing.get_type_hints(cls)
+            hints = [(f.name, resolved[f.name]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            cls._hints_cache = hints  # type: ignore[attr-defined]
+        return hints
+
+    def to_wire(self) -> list[Any]:
+        return [int(self.TYPE), *(getattr(self, name) for name, _ in self._field_hints())]
+
+    @classmethod
+    def from_wire(cls, fields: list[Any]) -> Message:
+        hints = cls._field_hints()
+        if len(fields) != len(hints):
+            raise ProtocolViolation(f"{cls.__name__}: expected {len(hints)} fields, got {len(fields)}")
+        for value, (name, hint) in zip(fields, hints, strict=True):
+            _check(value, hint, f"{cls.__name__}.{name}")
+        msg = cls(*fields)
+        msg.validate()
+        return msg
+
+    def validate(self) -> None:
+        """Value checks beyond types; raise ProtocolViolation."""
+
+
+def message_from_wire(obj: Any) -> Message:
+    """Turn a decoded frame (a list) into a validated message."""
+    if not isinstance(obj, list) or not obj:
+        raise ProtocolViolation("a frame must be a non-empty array [msg_type, *fields]")
+    mtype = obj[0]
+    if not isinstance(mtype, int) or isinstance(mtype, bool):
+        raise ProtocolViolation("the first element of a frame must be the integer message type")
+    cls = MESSAGE_CLASSES.get(mtype)
+    if cls is None:
+        raise UnknownMessage(f"unknown message type {mtype}; this daemon speaks protocol {PROTOCOL_VERSION}")
+    return cls.from_wire(obj[1:])
+
+
+def check_u64(value: int, what: str) -> None:
+    if not 0 <= value < 1 << 64:
+        raise ProtocolViolation(f"{what} must be an unsigned 64-bit integer, got {value}")
+
+
+# Import the families so their classes register (kept at the end: they import Message from here).
+from hkvd.transport.wire import control, events, kv  # noqa: E402
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES", "KEY_BYTES", "MAX_ITEMS", "MAX_KEYS", "MESSAGE_CLASSES", "PROTOCOL_VERSION",
+    "Message", "MsgType", "check_u64", "control", "events", "kv", "message_from_wire",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from hkvd.daemon.cli import main
+
+sys.exit(main())

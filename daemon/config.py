@@ -1,0 +1,145 @@
+"""Daemon configuration: one frozen dataclass, built from flags and an optional TOML file.
+
+Units are in the names (``_bytes``, ``_s``). Every value is validated here, at start-up, with a
+message that says what is wrong and what to write instead: a bad flag must never surface later as
+an odd failure under load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+EVICTION_POLICIES = ("lru", "hybrid")
+HUGEPAGE_MODES = ("auto", "require", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the fix."""
+
+
+def default_socket_path() -> str:
+    """``$XDG_RUNTIME_DIR/hkvd/hkvd.sock``; ``/run/hkvd/hkvd.sock`` as root or without XDG_RUNTIME_DIR."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if os.geteuid() != 0 and xdg:
+        return str(Path(xdg) / "hkvd" / "hkvd.sock")
+    return "/run/hkvd/hkvd.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    socket_path: str = field(default_factory=default_socket_path)
+    chunk_size: int = 256  # tokens; LMCache's default, and a multiple of every common block size
+    l1_size_bytes: int = 1 * GIB
+    eviction_policy: str = "lru"
+    hugepages: str = "auto"
+    log_level: str = "info"
+    lease_ttl_s: float = 30.0
+    max_frame_bytes: int = 16 << 20
+    socket_mode: int = 0o660
+    socket_group: str = ""  # empty: the daemon's own group
+    allowed_uids: tuple[int, ...] = ()  # empty: the daemon's own uid (and root)
+    copy_threads: int = 2
+    mamba_checkpoint_interval: int = 1
+    shutdown_timeout_s: float = 10.0
+    io_timeout_s: float = 10.0
+    superblock_bytes: int = 32 << 20
+    metrics_port: int = 0  # 0 = no metrics endpoint
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.socket_path:
+            raise ConfigError("--socket must be a path, e.g. /run/hkvd/hkvd.sock")
+        if self.chunk_size <= 0 or self.chunk_size % 16:
+            raise ConfigError(f"--chunk-size {self.chunk_size}: must be a positive multiple of 16 tokens; "
+                              "use the vLLM block size N the engine logs (or a multiple of it)")
+        if self.l1_size_bytes < self.superblock_bytes:
+            raise ConfigError(f"--l1-size-gb {self.l1_size_bytes / GIB:g}: the pool must hold at least one "
+                              f"{self.superblock_bytes >> 20} MiB superblock; use --l1-size-gb 0.0625 or more")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"--eviction-policy {self.eviction_policy!r}: choose one of {EVICTION_POLICIES}")
+        if self.hugepages not in HUGEPAGE_MODES:
+            raise ConfigError(f"--hugepages {self.hugepages!r}: choose one of {HUGEPAGE_MODES}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r}: choose one of {LOG_LEVELS}")
+        for name in ("lease_ttl_s", "shutdown_timeout_s", "io_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds")
+        if not 1 <= self.copy_threads <= 64:
+            raise ConfigError("--copy-threads must be between 1 and 64")
+        if self.mamba_checkpoint_interval < 1:
+            raise ConfigError("--mamba-checkpoint-interval must be >= 1 (1 keeps every boundary state)")
+        if not 1 << 12 <= self.max_frame_bytes <= 1 << 30:
+            raise ConfigError("max_frame_bytes must be between 4 KiB and 1 GiB")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError("--metrics-port must be 0 (off) or a TCP port")
+        if self.socket_group:
+            try:
+                grp.getgrnam(self.socket_group)
+            except KeyError:
+                raise ConfigError(f"--socket-group {self.socket_group!r}: no such group; create it "
+                                  "(groupadd) or leave it empty for the daemon's own group") from None
+
+    def replace(self, **changes: Any) -> DaemonConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# Flag name (as in TOML, dashes or underscores) -> (field, converter)
+def _gb(v: Any) -> int:
+    try:
+        gb = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--l1-size-gb {v!r}: expected a number of GiB, e.g. 4 or 0.5") from None
+    if gb <= 0:
+        raise ConfigError(f"--l1-size-gb {v!r}: must be > 0")
+    return int(gb * GIB)
+
+
+TOML_KEYS: dict[str, tuple[str, Any]] = {
+    "socket": ("socket_path", str),
+    "chunk_size": ("chunk_size", int),
+    "l1_size_gb": ("l1_size_bytes", _gb),
+    "eviction_policy": ("eviction_policy", lambda v: str(v).lower()),
+    "hugepages": ("hugepages", str),
+    "log_level": ("log_level", lambda v: str(v).lower()),
+    "lease_ttl_s": ("lease_ttl_s", float),
+    "socket_mode": ("socket_mode", lambda v: int(str(v), 8)),
+    "socket_group": ("socket_group", str),
+    "allowed_uids": ("allowed_uids", lambda v: tuple(int(x) for x in v)),
+    "copy_threads": ("copy_threads", int),
+    "mamba_checkpoint_interval": ("mamba_checkpoint_interval", int),
+    "shutdown_timeout_s": ("shutdown_timeout_s", float),
+    "metrics_port": ("metrics_port", int),
+}
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config (keys as the flags: ``chunk-size = 256``) into DaemonConfig field values."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        norm = key.replace("-", "_")
+        if norm not in TOML_KEYS:
+            raise ConfigError(f"--config {path}: unknown key {key!r}; known keys: "
+                              + ", ".join(k.replace("_", "-") for k in TOML_KEYS))
+        fname, conv = TOML_KEYS[norm]
+        try:
+            out[fname] = conv(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--config {path}: bad value for {key!r}: {e}") from None
+    return out

@@ -1,0 +1,88 @@
+"""Eviction policies: which unpinned, unleased entry goes first when the pool is full.
+
+A policy only orders candidates; the index decides whether a candidate may go (never while a copy
+or a lease holds it). ``lru`` is plain least-recently-used. ``hybrid`` (hybrid-aware LRU) first
+evicts entries that can no longer serve any hit -- orphans, such as Mamba states and attention
+chunks whose chain prefix is gone -- and only then falls back to LRU order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+
+
+class EvictionPolicy(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def insert(self, key: Hashable) -> None: ...
+
+    @abstractmethod
+    def touch(self, key: Hashable) -> None: ...
+
+    @abstractmethod
+    def remove(self, key: Hashable) -> None: ...
+
+    @abstractmethod
+    def candidates(self) -> Iterator[Hashable]:
+        """Keys in eviction order (first = evict first). The index may skip pinned ones."""
+
+    def mark_orphan(self, key: Hashable) -> None:  # noqa: B027 - optional
+        """A hint that ``key`` can no longer serve a hit; hybrid-aware policies evict it first."""
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def candidates(self) -> Iterator[Hashable]:
+        return iter(list(self._order))
+
+
+class HybridAwarePolicy(LRUPolicy):
+    """LRU, except that entries marked orphan (they cannot serve any hit any more) go first."""
+
+    name = "hybrid"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._orphans: OrderedDict[Hashable, None] = OrderedDict()
+
+    def mark_orphan(self, key: Hashable) -> None:
+        if key in self._order:
+            self._orphans[key] = None
+
+    def remove(self, key: Hashable) -> None:
+        super().remove(key)
+        self._orphans.pop(key, None)
+
+    def touch(self, key: Hashable) -> None:
+        super().touch(key)
+
+    def candidates(self) -> Iterator[Hashable]:
+        orphans = list(self._orphans)
+        seen = set(orphans)
+        return iter(orphans + [k for k in self._order if k not in seen])
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    if name == "lru":
+        return LRUPolicy()
+    if name == "hybrid":
+        return HybridAwarePolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; choose lru or hybrid")

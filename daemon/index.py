@@ -1,0 +1,242 @@
+"""The index: entry keys -> pool pages, with entry states, pins, leases and eviction.
+
+Role
+    Owns every entry's life: WRITING (a store copy is filling it) -> PENDING (a Mamba state copied
+    but not yet confirmed by its engine) -> READY (visible to lookups) -> gone. Allocation evicts
+    through the configured policy; an entry is never evicted or reused while a copy pins it or a
+    lease holds it.
+
+Threading
+    Event-loop only. Copies run on threads but only touch pool bytes; every state change comes
+    back to the loop.
+
+Keys
+    ``EntryKey = (fingerprint, group_id, chunk_key)``: the engine's layout fingerprint is in every
+    key, so engines with different layouts never share entries.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from hkvd.daemon.errors import LeaseExpired, PoolFull
+from hkvd.daemon.eviction import EvictionPolicy
+from hkvd.daemon.pool import Allocation, HugePagePool
+
+EntryKey = tuple[bytes, int, bytes]
+
+
+class EntryState(enum.Enum):
+    WRITING = "writing"
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass(slots=True)
+class Entry:
+    key: EntryKey
+    alloc: Allocation
+    nbytes: int
+    kind: str  # group kind: full | swa | mamba
+    state: EntryState = EntryState.WRITING
+    pins: int = 0
+    leases: int = 0
+    job_id: int = 0  # the store job that wrote it (for pending confirmation)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    keys: list[EntryKey]
+    expires_at: float
+    owner: int  # connection id
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    entries: int
+    ready: int
+    pending: int
+    writing: int
+    bytes_stored: int
+    leases: int
+    pinned_entries: int
+    evictions: int
+    orphans_dropped: int
+    stores_dropped: int
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+
+class Index:
+    def __init__(self, pool: HugePagePool, policy: EvictionPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.clock = clock
+        self._entries: dict[EntryKey, Entry] = {}
+        self._leases: dict[int, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._evictions = 0
+        self._orphans_dropped = 0
+        self.stores_dropped = 0
+        self._mamba_groups: dict[bytes, tuple[int, ...]] = {}
+
+    # ---- queries -------------------------------------------------------------------------------
+    def get(self, key: EntryKey) -> Entry | None:
+        return self._entries.get(key)
+
+    def is_ready(self, key: EntryKey) -> bool:
+        e = self._entries.get(key)
+        return e is not None and e.state is EntryState.READY
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- writes --------------------------------------------------------------------------------
+    def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int) -> Entry | None:
+        """Allocate a WRITING entry (pinned), evicting as needed. None if the key already exists.
+
+        Raises PoolFull when nothing evictable frees enough room.
+        """
+        if key in self._entries:
+            return None
+        alloc = self._alloc_evicting(nbytes)
+        entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id)
+        self._entries[key] = entry
+        return entry
+
+    def finish_write(self, entry: Entry, *, pending: bool) -> None:
+        entry.pins -= 1
+        entry.state = EntryState.PENDING if pending else EntryState.READY
+        if not pending:
+            self.policy.insert(entry.key)
+
+    def confirm(self, entry: Entry) -> None:
+        if entry.state is EntryState.PENDING:
+            entry.state = EntryState.READY
+            self.policy.insert(entry.key)
+
+    def drop(self, entry: Entry) -> None:
+        """Remove an entry now (failed copy, invalidated snapshot). Must not be pinned by a reader."""
+        if self._entries.get(entry.key) is not entry:
+            return
+        del self._entries[entry.key]
+        self.policy.remove(entry.key)
+        self.pool.free(entry.alloc)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def pin(self, entry: Entry) -> None:
+        entry.pins += 1
+        self.policy.touch(entry.key)
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+
+    # ---- leases --------------------------------------------------------------------------------
+    def lease(self, keys: Iterable[EntryKey], owner: int, ttl_s: float) -> int:
+        held = []
+        for k in keys:
+            e = self._entries.get(k)
+            if e is not None and e.state is EntryState.READY:
+                e.leases += 1
+                self.policy.touch(k)
+                held.append(k)
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = Lease(lease_id, held, self.clock() + ttl_s, owner)
+        return lease_id
+
+    def check_lease(self, lease_id: int) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at < self.clock():
+            if lease is not None:
+                self.release(lease_id)
+            raise LeaseExpired(f"lease {lease_id} expired or unknown; look up again (leases last "
+                               "--lease-ttl-s seconds)")
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        for k in lease.keys:
+            e = self._entries.get(k)
+            if e is not None:
+                e.leases -= 1
+        return True
+
+    def release_owner(self, owner: int) -> int:
+        ids = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+        for lid in ids:
+            self.release(lid)
+        return len(ids)
+
+    def expire_leases(self) -> int:
+        now = self.clock()
+        ids = [lid for lid, lease in self._leases.items() if lease.expires_at < now]
+        for lid in ids:
+            self.release(lid)
+        return len(ids)
+
+    # ---- eviction ------------------------------------------------------------------------------
+    def _evictable(self, e: Entry) -> bool:
+        return e.state is EntryState.READY and e.pins == 0 and e.leases == 0
+
+    def _alloc_evicting(self, nbytes: int) -> Allocation:
+        alloc = self.pool.alloc(nbytes)
+        if alloc is not None:
+            return alloc
+        for key in self.policy.candidates():
+            e = self._entries.get(key)
+            if e is None or not self._evictable(e):
+                continue
+            self._evict(e)
+            alloc = self.pool.alloc(nbytes)
+            if alloc is not None:
+                return alloc
+        raise PoolFull(f"no room for a {nbytes}-byte entry: every entry is pinned or leased; raise "
+                       "--l1-size-gb or lower the number of in-flight requests")
+
+    def _evict(self, e: Entry) -> None:
+        self.drop(e)
+        self._evictions += 1
+        # A Mamba state at chunk key k needs the full-attention chunk with the same key (the last
+        # chunk of its prefix): once that chunk is gone the state can never be part of a hit.
+        fp, gid, ck = e.key
+        if e.kind in ("full", "swa"):
+            for other in list(self._orphan_candidates(fp, ck)):
+                if self._evictable(other):
+                    self.drop(other)
+                    self._orphans_dropped += 1
+                else:
+                    self.policy.mark_orphan(other.key)
+
+    def _orphan_candidates(self, fp: bytes, chunk_key: bytes) -> Iterable[Entry]:
+        for gid in self._mamba_groups.get(fp, ()):
+            other = self._entries.get((fp, gid, chunk_key))
+            if other is not None:
+                yield other
+
+    def set_mamba_groups(self, fingerprint: bytes, group_ids: Iterable[int]) -> None:
+        self._mamba_groups[fingerprint] = tuple(group_ids)
+
+    # ---- stats ---------------------------------------------------------------------------------
+    def statistics(self) -> IndexStats:
+        states = {s: 0 for s in EntryState}
+        kinds: dict[str, int] = {}
+        pinned = 0
+        total = 0
+        for e in self._entries.values():
+            states[e.state] += 1
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+            pinned += e.pins > 0 or e.leases > 0
+            total += e.nbytes
+        return IndexStats(
+            entries=len(self._entries), ready=states[EntryState.READY], pending=states[EntryState.PENDING],
+            writing=states[EntryState.WRITING], bytes_stored=total, leases=len(self._leases),
+            pinned_entries=pinned, evictions=self._evictions, orphans_dropped=self._orphans_dropped,
+            stores_dropped=self.stores_dropped, by_kind=kinds,
+        )

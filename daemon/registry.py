@@ -1,0 +1,132 @@
+"""Registered engines: their specs, layout fingerprints, copy-engine attachments and groups.
+
+An engine rank registers once per connection. A worker connection registers regions and can copy;
+a scheduler connection registers the same spec without regions and can only look up. Both get the
+same fingerprint, because the fingerprint hashes the *format* of entries (identity, chunk size,
+group kinds, block sizes, dtypes, per-view layer counts and page bytes), never addresses or
+strides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+import msgpack
+
+from hkvd.daemon import layout
+from hkvd.daemon.copy_engine import Attachment, CopyEngine
+from hkvd.daemon.errors import OutOfRange, RegistrationError
+from hkvd.daemon.hybrid import GroupRule
+from hkvd.daemon.layout import GroupSpec
+from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.kv import Item
+
+FINGERPRINT_VERSION = 1
+SUPPORTED_REGION_KINDS = ("host",)
+
+
+def fingerprint(spec: EngineSpec, chunk_size: int) -> bytes:
+    fmt = [
+        FINGERPRINT_VERSION, spec.model, spec.world_size, spec.rank, spec.layout_tag, chunk_size,
+        [[g.group_id, g.kind, g.tokens_per_block, g.window_tokens, g.dtype,
+          [[v.num_layers, v.page_bytes] for v in g.views]] for g in spec.groups],
+    ]
+    return hashlib.blake2b(msgpack.packb(fmt, use_bin_type=True), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class EngineState:
+    engine_id: int
+    conn_id: int
+    pid: int
+    spec: EngineSpec
+    chunk_size: int
+    fingerprint: bytes
+    groups: dict[int, GroupSpec]
+    rules: list[GroupRule]
+    entry_bytes: dict[int, int]
+    attachment: Attachment | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def can_copy(self) -> bool:
+        return self.attachment is not None
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "engine_id": self.engine_id, "pid": self.pid, "model": self.spec.model,
+            "rank": self.spec.rank, "world_size": self.spec.world_size, "chunk_size": self.chunk_size,
+            "fingerprint": self.fingerprint.hex(), "role": "worker" if self.can_copy else "scheduler",
+            "groups": [{"group_id": g.group_id, "kind": g.kind, "tokens_per_block": g.tokens_per_block,
+                        "window_tokens": g.window_tokens, "entry_bytes": self.entry_bytes[g.group_id]}
+                       for g in self.groups.values()],
+        }
+
+    def check_item(self, item: Item) -> GroupSpec:
+        """Bounds-check one item against this engine's registration (never trust the client)."""
+        g = self.groups.get(item.group_id)
+        if g is None:
+            raise OutOfRange(f"group {item.group_id} is not registered by engine {self.engine_id} "
+                             f"(registered: {sorted(self.groups)})")
+        want = layout.blocks_per_entry(g, self.chunk_size)
+        if len(item.block_ids) != want:
+            raise OutOfRange(f"group {g.group_id} ({g.kind}) entries take {want} block ids, got "
+                             f"{len(item.block_ids)}")
+        for b in item.block_ids:
+            if b == 0:
+                raise OutOfRange(f"group {g.group_id}: block 0 is vLLM's null block and is never copied")
+            if not 0 < b < g.num_blocks:
+                raise OutOfRange(f"group {g.group_id}: block id {b} is outside [1, {g.num_blocks})")
+        return g
+
+
+class Registry:
+    def __init__(self, default_chunk_size: int, copy_engine: CopyEngine) -> None:
+        self.default_chunk_size = default_chunk_size
+        self.copy_engine = copy_engine
+        self._engines: dict[int, EngineState] = {}
+        self._ids = itertools.count(1)
+
+    def register(self, spec: EngineSpec, pid: int, conn_id: int) -> EngineState:
+        from hkvd.daemon.validation import validate_engine  # hybrid rules live beside the hit rule
+
+        chunk_size = spec.chunk_size or self.default_chunk_size
+        validate_engine(spec, chunk_size)
+        region_sizes = {r.region_id: r.size for r in spec.regions}
+        for g in spec.groups:
+            if g.num_blocks <= 1:
+                raise RegistrationError(f"group {g.group_id}: num_blocks must be > 1 (block 0 is the null block)")
+            if spec.regions:
+                try:
+                    g.validate(region_sizes)
+                except ValueError as e:
+                    raise RegistrationError(f"group {g.group_id}: {e}") from None
+        for r in spec.regions:
+            if r.kind not in SUPPORTED_REGION_KINDS + (self.copy_engine_kind(),):
+                raise RegistrationError(
+                    f"region {r.region_id} is {r.kind!r} memory, but this daemon runs the "
+                    f"{self.copy_engine.name} copy engine; start hkvd serve with the matching engine")
+        attachment = self.copy_engine.attach(pid, list(spec.regions)) if spec.regions else None
+        fp = fingerprint(spec, chunk_size)
+        state = EngineState(
+            engine_id=next(self._ids), conn_id=conn_id, pid=pid, spec=spec, chunk_size=chunk_size,
+            fingerprint=fp, groups={g.group_id: g for g in spec.groups},
+            rules=[GroupRule(g.group_id, g.kind, g.window_tokens) for g in spec.groups],  # type: ignore[arg-type]
+            entry_bytes={g.group_id: layout.entry_bytes(g, chunk_size) for g in spec.groups},
+            attachment=attachment,
+        )
+        self._engines[state.engine_id] = state
+        return state
+
+    def copy_engine_kind(self) -> str:
+        return "cuda" if self.copy_engine.name == "cuda" else "host"
+
+    def unregister(self, engine_id: int) -> None:
+        state = self._engines.pop(engine_id, None)
+        if state is not None and state.attachment is not None:
+            self.copy_engine.detach(state.attachment)
+
+    def engines(self) -> list[EngineState]:
+        return list(self._engines.values())

@@ -1,0 +1,344 @@
+"""The KV service: what each message means. Sans-socket: the server adapter feeds it messages.
+
+Role
+    Turns validated messages from one connection into index changes and copy jobs, and sends
+    replies through ``Conn.send``. It owns no sockets; ``daemon/server.py`` moves frames.
+
+Threading
+    Event loop only. Copies run on the daemon's copy thread pool through ``_run_copy`` with a
+    timeout; a copy that outlives its timeout keeps its pins until the thread returns (the pool
+    pages are in use), and its job fails with ``KVTimeout``.
+
+Errors
+    Anything the client got wrong raises a ``KVError`` that the adapter sends back as
+    ``Error(req_id, code, message)``; the connection keeps serving. A job either completes whole
+    (``Done``) or fails whole (``Error``) -- a retrieve never reports success for part of its items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from hkvd.daemon import layout
+from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.copy_engine import Attachment, Direction, Segment
+from hkvd.daemon.errors import (
+    CopyFailedError,
+    KVError,
+    KVTimeout,
+    NotFound,
+    NotRegistered,
+    PoolFull,
+    ProtocolViolation,
+    RegistrationError,
+    ShuttingDown,
+)
+from hkvd.daemon.hybrid import mamba_checkpoint_keep, plan_hit
+from hkvd.daemon.index import Entry, EntryKey, Index
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.registry import EngineState, Registry
+from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
+from hkvd.transport.wire import Message, control, events, kv
+from hkvd.transport.wire.kv import Item
+
+log = logging.getLogger("hkvd.service")
+
+
+@dataclass(slots=True)
+class Conn:
+    """One client connection as the service sees it."""
+
+    conn_id: int
+    pid: int
+    uid: int
+    send: Callable[[Message], None]
+    role: str = ""
+    engine: EngineState | None = None
+    snapshots: SnapshotOrdering | None = None
+    # step-event job id -> entries it wrote that await the engine's confirmation
+    pending: dict[int, list[Entry]] = field(default_factory=dict)
+    aborted: set[int] = field(default_factory=set)
+    inflight: int = 0
+    closed: bool = False
+
+
+class KVService:
+    def __init__(self, cfg: DaemonConfig, index: Index, registry: Registry, executor: Executor,
+                 metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.registry = registry
+        self.executor = executor
+        self.metrics = metrics
+        self.shutting_down = False
+        self.copy_timeout_s = max(cfg.io_timeout_s, 30.0)
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    async def handle(self, conn: Conn, msg: Message) -> None:
+        if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status)):
+            raise ShuttingDown("hkvd is shutting down; the engine will recompute and reconnect later")
+        match msg:
+            case kv.Lookup():
+                self._lookup(conn, msg)
+            case kv.Store():
+                await self._store(conn, msg)
+            case kv.Retrieve():
+                await self._retrieve(conn, msg)
+            case events.StepEvent():
+                await self._step_event(conn, msg)
+            case kv.Release():
+                self.index.release(msg.lease_id)
+            case kv.Abort():
+                self._abort(conn, msg.req_id)
+                conn.send(kv.AbortAck(msg.req_id))
+            case control.Register():
+                self._register(conn, msg)
+            case control.Unregister():
+                self.disconnect(conn)
+                conn.send(kv.Done(msg.req_id, 0, {}))
+            case control.Ping():
+                conn.send(control.Pong(msg.req_id))
+            case control.Status():
+                conn.send(control.StatusReply(msg.req_id, self.status()))
+            case control.Hello() | control.Bye():
+                pass  # handled by the adapter
+            case _:
+                raise ProtocolViolation(f"{type(msg).__name__} is not a request a client may send")
+
+    # ---- registration --------------------------------------------------------------------------
+    def _register(self, conn: Conn, msg: control.Register) -> None:
+        if conn.engine is not None:
+            raise RegistrationError("this connection already registered an engine; open one connection "
+                                    "per engine rank")
+        spec = msg.engine_spec()
+        if spec.regions and conn.role == "scheduler":
+            raise RegistrationError("a scheduler connection registers without regions (lookup only)")
+        state = self.registry.register(spec, conn.pid, conn.conn_id)
+        conn.engine = state
+        conn.snapshots = SnapshotOrdering(state.engine_id)
+        self.index.set_mamba_groups(state.fingerprint,
+                                    [g.group_id for g in state.groups.values() if g.kind == "mamba"])
+        self.metrics.inc("engines_registered")
+        log.info("registered engine %d (pid %d, model %s, rank %d/%d, %s, %d groups, fingerprint %s)",
+                 state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
+                 "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
+        conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size))
+
+    def _engine(self, conn: Conn, *, copy: bool) -> EngineState:
+        if conn.engine is None:
+            raise NotRegistered("register the engine (Register) before this request")
+        if copy and conn.engine.attachment is None:
+            raise NotRegistered("this connection registered no regions (lookup only); stores and "
+                                "retrieves go through the worker connection")
+        return conn.engine
+
+    def _key(self, engine: EngineState, item: Item) -> EntryKey:
+        return (engine.fingerprint, item.group_id, item.key)
+
+    # ---- lookup --------------------------------------------------------------------------------
+    def _lookup(self, conn: Conn, msg: kv.Lookup) -> None:
+        engine = self._engine(conn, copy=False)
+        fp = engine.fingerprint
+        keys = msg.keys
+
+        def present(group_id: int, chunk: int) -> bool:
+            return self.index.is_ready((fp, group_id, keys[chunk]))
+
+        plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+        lease_id = 0
+        if msg.lease and plan.hit_chunks > 0:
+            lease_keys = [(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks]
+            lease_id = self.index.lease(lease_keys, conn.conn_id, self.cfg.lease_ttl_s)
+        self.metrics.inc("lookups")
+        self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
+        self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
+        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s))
+
+    # ---- store ---------------------------------------------------------------------------------
+    async def _store(self, conn: Conn, msg: kv.Store) -> None:
+        engine = self._engine(conn, copy=True)
+        items = msg.parsed()
+        nbytes, info = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False)
+        conn.send(kv.Done(msg.req_id, nbytes, info))
+
+    async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
+                           pending: bool) -> tuple[int, dict[str, Any]]:
+        groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
+        entries: list[Entry] = []
+        segments: list[Segment] = []
+        skipped = dropped = thinned = 0
+        for it, g in zip(items, groups, strict=True):
+            if g.kind == "mamba" and not mamba_checkpoint_keep(it.chunk_index, self.cfg.mamba_checkpoint_interval):
+                thinned += 1
+                continue
+            try:
+                entry = self.index.begin_write(self._key(engine, it), engine.entry_bytes[g.group_id], g.kind,
+                                               job_id)
+            except PoolFull:
+                dropped += 1
+                self.index.stores_dropped += 1
+                self.metrics.inc("stores_dropped", kind=g.kind)
+                continue
+            if entry is None:
+                skipped += 1
+                continue
+            entries.append(entry)
+            segments.extend(layout.segments_for_entry(g, it.block_ids, entry.alloc.extents))
+        nbytes = 0
+        try:
+            if segments:
+                nbytes = await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL)
+        except BaseException:
+            for e in entries:
+                e.pins -= 1
+                self.index.drop(e)
+            raise
+        if job_id in conn.aborted:
+            for e in entries:
+                e.pins -= 1
+                self.index.drop(e)
+            conn.aborted.discard(job_id)
+            from hkvd.daemon.errors import Aborted
+            raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
+        for e in entries:
+            self.index.finish_write(e, pending=pending)
+        for e in entries:
+            self.metrics.inc("stored_bytes", e.nbytes, kind=e.kind)
+        return nbytes, {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned,
+                        "entries": entries if pending else None}
+
+    # ---- retrieve ------------------------------------------------------------------------------
+    async def _retrieve(self, conn: Conn, msg: kv.Retrieve) -> None:
+        engine = self._engine(conn, copy=True)
+        items = msg.parsed()
+        groups = [engine.check_item(it) for it in items]
+        if msg.lease_id:
+            self.index.check_lease(msg.lease_id)
+        entries: list[Entry] = []
+        for it in items:
+            e = self.index.get(self._key(engine, it))
+            if e is None or e.state.value != "ready":
+                self.metrics.inc("retrieve_misses")
+                raise NotFound(f"group {it.group_id} chunk {it.chunk_index} is not in the cache (evicted, "
+                               "or never stored); recompute it")
+            entries.append(e)
+        segments: list[Segment] = []
+        for it, g, e in zip(items, groups, entries, strict=True):
+            segments.extend(layout.segments_for_entry(g, it.block_ids, e.alloc.extents))
+        for e in entries:
+            self.index.pin(e)
+        try:
+            nbytes = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
+        finally:
+            for e in entries:
+                self.index.unpin(e)
+            if msg.lease_id:
+                self.index.release(msg.lease_id)
+        for e in entries:
+            self.metrics.inc("retrieved_bytes", e.nbytes, kind=e.kind)
+        conn.send(kv.Done(msg.req_id, nbytes, {"entries": len(entries)}))
+
+    # ---- step events (Mamba boundary states) ---------------------------------------------------
+    async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:
+        engine = self._engine(conn, copy=True)
+        assert conn.snapshots is not None
+        offers = msg.parsed()
+        for it in offers:
+            if engine.check_item(it).kind != "mamba":
+                raise ProtocolViolation(f"StepEvent offers carry Mamba states only; group {it.group_id} is "
+                                        f"{engine.groups[it.group_id].kind}")
+        decision = conn.snapshots.on_step_event(msg.seq, msg.step, msg.req_id, offers, list(msg.confirms))
+        for job in decision.visible:
+            for e in conn.pending.pop(job, []):
+                self.index.confirm(e)
+        self._drop_jobs(conn, list(decision.invalidated))
+        self.metrics.inc("step_events", outcome=decision.outcome.value)
+        if decision.outcome is StepOutcome.GAP:
+            self.metrics.inc("step_event_gaps")
+        if not decision.start_copies:
+            conn.send(kv.Done(msg.req_id, 0, {"outcome": decision.outcome.value}))
+            return
+        try:
+            nbytes, info = await self._write_items(conn, engine, offers, job_id=msg.req_id, pending=True)
+        except BaseException:
+            conn.snapshots.on_copy_failed(msg.req_id)
+            raise
+        written: list[Entry] = info.pop("entries") or []
+        if conn.snapshots.on_copy_done(msg.req_id):
+            conn.pending[msg.req_id] = written
+        else:  # invalidated while copying: the block may have been reused under us
+            for e in written:
+                self.index.drop(e)
+        info["outcome"] = decision.outcome.value
+        conn.send(kv.Done(msg.req_id, nbytes, info))
+
+    def _drop_jobs(self, conn: Conn, job_ids: list[int]) -> None:
+        for job in job_ids:
+            for e in conn.pending.pop(job, []):
+                self.index.drop(e)
+            self.metrics.inc("snapshots_invalidated")
+
+    def _abort(self, conn: Conn, req_id: int) -> None:
+        conn.aborted.add(req_id)
+        if conn.snapshots is not None:
+            conn.snapshots.on_abort([req_id])
+        self._drop_jobs(conn, [req_id] if req_id in conn.pending else [])
+
+    # ---- copies --------------------------------------------------------------------------------
+    async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
+                        direction: Direction) -> int:
+        assert attachment is not None
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.executor, self.registry.copy_engine.copy, attachment, segments,
+                                   direction)
+        conn.inflight += 1
+        try:
+            async with asyncio.timeout(self.copy_timeout_s):
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            self.metrics.inc("copy_timeouts")
+            # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
+            await asyncio.wait([fut])
+            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:.0f} s") from None
+        except KVError:
+            self.metrics.inc("copy_errors")
+            raise
+        except OSError as e:
+            self.metrics.inc("copy_errors")
+            raise CopyFailedError(f"{direction.value} copy failed: {e}") from None
+        finally:
+            conn.inflight -= 1
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def disconnect(self, conn: Conn) -> None:
+        """Release at once what the connection held: leases, unconfirmed states, its registration."""
+        released = self.index.release_owner(conn.conn_id)
+        if conn.snapshots is not None:
+            self._drop_jobs(conn, conn.snapshots.on_disconnect())
+        for job in list(conn.pending):
+            self._drop_jobs(conn, [job])
+        if conn.engine is not None:
+            self.registry.unregister(conn.engine.engine_id)
+            log.info("engine %d (pid %d) disconnected; released %d leases", conn.engine.engine_id, conn.pid,
+                     released)
+            conn.engine = None
+
+    def status(self) -> dict[str, Any]:
+        pool = self.index.pool.statistics()
+        idx = self.index.statistics()
+        return {
+            "engines": [e.describe() for e in self.registry.engines()],
+            "pool": {"kind": self.index.pool.kind, "total_bytes": pool.total_bytes, "used_bytes": pool.used_bytes,
+                     "free_bytes": pool.free_bytes},
+            "index": {"entries": idx.entries, "ready": idx.ready, "pending": idx.pending, "writing": idx.writing,
+                      "bytes_stored": idx.bytes_stored, "leases": idx.leases, "pinned_entries": idx.pinned_entries,
+                      "evictions": idx.evictions, "orphans_dropped": idx.orphans_dropped,
+                      "stores_dropped": idx.stores_dropped, "by_kind": idx.by_kind},
+            "counters": {name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
+            "shutting_down": self.shutting_down,
+        }

@@ -1,0 +1,310 @@
+"""A small synchronous client for the daemon, for use inside vLLM. It never imports asyncio.
+
+Threading model
+    One client per connection; calls are serialised by an internal lock, so a background
+    thread may poll while the engine thread submits. Submits never wait for the daemon: they
+    write one frame and return its ``req_id``. Completions are collected by ``poll`` (non-blocking
+    by default) or ``wait`` (bounded by ``timeout_s``). Every wait has a timeout.
+
+Failure model
+    If the daemon goes away, every outstanding request completes with ``DaemonUnavailable`` and
+    later submits raise it at once; the caller decides when to ``connect`` again. A reply of
+    ``Error`` becomes a completion whose ``error`` is the typed ``KVError`` registered for its code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
+from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.errors import (
+    DaemonUnavailable,
+    KVError,
+    KVTimeout,
+    ProtocolViolation,
+    error_from_wire,
+)
+from hkvd.transport.wire.kv import Item, items_to_wire
+
+READ_BYTES = 1 << 16
+
+
+class Completion(NamedTuple):
+    req_id: int
+    ok: bool
+    result: dict[str, Any]
+    error: KVError | None
+
+
+class RegisterAck(NamedTuple):
+    engine_id: int
+    fingerprint: bytes
+    chunk_size: int
+
+
+class DaemonClient:
+    def __init__(self, socket_path: str, *, client_name: str, role: str, timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.client_name = client_name
+        self.role = role
+        self.timeout_s = timeout_s
+        self.daemon_pid = 0
+        self.server_id = ""
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
+        self._ids = itertools.count(1)
+        self._outstanding: set[int] = set()
+        self._done: dict[int, Completion] = {}
+        self._lock = threading.RLock()
+
+    # ---- connection ----------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> None:
+        with self._lock:
+            self.close()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(self.socket_path)
+            except OSError as e:
+                sock.close()
+                raise DaemonUnavailable(f"cannot reach hkvd at {self.socket_path}: {e.strerror or e}; is "
+                                        "`hkvd serve` running with the same --socket?") from None
+            self._sock = sock
+            self._decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
+            self._send(control.Hello(PROTOCOL_VERSION, self.client_name, self.role))
+            ack = self._wait_message(control.HelloAck, self.timeout_s)
+            self.daemon_pid = ack.daemon_pid
+            self.server_id = ack.server_id
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.close()
+                finally:
+                    self._sock = None
+            self._fail_outstanding("connection closed")
+
+    def __enter__(self) -> DaemonClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- blocking control calls (registration time, tools) -------------------------------------
+    def register(self, spec: EngineSpec) -> RegisterAck:
+        req = self._submit(lambda r: control.Register(r, spec.to_wire()))
+        c = self.wait([req], self.timeout_s)[req]
+        if c.error is not None:
+            raise c.error
+        return RegisterAck(c.result["engine_id"], c.result["fingerprint"], c.result["chunk_size"])
+
+    def status(self) -> dict[str, Any]:
+        req = self._submit(lambda r: control.Status(r))
+        c = self.wait([req], self.timeout_s)[req]
+        if c.error is not None:
+            raise c.error
+        return c.result
+
+    def ping(self) -> float:
+        t0 = time.perf_counter()
+        req = self._submit(lambda r: control.Ping(r))
+        c = self.wait([req], self.timeout_s)[req]
+        if c.error is not None:
+            raise c.error
+        return time.perf_counter() - t0
+
+    # ---- non-blocking submits ------------------------------------------------------------------
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
+        return self._submit(lambda r: kv.Lookup(r, list(keys), lease))
+
+    def submit_store(self, items: Sequence[Item | Sequence[Any]]) -> int:
+        return self._submit(lambda r: kv.Store(r, items_to_wire(_items(items))))
+
+    def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
+        return self._submit(lambda r: kv.Retrieve(r, lease_id, items_to_wire(_items(items))))
+
+    def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
+                          confirms: Iterable[int] = ()) -> int:
+        return self._submit(lambda r: events.StepEvent(r, seq, step, items_to_wire(_items(offers)),
+                                                       list(confirms)))
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            self._require()
+            self._send(kv.Release(lease_id))
+
+    def abort(self, req_id: int) -> None:
+        """Ask the daemon to drop job ``req_id``; its completion (Done or Error) still arrives."""
+        with self._lock:
+            self._require()
+            self._send(kv.Abort(req_id))
+
+    def send_raw(self, data: bytes) -> None:
+        """Write raw bytes (tests of the daemon's input validation only)."""
+        with self._lock:
+            self._require()
+            assert self._sock is not None
+            self._sock.sendall(data)
+
+    # ---- completions ---------------------------------------------------------------------------
+    def poll(self, timeout_s: float = 0.0) -> list[Completion]:
+        """Return the completions that arrived (waiting up to ``timeout_s`` for the first)."""
+        with self._lock:
+            if not self._done and self._sock is not None:
+                self._read(timeout_s)
+            out = list(self._done.values())
+            self._done.clear()
+            return out
+
+    def wait(self, req_ids: Iterable[int], timeout_s: float) -> dict[int, Completion]:
+        """Block until every request in ``req_ids`` completed; raise KVTimeout after ``timeout_s``."""
+        want = set(req_ids)
+        got: dict[int, Completion] = {}
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                for rid in list(want):
+                    if rid in self._done:
+                        got[rid] = self._done.pop(rid)
+                        want.discard(rid)
+                if not want:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for rid, c in got.items():  # keep what arrived for a later poll
+                        self._done[rid] = c
+                    raise KVTimeout(f"no reply from hkvd within {timeout_s:.1f} s for requests {sorted(want)}")
+                if self._sock is None:
+                    for rid in want:  # already failed by _fail_outstanding, or never sent
+                        got[rid] = Completion(rid, False, {}, DaemonUnavailable("not connected to hkvd"))
+                    return got
+                self._read(left)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._outstanding)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _require(self) -> None:
+        if self._sock is None:
+            raise DaemonUnavailable(f"not connected to hkvd at {self.socket_path}")
+
+    def _submit(self, make: Any) -> int:
+        with self._lock:
+            self._require()
+            req_id = next(self._ids)
+            msg = make(req_id)
+            self._outstanding.add(req_id)
+            self._send(msg)
+            return req_id
+
+    def _send(self, msg: Message) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.sendall(encode(msg))
+        except OSError as e:
+            self._lost(f"send failed: {e}")
+            raise DaemonUnavailable(f"lost the connection to hkvd: {e}") from None
+
+    def _read(self, timeout_s: float) -> None:
+        assert self._sock is not None
+        try:
+            ready, _, _ = select.select([self._sock], [], [], max(timeout_s, 0.0))
+            if not ready:
+                return
+            data = self._sock.recv(READ_BYTES)
+            while data:
+                for body in self._decoder.feed(data):
+                    self._on_message(decode_body(body))
+                ready, _, _ = select.select([self._sock], [], [], 0)
+                if not ready:
+                    return
+                data = self._sock.recv(READ_BYTES)
+            self._lost("the daemon closed the connection")
+        except (OSError, KVError) as e:
+            self._lost(f"read failed: {e}")
+
+    def _wait_message(self, cls: type, timeout_s: float) -> Any:
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._lost("handshake timed out")
+                raise DaemonUnavailable(f"hkvd at {self.socket_path} did not answer Hello within {timeout_s} s")
+            ready, _, _ = select.select([self._sock], [], [], left)
+            if not ready:
+                continue
+            data = self._sock.recv(READ_BYTES)
+            if not data:
+                self._lost("closed during handshake")
+                raise DaemonUnavailable("hkvd closed the connection during the handshake")
+            for body in self._decoder.feed(data):
+                msg = decode_body(body)
+                if isinstance(msg, kv.Error):
+                    err = error_from_wire(msg.code, msg.message)
+                    self._lost(err.message)
+                    raise err
+                if isinstance(msg, cls):
+                    return msg
+                raise ProtocolViolation(f"expected {cls.__name__}, got {type(msg).__name__}")
+
+    def _complete(self, req_id: int, ok: bool, result: dict[str, Any], error: KVError | None) -> None:
+        self._outstanding.discard(req_id)
+        self._done[req_id] = Completion(req_id, ok, result, error)
+
+    def _on_message(self, msg: Message) -> None:
+        match msg:
+            case kv.Done():
+                self._complete(msg.req_id, True, {"nbytes": msg.nbytes, **msg.info}, None)
+            case kv.LookupReply():
+                self._complete(msg.req_id, True, {"hit_chunks": msg.hit_chunks, "lease_id": msg.lease_id,
+                                                  "lease_ttl_s": msg.lease_ttl_s}, None)
+            case kv.Error() if msg.req_id in self._outstanding:
+                self._complete(msg.req_id, False, {}, error_from_wire(msg.code, msg.message))
+            case kv.Error():
+                # Not tied to a request of ours: a connection-level fault. Fail everything.
+                self._lost(f"hkvd reported: {error_from_wire(msg.code, msg.message)}")
+            case kv.AbortAck():
+                pass
+            case control.RegisterAck():
+                self._complete(msg.req_id, True, {"engine_id": msg.engine_id, "fingerprint": msg.fingerprint,
+                                                  "chunk_size": msg.chunk_size}, None)
+            case control.StatusReply():
+                self._complete(msg.req_id, True, msg.status, None)
+            case control.Pong():
+                self._complete(msg.req_id, True, {}, None)
+            case _:
+                pass
+
+    def _lost(self, why: str) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+        self._fail_outstanding(why)
+
+    def _fail_outstanding(self, why: str) -> None:
+        for rid in list(self._outstanding):
+            self._complete(rid, False, {}, DaemonUnavailable(f"hkvd connection lost ({why})"))
+
+
+def _items(items: Sequence[Item | Sequence[Any]]) -> list[Item]:
+    return [it if isinstance(it, Item) else Item(*it) for it in items]
+
+

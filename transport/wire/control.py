@@ -1,0 +1,216 @@
+"""Control messages: hello, registration, status, ping, bye.
+
+``Register`` carries an ``EngineSpec``: the engine's identity, its backing regions and, per
+KV-cache group, a table of per-layer views. The spec travels as a msgpack map with explicit keys
+(it is sent once per engine rank, so clarity beats compactness here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hkvd.daemon.copy_engine import Region
+from hkvd.daemon.layout import GroupSpec, View
+from hkvd.transport.wire import Message, MsgType, check_u64
+from hkvd.transport.wire.errors import ProtocolViolation
+
+ROLES = ("scheduler", "worker", "tool", "peer")
+REGION_KINDS = ("host", "cuda")
+MAX_REGIONS = 256
+MAX_GROUPS = 256
+MAX_VIEWS = 4096
+
+
+def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise ProtocolViolation(f"{where}: missing key {key!r}")
+    value = d[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolViolation(f"{where}.{key}: wrong type {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What an engine rank registers: identity, regions (none for a lookup-only scheduler), groups."""
+
+    model: str
+    world_size: int
+    rank: int
+    layout_tag: str
+    chunk_size: int  # tokens; 0 = the daemon's default
+    block_size: int  # vLLM's unified block size N
+    max_num_batched_tokens: int
+    mamba_cache_mode: str
+    regions: list[Region] = field(default_factory=list)
+    groups: list[GroupSpec] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "world_size": self.world_size, "rank": self.rank,
+            "layout_tag": self.layout_tag, "chunk_size": self.chunk_size, "block_size": self.block_size,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "mamba_cache_mode": self.mamba_cache_mode,
+            "regions": [
+                {"region_id": r.region_id, "kind": r.kind, "size": r.size, "addr": r.addr,
+                 "handle": r.handle, "device_uuid": r.device_uuid, "offset": r.offset}
+                for r in self.regions
+            ],
+            "groups": [
+                {"group_id": g.group_id, "kind": g.kind, "tokens_per_block": g.tokens_per_block,
+                 "window_tokens": g.window_tokens, "num_blocks": g.num_blocks, "dtype": g.dtype,
+                 "views": [[v.region_id, v.offset, v.num_layers, v.layer_stride, v.block_stride, v.page_bytes]
+                           for v in g.views]}
+                for g in self.groups
+            ],
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> EngineSpec:
+        w = "EngineSpec"
+        regions_raw = _get(d, "regions", list, w)
+        groups_raw = _get(d, "groups", list, w)
+        if len(regions_raw) > MAX_REGIONS or len(groups_raw) > MAX_GROUPS:
+            raise ProtocolViolation(f"{w}: at most {MAX_REGIONS} regions and {MAX_GROUPS} groups")
+        regions = []
+        for i, r in enumerate(regions_raw):
+            rw = f"{w}.regions[{i}]"
+            if not isinstance(r, dict):
+                raise ProtocolViolation(f"{rw}: expected a map")
+            regions.append(Region(
+                region_id=_get(r, "region_id", int, rw), kind=_get(r, "kind", str, rw),
+                size=_get(r, "size", int, rw), addr=_get(r, "addr", int, rw),
+                handle=_get(r, "handle", bytes, rw), device_uuid=_get(r, "device_uuid", str, rw),
+                offset=_get(r, "offset", int, rw),
+            ))
+        groups = []
+        for i, g in enumerate(groups_raw):
+            gw = f"{w}.groups[{i}]"
+            if not isinstance(g, dict):
+                raise ProtocolViolation(f"{gw}: expected a map")
+            views_raw = _get(g, "views", list, gw)
+            if len(views_raw) > MAX_VIEWS:
+                raise ProtocolViolation(f"{gw}: at most {MAX_VIEWS} views")
+            views = []
+            for j, v in enumerate(views_raw):
+                if (not isinstance(v, list) or len(v) != 6
+                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+                    raise ProtocolViolation(f"{gw}.views[{j}]: expected 6 integers "
+                                            "(region_id, offset, num_layers, layer_stride, block_stride, "
+                                            "page_bytes)")
+                views.append(View(*v))
+            groups.append(GroupSpec(
+                group_id=_get(g, "group_id", int, gw), kind=_get(g, "kind", str, gw),
+                tokens_per_block=_get(g, "tokens_per_block", int, gw),
+                window_tokens=_get(g, "window_tokens", int, gw), num_blocks=_get(g, "num_blocks", int, gw),
+                dtype=_get(g, "dtype", str, gw), views=views,
+            ))
+        spec = cls(
+            model=_get(d, "model", str, w), world_size=_get(d, "world_size", int, w),
+            rank=_get(d, "rank", int, w), layout_tag=_get(d, "layout_tag", str, w),
+            chunk_size=_get(d, "chunk_size", int, w), block_size=_get(d, "block_size", int, w),
+            max_num_batched_tokens=_get(d, "max_num_batched_tokens", int, w),
+            mamba_cache_mode=_get(d, "mamba_cache_mode", str, w), regions=regions, groups=groups,
+        )
+        spec.validate_shape()
+        return spec
+
+    def validate_shape(self) -> None:
+        """Value checks that need no daemon state (bounds against regions happen in the registry)."""
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ProtocolViolation(f"rank {self.rank} is outside world_size {self.world_size}")
+        if self.chunk_size < 0 or self.block_size < 0 or self.max_num_batched_tokens < 0:
+            raise ProtocolViolation("chunk_size, block_size and max_num_batched_tokens must be >= 0")
+        ids = [r.region_id for r in self.regions]
+        if len(set(ids)) != len(ids):
+            raise ProtocolViolation("region ids must be unique")
+        for r in self.regions:
+            if r.kind not in REGION_KINDS:
+                raise ProtocolViolation(f"region {r.region_id}: kind {r.kind!r} is not one of {REGION_KINDS}")
+            if r.size <= 0 or r.addr < 0 or r.offset < 0:
+                raise ProtocolViolation(f"region {r.region_id}: size must be > 0, addr and offset >= 0")
+        gids = [g.group_id for g in self.groups]
+        if len(set(gids)) != len(gids):
+            raise ProtocolViolation("group ids must be unique")
+        if not self.groups:
+            raise ProtocolViolation("an engine must register at least one KV-cache group")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    TYPE = MsgType.HELLO
+    version: int
+    client_name: str
+    role: str
+
+    def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ProtocolViolation(f"Hello.role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAck(Message):
+    TYPE = MsgType.HELLO_ACK
+    version: int
+    daemon_pid: int
+    max_frame_bytes: int
+    server_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Register(Message):
+    TYPE = MsgType.REGISTER
+    req_id: int
+    spec: dict[str, Any]
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec.from_wire(self.spec)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterAck(Message):
+    TYPE = MsgType.REGISTER_ACK
+    req_id: int
+    engine_id: int
+    fingerprint: bytes
+    chunk_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unregister(Message):
+    TYPE = MsgType.UNREGISTER
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    TYPE = MsgType.BYE
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    TYPE = MsgType.STATUS
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    TYPE = MsgType.STATUS_REPLY
+    req_id: int
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    TYPE = MsgType.PING
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    TYPE = MsgType.PONG
+    req_id: int

@@ -1,0 +1,134 @@
+"""KV messages: lookup, store, retrieve, completion, abort, errors, lease release.
+
+An *item* names one pool entry and the engine blocks it maps to:
+``[group_id, chunk_index, key, block_ids]`` (see docs/design.md). Stores and retrieves are jobs:
+the daemon answers ``Done(req_id)`` or ``Error(req_id)`` when the copies are over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
+from hkvd.transport.wire.errors import ProtocolViolation
+
+MAX_BLOCKS_PER_ITEM = 4096
+
+
+class Item(NamedTuple):
+    group_id: int
+    chunk_index: int
+    key: bytes
+    block_ids: list[int]
+
+
+def parse_items(raw: list[Any], where: str) -> list[Item]:
+    if len(raw) > MAX_ITEMS:
+        raise ProtocolViolation(f"{where}: at most {MAX_ITEMS} items per message, got {len(raw)}")
+    items = []
+    for i, it in enumerate(raw):
+        if not isinstance(it, list) or len(it) != 4:
+            raise ProtocolViolation(f"{where}[{i}]: an item is [group_id, chunk_index, key, block_ids]")
+        gid, idx, key, blocks = it
+        if not (isinstance(gid, int) and isinstance(idx, int)) or isinstance(gid, bool) or idx < 0:
+            raise ProtocolViolation(f"{where}[{i}]: group_id and chunk_index must be integers >= 0")
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ProtocolViolation(f"{where}[{i}]: key must be {KEY_BYTES} bytes")
+        if (not isinstance(blocks, list) or not blocks or len(blocks) > MAX_BLOCKS_PER_ITEM
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
+            raise ProtocolViolation(f"{where}[{i}]: block_ids must be 1..{MAX_BLOCKS_PER_ITEM} integers")
+        items.append(Item(gid, idx, key, list(blocks)))
+    return items
+
+
+def items_to_wire(items: list[Item]) -> list[list[Any]]:
+    return [[it.group_id, it.chunk_index, it.key, list(it.block_ids)] for it in items]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup(Message):
+    TYPE = MsgType.LOOKUP
+    req_id: int
+    keys: list[bytes]
+    lease: bool
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        if len(self.keys) > MAX_KEYS:
+            raise ProtocolViolation(f"Lookup: at most {MAX_KEYS} keys, got {len(self.keys)}")
+        if any(len(k) != KEY_BYTES for k in self.keys):
+            raise ProtocolViolation(f"Lookup: every key must be {KEY_BYTES} bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply(Message):
+    TYPE = MsgType.LOOKUP_REPLY
+    req_id: int
+    hit_chunks: int
+    lease_id: int
+    lease_ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Store(Message):
+    TYPE = MsgType.STORE
+    req_id: int
+    items: list[Any]
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        parse_items(self.items, "Store.items")
+
+    def parsed(self) -> list[Item]:
+        return parse_items(self.items, "Store.items")
+
+
+@dataclass(frozen=True, slots=True)
+class Retrieve(Message):
+    TYPE = MsgType.RETRIEVE
+    req_id: int
+    lease_id: int
+    items: list[Any]
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        check_u64(self.lease_id, "lease_id")
+        parse_items(self.items, "Retrieve.items")
+
+    def parsed(self) -> list[Item]:
+        return parse_items(self.items, "Retrieve.items")
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    TYPE = MsgType.DONE
+    req_id: int
+    nbytes: int
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    TYPE = MsgType.ABORT
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAck(Message):
+    TYPE = MsgType.ABORT_ACK
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    TYPE = MsgType.ERROR
+    req_id: int
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    TYPE = MsgType.RELEASE
+    lease_id: int
