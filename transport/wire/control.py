@@ -103,7 +103,7 @@ class EngineSpec:
                 group_id=_get(g, "group_id", int, gw), kind=_get(g, "kind", str, gw),
                 tokens_per_block=_get(g, "tokens_per_block", int, gw),
                 window_tokens=_get(g, "window_tokens", int, gw), num_blocks=_get(g, "num_blocks", int, gw),
-                dtype=_get(g, "dtype", str, gw), views=views,
+                dtype=_get(g, "dtype", str, gw), views=tuple(views),
             ))
         spec = cls(
             model=_get(d, "model", str, w), world_size=_get(d, "world_size", int, w),

@@ -1,0 +1,104 @@
+"""Bad input gets a typed error, loses nothing, and never hurts another client."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from hkvd.shim.client import DaemonClient
+from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.keys import chunk_keys
+from hkvd.transport.wire import PROTOCOL_VERSION, control, kv
+from hkvd.transport.wire.errors import ErrorCode
+
+
+def raw_conn(path: str, hello: bool = True) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    if hello:
+        s.sendall(encode(control.Hello(PROTOCOL_VERSION, "raw", "tool")))
+        assert isinstance(read_msgs(s, 1)[0], control.HelloAck)
+    return s
+
+
+def read_msgs(s: socket.socket, n: int) -> list:
+    dec = FrameDecoder()
+    out: list = []
+    while len(out) < n:
+        data = s.recv(65536)
+        if not data:
+            break
+        out += [decode_body(b) for b in dec.feed(data)]
+    return out
+
+
+def frame(obj) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (struct.pack(">I", 3) + b"\xc1\xc1\xc1", ErrorCode.PROTOCOL_VIOLATION),  # malformed msgpack
+        (frame({"not": "a list"}), ErrorCode.PROTOCOL_VIOLATION),
+        (frame([9999, 1]), ErrorCode.UNKNOWN_MESSAGE),
+        (frame([20, 1, "not-a-list", True]), ErrorCode.PROTOCOL_VIOLATION),  # Lookup with a bad field
+        (frame([20, 1, [b"short"], True]), ErrorCode.PROTOCOL_VIOLATION),
+        (frame([22, 5, [[0, 0, b"x" * 16, [1]]]]), ErrorCode.NOT_REGISTERED),  # store before register
+        (frame([20, 6, [], True]), ErrorCode.NOT_REGISTERED),
+    ],
+)
+def test_bad_frames_get_typed_errors_and_the_connection_keeps_serving(daemon, payload, code):
+    s = raw_conn(daemon.socket_path)
+    s.sendall(payload)
+    (err,) = read_msgs(s, 1)
+    assert isinstance(err, kv.Error)
+    assert err.code == code
+    s.sendall(encode(control.Ping(77)))
+    (pong,) = read_msgs(s, 1)
+    assert pong == control.Pong(77)
+    s.close()
+
+
+def test_oversized_frame_is_refused_and_other_clients_unaffected(daemon):
+    good = SyntheticEngine(daemon.socket_path, [GroupShape("full", 1, 4096)])
+    keys = chunk_keys(prompt_tokens(64, seed=1), good.chunk_size)
+    items = good.items(0, keys, first_block=1)
+    good.store(items)
+    s = raw_conn(daemon.socket_path)
+    s.sendall(struct.pack(">I", 1 << 30))  # claims a 1 GiB body
+    (err,) = read_msgs(s, 1)
+    assert err.code == ErrorCode.FRAME_TOO_LARGE
+    assert s.recv(1) == b""  # closed: the stream cannot be resynchronised
+    assert good.lookup(keys, lease=False)[0] == 2  # the other client is fine
+    good.close()
+
+
+def test_wrong_protocol_version_is_refused(daemon):
+    s = raw_conn(daemon.socket_path, hello=False)
+    s.sendall(encode(control.Hello(PROTOCOL_VERSION + 41, "future", "tool")))
+    (err,) = read_msgs(s, 1)
+    assert err.code == ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_first_message_must_be_hello(daemon):
+    s = raw_conn(daemon.socket_path, hello=False)
+    s.sendall(encode(control.Ping(1)))
+    (err,) = read_msgs(s, 1)
+    assert err.code == ErrorCode.PROTOCOL_VIOLATION
+
+
+def test_a_flood_of_garbage_closes_only_that_connection(daemon):
+    s = raw_conn(daemon.socket_path)
+    for i in range(40):
+        s.sendall(frame([9000 + i]))
+    msgs = read_msgs(s, 100)
+    assert 0 < len(msgs) <= 40 and all(m.code == ErrorCode.UNKNOWN_MESSAGE for m in msgs)
+    with DaemonClient(daemon.socket_path, client_name="ok", role="tool") as c:
+        c.ping()
