@@ -1,0 +1,215 @@
+"""Stride arithmetic: where an entry's bytes live in an engine and in the pool.
+
+Role
+    Pure functions shared by the host (``hkvd.daemon.cma``) and CUDA (``hkvd.cuda.copy``) copy
+    engines and by registration. ``View`` and ``GroupSpec`` are the registered description of
+    one KV-cache group (see docs/design.md, "Registration"); the wire code imports them from
+    here. Nothing here touches memory.
+
+Layout of an entry (the contract with every engine and every peer)
+    An entry is one group's bytes for one chunk: for each block id in order, for each view in
+    order, for each layer in order, the ``page_bytes`` at
+    ``view.offset + layer * view.layer_stride + block * view.block_stride`` of ``view.region_id``.
+    Those logical bytes are laid into the pool extents in order; a page may straddle two
+    extents and is then split. Strides are not part of the format: two engines whose views have
+    the same (num_layers, page_bytes) share entries whatever their strides.
+
+Threading
+    Pure and immutable; safe from any thread.
+
+Contracts
+    - ``GroupSpec.validate`` raises ``ValueError`` naming the group and view when a view leaves
+      its region for some block in [0, num_blocks) and layer, or when a field is nonsensical.
+    - ``segments_for_entry`` rejects block id 0 (vLLM's null block: never copied) and ids outside
+      [1, num_blocks), and extents that do not cover exactly the entry's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hkvd.daemon.copy_engine import Segment
+
+KINDS = ("full", "swa", "mamba")
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """One tensor of a group: layer l, block b is at ``offset + l*layer_stride + b*block_stride``.
+
+    ``block_stride == page_bytes * num_layers`` with ``layer_stride == page_bytes`` is the
+    block-major (BL) layout; ``layer_stride == num_blocks * block_stride`` is layer-major (LB).
+    Mamba views usually have ``page_bytes`` smaller than ``block_stride`` (padded pages).
+    """
+
+    region_id: int
+    offset: int
+    num_layers: int
+    layer_stride: int
+    block_stride: int
+    page_bytes: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes this view contributes to one block of an entry."""
+        return self.num_layers * self.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    group_id: int
+    kind: str
+    tokens_per_block: int
+    window_tokens: int
+    num_blocks: int
+    dtype: str
+    views: tuple[View, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across every view and layer."""
+        return sum(v.block_bytes for v in self.views)
+
+    def validate(self, regions: Mapping[int, int] | None) -> None:
+        """Check the group against its registered regions (region id -> size in bytes).
+
+        ``regions=None`` checks the format only (a scheduler-side registration has no regions).
+        """
+        where = f"group {self.group_id}"
+        if self.kind not in KINDS:
+            raise ValueError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.tokens_per_block <= 0:
+            raise ValueError(f"{where}: tokens_per_block must be positive, got {self.tokens_per_block}")
+        if self.window_tokens < 0:
+            raise ValueError(f"{where}: window_tokens must be >= 0, got {self.window_tokens}")
+        if self.kind == "swa" and self.window_tokens == 0:
+            raise ValueError(f"{where}: an swa group needs window_tokens > 0")
+        if self.num_blocks < 2:
+            # Block 0 is vLLM's null block, so fewer than 2 blocks leaves nothing to copy.
+            raise ValueError(
+                f"{where}: num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}"
+            )
+        if not self.views:
+            raise ValueError(f"{where}: no views")
+        for i, v in enumerate(self.views):
+            _validate_view(f"{where} view {i}", v, self.num_blocks, regions)
+
+    def validate_block_ids(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                raise ValueError(f"group {self.group_id}: block id 0 is vLLM's null block, never copied")
+            if not 0 < b < self.num_blocks:
+                raise ValueError(f"group {self.group_id}: block id {b} outside [1, {self.num_blocks})")
+
+
+def _validate_view(where: str, v: View, num_blocks: int, regions: Mapping[int, int] | None) -> None:
+    if v.page_bytes <= 0:
+        raise ValueError(f"{where}: page_bytes must be positive, got {v.page_bytes}")
+    if v.num_layers <= 0:
+        raise ValueError(f"{where}: num_layers must be positive, got {v.num_layers}")
+    if v.offset < 0 or v.layer_stride < 0 or v.block_stride < 0:
+        raise ValueError(
+            f"{where}: offset and strides must be >= 0, got offset={v.offset} "
+            f"layer_stride={v.layer_stride} block_stride={v.block_stride}"
+        )
+    # Zero strides would alias distinct (layer, block) pages: a retrieve would overwrite one
+    # block with another's bytes. (A full non-overlap proof is a lattice problem; these are the
+    # cases a wrong stride computation actually produces.)
+    if v.num_layers > 1 and v.layer_stride == 0:
+        raise ValueError(f"{where}: layer_stride is 0 with {v.num_layers} layers (layers would alias)")
+    if v.block_stride == 0:
+        raise ValueError(f"{where}: block_stride is 0 (blocks would alias)")
+    if regions is None:
+        return
+    if v.region_id not in regions:
+        raise ValueError(f"{where}: region {v.region_id} is not registered (have {sorted(regions)})")
+    size = regions[v.region_id]
+    # Strides are >= 0, so the last byte touched is at the last layer of the last block.
+    end = v.offset + (v.num_layers - 1) * v.layer_stride + (num_blocks - 1) * v.block_stride + v.page_bytes
+    if end > size:
+        raise ValueError(
+            f"{where}: layer {v.num_layers - 1} of block {num_blocks - 1} ends at byte {end}, past the end "
+            f"of region {v.region_id} ({size} bytes)"
+        )
+
+
+def blocks_per_entry(group: GroupSpec, chunk_size: int) -> int:
+    """Blocks in one entry: chunk_size / tokens_per_block for full and swa, 1 for mamba."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if group.kind == "mamba":
+        return 1  # the state after exactly the chunk's last token
+    if chunk_size % group.tokens_per_block:
+        raise ValueError(
+            f"group {group.group_id}: chunk_size {chunk_size} is not a multiple of its "
+            f"tokens_per_block {group.tokens_per_block}"
+        )
+    return chunk_size // group.tokens_per_block
+
+
+def entry_bytes(group: GroupSpec, chunk_size: int) -> int:
+    return blocks_per_entry(group, chunk_size) * group.block_bytes
+
+
+def segments_for_entry(
+    group: GroupSpec, block_ids: Sequence[int], extents: Sequence[tuple[int, int]]
+) -> list[Segment]:
+    """Map an entry's pages (blocks, then views, then layers) onto pool ``extents`` in order.
+
+    Adjacent pieces are merged when both the engine side (same region, next byte) and the pool
+    side (next byte) are contiguous: a block-major engine with a one-extent entry collapses to
+    one segment per block run, and each segment is one iovec / one copy descriptor.
+    """
+    if not block_ids:
+        raise ValueError(f"group {group.group_id}: an entry needs at least one block id")
+    if group.kind == "mamba" and len(block_ids) != 1:
+        raise ValueError(
+            f"group {group.group_id}: a mamba entry names exactly one block, got {len(block_ids)}"
+        )
+    group.validate_block_ids(block_ids)
+    need = len(block_ids) * group.block_bytes
+    have = 0
+    for off, length in extents:
+        if off < 0 or length <= 0:
+            raise ValueError(f"bad pool extent ({off}, {length})")
+        have += length
+    if have != need:
+        raise ValueError(f"group {group.group_id}: extents hold {have} bytes, the entry has {need}")
+
+    # Output as parallel lists; built into Segments at the end (cheaper than replacing frozen objects).
+    regs: list[int] = []
+    roffs: list[int] = []
+    poffs: list[int] = []
+    sizes: list[int] = []
+    ext_iter = iter(extents)
+    ext_off, ext_left = next(ext_iter)
+
+    for b in block_ids:
+        for v in group.views:
+            base = v.offset + b * v.block_stride
+            for layer in range(v.num_layers):
+                roff = base + layer * v.layer_stride
+                left = v.page_bytes
+                while left:
+                    if ext_left == 0:
+                        ext_off, ext_left = next(ext_iter)
+                    n = min(left, ext_left)
+                    if (
+                        regs
+                        and regs[-1] == v.region_id
+                        and roffs[-1] + sizes[-1] == roff
+                        and poffs[-1] + sizes[-1] == ext_off
+                    ):
+                        sizes[-1] += n
+                    else:
+                        regs.append(v.region_id)
+                        roffs.append(roff)
+                        poffs.append(ext_off)
+                        sizes.append(n)
+                    roff += n
+                    left -= n
+                    ext_off += n
+                    ext_left -= n
+    return [Segment(r, ro, po, n) for r, ro, po, n in zip(regs, roffs, poffs, sizes, strict=True)]

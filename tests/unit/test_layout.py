@@ -1,0 +1,228 @@
+"""Layout arithmetic: segments_for_entry against a byte-by-byte reference on random views."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from hkvd.daemon.copy_engine import Segment
+from hkvd.daemon.layout import (
+    GroupSpec,
+    View,
+    blocks_per_entry,
+    entry_bytes,
+    segments_for_entry,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# -- reference ---------------------------------------------------------------------------------
+
+
+def reference_bytes(group: GroupSpec, block_ids: list[int]) -> list[tuple[int, int]]:
+    """(region, region byte) of every logical byte of the entry, straight from the design doc."""
+    out: list[tuple[int, int]] = []
+    for b in block_ids:
+        for v in group.views:
+            for layer in range(v.num_layers):
+                start = v.offset + layer * v.layer_stride + b * v.block_stride
+                out.extend((v.region_id, start + i) for i in range(v.page_bytes))
+    return out
+
+
+def pool_bytes(extents: list[tuple[int, int]]) -> list[int]:
+    return [off + i for off, n in extents for i in range(n)]
+
+
+def expand(segments: list[Segment]) -> tuple[list[tuple[int, int]], list[int]]:
+    engine: list[tuple[int, int]] = []
+    pool: list[int] = []
+    for s in segments:
+        engine.extend((s.region_id, s.region_offset + i) for i in range(s.nbytes))
+        pool.extend(s.pool_offset + i for i in range(s.nbytes))
+    return engine, pool
+
+
+def region_end(v: View, num_blocks: int) -> int:
+    return v.offset + (v.num_layers - 1) * v.layer_stride + (num_blocks - 1) * v.block_stride + v.page_bytes
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+
+@st.composite
+def views(draw: st.DrawFn, num_blocks: int, region_id: int) -> View:
+    layers = draw(st.integers(1, 4))
+    page = draw(st.integers(1, 48))
+    pad = draw(st.sampled_from([0, 0, draw(st.integers(1, 24))]))  # packed twice as often as strided
+    offset = draw(st.integers(0, 64))
+    style = draw(st.sampled_from(["BL", "LB", "mamba"]))
+    if style == "BL":  # [block][layer][page]: consecutive layers are adjacent
+        layer_stride = page + pad
+        block_stride = layers * layer_stride + draw(st.sampled_from([0, 8]))
+    elif style == "LB":  # [layer][block][page]: consecutive blocks are adjacent
+        block_stride = page + pad
+        layer_stride = num_blocks * block_stride + draw(st.sampled_from([0, 8]))
+    else:  # mamba: a padded page inside a larger per-block slot, one tensor per layer
+        block_stride = page + draw(st.integers(1, 32))
+        layer_stride = num_blocks * block_stride
+    return View(region_id, offset, layers, layer_stride, block_stride, page)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[GroupSpec, dict[int, int], list[int], list[tuple[int, int]]]:
+    kind = draw(st.sampled_from(["full", "swa", "mamba"]))
+    num_blocks = draw(st.integers(2, 7))
+    n_views = draw(st.integers(1, 3))
+    shared_region = draw(st.booleans())  # views in one region (K and V of one tensor) or one each
+    vs = tuple(draw(views(num_blocks, 0 if shared_region else i)) for i in range(n_views))
+    if shared_region and n_views > 1:
+        # Place later views after earlier ones so views do not overlap inside the shared region.
+        placed: list[View] = []
+        end = 0
+        for v in vs:
+            placed.append(replace(v, offset=end + v.offset))
+            end = region_end(placed[-1], num_blocks)
+        vs = tuple(placed)
+    group = GroupSpec(1, kind, 16, 64 if kind == "swa" else 0, num_blocks, "bfloat16", vs)
+    regions: dict[int, int] = {}
+    for v in vs:
+        regions[v.region_id] = max(regions.get(v.region_id, 0), region_end(v, num_blocks))
+    n_ids = 1 if kind == "mamba" else draw(st.integers(1, 4))
+    block_ids = draw(st.lists(st.integers(1, num_blocks - 1), min_size=n_ids, max_size=n_ids))
+    total = len(block_ids) * group.block_bytes
+    # Random extents: cut points inside the entry, each piece placed after a random gap
+    # (gap 0 makes neighbouring extents contiguous, which must merge like one extent).
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, total - 1)), max_size=4))) - {total})
+    bounds = [0, *cuts, total]
+    extents, pos = [], draw(st.integers(0, 100))
+    for lo, hi in itertools.pairwise(bounds):
+        extents.append((pos, hi - lo))
+        pos += hi - lo + draw(st.sampled_from([0, 4096, draw(st.integers(1, 50))]))
+    return group, regions, block_ids, extents
+
+
+# -- properties --------------------------------------------------------------------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases())
+def test_segments_match_reference(
+    case: tuple[GroupSpec, dict[int, int], list[int], list[tuple[int, int]]],
+) -> None:
+    group, regions, block_ids, extents = case
+    group.validate(regions)
+    segs = segments_for_entry(group, block_ids, extents)
+    engine, pool = expand(segs)
+    assert engine == reference_bytes(group, block_ids)
+    assert pool == pool_bytes(extents)
+    for s in segs:
+        assert s.nbytes > 0
+        assert s.region_offset + s.nbytes <= regions[s.region_id]
+    # Maximally merged: no two neighbours could have been one segment.
+    for a, b in itertools.pairwise(segs):
+        assert not (
+            a.region_id == b.region_id
+            and a.region_offset + a.nbytes == b.region_offset
+            and a.pool_offset + a.nbytes == b.pool_offset
+        )
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_validate_bound_is_tight(
+    case: tuple[GroupSpec, dict[int, int], list[int], list[tuple[int, int]]],
+) -> None:
+    group, regions, _, _ = case
+    group.validate(regions)
+    for rid in regions:
+        smaller = {**regions, rid: regions[rid] - 1}
+        with pytest.raises(ValueError, match=f"region {rid}"):
+            group.validate(smaller)
+
+
+# -- examples ----------------------------------------------------------------------------------
+
+
+def bl_group(num_blocks: int = 8, layers: int = 4, page: int = 64) -> GroupSpec:
+    v = View(0, 0, layers, page, layers * page, page)
+    return GroupSpec(0, "full", 16, 0, num_blocks, "float16", (v,))
+
+
+def test_block_major_consecutive_blocks_collapse_to_one_segment() -> None:
+    g = bl_group()
+    segs = segments_for_entry(g, [3, 4, 5], [(4096, 3 * g.block_bytes)])
+    assert segs == [Segment(0, 3 * g.block_bytes, 4096, 3 * g.block_bytes)]
+
+
+def test_page_straddling_two_extents_is_split() -> None:
+    g = bl_group(layers=1, page=100)
+    segs = segments_for_entry(g, [1, 3], [(0, 150), (1000, 50)])
+    assert segs == [Segment(0, 100, 0, 150 - 50), Segment(0, 300, 100, 50), Segment(0, 350, 1000, 50)]
+
+
+def test_entry_sizes() -> None:
+    k = View(0, 0, 2, 0x1000, 0x2000, 512)
+    full = GroupSpec(0, "full", 16, 0, 10, "bfloat16", (k, replace(k, page_bytes=256)))
+    assert blocks_per_entry(full, 256) == 16
+    assert entry_bytes(full, 256) == 16 * (2 * 512 + 2 * 256)
+    mamba = replace(full, kind="mamba", tokens_per_block=1024)
+    assert blocks_per_entry(mamba, 256) == 1
+    assert entry_bytes(mamba, 256) == 2 * 512 + 2 * 256
+    with pytest.raises(ValueError, match="multiple"):
+        blocks_per_entry(full, 100)
+    with pytest.raises(ValueError):
+        blocks_per_entry(full, 0)
+
+
+def test_rejects_null_and_out_of_range_blocks() -> None:
+    g = bl_group(num_blocks=8)
+    ext = [(0, g.block_bytes)]
+    with pytest.raises(ValueError, match="null block"):
+        segments_for_entry(g, [0], ext)
+    with pytest.raises(ValueError, match="outside"):
+        segments_for_entry(g, [8], ext)
+    with pytest.raises(ValueError, match="outside"):
+        segments_for_entry(g, [-1], ext)
+    with pytest.raises(ValueError, match="at least one"):
+        segments_for_entry(g, [], [])
+
+
+def test_rejects_wrong_extent_total_and_multi_block_mamba() -> None:
+    g = bl_group()
+    with pytest.raises(ValueError, match="extents hold"):
+        segments_for_entry(g, [1], [(0, g.block_bytes - 1)])
+    with pytest.raises(ValueError, match="extents hold"):
+        segments_for_entry(g, [1], [(0, g.block_bytes), (9999, 1)])
+    with pytest.raises(ValueError, match="exactly one"):
+        segments_for_entry(replace(g, kind="mamba"), [1, 2], [(0, 2 * g.block_bytes)])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"kind": "linear"}, "kind"),
+        ({"tokens_per_block": 0}, "tokens_per_block"),
+        ({"num_blocks": 1}, "num_blocks"),
+        ({"views": ()}, "no views"),
+        ({"kind": "swa", "window_tokens": 0}, "window_tokens"),
+        ({"views": (View(0, 0, 4, 64, 256, 0),)}, "page_bytes"),
+        ({"views": (View(0, 0, 0, 64, 256, 64),)}, "num_layers"),
+        ({"views": (View(0, 0, 4, 64, 0, 64),)}, "block_stride"),
+        ({"views": (View(0, 0, 4, 0, 256, 64),)}, "layer_stride"),
+        ({"views": (View(0, -1, 4, 64, 256, 64),)}, "offset"),
+        ({"views": (View(7, 0, 4, 64, 256, 64),)}, "region 7 is not registered"),
+    ],
+)
+def test_validate_rejects(change: dict[str, object], match: str) -> None:
+    g = replace(bl_group(), **change)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=match):
+        g.validate({0: 1 << 20})
+
+
+def test_validate_without_regions_checks_format_only() -> None:
+    g = bl_group()
+    g.validate(None)
+    with pytest.raises(ValueError, match="kind"):
+        replace(g, kind="linear").validate(None)
