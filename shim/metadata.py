@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the scheduler side hands the worker side each step (pickled by vLLM).
+
+An item is ``[group_id, chunk_index, key, block_ids]`` exactly as on the wire (docs/design.md,
+"Items"): full/swa items carry chunk_size / block_size block ids, a mamba item one block id
+holding the state after ``(chunk_index + 1) * chunk_size`` tokens. Block id 0 (vLLM's null
+block) never appears in an item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+Item = list[Any]  # [group_id: int, chunk_index: int, key: bytes, block_ids: list[int]]
+
+
+def item_blocks(items: list[Item]) -> set[int]:
+    return {b for it in items for b in it[3]}
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """A sync load: finished inside this step's ``start_load_kv``, before the forward."""
+
+    req_id: str
+    lease_id: int
+    items: list[Item]
+    # Every block the load writes: reported by get_block_ids_with_load_errors if it fails, so
+    # vLLM recomputes from the first of them.
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StoreJob:
+    """Attention chunks that are complete after this step's forward (copied after it)."""
+
+    req_id: str
+    items: list[Item]
+
+
+@dataclass(slots=True)
+class HkvdConnectorMetadata(KVConnectorMetadata):
+    step: int = 0
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    # Mamba boundary states offered this step: (req_id, item). Sent as one StepEvent.
+    offers: list[tuple[str, Item]] = field(default_factory=list)
+    # Blocks this step's forward (or vLLM's zeroing before it) may write: newly allocated ones.
+    # In-flight copies out of them must finish first (handle_preemptions).
+    fence_blocks: set[int] = field(default_factory=set)
+    # Requests whose block free the scheduler delayed (request_finished_all_groups -> True);
+    # the worker reports each in finished_sending once its copies are done or failed.
+    delayed_free: list[str] = field(default_factory=list)

@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side of the connector: lookups, load plans, store and offer descriptors.
+
+Role
+    Runs in vLLM's EngineCore scheduler thread. It asks the daemon how many chunks of a
+    request's prompt are cached (the daemon applies the hybrid hit rule across groups),
+    turns vLLM's block tables into load items (``update_state_after_alloc``) and, once per
+    step, into store items for attention chunks that become complete and offer items for
+    Mamba boundary states (``build_connector_meta``). It never copies: the worker does.
+
+Threading model
+    vLLM calls every method from one thread. The daemon link is polled from the hooks
+    themselves (no background thread); a lookup is submitted when the request arrives
+    (``on_new_request``) and normally answered before the scheduler first asks.
+
+Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector.md)
+    - ``get_num_new_matched_tokens`` is repeatable: it returns ``None`` while the lookup is in
+      flight (at most ``lookup_timeout_s``, then a miss), afterwards the same answer. Hits are
+      whole chunks (chunk_size is a multiple of vLLM's block size N, so block-aligned) and
+      never reach the last prompt token (vLLM must compute at least one token). Loads are
+      synchronous (``False``): done in the worker's ``start_load_kv`` before the forward.
+    - Attention stores cover full chunks of the prompt only, from the blocks vLLM holds in
+      the step that completes them (sliding-window blocks are freed soon after). Mamba stores
+      come only from ``boundary_state_offloads`` at chunk boundaries.
+    - ``request_finished_all_groups`` delays the free of every request that had copies, until
+      the worker reports it in ``finished_sending`` (stores done or failed).
+    - Leases the daemon granted for hits that are not loaded (local cache won, request
+      finished before allocation) are released at once; a retrieve releases its own lease.
+
+Failure handling
+    Daemon down: every lookup is a miss (recompute) and the link retries in the background of
+    later calls; see ``DaemonLink``. A failed load is reported by the worker and vLLM
+    recomputes (``kv_load_failure_policy='recompute'``, set at startup).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
+from hkvd.shim.spec import DaemonLink, GroupInfo, ShimConfig, build_engine_spec, group_infos, validate_vllm
+
+logger = logging.getLogger("hkvd.shim")
+
+
+@dataclass(slots=True)
+class _Req:
+    tokens: list[int]
+    num_tokens: int
+    lookup_id: int | None = None
+    lookup_sent_at: float = 0.0
+    lookup_gen: int = 0
+    hit_chunks: int | None = None  # None: not answered yet
+    lease_id: int = 0
+    lease_used: bool = False
+    next_store_chunk: int = 0
+    had_copies: bool = False
+    keys: list[bytes] = field(default_factory=list)  # chunk keys over the prompt's full chunks
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> None:
+        validate_vllm(vllm_config, kv_cache_config, cfg)
+        self.cfg = cfg
+        self.groups: list[GroupInfo] = group_infos(kv_cache_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self.link = DaemonLink(
+            cfg, "scheduler", "vllm-scheduler",
+            lambda: build_engine_spec(vllm_config, kv_cache_config, cfg, regions=[], layer_addr=None),
+        )
+        self.chunk_size = cfg.chunk_size
+        self._reqs: dict[str, _Req] = {}
+        self._by_lookup: dict[int, str] = {}
+        self._loads: list[LoadJob] = []
+        self._delayed: list[str] = []
+        self._step = 0
+        self.stats = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0, "offer_items": 0}
+        self._connect(startup=True)
+
+    # ---- link ----------------------------------------------------------------------------------
+    def _connect(self, startup: bool = False) -> Any:
+        gen = self.link.generation
+        client = self.link.ensure(startup=startup)
+        if client is not None and self.link.generation != gen:
+            chunk = int(self.link.ack.chunk_size)
+            if chunk % self.block_size:
+                self.link.close()
+                raise ValueError(
+                    f"hkvd: the daemon's chunk size {chunk} is not a multiple of vLLM's block size "
+                    f"N={self.block_size}; restart `hkvd serve --chunk-size {self.block_size}` (or a multiple "
+                    f"of {self.block_size}), or set kv_connector_extra_config chunk_size")
+            if self.chunk_size and chunk != self.chunk_size:
+                logger.warning("hkvd: chunk size changed from %d to %d after reconnecting", self.chunk_size, chunk)
+                for st in self._reqs.values():
+                    st.keys = []
+            self.chunk_size = chunk
+            self._by_lookup.clear()  # lookups of the old connection never complete
+            for st in self._reqs.values():
+                if st.hit_chunks is None:
+                    st.lookup_id = None
+        return client
+
+    def _client(self) -> Any:
+        return self._connect() if not self.link.up else self.link.client
+
+    def _keys(self, st: _Req) -> list[bytes]:
+        if not st.keys and self.chunk_size:
+            from hkvd.transport.keys import chunk_keys
+
+            st.keys = chunk_keys(st.tokens, self.chunk_size)
+        return st.keys
+
+    def _pump(self, timeout_s: float = 0.0) -> None:
+        """Read completions; lookups are the only requests this connection makes."""
+        client = self.link.client
+        if client is None:
+            return
+        try:
+            done = client.poll(timeout_s)
+        except Exception as e:  # transport trouble: down, recompute
+            self.link.lost(e)
+            return
+        for c in done:
+            req_id = self._by_lookup.pop(c.req_id, None)
+            st = self._reqs.get(req_id) if req_id is not None else None
+            if st is None:
+                if c.ok and c.result.get("lease_id"):
+                    self._release(int(c.result["lease_id"]))
+                continue
+            if c.ok:
+                st.hit_chunks = int(c.result.get("hit_chunks", 0))
+                st.lease_id = int(c.result.get("lease_id", 0))
+            else:
+                from hkvd.transport.wire.errors import DaemonUnavailable
+
+                st.hit_chunks = 0
+                if isinstance(c.error, DaemonUnavailable):
+                    self.link.lost(c.error)
+                else:
+                    logger.debug("hkvd: lookup for %s failed: %s", req_id, c.error)
+        if not client.connected:
+            self.link.lost(ConnectionError("connection lost"))
+
+    def _release(self, lease_id: int) -> None:
+        if not lease_id or self.link.client is None:
+            return
+        try:
+            self.link.client.release(lease_id)
+        except Exception as e:
+            self.link.lost(e)
+
+    def _submit_lookup(self, req_id: str, st: _Req) -> None:
+        client = self._client()
+        if client is None:
+            st.hit_chunks = 0
+            return
+        keys = self._keys(st)
+        # Leave at least the last prompt token to compute: vLLM needs logits for it.
+        n = min(len(keys), (st.num_tokens - 1) // self.chunk_size)
+        if n <= 0:
+            st.hit_chunks = 0
+            return
+        try:
+            rid = client.submit_lookup(keys[:n], lease=True)
+        except Exception as e:
+            self.link.lost(e)
+            st.hit_chunks = 0
+            return
+        st.lookup_id, st.lookup_sent_at, st.lookup_gen = rid, time.monotonic(), self.link.generation
+        self._by_lookup[rid] = req_id
+        self.stats["lookups"] += 1
+
+    # ---- vLLM hooks ----------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        tokens = list(request.prompt_token_ids or [])
+        st = _Req(tokens=tokens, num_tokens=len(tokens))
+        self._reqs[request.request_id] = st
+        if tokens:
+            self._submit_lookup(request.request_id, st)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:  # a request vLLM never announced (resumed after a reset): look it up now
+            self.on_new_request(request)
+            st = self._reqs[request.request_id]
+        if st.hit_chunks is None:
+            if st.lookup_id is None or st.lookup_gen != self.link.generation:
+                self._submit_lookup(request.request_id, st)
+            if st.hit_chunks is None:
+                self._pump(self.cfg.lookup_wait_s)
+            if st.hit_chunks is None:
+                if time.monotonic() - st.lookup_sent_at < self.cfg.lookup_timeout_s:
+                    return None, False
+                logger.warning("hkvd: lookup for %s unanswered after %.1f s; recomputing", request.request_id,
+                               self.cfg.lookup_timeout_s)
+                self._by_lookup.pop(st.lookup_id or 0, None)
+                st.hit_chunks = 0
+        hit_tokens = st.hit_chunks * self.chunk_size
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if st.hit_chunks:
+            # The daemon holds chunks [0, hit) for every group the hit rule needs: never store them again.
+            st.next_store_chunk = max(st.next_store_chunk, st.hit_chunks)
+        if num_external_tokens <= 0 or not st.hit_chunks:
+            if st.lease_id and not st.lease_used:
+                self._release(st.lease_id)
+                st.lease_used = True
+            return
+        n = st.hit_chunks
+        C = self.chunk_size
+        hit = n * C
+        local = hit - num_external_tokens
+        block_ids = blocks.get_block_ids()
+        keys = self._keys(st)
+        items: list[Item] = []
+        bad = False
+        # A chunk partly covered by the local hit is loaded whole: vLLM's local hit is
+        # block-aligned, not chunk-aligned, and an item names every block of its chunk. The
+        # overwritten local blocks receive the same prefix's bytes before any forward reads them.
+        first = local // C
+        for g in self.groups:
+            ids = block_ids[g.group_id]
+            if g.kind == "mamba":
+                idx = hit // g.block_size - 1
+                blk = ids[idx] if idx < len(ids) else 0
+                bad |= blk == 0
+                items.append([g.group_id, n - 1, keys[n - 1], [blk]])
+                continue
+            bpe = C // g.block_size
+            lo = first
+            if g.kind == "swa":
+                lo = max(lo, max(0, hit - g.window_tokens) // C)
+            for i in range(lo, n):
+                chunk_ids = list(ids[i * bpe:(i + 1) * bpe])
+                if len(chunk_ids) != bpe or 0 in chunk_ids:
+                    bad = True
+                items.append([g.group_id, i, keys[i], chunk_ids])
+        all_blocks = sorted({b for it in items for b in it[3] if b})
+        if bad:
+            logger.warning("hkvd: load plan for %s names vLLM's null block (window starts mid-chunk?); "
+                           "recomputing it", request.request_id)
+            items = []
+        self._loads.append(LoadJob(request.request_id, st.lease_id, items, all_blocks))
+        st.lease_used = True
+        st.next_store_chunk = max(st.next_store_chunk, n)
+        self.stats["load_jobs"] += 1
+        self.stats["hit_tokens"] += num_external_tokens
+
+    def build_connector_meta(self, so: Any) -> HkvdConnectorMetadata:
+        self._step += 1
+        self._pump()
+        meta = HkvdConnectorMetadata(step=self._step, loads=self._loads, delayed_free=self._delayed)
+        self._loads, self._delayed = [], []
+        # Blocks that may be written in this step: newly allocated ones (vLLM zeroes them and
+        # the forward fills them). Copies still reading them must finish first.
+        for r in so.scheduled_new_reqs:
+            for ids in r.block_ids or ():
+                meta.fence_blocks.update(b for b in ids if b)
+        cached = so.scheduled_cached_reqs
+        for new_ids in cached.new_block_ids:
+            for ids in new_ids or ():
+                meta.fence_blocks.update(b for b in ids if b)
+        block_state = so.kv_connector_block_state
+        if not self.chunk_size or block_state is None:
+            return meta
+        C = self.chunk_size
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        attn = [g for g in self.groups if g.kind != "mamba"]
+        for req_id, n_sched in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or not attn:
+                continue
+            done_after = min(computed.get(req_id, 0) + n_sched, st.num_tokens)
+            last = done_after // C
+            if last <= st.next_store_chunk:
+                continue
+            table = block_state.get_block_ids(req_id)
+            keys = self._keys(st)
+            if table is None:
+                continue
+            items: list[Item] = []
+            for i in range(st.next_store_chunk, min(last, len(keys))):
+                for g in attn:
+                    bpe = C // g.block_size
+                    ids = list(table[g.group_id][i * bpe:(i + 1) * bpe])
+                    # Sliding-window blocks out of the window are already null: nothing to store.
+                    if len(ids) == bpe and 0 not in ids:
+                        items.append([g.group_id, i, keys[i], ids])
+            st.next_store_chunk = last
+            if items:
+                meta.stores.append(StoreJob(req_id, items))
+                st.had_copies = True
+                self.stats["store_items"] += len(items)
+        for req_id, offers in (block_state.boundary_state_offloads or {}).items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            keys = self._keys(st)
+            for group_id, block_id, boundary in offers:
+                if not block_id or boundary % C or boundary <= 0:
+                    continue
+                ci = boundary // C - 1
+                if ci >= len(keys):
+                    continue  # past the prompt's full chunks: no key
+                meta.offers.append((req_id, [int(group_id), ci, keys[ci], [int(block_id)]]))
+                st.had_copies = True
+                self.stats["offer_items"] += 1
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        self._pump()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if st.lookup_id is not None:
+            self._by_lookup.pop(st.lookup_id, None)
+        if st.lease_id and not st.lease_used:
+            self._release(st.lease_id)
+        if st.had_copies:
+            self._delayed.append(request.request_id)
+            return True, None
+        return False, None
+
+    def shutdown(self) -> None:
+        self.link.close()

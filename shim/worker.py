@@ -1,0 +1,309 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side of the connector: registration, sync loads, stores, boundary step events.
+
+Role
+    Runs in each vLLM worker process, in the model runner's execute loop. It registers the
+    engine's KV memory with the daemon once (one host region per distinct backing storage,
+    one view per layer), then per step:
+
+    1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
+       reading a block that this step allocates anew are waited for (``fence_timeout_s``,
+       then aborted and treated as failed).
+    2. ``start_load_kv`` (before the forward, vLLM calls it there when a sync load exists):
+       submit every load of the step and wait for all of them (``load_timeout_s``). A failed
+       load's blocks go to ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+       Mamba layers get no per-layer hooks, so every group is moved in bulk here.
+    3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
+       ``StepEvent`` carrying this step's Mamba offers and the confirms of earlier step
+       events whose Done arrived before any block they read was reused.
+    4. ``get_finished``: report requests whose free was delayed once their copies are done.
+
+Threading model
+    Only vLLM's execute thread calls in; completions are read by polling the daemon client
+    from these hooks. The daemon reads (stores, offers) and writes (loads) this process's
+    memory with process_vm_readv/writev while vLLM keeps running, which is why blocks that
+    are about to be reused are fenced.
+
+Failure handling
+    Daemon down: loads fail (recompute), stores and offers are skipped, delayed frees are
+    released at once; the link reconnects and re-registers every ``reconnect_interval_s``
+    (new engine id, step-event seq restarts). Never serve garbage: a load counts as done
+    only on the daemon's Done for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
+from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec
+
+logger = logging.getLogger("hkvd.shim")
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: str  # store | step
+    blocks: set[int]
+    reqs: set[str] = field(default_factory=set)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> None:
+        self.cfg = cfg
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._regions: list[Any] = []
+        self._layer_addr: dict[str, tuple[int, int]] = {}
+        self.link = DaemonLink(cfg, "worker", "vllm-worker", self._spec, on_connected=self._allow_daemon)
+        self._gen = 0
+        self._seq = 0
+        self._jobs: dict[int, _Job] = {}
+        self._req_jobs: dict[str, set[int]] = {}
+        self._finishing: set[str] = set()
+        self._confirmable: list[int] = []
+        self._load_errors: set[int] = set()
+        self._meta: HkvdConnectorMetadata | None = None
+        self.stats = {"loads_ok": 0, "loads_failed": 0, "stores": 0, "stores_failed": 0, "step_events": 0,
+                      "fence_waits": 0, "fence_timeouts": 0, "loaded_bytes": 0, "stored_bytes": 0}
+
+    # ---- registration --------------------------------------------------------------------------
+    def _spec(self) -> Any:
+        return build_engine_spec(self._vllm_config, self._kv_cache_config, self.cfg, regions=self._regions,
+                                 layer_addr=lambda name: self._layer_addr[name])
+
+    @staticmethod
+    def _allow_daemon(client: Any) -> None:
+        from hkvd.daemon.cma import allow_ptracer
+
+        if client.daemon_pid:
+            allow_ptracer(int(client.daemon_pid))
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from hkvd.daemon.copy_engine import Region
+
+        block_strides = {name: t.block_stride for t in self._kv_cache_config.kv_cache_tensors for name in t.layers}
+        by_storage: dict[int, Any] = {}
+        for name, t in kv_caches.items():
+            if name not in block_strides:
+                continue
+            tensor = t[0] if isinstance(t, list | tuple) else t
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"hkvd: layer {name} lives on {tensor.device}; this shim build registers host (CPU) KV "
+                    "caches only. Use the CPU build of vLLM or remove the hkvd kv_transfer_config.")
+            storage = tensor.untyped_storage()
+            base = storage.data_ptr()
+            if base not in by_storage:
+                # Aliased layers (vLLM packs every group into one int8 buffer) share a region.
+                by_storage[base] = Region(region_id=len(by_storage), kind="host", size=int(storage.nbytes()),
+                                          addr=int(base))
+            stride = int(tensor.stride(0)) * int(tensor.element_size())
+            if stride != block_strides[name]:
+                raise ValueError(
+                    f"hkvd: layer {name}: block stride {stride} B in the tensor but {block_strides[name]} B in "
+                    "KVCacheConfig; this KV layout is not supported (set VLLM_KV_CACHE_LAYOUT=LBHNC).")
+            self._layer_addr[name] = (by_storage[base].region_id, int(tensor.data_ptr()) - base)
+        self._regions = list(by_storage.values())
+        logger.info("hkvd worker: %d KV layers in %d region(s) (%.1f GiB)", len(self._layer_addr),
+                    len(self._regions), sum(r.size for r in self._regions) / 2**30)
+        self._ensure(startup=True)
+
+    def _ensure(self, startup: bool = False) -> Any:
+        if not self._regions:
+            return None
+        client = self.link.ensure(startup=startup)
+        if client is not None and self.link.generation != self._gen:
+            self._gen = self.link.generation
+            self._seq = 0
+            self._forget_jobs()
+        return client
+
+    def _forget_jobs(self) -> None:
+        """The connection that owned them is gone: they failed (the daemon dropped them too)."""
+        self._jobs.clear()
+        self._req_jobs.clear()
+        self._confirmable.clear()
+
+    def _lost(self, exc: BaseException) -> None:
+        self.link.lost(exc)
+        self._forget_jobs()
+
+    # ---- completions ---------------------------------------------------------------------------
+    def _pump(self, timeout_s: float = 0.0) -> None:
+        client = self.link.client
+        if client is None:
+            return
+        try:
+            done = client.poll(timeout_s)
+        except Exception as e:
+            self._lost(e)
+            return
+        self._absorb(done)
+        if not client.connected:
+            self._lost(ConnectionError("connection lost"))
+
+    def _absorb(self, completions: Any) -> None:
+        from hkvd.transport.wire.errors import DaemonUnavailable
+
+        lost: BaseException | None = None
+        for c in completions:
+            job = self._jobs.pop(c.req_id, None)
+            if job is None:
+                continue
+            for r in job.reqs:
+                s = self._req_jobs.get(r)
+                if s is not None:
+                    s.discard(c.req_id)
+            if c.ok:
+                if job.kind == "step":
+                    self._confirmable.append(c.req_id)
+                else:
+                    self.stats["stores"] += 1
+                    self.stats["stored_bytes"] += int(c.result.get("nbytes", 0))
+            else:
+                self.stats["stores_failed"] += 1
+                logger.debug("hkvd: %s job %d failed: %s", job.kind, c.req_id, c.error)
+                if isinstance(c.error, DaemonUnavailable):
+                    lost = c.error
+        if lost is not None:
+            self._lost(lost)
+
+    def _track(self, rid: int, job: _Job) -> None:
+        self._jobs[rid] = job
+        for r in job.reqs:
+            self._req_jobs.setdefault(r, set()).add(rid)
+
+    # ---- per step ------------------------------------------------------------------------------
+    def bind(self, meta: HkvdConnectorMetadata) -> None:
+        self._meta = meta
+        self._finishing.update(meta.delayed_free)
+
+    def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
+        self._pump()
+        if not meta.fence_blocks or not self._jobs:
+            return
+        hit = [rid for rid, j in self._jobs.items() if j.blocks & meta.fence_blocks]
+        if not hit:
+            return
+        client = self.link.client
+        if client is None:
+            return
+        self.stats["fence_waits"] += 1
+        try:
+            self._absorb(client.wait(hit, self.cfg.fence_timeout_s).values())
+        except Exception as e:
+            from hkvd.transport.wire.errors import KVTimeout
+
+            if not isinstance(e, KVTimeout):
+                self._lost(e)
+                return
+            # Still copying from blocks vLLM is about to reuse: abort, never confirm, never
+            # count them as stored. The daemon drops an aborted or unconfirmed copy.
+            self.stats["fence_timeouts"] += 1
+            logger.warning("hkvd: %d copies still running after %.1f s at a block reuse; dropping them",
+                           len(hit), self.cfg.fence_timeout_s)
+            for rid in hit:
+                job = self._jobs.pop(rid, None)
+                if job is None:
+                    continue
+                for r in job.reqs:
+                    self._req_jobs.get(r, set()).discard(rid)
+                try:
+                    client.abort(rid)
+                except Exception as e2:
+                    self._lost(e2)
+                    return
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads:
+            return
+        client = self._ensure()
+        pending: dict[int, Any] = {}
+        for job in meta.loads:
+            if client is None or not job.items:
+                self._fail_load(job)
+                continue
+            try:
+                pending[client.submit_retrieve(job.items, job.lease_id)] = job
+            except Exception as e:
+                self._lost(e)
+                client = None
+                self._fail_load(job)
+        if not pending:
+            return
+        from hkvd.transport.wire.errors import KVTimeout
+
+        try:
+            done = client.wait(list(pending), self.cfg.load_timeout_s)
+        except KVTimeout:
+            logger.warning("hkvd: %d loads not done after %.1f s; recomputing them", len(pending),
+                           self.cfg.load_timeout_s)
+            for rid, job in pending.items():
+                self._fail_load(job)
+                try:
+                    client.abort(rid)
+                except Exception as e:
+                    self._lost(e)
+                    break
+            return
+        except Exception as e:
+            self._lost(e)
+            for job in pending.values():
+                self._fail_load(job)
+            return
+        for rid, job in pending.items():
+            c = done.get(rid)
+            if c is not None and c.ok:
+                self.stats["loads_ok"] += 1
+                self.stats["loaded_bytes"] += int(c.result.get("nbytes", 0))
+            else:
+                logger.info("hkvd: load for %s failed (%s); vLLM recomputes it", job.req_id,
+                            c.error if c is not None else "no reply")
+                self._fail_load(job)
+
+    def _fail_load(self, job: Any) -> None:
+        self.stats["loads_failed"] += 1
+        self._load_errors.update(job.block_ids)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        client = self._ensure()
+        if client is None:
+            return
+        try:
+            for sj in meta.stores:
+                rid = client.submit_store(sj.items)
+                self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
+            offers = [it for _, it in meta.offers]
+            confirms, self._confirmable = self._confirmable, []
+            self._seq += 1
+            rid = client.submit_step_event(self._seq, meta.step, offers, confirms)
+            self._track(rid, _Job("step", item_blocks(offers), {r for r, _ in meta.offers}))
+            self.stats["step_events"] += 1
+        except Exception as e:
+            self._lost(e)
+            return
+        self._pump()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._pump()
+        if not self._finishing:
+            return None, None
+        ready = {r for r in self._finishing if not self._req_jobs.get(r)}
+        self._finishing -= ready
+        for r in ready:
+            self._req_jobs.pop(r, None)
+        return (ready or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.link.close()
