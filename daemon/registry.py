@@ -20,6 +20,7 @@ from hkvd.daemon.copy_engine import Attachment, CopyEngine
 from hkvd.daemon.errors import OutOfRange, RegistrationError
 from hkvd.daemon.hybrid import GroupRule
 from hkvd.daemon.layout import GroupSpec
+from hkvd.daemon.validation import validate_hybrid
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
@@ -90,10 +91,11 @@ class Registry:
         self._ids = itertools.count(1)
 
     def register(self, spec: EngineSpec, pid: int, conn_id: int) -> EngineState:
-        from hkvd.daemon.validation import validate_engine  # hybrid rules live beside the hit rule
-
         chunk_size = spec.chunk_size or self.default_chunk_size
-        validate_engine(spec, chunk_size)
+        validate_hybrid(chunk_size=chunk_size, block_size=spec.block_size or min(
+                            g.tokens_per_block for g in spec.groups),
+                        max_num_batched_tokens=spec.max_num_batched_tokens,
+                        mamba_cache_mode=spec.mamba_cache_mode, groups=spec.groups)
         region_sizes = {r.region_id: r.size for r in spec.regions}
         for g in spec.groups:
             if g.num_blocks <= 1:
