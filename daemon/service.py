@@ -175,6 +175,8 @@ class KVService:
         for it, g in zip(items, groups, strict=True):
             if g.kind == "mamba" and not mamba_checkpoint_keep(it.chunk_index, self.cfg.mamba_checkpoint_interval):
                 thinned += 1
+                self.metrics.inc("mamba_states_thinned")
+                self.metrics.inc("mamba_bytes_saved", engine.entry_bytes[g.group_id])
                 continue
             try:
                 entry = self.index.begin_write(self._key(engine, it), engine.entry_bytes[g.group_id], g.kind,

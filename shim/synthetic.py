@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,17 +46,26 @@ class SyntheticEngine:
 
     def __init__(self, socket_path: str, shapes: Sequence[GroupShape], *, num_blocks: int = 64,
                  tokens_per_block: int = 16, chunk_size: int = 0, model: str = "synthetic",
-                 layout_tag: str = "host/LBHNC", timeout_s: float = 10.0) -> None:
+                 layout_tag: str = "host/LBHNC", timeout_s: float = 10.0, aliased: bool = False,
+                 mamba_cache_mode: str = "align") -> None:
         self.shapes = list(shapes)
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         views: list[View] = []
-        offset = 0
-        for s in self.shapes:
-            stride = s.block_stride or s.page_bytes
-            views.append(View(0, offset, s.num_layers, num_blocks * stride, stride, s.page_bytes))
-            offset += s.num_layers * num_blocks * stride
-        self.buffer = np.zeros(offset, dtype=np.int8)
+        if aliased:
+            # vLLM's hybrid layout: every group aliases the same layer slots of one buffer, one
+            # block id space shared by all groups, pages padded up to the largest page.
+            stride = max(s.block_stride or s.page_bytes for s in self.shapes)
+            layer_stride = num_blocks * stride
+            views = [View(0, 0, s.num_layers, layer_stride, stride, s.page_bytes) for s in self.shapes]
+            size = max(s.num_layers for s in self.shapes) * layer_stride
+        else:
+            size = 0
+            for s in self.shapes:
+                stride = s.block_stride or s.page_bytes
+                views.append(View(0, size, s.num_layers, num_blocks * stride, stride, s.page_bytes))
+                size += s.num_layers * num_blocks * stride
+        self.buffer = np.zeros(size, dtype=np.int8)
         self.groups = [
             GroupSpec(gid, s.kind, tokens_per_block, s.window_tokens, num_blocks, "bfloat16", (v,))
             for gid, (s, v) in enumerate(zip(self.shapes, views, strict=True))
@@ -65,7 +75,7 @@ class SyntheticEngine:
         self.client.connect()
         allow_ptracer(self.client.daemon_pid)
         region = Region(0, "host", self.buffer.nbytes, addr=self.buffer.ctypes.data)
-        self.spec = EngineSpec(model, 1, 0, layout_tag, chunk_size, tokens_per_block, 8192, "align",
+        self.spec = EngineSpec(model, 1, 0, layout_tag, chunk_size, tokens_per_block, 8192, mamba_cache_mode,
                                [region], self.groups)
         ack = self.client.register(self.spec)
         self.chunk_size = ack.chunk_size
@@ -125,6 +135,23 @@ class SyntheticEngine:
 
     def close(self) -> None:
         self.client.close()
+
+
+def fetch_in_child(socket_path: str, shapes: list[GroupShape], engine_kw: dict[str, Any],
+                   keys: list[bytes], items: list[Item], out: Any) -> None:
+    """Child-process body: a fresh engine of the same layout looks up ``keys``, retrieves ``items``
+    into its own (zeroed) memory, and reports the hit and the bytes of every block it loaded."""
+    eng = SyntheticEngine(socket_path, shapes, **engine_kw)
+    hit, lease = eng.lookup(keys)
+    try:
+        if hit:
+            eng.retrieve(items, lease)
+        out.put({"hit_chunks": hit, "blocks": {(it.group_id, b): eng.block_bytes(it.group_id, b)
+                                               for it in items for b in it.block_ids}})
+    except Exception as e:  # report, do not hang the parent
+        out.put({"hit_chunks": hit, "error": repr(e)})
+    finally:
+        eng.close()
 
 
 def prompt_tokens(n: int, seed: int) -> list[int]:
