@@ -40,7 +40,7 @@ test-shim: vllm
 test-gpu: dev
 	$(PIP) -q -e '.[dev,gpu]' || true
 	HKVD_REQUIRE_GPU=1 $(BIN)/pytest -q -m gpu tests/gpu
-	$(BIN)/python -m bench store_retrieve --engine cuda --quick
+	$(BIN)/python bench/gpu_copy.py
 
 lint: dev
 	$(BIN)/ruff check daemon shim transport cuda tests bench
