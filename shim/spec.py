@@ -349,7 +349,7 @@ class DaemonLink:
         self._warned = True
         logger.warning(
             "hkvd %s: daemon at %s unavailable (%s); serving without the external cache (recompute), "
-            "retrying every %.0f s", self.role, self.cfg.socket_path, exc, self.cfg.reconnect_interval_s)
+            "retrying every %.1f s", self.role, self.cfg.socket_path, exc, self.cfg.reconnect_interval_s)
 
 
 def _close_quietly(client: Any) -> None:

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One vLLM engine run with the hkvd connector, in its own process; prints one JSON line.
+
+Run by tests/shim/test_e2e_vllm.py (one process per engine, so every warm run starts with
+an empty vLLM prefix cache):
+
+    python tests/shim/e2e_run.py '{"model": DIR, "socket": PATH, "prompts": [[ids...], ...], ...}'
+
+Before every prompt the script calls ``llm.reset_prefix_cache()``: vLLM's local cache is
+emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from hkvd.
+Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"socket_path": args["socket"], "reconnect_interval_s": 0.5, **args.get("extra", {})}
+    kw = {}
+    if args.get("mamba_cache_mode"):
+        kw["mamba_cache_mode"] = args["mamba_cache_mode"]
+    if args.get("retention") is not None:
+        kw["prefix_cache_retention_interval"] = args["retention"]
+    llm = LLM(
+        model=args["model"], enforce_eager=True, dtype="bfloat16", max_model_len=1024,
+        enable_prefix_caching=True, max_num_batched_tokens=args.get("max_num_batched_tokens", 128),
+        seed=0, **kw,
+        kv_transfer_config={
+            "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra,
+        },
+    )
+    sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=1)
+    results = []
+    for ids in args["prompts"]:
+        llm.reset_prefix_cache()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        comp = out.outputs[0]
+        lps = [float(d[t].logprob) for t, d in zip(comp.token_ids, comp.logprobs or [], strict=False)]
+        results.append({"tokens": list(comp.token_ids), "logprobs": lps,
+                        "num_cached_tokens": int(out.num_cached_tokens or 0)})
+    print("HKVD_RESULT " + json.dumps({"results": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
