@@ -205,7 +205,7 @@ class Index:
         self._evictions += 1
         # A Mamba state at chunk key k needs the full-attention chunk with the same key (the last
         # chunk of its prefix): once that chunk is gone the state can never be part of a hit.
-        fp, gid, ck = e.key
+        fp, _gid, ck = e.key
         if e.kind in ("full", "swa"):
             for other in list(self._orphan_candidates(fp, ck)):
                 if self._evictable(other):
@@ -225,7 +225,7 @@ class Index:
 
     # ---- stats ---------------------------------------------------------------------------------
     def statistics(self) -> IndexStats:
-        states = {s: 0 for s in EntryState}
+        states = dict.fromkeys(EntryState, 0)
         kinds: dict[str, int] = {}
         pinned = 0
         total = 0

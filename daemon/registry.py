@@ -14,7 +14,6 @@ import itertools
 from dataclasses import dataclass, field
 
 import msgpack
-
 from hkvd.daemon import layout
 from hkvd.daemon.copy_engine import Attachment, CopyEngine
 from hkvd.daemon.errors import OutOfRange, RegistrationError
@@ -106,7 +105,7 @@ class Registry:
                 except ValueError as e:
                     raise RegistrationError(f"group {g.group_id}: {e}") from None
         for r in spec.regions:
-            if r.kind not in SUPPORTED_REGION_KINDS + (self.copy_engine_kind(),):
+            if r.kind not in (*SUPPORTED_REGION_KINDS, self.copy_engine_kind()):
                 raise RegistrationError(
                     f"region {r.region_id} is {r.kind!r} memory, but this daemon runs the "
                     f"{self.copy_engine.name} copy engine; start hkvd serve with the matching engine")
