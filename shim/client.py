@@ -14,6 +14,7 @@ Failure model
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import select
 import socket
@@ -83,7 +84,9 @@ class DaemonClient:
                                         "`hkvd serve` running with the same --socket?") from None
             self._sock = sock
             self._decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
-            self._send(control.Hello(PROTOCOL_VERSION, self.client_name, self.role))
+            # If the daemon refused us and closed already, its reason is still in the socket.
+            with contextlib.suppress(OSError):
+                sock.sendall(encode(control.Hello(PROTOCOL_VERSION, self.client_name, self.role)))
             ack = self._wait_message(control.HelloAck, self.timeout_s)
             self.daemon_pid = ack.daemon_pid
             self.server_id = ack.server_id
@@ -249,7 +252,11 @@ class DaemonClient:
             ready, _, _ = select.select([self._sock], [], [], left)
             if not ready:
                 continue
-            data = self._sock.recv(READ_BYTES)
+            try:
+                data = self._sock.recv(READ_BYTES)
+            except OSError as e:
+                self._lost(str(e))
+                raise DaemonUnavailable(f"hkvd closed the connection during the handshake: {e}") from None
             if not data:
                 self._lost("closed during handshake")
                 raise DaemonUnavailable("hkvd closed the connection during the handshake")
