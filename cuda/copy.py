@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from hkvd.cuda._cupy import cupy, runtime
 from hkvd.cuda.descriptors import (
     DEFAULT_CHUNK_BYTES,

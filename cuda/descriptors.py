@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
+
 from hkvd.daemon.copy_engine import Direction, Segment
 from hkvd.daemon.errors import CopyFailedError
 

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import msgpack
+
 from hkvd.daemon import layout
 from hkvd.daemon.copy_engine import Attachment, CopyEngine
 from hkvd.daemon.errors import OutOfRange, RegistrationError

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from hkvd.shim.client import DaemonClient
 from hkvd.transport.wire.errors import KVError
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from hkvd.cuda import copy as cuda_copy
 from hkvd.cuda import ipc as cuda_ipc
 from hkvd.cuda._cupy import CupyMissing
