@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from hkvd.cuda._cupy import cupy_available, device_count
 from hkvd.daemon.copy_engine import Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError

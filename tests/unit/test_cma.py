@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
 from hkvd.daemon import cma
 from hkvd.daemon.cma import IOV_MAX, HostCopyEngine, allow_ptracer
 from hkvd.daemon.copy_engine import Direction, Region, Segment

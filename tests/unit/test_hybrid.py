@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hkvd.daemon.hybrid import (
     GroupRule,
     HitPlan,
@@ -12,8 +15,6 @@ from hkvd.daemon.hybrid import (
     plan_hit,
     required_chunks,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # ---------------------------------------------------------------- reference model
 

@@ -6,6 +6,9 @@ import itertools
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hkvd.daemon.copy_engine import Segment
 from hkvd.daemon.layout import (
     GroupSpec,
@@ -14,8 +17,6 @@ from hkvd.daemon.layout import (
     entry_bytes,
     segments_for_entry,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # -- reference ---------------------------------------------------------------------------------
 

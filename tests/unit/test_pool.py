@@ -6,11 +6,12 @@ import ctypes
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hkvd.daemon import pool as pool_mod
 from hkvd.daemon.errors import PoolError
 from hkvd.daemon.pool import PAGE, Allocation, HugePagePool, SlabAllocator
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hkvd.daemon.snapshots import JobState, SnapshotOrdering, StepDecision, StepOutcome
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hkvd.daemon.snapshots import JobState, SnapshotOrdering, StepDecision, StepOutcome
 
 OFFER = ("r1", 1, 6, 64)  # (req, group, block, boundary tokens): opaque to the machine
 

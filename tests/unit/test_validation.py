@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from hkvd.daemon.errors import RegistrationError
 from hkvd.daemon.validation import (
     check_chunk_size,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv
@@ -17,8 +20,6 @@ from hkvd.transport.wire.errors import (
     UnknownKVError,
     error_from_wire,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 KEY = b"k" * 16
 SAMPLES = [
