@@ -1,17 +1,29 @@
 """The daemon: builds the pool, index, registry and server, runs them, shuts them down in order.
 
+Start-up
+    The health endpoint (``--metrics-port``) and the systemd watchdog start first, so both answer
+    while the pool pre-faults; ``READY=1`` (and ``/healthz`` 200) follow only once the pool is
+    pre-faulted and the control socket accepts.
+
 Shutdown sequence (SIGTERM or SIGINT)
+    0. tell systemd ``STOPPING=1``; ``/healthz`` turns 503;
     1. stop accepting (close the listener, unlink the socket);
     2. reject new work with SHUTTING_DOWN;
     3. drain in-flight copies within ``shutdown_timeout_s``;
     4. close connections (which releases leases and pins), the copy engine and the pool.
 Exit code 0 after a clean shutdown.
+
+Reload (SIGHUP)
+    Re-reads ``--config`` (flags still win) and applies what can change safely while serving:
+    ``log-level`` and ``lease-ttl-s`` (new leases only). Every other changed key is logged as
+    "needs a restart" and ignored. A config that fails to parse or validate is logged and ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -23,6 +35,7 @@ from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.notify import Notifier
 from hkvd.daemon.pool import HugePagePool
 from hkvd.daemon.registry import Registry
 from hkvd.daemon.server import Server
@@ -31,42 +44,106 @@ from hkvd.daemon.service import KVService
 log = logging.getLogger("hkvd")
 
 LEASE_SWEEP_S = 1.0
+STATUS_EVERY_S = 10.0
+RELOADABLE = ("log_level", "lease_ttl_s")
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: DaemonConfig, *, notifier: Notifier | None = None,
+                 reload_config: Callable[[], DaemonConfig] | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics()
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
+        self.stopping = False
         self.pool: HugePagePool | None = None
         self.server: Server | None = None
         self.service: KVService | None = None
         self.ready_hooks: list[Callable[[], None]] = []
+        self.notifier = notifier if notifier is not None else Notifier()
+        self.reload_config = reload_config
+        self.http = None  # hkvd.daemon.http.HTTPEndpoint when --metrics-port is set
 
     def request_stop(self) -> None:
         self._stop.set()
 
+    def health(self) -> tuple[bool, str]:
+        """(serving?, why) for /healthz: not before pre-fault + accepting, not while shutting down."""
+        if self.stopping:
+            return False, "shutting down"
+        if not self.ready.is_set():
+            return False, "starting: pre-faulting the pool" if self.server is None else "starting"
+        return True, "ok"
+
     def _progress(self) -> Callable[[int, int], None]:
         last = [0.0]
 
-        def report(done: int, total: int) -> None:
+        def report(done: int, total: int) -> None:  # runs on a copy thread
             now = time.monotonic()
             if now - last[0] >= 1.0 or done == total:
                 last[0] = now
-                log.info("pre-faulting pool: %d / %d MiB (%.0f%%)", done >> 20, total >> 20, 100 * done / total)
+                log.info("pre-faulting pool: %d / %d MiB (%.0f%%)", done >> 20, total >> 20,
+                         100 * done / total)
+                self.notifier.status(f"pre-faulting pool: {done >> 20} / {total >> 20} MiB")
 
         return report
+
+    def summary(self) -> str:
+        """One line for STATUS=: engines, pool occupancy, chunk hit rate."""
+        if self.service is None:
+            return "starting"
+        s = self.service.status()
+        pool, c = s["pool"], s["counters"]
+        hits, misses = c.get("lookup_hit_chunks", 0), c.get("lookup_miss_chunks", 0)
+        rate = f"{hits / (hits + misses):.0%}" if hits + misses else "n/a"
+        used = pool["used_bytes"] / max(pool["total_bytes"], 1)
+        return f"serving {len(s['engines'])} engines; pool {used:.0%} used; chunk hit rate {rate}"
+
+    async def _start_http(self) -> None:
+        if not self.cfg.metrics_port:
+            return
+        from prometheus_client import generate_latest
+
+        from hkvd.daemon.http import HTTPEndpoint, build_registry
+
+        registry = build_registry(self)
+        self.http = HTTPEndpoint(self.cfg.metrics_port, self.health, lambda: generate_latest(registry))
+        await self.http.start()
 
     async def serve(self) -> int:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        self.pool = HugePagePool(cfg.l1_size_bytes, cfg.hugepages, progress=self._progress(),  # type: ignore[arg-type]
-                                 superblock_bytes=cfg.superblock_bytes)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        self.notifier.status("starting")
         executor = ThreadPoolExecutor(max_workers=cfg.copy_threads, thread_name_prefix="hkvd-copy")
         try:
+            await self._start_http()
+            await self._run(executor)
+        except BaseExceptionGroup as eg:  # the TaskGroup wraps start-up errors; callers expect them bare
+            if len(eg.exceptions) == 1:
+                raise eg.exceptions[0] from None
+            raise
+        finally:
+            self.stopping = True
+            if self.http is not None:
+                await self.http.close()
+            executor.shutdown(wait=True, cancel_futures=True)
+            if self.pool is not None:
+                self.pool.close()
+        log.info("hkvd stopped")
+        return 0
+
+    async def _run(self, executor: ThreadPoolExecutor) -> None:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            background: list[asyncio.Task[None]] = []
+            if self.notifier.watchdog_interval_s:
+                background.append(tg.create_task(self._watchdog()))
+            self.pool = HugePagePool(cfg.l1_size_bytes, cfg.hugepages,  # type: ignore[arg-type]
+                                     progress=self._progress(), superblock_bytes=cfg.superblock_bytes)
             log.info("pool: %d MiB of %s memory", self.pool.size >> 20, self.pool.kind)
             gbps = await loop.run_in_executor(executor, self.pool.prefault)
             log.info("pool pre-faulted at %.1f GB/s", gbps)
@@ -76,23 +153,36 @@ class Daemon:
             registry = Registry(cfg.chunk_size, copy_engine)
             self.service = KVService(cfg, index, registry, executor, self.metrics)
             self.server = Server(cfg, self.service)
-            await self.server.start()
+            await self.server.start()  # listening: connections are accepted from here on
             self.ready.set()
             for hook in self.ready_hooks:
                 hook()
             log.info("hkvd ready on %s (chunk size %d tokens, eviction %s)", cfg.socket_path, cfg.chunk_size,
                      cfg.eviction_policy)
-            async with asyncio.TaskGroup() as tg:
-                sweeper = tg.create_task(self._sweep_leases(index))
-                await self._stop.wait()
-                sweeper.cancel()
+            self.notifier.ready(f"ready on {cfg.socket_path}; {self.pool.size >> 20} MiB "
+                                f"{self.pool.kind} pool")
+            background.append(tg.create_task(self._sweep_leases(index)))
+            if self.notifier.enabled:
+                background.append(tg.create_task(self._report_status()))
+            await self._stop.wait()
+            self.stopping = True
+            self.notifier.stopping("shutting down: draining in-flight copies")
             await self._shutdown()
-        finally:
-            executor.shutdown(wait=True, cancel_futures=True)
-            if self.pool is not None:
-                self.pool.close()
-        log.info("hkvd stopped")
-        return 0
+            for task in background:
+                task.cancel()
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 at half WatchdogSec, from the event loop: a hung loop stops the pings."""
+        interval = self.notifier.watchdog_interval_s
+        log.info("systemd watchdog: pinging every %.1f s", interval)
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    async def _report_status(self) -> None:
+        while True:
+            await asyncio.sleep(STATUS_EVERY_S)
+            self.notifier.status(self.summary())
 
     async def _sweep_leases(self, index: Index) -> None:
         while True:
@@ -101,17 +191,46 @@ class Daemon:
             if expired:
                 self.metrics.inc("leases_expired", expired)
 
+    def reload(self) -> None:
+        """SIGHUP: apply the reloadable keys of the re-read config; log the rest as needing a restart."""
+        if self.reload_config is None:
+            log.info("SIGHUP: started without --config; nothing to reload")
+            return
+        self.notifier.reloading("reloading configuration")
+        try:
+            new = self.reload_config()
+        except Exception as e:  # ConfigError, OSError: keep serving with what we have
+            log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
+            self.notifier.ready(f"config reload failed: {e}; {self.summary()}")
+            return
+        names = [f.name for f in dataclasses.fields(DaemonConfig)]
+        changed = {f: (getattr(self.cfg, f), getattr(new, f)) for f in names
+                   if getattr(self.cfg, f) != getattr(new, f)}
+        applied = {f: v for f, v in changed.items() if f in RELOADABLE}
+        ignored = sorted(f for f in changed if f not in RELOADABLE)
+        if applied:
+            self.cfg = self.cfg.replace(**{f: v[1] for f, v in applied.items()})
+            if self.service is not None:
+                self.service.cfg = self.service.cfg.replace(**{f: v[1] for f, v in applied.items()})
+            if "log_level" in applied:
+                logging.getLogger().setLevel(self.cfg.log_level.upper())
+        log.info("SIGHUP: config reloaded; applied %s; needs a restart (ignored): %s",
+                 ", ".join(f"{f} {a!r} -> {b!r}" for f, (a, b) in applied.items()) or "nothing",
+                 ", ".join(ignored) or "nothing")
+        self.notifier.ready(self.summary())
+
     async def _shutdown(self) -> None:
         assert self.server is not None and self.service is not None
         log.info("shutting down: stop accepting, reject new work, drain in-flight copies")
         await self.server.stop_accepting()
         self.service.shutting_down = True
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
-        while any(c.inflight for c in self.server.connections.values()) and time.monotonic() < deadline:
+        while any(c.inflight for c in self.server.connections.values()) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         left = sum(c.inflight for c in self.server.connections.values())
         if left:
-            log.warning("%d copies still running after %.0f s; closing anyway", left, self.cfg.shutdown_timeout_s)
+            log.warning("%d copies still running after %.0f s; closing anyway", left,
+                        self.cfg.shutdown_timeout_s)
         for conn in list(self.server.connections.values()):
             self.service.disconnect(conn)
         with contextlib.suppress(Exception):

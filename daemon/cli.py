@@ -6,7 +6,11 @@ import argparse
 import asyncio
 import json
 import logging
+import re
+import shutil
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hkvd.daemon.config import GIB, TOML_KEYS, ConfigError, DaemonConfig, default_socket_path, load_toml
@@ -16,7 +20,8 @@ def _serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the daemon")
     p.add_argument("--config", help="TOML file; keys as the flags (chunk-size = 256); flags win")
     p.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
-    p.add_argument("--chunk-size", type=int, help="tokens per chunk (default 256); a multiple of vLLM's block size")
+    p.add_argument("--chunk-size", type=int,
+                   help="tokens per chunk (default 256); a multiple of vLLM's block size")
     p.add_argument("--l1-size-gb", help="pool size in GiB (default 1)")
     p.add_argument("--eviction-policy", help="lru (default) or hybrid (orphan-aware LRU)")
     p.add_argument("--hugepages", help="auto (default), require or off")
@@ -87,6 +92,79 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class KeyValueFormatter(logging.Formatter):
+    """``ts=... level=info logger=hkvd.service pid=123 engine=4 peer_pid=567 msg="..."``.
+
+    Per-engine fields come from ``extra={"engine": ..., "peer_pid": ..., "conn": ..., "req_id": ...}`` when
+    a log call passes them, else from the message's own "engine N (pid P)" / "connection N (pid P)" wording,
+    so grep and log shippers can filter one engine without parsing prose.
+    """
+
+    _ENGINE = re.compile(r"\bengine (\d+) \(pid (\d+)")
+    _CONN = re.compile(r"\bconnection (\d+) \(pid (\d+)")
+    FIELDS = ("engine", "conn", "peer_pid", "req_id")
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        fields = {k: getattr(record, k) for k in self.FIELDS if getattr(record, k, None) is not None}
+        for pattern, key in ((self._ENGINE, "engine"), (self._CONN, "conn")):
+            m = pattern.search(msg)
+            if m:
+                fields.setdefault(key, m.group(1))
+                fields.setdefault("peer_pid", m.group(2))
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        line = (f"ts={self.formatTime(record)} level={record.levelname.lower()} logger={record.name} "
+                f"pid={record.process}{extra} msg={json.dumps(msg)}")
+        if record.exc_info:
+            line += " exc=" + json.dumps(self.formatException(record.exc_info))
+        return line
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+PACKAGING = Path(__file__).resolve().parent.parent / "packaging"
+
+
+def _hkvd_command() -> str:
+    exe = Path(sys.executable).with_name("hkvd")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("hkvd")
+    return found or f"{sys.executable} -m hkvd.daemon"
+
+
+def install_service(prefix: str, *, force: bool = False, out: Any = sys.stdout) -> int:
+    """Put the unit in <prefix>/etc/systemd/system, example config in <prefix>/etc/hkvd (kept if present)."""
+    unit_src, conf_src = PACKAGING / "hkvd.service", PACKAGING / "hkvd.toml"
+    if not unit_src.exists() or not conf_src.exists():
+        print(f"hkvd install-service: {PACKAGING} is missing; install from a source checkout",
+              file=sys.stderr)
+        return 1
+    root = Path(prefix)
+    unit_dst = root / "etc/systemd/system/hkvd.service"
+    conf_dst = root / "etc/hkvd/hkvd.toml"
+    unit = unit_src.read_text().replace("/usr/local/bin/hkvd", _hkvd_command())
+    unit_dst.parent.mkdir(parents=True, exist_ok=True)
+    unit_dst.write_text(unit)
+    unit_dst.chmod(0o644)
+    print(f"installed {unit_dst}", file=out)
+    if conf_dst.exists() and not force:
+        print(f"kept {conf_dst} (exists; --force overwrites it)", file=out)
+    else:
+        conf_dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(conf_src, conf_dst)
+        conf_dst.chmod(0o644)
+        print(f"installed {conf_dst}", file=out)
+    print("next: systemctl daemon-reload && systemctl enable --now hkvd", file=out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hkvd", description="hybrid KV-cache daemon for LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -95,30 +173,41 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--timeout-s", type=float, default=5.0)
+    ins = sub.add_parser("install-service", help="install the systemd unit and /etc/hkvd/hkvd.toml")
+    ins.add_argument("--prefix", default="/", help="root to install under (default /)")
+    ins.add_argument("--force", action="store_true", help="overwrite an existing hkvd.toml")
     args = parser.parse_args(argv)
     if args.cmd == "status":
         return _status(args)
+    if args.cmd == "install-service":
+        return install_service(args.prefix, force=args.force)
     try:
         cfg = build_config(args)
     except ConfigError as e:
         print(f"hkvd serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from hkvd.daemon.app import Daemon
+    if cfg.metrics_port:
+        from hkvd.daemon.http import PrometheusMissing, require_prometheus
+
+        try:
+            require_prometheus()
+        except PrometheusMissing as e:
+            print(f"hkvd serve: {e}", file=sys.stderr)
+            return 2
+    setup_logging(cfg.log_level)
     from hkvd.daemon.errors import PoolError
 
     try:
-        return asyncio.run(_run(cfg))
+        return asyncio.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
     except (PoolError, OSError) as e:
         logging.getLogger("hkvd").error("cannot start: %s", e)
         return 1
 
 
-async def _run(cfg: DaemonConfig) -> int:
+async def _run(cfg: DaemonConfig, reload_config: Callable[[], DaemonConfig] | None = None) -> int:
     from hkvd.daemon.app import Daemon
 
-    return await Daemon(cfg).serve()
+    return await Daemon(cfg, reload_config=reload_config).serve()
 
 
 if __name__ == "__main__":
