@@ -1,0 +1,214 @@
+"""Loopback HTTP endpoint: Prometheus ``/metrics`` and ``/healthz`` on ``--metrics-port`` (127.0.0.1 only).
+
+Role
+    A small asyncio HTTP/1.0 server: it reads one ``GET`` (or ``HEAD``) request line and its headers
+    within ``READ_TIMEOUT_S``, answers, and closes. ``/metrics`` is rendered by prometheus-client's
+    ``generate_latest`` from the daemon's ``Metrics`` and ``KVService.status()`` at scrape time;
+    ``/healthz`` is 503 until the pool is pre-faulted and the control socket accepts, 200 while
+    serving, 503 again once shutdown begins.
+
+Dependencies
+    prometheus-client is optional (``pip install hkvd[metrics]``): it is imported only when this
+    module builds the registry, so the base install runs without it. ``require_prometheus()`` gives
+    the error the CLI prints when ``--metrics-port`` is set and it is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("hkvd.http")
+
+READ_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 8192
+HOST = "127.0.0.1"
+
+# Counters that always appear (0 until incremented), name -> help. Other Metrics counters are exported
+# too, generically, as hkvd_<name>_total with their labels.
+COUNTERS: dict[str, str] = {
+    "lookups": "Lookup requests served",
+    "lookup_hit_chunks": "Chunks that lookups found (the hybrid hit, in chunks)",
+    "lookup_miss_chunks": "Chunks that lookups did not find",
+    "stored_bytes": "Bytes stored into the pool, by group kind",
+    "retrieved_bytes": "Bytes retrieved from the pool, by group kind",
+    "retrieve_misses": "Retrieves of entries no longer in the pool",
+    "stores_dropped": "Entries not stored because the pool was full of pinned entries, by kind",
+    "step_events": "Step events, by outcome",
+    "step_event_gaps": "Step-event sequence gaps (unconfirmed Mamba states invalidated)",
+    "snapshots_invalidated": "Mamba snapshot jobs invalidated",
+    "leases_expired": "Lookup leases that expired unreleased",
+    "errors": "Errors sent to clients, by code",
+    "internal_errors": "Internal errors (bugs)",
+    "copy_timeouts": "Copies that exceeded their timeout",
+    "copy_errors": "Copies that failed",
+    "engines_registered": "Engine registrations",
+}
+GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
+
+
+class PrometheusMissing(RuntimeError):
+    pass
+
+
+def require_prometheus() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise PrometheusMissing("--metrics-port needs prometheus-client: pip install 'hkvd[metrics]' "
+                                "(or prometheus-client), or leave --metrics-port unset") from None
+
+
+class DaemonCollector:
+    """Reads the daemon's state at scrape time; ``daemon`` is ``hkvd.daemon.app.Daemon``."""
+
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily, Metric
+
+        d = self.daemon
+        snap = d.metrics.snapshot()
+        for name in sorted(set(COUNTERS) | set(snap)):
+            if name in GAUGE_COUNTERS:
+                continue
+            m = Metric(f"hkvd_{name}", COUNTERS.get(name, name.replace("_", " ")), "counter")
+            series = snap.get(name) or {(): 0.0}
+            for labels, value in sorted(series.items()):
+                m.add_sample(f"hkvd_{name}_total", dict(labels), value)
+            yield m
+        yield GaugeMetricFamily("hkvd_ready", "1 while serving (pool pre-faulted, socket accepting)",
+                                value=1.0 if d.health()[0] else 0.0)
+        yield GaugeMetricFamily("hkvd_prefault_gbps", "Pool pre-fault bandwidth at start-up",
+                                value=d.metrics.total("prefault_gbps"))
+        service = d.service
+        if service is None:
+            return
+        s = service.status()
+        pool, idx = s["pool"], s["index"]
+        g = GaugeMetricFamily("hkvd_pool_bytes", "Pool bytes by state", labels=["state"])
+        for state in ("total", "used", "free"):
+            g.add_metric([state], pool[f"{state}_bytes"])
+        yield g
+        yield GaugeMetricFamily("hkvd_pool_occupancy_ratio", "Used / total pool bytes",
+                                value=pool["used_bytes"] / max(pool["total_bytes"], 1))
+        g = GaugeMetricFamily("hkvd_entries", "Index entries by state", labels=["state"])
+        for state in ("ready", "pending", "writing"):
+            g.add_metric([state], idx[state])
+        yield g
+        g = GaugeMetricFamily("hkvd_entries_by_kind", "Index entries by group kind", labels=["kind"])
+        for kind, n in sorted(idx.get("by_kind", {}).items()):
+            g.add_metric([str(kind)], n)
+        yield g
+        yield GaugeMetricFamily("hkvd_bytes_stored", "Bytes held by index entries", value=idx["bytes_stored"])
+        for name, help_ in (("evictions", "Entries evicted"), ("orphans_dropped", "Orphaned entries dropped"),
+                            ("index_stores_dropped", "Stores the index dropped (pool full)")):
+            m = Metric(f"hkvd_{name}", help_, "counter")
+            m.add_sample(f"hkvd_{name}_total", {}, idx[name.removeprefix("index_")])
+            yield m
+        yield GaugeMetricFamily("hkvd_leases", "Lookup leases held", value=idx["leases"])
+        yield GaugeMetricFamily("hkvd_pinned_entries", "Entries pinned by a copy or a lease",
+                                value=idx["pinned_entries"])
+        g = GaugeMetricFamily("hkvd_engines", "Registered engines by role", labels=["role"])
+        roles: dict[str, int] = {"worker": 0, "scheduler": 0}
+        for e in s["engines"]:
+            roles[e["role"]] = roles.get(e["role"], 0) + 1
+        for role, n in sorted(roles.items()):
+            g.add_metric([role], n)
+        yield g
+        server = d.server
+        if server is not None:
+            yield GaugeMetricFamily("hkvd_connections", "Open control connections",
+                                    value=len(server.connections))
+            yield GaugeMetricFamily("hkvd_inflight_copies", "Copies running now",
+                                    value=sum(c.inflight for c in server.connections.values()))
+
+
+def build_registry(daemon: Any) -> Any:
+    require_prometheus()
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    ProcessCollector(namespace="hkvd", registry=registry)
+    return registry
+
+
+class HTTPEndpoint:
+    """``/metrics`` and ``/healthz`` on 127.0.0.1:port. ``health()`` -> (ok, reason)."""
+
+    def __init__(self, port: int, health: Callable[[], tuple[bool, str]], metrics_body: Callable[[], bytes],
+                 host: str = HOST) -> None:
+        self.port = port
+        self.host = host
+        self.health = health
+        self.metrics_body = metrics_body
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._on_client, self.host, self.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("metrics and health on http://%s:%d/metrics and /healthz", self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0):
+                    await self._server.wait_closed()
+            self._server = None
+
+    def _respond(self, method: str, path: str) -> tuple[int, str, bytes]:
+        path = path.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"only GET and HEAD\n"
+        if path == "/healthz":
+            ok, reason = self.health()
+            return (200 if ok else 503), "text/plain", (reason + "\n").encode()
+        if path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return 200, CONTENT_TYPE_LATEST, self.metrics_body()
+        return 404, "text/plain", b"try /metrics or /healthz\n"
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                async with asyncio.timeout(READ_TIMEOUT_S):
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.LimitOverrunError:
+                head = b""
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                return
+            if len(head) > MAX_REQUEST_BYTES:
+                head = b""
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                code, ctype, body = 400, "text/plain", b"bad request\n"
+                method = "GET"
+            else:
+                method = parts[0]
+                try:
+                    code, ctype, body = self._respond(method, parts[1])
+                except Exception:  # a scrape must never take the daemon down
+                    log.exception("error answering %s %s", parts[0], parts[1])
+                    code, ctype, body = 500, "text/plain", b"internal error\n"
+            reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                      500: "Internal Server Error", 503: "Service Unavailable"}[code]
+            writer.write(f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+            if method != "HEAD":
+                writer.write(body)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await writer.wait_closed()
