@@ -69,26 +69,38 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def format_status(s: dict[str, Any]) -> str:
+    """A terminal summary a person reads at a glance: state, pool, entries, traffic, hit rate, engines."""
     pool, idx, c = s["pool"], s["index"], s["counters"]
     used = pool["used_bytes"] / max(pool["total_bytes"], 1)
-    hits, misses = c.get("lookup_hit_chunks", 0), c.get("lookup_miss_chunks", 0)
-    rate = hits / (hits + misses) if hits + misses else 0.0
+    hits, misses = int(c.get("lookup_hit_chunks", 0)), int(c.get("lookup_miss_chunks", 0))
+    rate = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(idx.get("by_kind", {}).items())) or "none"
+    errors = int(c.get("errors", 0)) + int(c.get("internal_errors", 0))
     lines = [
-        f"pool      {pool['used_bytes'] / GIB:.2f} / {pool['total_bytes'] / GIB:.2f} GiB used ({used:.0%}), "
+        f"state     {'SHUTTING DOWN' if s.get('shutting_down') else 'serving'}",
+        f"pool      {_bytes(pool['used_bytes'])} / {_bytes(pool['total_bytes'])} used ({used:.0%}), "
         f"{pool['kind']} pages",
-        f"entries   {idx['ready']} ready, {idx['pending']} pending, {idx['writing']} writing; "
-        f"{idx['evictions']} evicted, {idx['stores_dropped']} stores dropped",
-        f"leases    {idx['leases']} held, {idx['pinned_entries']} entries pinned or leased",
-        f"lookups   {int(c.get('lookups', 0))}, chunk hit rate {rate:.1%}",
-        f"engines   {len(s['engines'])}",
+        f"entries   {idx['ready']} ready ({kinds}), {idx['pending']} pending, {idx['writing']} writing",
+        f"evicted   {idx['evictions']} entries, {idx['stores_dropped']} stores dropped (pool full)",
+        f"hit rate  {rate} of chunks ({hits} hit, {misses} missed in {int(c.get('lookups', 0))} lookups)",
+        f"traffic   {_bytes(c.get('stored_bytes', 0))} stored, {_bytes(c.get('retrieved_bytes', 0))} retrieved",
+        f"leases    {idx['leases']} held, {idx['pinned_entries']} entries pinned",
+        f"errors    {errors} sent to clients, {int(c.get('copy_timeouts', 0))} copy timeouts, "
+        f"{int(c.get('step_event_gaps', 0))} step-event gaps",
+        f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
-        kinds = ", ".join(f"{g['kind']}#{g['group_id']}" for g in e["groups"])
-        lines.append(f"  #{e['engine_id']} {e['role']:9} pid {e['pid']} {e['model']} rank {e['rank']}/"
-                     f"{e['world_size']} chunk {e['chunk_size']} [{kinds}]")
-    if s.get("shutting_down"):
-        lines.append("SHUTTING DOWN")
+        groups = ", ".join(f"{g['kind']}#{g['group_id']}" for g in e["groups"])
+        lines.append(f"  #{e['engine_id']:<3} {e['role']:9} pid {e['pid']:<7} {e['model']} rank {e['rank']}/"
+                     f"{e['world_size']} chunk {e['chunk_size']} [{groups}]")
     return "\n".join(lines)
 
 
