@@ -168,9 +168,17 @@ class SchedulerSide:
         try:
             rid = client.submit_lookup(keys[:n], lease=True)
         except Exception as e:
+            # The connection died since the last call (daemon restarted?): reconnect once now.
             self.link.lost(e)
-            st.hit_chunks = 0
-            return
+            client = self._connect()
+            try:
+                if client is None:
+                    raise ConnectionError("daemon unavailable")
+                rid = client.submit_lookup(keys[:n], lease=True)
+            except Exception as e2:
+                self.link.lost(e2)
+                st.hit_chunks = 0
+                return
         st.lookup_id, st.lookup_sent_at, st.lookup_gen = rid, time.monotonic(), self.link.generation
         self._by_lookup[rid] = req_id
         self.stats["lookups"] += 1

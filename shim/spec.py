@@ -334,7 +334,9 @@ class DaemonLink:
         _close_quietly(self.client)
         self.client = None
         self.ack = None
-        self._next_try = time.monotonic() + self.cfg.reconnect_interval_s
+        # Try again at the next call: a restarted daemon is usually listening already. Only a
+        # failed attempt backs off for reconnect_interval_s.
+        self._next_try = 0.0
         self._warn_down(exc)
 
     def close(self) -> None:

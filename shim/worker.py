@@ -273,6 +273,7 @@ class WorkerSide:
         meta = self._meta
         if meta is None:
             return
+        self._pump()  # notices a dead connection, so _ensure() reconnects before submitting
         client = self._ensure()
         if client is None:
             return

@@ -18,6 +18,19 @@ import os
 import sys
 
 
+def _handshake(sync_dir: str, i: int) -> None:
+    import time
+    from pathlib import Path
+
+    Path(sync_dir, f"paused-{i}").write_text("")
+    go = Path(sync_dir, f"go-{i}")
+    deadline = time.monotonic() + 120
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {go} within 120 s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +55,10 @@ def main() -> None:
     )
     sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=1)
     results = []
-    for ids in args["prompts"]:
+    for i, ids in enumerate(args["prompts"]):
+        if i in args.get("pause_before", []):
+            # The test restarts the daemon here, while this engine lives on.
+            _handshake(args["sync_dir"], i)
         llm.reset_prefix_cache()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
         comp = out.outputs[0]

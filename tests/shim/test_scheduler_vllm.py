@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The shim against vLLM's real ``Scheduler`` (CPU) and a real ``hkvd serve``; no model runs.
+
+The hand-built hybrid ``KVCacheConfig`` (one full-attention group, one Mamba group, block 16,
+align mode, dense retention) reproduces trace A of shared/reference/vllm-connector.md. The
+worker half runs in this process against a host buffer laid out like vLLM's (one int8 buffer,
+both groups aliased in it), and stands in for the model: after each step it writes a pattern
+derived from the prefix into every block the step computed. A later request with the same
+prefix, after ``reset_prefix_cache()``, must then load exactly those bytes into its own blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
+
+BLOCK = 16
+NUM_BLOCKS = 64
+PAGE = 2048  # attention page: 1 KV head x 16 tokens x (32 + 32) x bf16; Mamba padded to it
+MAMBA_BYTES = 512  # (4, 64) bf16
+
+
+def _make(model_dir: Any, socket: str, *, batched: int = 32, mamba_mode: str = "align",
+          extra: dict | None = None) -> tuple[Any, Any, Any]:
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vcfg = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), max_model_len=1024, dtype="bfloat16"),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=1024,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True, mamba_cache_mode=mamba_mode),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HkvdConnector", kv_connector_module_path="hkvd.shim.connector", kv_role="kv_both",
+            kv_connector_extra_config={"socket_path": socket, "reconnect_interval_s": 0.2, **(extra or {})}),
+        device_config=DeviceConfig("cpu"),
+    )
+    vcfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.bfloat16,), page_size_padded=PAGE,
+                      mamba_cache_mode=mamba_mode)
+    size = PAGE * NUM_BLOCKS
+    kvc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=size, layers=["attn0"], layer_stride=size, block_stride=PAGE),
+                          KVCacheTensor(size=size, layers=["mamba0"], layer_stride=size, block_stride=PAGE)],
+        kv_cache_groups=[KVCacheGroupSpec(["attn0"], attn), KVCacheGroupSpec(["mamba0"], mamba)],
+        kv_cache_layout="LBHNC",
+    )
+    sched = Scheduler(vcfg, kvc, StructuredOutputManager(vcfg), block_size=BLOCK)
+    return vcfg, kvc, sched
+
+
+class Runner:
+    """Steps the real Scheduler and plays the model runner for the worker half."""
+
+    def __init__(self, vcfg: Any, kvc: Any, sched: Any, with_worker: bool = True) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from hkvd.shim.connector import HkvdConnector
+
+        self.sched = sched
+        self.kvc = kvc
+        self.metas: list[Any] = []
+        self.buf = torch.zeros(PAGE * NUM_BLOCKS, dtype=torch.int8)  # both groups alias it, as in vLLM
+        self.worker = None
+        if with_worker:
+            self.worker = HkvdConnector(vcfg, KVConnectorRole.WORKER, kvc)
+            self.worker.register_kv_caches({
+                "attn0": self.buf.view(NUM_BLOCKS, PAGE),
+                "mamba0": self.buf.view(NUM_BLOCKS, PAGE)[:, :MAMBA_BYTES],
+            })
+        self.tokens: dict[str, list[int]] = {}
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Any:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        req = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0), None,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))
+        self.tokens[req_id] = list(tokens)
+        self.sched.add_request(req)
+        return req
+
+    @staticmethod
+    def pattern(tokens: list[int], upto: int, page: int) -> bytes:
+        return (hashlib.blake2b(str(tokens[:upto]).encode(), digest_size=16).digest() * (page // 16))[:page]
+
+    def _write(self, block: int, data: bytes) -> None:
+        import torch
+
+        self.buf[block * PAGE: block * PAGE + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.int8)
+
+    def read(self, block: int, n: int) -> bytes:
+        return self.buf[block * PAGE: block * PAGE + n].numpy().tobytes()
+
+    def step(self) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        out_conn = KVConnectorOutput()
+        if self.worker is not None:
+            w = self.worker
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            self._forward(so)
+            w.wait_for_save()
+            sending, recving = w.get_finished(so.finished_req_ids)
+            out_conn = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                         invalid_block_ids=w.get_block_ids_with_load_errors())
+            w.clear_connector_metadata()
+            self._drain()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
+            sampled.append([7] if done else [])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                pooler_output=[], kv_connector_output=out_conn)
+        self.sched.update_from_output(so, mro)
+        return meta
+
+    def _forward(self, so: Any) -> None:
+        """Write the prefix pattern into every block this step computes (attention and Mamba)."""
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            toks = self.tokens[rid]
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            table = self.sched.kv_cache_manager.get_block_ids(rid)
+            for b in range(start // BLOCK, -(-end // BLOCK)):
+                if b < len(table[0]) and table[0][b]:
+                    self._write(table[0][b], self.pattern(toks, min((b + 1) * BLOCK, end), PAGE))
+            if end % BLOCK == 0 and end // BLOCK - 1 < len(table[1]) and table[1][end // BLOCK - 1]:
+                self._write(table[1][end // BLOCK - 1], self.pattern(toks, end, MAMBA_BYTES))
+
+    def _drain(self, timeout_s: float = 5.0) -> None:
+        """Let this step's copies finish before the next step (deterministic confirms)."""
+        side = self.worker._worker  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout_s
+        while side._jobs and time.monotonic() < deadline:
+            side._pump(0.01)
+
+    def run(self, max_steps: int = 30) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step()
+        for _ in range(3):  # empty steps carry the last confirms
+            self.step()
+
+
+@pytest.fixture
+def qwen_dir(tiny_models: dict) -> Any:
+    return tiny_models["gemma3"]  # any local model dir: the KVCacheConfig is built by hand
+
+
+def _items(meta: Any) -> tuple[list, list]:
+    stores = [(it[0], it[1], it[3]) for sj in meta.stores for it in sj.items]
+    offers = [(r, it[0], it[1], it[3]) for r, it in meta.offers]
+    return stores, offers
+
+
+def test_trace_a_descriptors_and_external_load(qwen_dir, daemon_factory) -> None:
+    d = daemon_factory(chunk_size=BLOCK)
+    vcfg, kvc, sched = _make(qwen_dir, d.socket)
+    run = Runner(vcfg, kvc, sched)
+    prompt = list(range(10, 80))  # 70 tokens
+    run.add("r1", prompt)
+    m0 = run.step()
+    m1 = run.step()
+    m2 = run.step()
+    # Trace A: s0 tables ([1,2],[0,3]) offers (g1, blk 3, 32); s1 ([1,2,4,5],[0,3,0,6]) offers blk 6 at 64.
+    assert _items(m0) == ([(0, 0, [1]), (0, 1, [2])], [("r1", 1, 1, [3])])
+    assert _items(m1) == ([(0, 2, [4]), (0, 3, [5])], [("r1", 1, 3, [6])])
+    assert _items(m2) == ([], [])  # 70 tokens: chunk 4 is not full
+    assert m0.fence_blocks == {1, 2, 3} and {4, 5, 6} <= m1.fence_blocks
+    run.run()
+    assert "r1" not in sched.requests  # freed after the worker reported its copies done
+
+    sched.reset_prefix_cache()  # vLLM's local cache is gone; hkvd still has the prefix
+    run.add("r3", prompt)
+    m = run.step()
+    (load,) = m.loads
+    attn = [it for it in load.items if it[0] == 0]
+    (mamba,) = [it for it in load.items if it[0] == 1]
+    table = sched.kv_cache_manager.get_block_ids("r3")
+    assert [it[1] for it in attn] == [0, 1, 2, 3] and [it[3][0] for it in attn] == table[0][:4]
+    assert mamba[1] == 3 and mamba[3] == [table[1][3]]  # state(64) into index 64/16 - 1
+    assert sched.requests["r3"].num_computed_tokens >= 64
+    for i in range(4):  # the bytes r1 computed, now in r3's blocks
+        assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
+    assert run.read(table[1][3], MAMBA_BYTES) == Runner.pattern(prompt, 64, MAMBA_BYTES)
+    run.run()
+
+
+def test_daemon_down_recomputes_with_one_warning(qwen_dir, daemon_factory, caplog) -> None:
+    d = daemon_factory(chunk_size=BLOCK)
+    vcfg, kvc, sched = _make(qwen_dir, d.socket)
+    run = Runner(vcfg, kvc, sched)
+    d.stop()
+    caplog.set_level(logging.WARNING, logger="hkvd.shim")
+    for i in range(3):
+        run.add(f"q{i}", list(range(10 + i, 80 + i)))
+        run.run()
+        assert f"q{i}" not in sched.requests
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]  # one per side, not one per call
+    d.start()
+    time.sleep(0.3)  # past reconnect_interval_s
+    run.add("back", list(range(10, 80)))
+    run.run()
+    assert run.worker._worker.link.up and sched.connector._sched.link.up  # type: ignore[union-attr]
+
+
+def test_startup_validation_names_the_fix(qwen_dir, daemon_factory) -> None:
+    d = daemon_factory(chunk_size=BLOCK)
+    with pytest.raises(ValueError, match="multiple of vLLM's block size"):
+        _make(qwen_dir, d.socket, extra={"chunk_size": 24})
+    # The daemon's own validation travels back through registration, fix included.
+    with pytest.raises(Exception, match="--max-num-batched-tokens 16"):
+        _make(qwen_dir, d.socket, batched=8)
+    with pytest.raises(ValueError, match="--mamba-cache-mode align"):
+        _make(qwen_dir, d.socket, mamba_mode="none")
