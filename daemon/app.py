@@ -214,6 +214,7 @@ class Daemon:
                 self.service.cfg = self.service.cfg.replace(**{f: v[1] for f, v in applied.items()})
             if "log_level" in applied:
                 logging.getLogger().setLevel(self.cfg.log_level.upper())
+                log.debug("SIGHUP: log level is now %s", self.cfg.log_level)
         log.info("SIGHUP: config reloaded; applied %s; needs a restart (ignored): %s",
                  ", ".join(f"{f} {a!r} -> {b!r}" for f, (a, b) in applied.items()) or "nothing",
                  ", ".join(ignored) or "nothing")
