@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hkvd.daemon.config import DaemonConfig, load_toml
 from hkvd.daemon.notify import Notifier
 from hkvd.shim.client import DaemonClient
