@@ -54,7 +54,9 @@ bench: dev
 	$(BIN)/python -m bench all
 
 bench-peers: dev
-	$(BIN)/python -m bench control_plane --with-lmcache
+	.bench-lmcache/bin/python -c 'import lmcache' 2>/dev/null || \
+	  ($(PY) -m venv .bench-lmcache && .bench-lmcache/bin/pip install lmcache==0.5.6)
+	$(BIN)/python -m bench control_plane --lmcache-venv .bench-lmcache
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,82 @@
+"""``python -m bench {store_retrieve,control_plane,scale,all} [--quick] [--out bench/results]``.
+
+Writes ``<out>/<name>.json`` per run and PNG plots when matplotlib is importable, and prints a
+markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.common import git_commit, machine, md_table, try_pyplot, write_json
+
+RUNS = ("store_retrieve", "control_plane", "scale")
+
+
+def _gpu(quick: bool) -> int:
+    """The GPU engine's store_retrieve lives in bench/gpu_copy.py where someone provides it."""
+    try:
+        mod = importlib.import_module("bench.gpu_copy")
+    except ImportError as e:
+        print(f"GPU store_retrieve bench not available ({e}); skipped")
+        return 0
+    main = getattr(mod, "main", None)
+    if main is None:
+        print("bench.gpu_copy has no main(argv); skipped")
+        return 0
+    return int(main(["--total-mib", "256", "--iters", "3"] if quick else []) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", choices=[*RUNS, "all", "gpu_copy"])
+    ap.add_argument("--quick", action="store_true", help="CI smoke: fewer sizes and repeats (< 2 min)")
+    ap.add_argument("--out", default="bench/results", help="folder for <name>.json and PNG plots")
+    ap.add_argument("--hugepages", choices=["auto", "off"], default="auto",
+                    help="pool backing for the daemon and the references (default auto)")
+    ap.add_argument("--engine", choices=["host", "cuda"], default="host",
+                    help="store_retrieve copy engine; cuda runs bench/gpu_copy.py where present")
+    ap.add_argument("--lmcache-venv", default=None,
+                    help="venv with lmcache installed (make bench-peers): adds LMCache's ping to control_plane")
+    a = ap.parse_args(argv)
+    if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
+        return _gpu(a.quick)
+    out = Path(a.out)
+    runs = RUNS if a.run == "all" else (a.run,)
+    plt = try_pyplot()
+    tables: list[str] = []
+    started = time.perf_counter()
+    for name in runs:
+        mod = importlib.import_module(f"bench.{name}")
+        print(f"== {name}{' (quick)' if a.quick else ''}", flush=True)
+        t0 = time.perf_counter()
+        kwargs: dict[str, Any] = {"quick": a.quick, "hugepages": a.hugepages}
+        if name == "control_plane":
+            kwargs["lmcache_venv"] = a.lmcache_venv
+        result = mod.run(**kwargs)
+        payload = {"name": name, "quick": a.quick, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                   "commit": git_commit(), "machine": machine(), "wall_s": time.perf_counter() - t0, **result}
+        path = write_json(out, name, payload)
+        print(f"  wrote {path} ({payload['wall_s']:.1f} s)")
+        if plt is not None:
+            for p in mod.plot(plt, result, out):
+                print(f"  wrote {p}")
+        headers, rows = mod.table(result)
+        tables.append(f"### {name}\n\n{md_table(headers, rows)}")
+    if plt is None:
+        print("matplotlib not installed: plots skipped (pip install matplotlib to get PNGs)")
+    print(f"\n## hkvd bench{' --quick' if a.quick else ''} ({time.perf_counter() - started:.0f} s; ratios are "
+          "same-run, same-buffer; absolute numbers vary 2-3x on shared machines)\n")
+    print("\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

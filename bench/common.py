@@ -1,0 +1,180 @@
+"""Shared pieces: a real ``hkvd serve`` subprocess, statistics, timed waits, results and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hkvd.shim.client import DaemonClient
+from hkvd.transport.wire.errors import KVError
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def human_bytes(n: int) -> str:
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= KiB and n % KiB == 0:
+        return f"{n // KiB} KiB"
+    return f"{n} B"
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of ``xs``."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "machine": platform.machine()}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             check=False)
+        return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def readline_timeout(proc: subprocess.Popen[str], timeout_s: float, what: str) -> str:
+    """One line from ``proc.stdout``, or RuntimeError after ``timeout_s`` (every wait has a timeout)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise RuntimeError(f"{what}: no answer within {timeout_s:.0f} s")
+    line = proc.stdout.readline()
+    if not line:
+        err = ""
+        if proc.stderr is not None:
+            try:
+                proc.wait(2)
+                err = proc.stderr.read()[-2000:]
+            except subprocess.TimeoutExpired:
+                pass
+        raise RuntimeError(f"{what}: the process ended (rc {proc.poll()})\n{err}")
+    return line
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+
+class Daemon:
+    """A real ``hkvd serve`` on a private socket, as tests/conftest.py starts it."""
+
+    def __init__(self, *args: str, pool_gb: float = 1.0, hugepages: str = "auto") -> None:
+        self.dir = tempfile.mkdtemp(prefix="hkvd-bench-")
+        self.socket_path = os.path.join(self.dir, "hkvd.sock")
+        self.log_path = Path(self.dir) / "hkvd.log"
+        self.args = ["--l1-size-gb", str(pool_gb), "--hugepages", hugepages, "--log-level", "warning", *args]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 60.0) -> Daemon:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen([sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path,
+                                      *self.args], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hkvd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with DaemonClient(self.socket_path, client_name="bench-probe", role="tool", timeout_s=1.0) as c:
+                    c.ping()
+                return self
+            except KVError:
+                time.sleep(0.05)
+        raise RuntimeError(f"hkvd did not become ready in {timeout_s} s:\n{self.log()}")
+
+    def status(self) -> dict[str, Any]:
+        with DaemonClient(self.socket_path, client_name="bench-probe", role="tool", timeout_s=5.0) as c:
+            return c.status()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, 20.0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def write_json(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1, sort_keys=False, default=float) + "\n")
+    return path
+
+
+def try_pyplot() -> Any:
+    """matplotlib.pyplot with a headless backend, or None (plots are optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            if v != v:  # nan
+                return "-"
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""control_plane: descriptor round-trip latency (p50/p99) and ops/s with 1, 8 and 64 engines.
+
+Every engine is a ``SyntheticEngine`` with its own connection and registration, closed loop
+(next request once the previous completed). Engines run as threads in a few worker processes
+(``bench.cp_worker``: 1 -> 1x1, 8 -> 2x4, 64 -> 4x16), so on a small machine the clients compete
+with the daemon for the same cores: the figures are of the whole node, not of the daemon alone.
+
+Reference, same run: a bare Unix-socket echo round trip (64 bytes, a child process that
+echoes, blocking sockets), the floor any local request/reply protocol pays. LMCache's
+multiprocess server is measured side by side only when ``--lmcache-venv DIR`` names a venv with
+``lmcache`` installed (``make bench-peers`` makes one): see ``bench.lmcache_ping``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import Daemon, percentile, readline_timeout, stop_process
+
+OPS = ("ping", "lookup", "store", "retrieve")
+LAYOUT = {1: (1, 1), 8: (2, 4), 64: (4, 16)}  # engines -> (processes, threads each)
+TIMEOUT_S = 120.0
+
+_ECHO = r"""
+import os, socket, sys, threading
+path = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(8)
+print("ready", flush=True)
+def serve(c):
+    while True:
+        d = c.recv(4096)
+        if not d:
+            return
+        c.sendall(d)
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def echo_reference(n: int) -> dict[str, float]:
+    d = tempfile.mkdtemp(prefix="hkvd-bench-echo-")
+    path = os.path.join(d, "echo.sock")
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        readline_timeout(proc, 30.0, "echo server")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10.0)
+        s.connect(path)
+        msg = b"x" * 64
+        lat = []
+        for i in range(n + 50):
+            t0 = time.perf_counter()
+            s.sendall(msg)
+            got = 0
+            while got < len(msg):
+                got += len(s.recv(4096))
+            if i >= 50:
+                lat.append((time.perf_counter() - t0) * 1e6)
+        s.close()
+    finally:
+        stop_process(proc)
+    return {"p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99), "ops_s": 1e6 / (sum(lat) / len(lat))}
+
+
+class Workers:
+    def __init__(self, socket_path: str, engines: int) -> None:
+        procs, threads = LAYOUT.get(engines, (max(1, min(4, engines)), -(-engines // max(1, min(4, engines)))))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "bench.cp_worker"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for _ in range(procs)]
+        for i, p in enumerate(self.procs):
+            self._send(p, {"socket": socket_path, "threads": threads, "seed": i})
+        for p in self.procs:
+            readline_timeout(p, TIMEOUT_S, "control-plane worker start")
+        self.engines = procs * threads
+
+    @staticmethod
+    def _send(p: subprocess.Popen[str], msg: dict[str, Any]) -> None:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(msg) + "\n")
+        p.stdin.flush()
+
+    def run(self, op: str, duration_s: float) -> dict[str, Any]:
+        for p in self.procs:
+            self._send(p, {"op": op, "duration_s": duration_s})
+        replies = [json.loads(readline_timeout(p, duration_s + TIMEOUT_S, f"worker {op}")) for p in self.procs]
+        for r in replies:
+            if "error" in r:
+                raise RuntimeError(f"control-plane {op}: {r['error']}")
+        lat = [x for r in replies for x in r["lat_us"]]
+        n = sum(r["n"] for r in replies)
+        elapsed = max(r["elapsed_s"] for r in replies)
+        return {"op": op, "engines": self.engines, "n": n, "ops_s": n / elapsed, "p50_us": percentile(lat, 50),
+                "p99_us": percentile(lat, 99)}
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                stop_process(p)
+
+
+def run(quick: bool, lmcache_venv: str | None = None, hugepages: str = "auto", log: Any = print) -> dict[str, Any]:
+    duration = 1.0 if quick else 5.0
+    levels = [1, 8, 64]
+    echo = echo_reference(1000 if quick else 10000)
+    log(f"  bare UDS echo round trip: p50 {echo['p50_us']:.0f} us, p99 {echo['p99_us']:.0f} us")
+    rows: list[dict[str, Any]] = []
+    with Daemon("--chunk-size", "16", pool_gb=0.25, hugepages=hugepages) as daemon:
+        for engines in levels:
+            w = Workers(daemon.socket_path, engines)
+            try:
+                for op in OPS:
+                    r = w.run(op, duration)
+                    r["p50_vs_echo"] = r["p50_us"] / echo["p50_us"]
+                    rows.append(r)
+                    log(f"  {engines:>2} engines {op:<8} p50 {r['p50_us']:7.0f} us  p99 {r['p99_us']:7.0f} us  "
+                        f"{r['ops_s']:8.0f} ops/s  ({r['p50_vs_echo']:.1f}x echo p50)")
+            finally:
+                w.close()
+        lm = lmcache_compare(lmcache_venv, daemon.socket_path, quick, log)
+    return {"config": {"duration_s": duration, "levels": levels, "layout": LAYOUT}, "echo": echo, "rows": rows,
+            "lmcache": lm}
+
+
+def lmcache_compare(venv: str | None, socket_path: str, quick: bool, log: Any) -> dict[str, Any]:
+    if not venv:
+        log("  LMCache not installed: make bench-peers")
+        return {"skipped": "LMCache not installed: make bench-peers"}
+    py = Path(venv) / "bin" / "python"
+    if not py.exists():
+        log(f"  LMCache venv {venv} has no bin/python: make bench-peers")
+        return {"skipped": f"no venv at {venv}"}
+    n = 2000 if quick else 20000
+    here = Path(__file__).resolve().parent.parent
+    out = subprocess.run([str(py), "-m", "bench.lmcache_ping", "--n", str(n)], capture_output=True, text=True,
+                         timeout=300, cwd=here, check=False)
+    if out.returncode != 0:
+        log(f"  LMCache comparison failed: {out.stderr.strip()[-500:]}")
+        return {"error": out.stderr.strip()[-2000:]}
+    lm = json.loads(out.stdout.strip().splitlines()[-1])
+    w = Workers(socket_path, 1)
+    try:
+        ours = w.run("ping", 1.0 if quick else 5.0)
+    finally:
+        w.close()
+    res = {"lmcache": lm, "hkvd_ping": ours, "rate_ratio": ours["ops_s"] / lm["ops_s"],
+           "p50_ratio": ours["p50_us"] / lm["p50_us"], "target": "rate >= 3x, p50 <= 1/3"}
+    log(f"  LMCache ping: {lm['ops_s']:.0f} ops/s p50 {lm['p50_us']:.0f} us; hkvd {res['rate_ratio']:.2f}x its rate, "
+        f"{res['p50_ratio']:.2f}x its p50")
+    return res
+
+
+def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    headers = ["engines", "op", "p50 us", "p99 us", "ops/s", "p50 / UDS echo p50"]
+    rows = [[r["engines"], r["op"], r["p50_us"], r["p99_us"], r["ops_s"], r["p50_vs_echo"]] for r in result["rows"]]
+    e = result["echo"]
+    rows.append(["1", "(bare UDS echo)", e["p50_us"], e["p99_us"], e["ops_s"], 1.0])
+    lm = result.get("lmcache", {})
+    if "rate_ratio" in lm:
+        rows.append(["1", "(LMCache ping)", lm["lmcache"]["p50_us"], lm["lmcache"]["p99_us"], lm["lmcache"]["ops_s"],
+                     lm["lmcache"]["p50_us"] / e["p50_us"]])
+    return headers, rows
+
+
+def plot(plt: Any, result: dict[str, Any], out_dir: Path) -> list[str]:
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for op in OPS:
+        rs = [r for r in rows if r["op"] == op]
+        axes[0].plot([r["engines"] for r in rs], [r["p50_us"] for r in rs], marker="o", label=f"{op} p50")
+        axes[1].plot([r["engines"] for r in rs], [r["ops_s"] for r in rs], marker="o", label=op)
+    axes[0].axhline(result["echo"]["p50_us"], color="grey", ls="--", lw=1, label="UDS echo p50")
+    for ax, y in zip(axes, ("latency us", "ops/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent engines")
+        ax.set_ylabel(y)
+        ax.legend()
+    path = out_dir / "control_plane.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]

@@ -1,0 +1,103 @@
+"""Control-plane load worker: ``threads`` synthetic engines (one connection each) in one process.
+
+Protocol on stdin/stdout, JSON lines: first ``{"socket", "threads", "seed"}``, answered by
+``{"ready": true}`` once every engine registered and stored its fixtures; then one
+``{"op", "duration_s"}`` per measurement, answered by ``{"op", "n", "elapsed_s", "lat_us": [...]}``
+(closed loop: each engine issues its next request when the previous one completed). EOF ends it.
+
+Ops: ``lookup`` (4 stored chunk keys, no lease), ``store`` (one fresh 4 KiB chunk), ``retrieve``
+(one stored 4 KiB chunk, no lease), ``ping``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+from hkvd.transport.wire.kv import Item
+
+PAGE = 4096
+MAX_SAMPLES = 20_000  # per engine and op
+
+
+def _one(eng: SyntheticEngine, op: str, keys: list[bytes], stored: list[Item]) -> None:
+    if op == "lookup":
+        hit, _ = eng.lookup(keys, lease=False)
+        if hit != len(keys):
+            raise RuntimeError(f"lookup hit {hit} of {len(keys)} stored chunks")
+    elif op == "store":
+        eng.store([Item(0, 0, os.urandom(16), [2])])
+    elif op == "retrieve":
+        eng.retrieve(stored)
+    elif op == "ping":
+        eng.client.ping()
+    else:
+        raise ValueError(op)
+
+
+def main() -> int:
+    init = json.loads(sys.stdin.readline())
+    n = int(init["threads"])
+    engines = [SyntheticEngine(init["socket"], [GroupShape("full", 1, PAGE)], num_blocks=8, tokens_per_block=16,
+                               chunk_size=16, model="bench-cp", timeout_s=30.0) for _ in range(n)]
+    fixtures = []
+    for i, eng in enumerate(engines):
+        keys = [os.urandom(16) for _ in range(4)]
+        items = [Item(0, c, k, [c + 1]) for c, k in enumerate(keys)]
+        eng.fill_random(0, [1, 2, 3, 4], seed=i)
+        eng.store(items)
+        fixtures.append((keys, items[:1]))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        op, duration = req["op"], float(req["duration_s"])
+        lat: list[list[float]] = [[] for _ in engines]
+        counts = [0] * n
+        errors: list[str] = []
+        start = threading.Barrier(n + 1, timeout=30.0)
+
+        def loop(i: int, op: str = op, duration: float = duration, lat: list[list[float]] = lat,
+                 counts: list[int] = counts, errors: list[str] = errors,
+                 start: threading.Barrier = start) -> None:
+            eng = engines[i]
+            keys, stored = fixtures[i]
+            mine = lat[i]
+            try:
+                start.wait()
+                end = time.perf_counter() + duration
+                while True:
+                    t0 = time.perf_counter()
+                    if t0 >= end:
+                        break
+                    _one(eng, op, keys, stored)
+                    if len(mine) < MAX_SAMPLES:
+                        mine.append((time.perf_counter() - t0) * 1e6)
+                    counts[i] += 1
+            except Exception as e:  # reported to the parent, which fails the run
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join(duration + 30.0)
+        elapsed = time.perf_counter() - t0
+        out: dict[str, Any] = {"op": op, "n": sum(counts), "elapsed_s": elapsed,
+                               "lat_us": [x for xs in lat for x in xs]}
+        if errors:
+            out["error"] = errors[0]
+        print(json.dumps(out), flush=True)
+    for eng in engines:
+        eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

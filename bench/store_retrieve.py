@@ -1,0 +1,237 @@
+"""store_retrieve: daemon store / retrieve GB/s against memcpy and raw CMA on the same buffers.
+
+Setup: a real ``hkvd serve`` subprocess; in this process a synthetic engine (one full-attention
+group, one layer, one block per chunk, so one entry = one page of ``page`` bytes) registered with
+it; a helper child (``bench.cma_helper``) that owns a pool of the daemon's kind. For every
+(page size, batch size) and every repeat, interleaved so drift hits all of them alike:
+
+- **store**: one Store descriptor of ``batch`` fresh chunks, submit to Done (the daemon reads the
+  engine pages into its pool with process_vm_readv);
+- **raw read**: the helper's bare process_vm_readv of the same engine pages into its pool;
+- **memcpy**: numpy copies, page by page, of the same engine pages into a pre-faulted pool-kind
+  buffer in this process;
+- and the same three the other way (retrieve / raw process_vm_writev / memcpy back).
+
+Reported: medians of the repeats as GB/s, and the ratios daemon / raw and daemon / memcpy.
+Target (issue 7): >= 0.9 of the raw primitive at pages >= 2 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.common import Daemon, MiB, gbps, human_bytes, median, readline_timeout, stop_process
+from hkvd.daemon.cma import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc
+from hkvd.daemon.pool import HugePagePool
+from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+from hkvd.transport.wire.kv import Item
+
+FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "batches": [1, 8, 64],
+        "cap": 256 * MiB, "repeats": 7}
+QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 5}
+TARGET = 0.9
+TIMEOUT_S = 60.0
+
+
+class Helper:
+    def __init__(self, pool_bytes: int, hugepages: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.cma_helper"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._send({"pid": os.getpid(), "pool_bytes": pool_bytes, "hugepages": hugepages})
+        self.info = json.loads(readline_timeout(self.proc, TIMEOUT_S, "cma helper start"))
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def run(self, op: str, pages: list[tuple[int, int]], repeats: int = 1) -> list[float]:
+        self._send({"op": op, "pages": pages, "repeats": repeats})
+        reply = json.loads(readline_timeout(self.proc, TIMEOUT_S, f"cma helper {op}"))
+        if "error" in reply:
+            raise RuntimeError(f"cma helper: {reply['error']}")
+        return reply["times"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            stop_process(self.proc)
+
+
+def _allow_any_ptracer() -> None:
+    """Under Yama, let both the daemon and the helper (a child: not our ancestor) read us."""
+    _libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)  # EINVAL without Yama: nothing to do
+
+
+def _fresh_keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any]:
+    cfg = QUICK if quick else FULL
+    pages_list: list[int] = cfg["pages"]
+    batches: list[int] = cfg["batches"]
+    cap: int = cfg["cap"]
+    repeats: int = cfg["repeats"]
+    max_bytes = max(p * b for p in pages_list for b in batches if p * b <= cap)
+    pool_gb = max(1.0, 4 * max_bytes / (1 << 30))
+    rows: list[dict[str, Any]] = []
+    _allow_any_ptracer()
+    with Daemon("--chunk-size", "16", pool_gb=pool_gb, hugepages=hugepages) as daemon:
+        st = daemon.status()
+        helper = Helper(max_bytes, hugepages)
+        scratch_pool = HugePagePool(max_bytes, hugepages)  # type: ignore[arg-type]
+        try:
+            scratch_pool.prefault()
+            scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
+            log(f"  daemon pool {st.get('pool', {}).get('kind', '?') if isinstance(st.get('pool'), dict) else '?'}"
+                f", helper pool {helper.info.get('kind')}, scratch pool {scratch_pool.kind}")
+            for page in pages_list:
+                fits = [b for b in batches if page * b <= cap]
+                if not fits:
+                    continue
+                rows += _run_page(daemon.socket_path, helper, scratch, page, fits, repeats, log)
+            _allow_any_ptracer()
+        finally:
+            del scratch
+            scratch_pool.close()
+            helper.close()
+    big = [r for r in rows if r["page_bytes"] >= 2 * MiB]
+    summary = {
+        "min_store_vs_raw_ge_2MiB": min((r["store_vs_raw"] for r in big), default=float("nan")),
+        "min_retrieve_vs_raw_ge_2MiB": min((r["retrieve_vs_raw"] for r in big), default=float("nan")),
+        "rows_meeting_target_ge_2MiB": sum(r["store_vs_raw"] >= TARGET and r["retrieve_vs_raw"] >= TARGET
+                                           for r in big),
+        "rows_ge_2MiB": len(big),
+        "target": TARGET,
+    }
+    return {"config": {**cfg, "hugepages": hugepages, "pool_gb": pool_gb}, "rows": rows, "summary": summary}
+
+
+def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, batches: list[int],
+              repeats: int, log: Any) -> list[dict[str, Any]]:
+    nb = max(batches) + 1  # block 0 is the null block
+    eng = SyntheticEngine(socket_path, [GroupShape("full", 1, page)], num_blocks=nb, tokens_per_block=16,
+                          chunk_size=16, model=f"bench-{page}", timeout_s=TIMEOUT_S)
+    _allow_any_ptracer()  # the engine's constructor narrowed the ptracer to the daemon
+    rows = []
+    try:
+        eng.buffer[:] = np.resize(np.random.default_rng(page).integers(-128, 128, 1 << 20, dtype=np.int8),
+                                  eng.buffer.size)
+        for batch in batches:
+            blocks = list(range(1, batch + 1))
+            nbytes = batch * page
+            pages = [(int(eng.page(0, 0, b).ctypes.data), page) for b in blocks]
+            src = [eng.page(0, 0, b) for b in blocks]
+            dst = [scratch[i * page:(i + 1) * page] for i in range(batch)]
+
+            def items(keys: list[bytes], blocks: list[int] = blocks) -> list[Item]:
+                return [Item(0, i, k, [b]) for i, (k, b) in enumerate(zip(keys, blocks, strict=True))]
+
+            def memcpy_to(src: list[np.ndarray] = src, dst: list[np.ndarray] = dst) -> float:
+                t0 = time.perf_counter()
+                for s, d in zip(src, dst, strict=True):
+                    np.copyto(d, s)
+                return time.perf_counter() - t0
+
+            def memcpy_from(src: list[np.ndarray] = src, dst: list[np.ndarray] = dst) -> float:
+                t0 = time.perf_counter()
+                for s, d in zip(src, dst, strict=True):
+                    np.copyto(s, d)
+                return time.perf_counter() - t0
+
+            def timed(fn: Any, *args: Any) -> float:
+                t0 = time.perf_counter()
+                fn(*args)
+                return time.perf_counter() - t0
+
+            # Warm up every path once (first-touch, code paths, the daemon's thread pool).
+            stored = items(_fresh_keys(batch))
+            eng.store(stored)
+            helper.run("read", pages)
+            memcpy_to()
+            expect = eng.buffer[page:(batch + 1) * page].copy()
+            eng.buffer[page:(batch + 1) * page] = 0
+            done = eng.retrieve(stored)
+            if not np.array_equal(eng.buffer[page:(batch + 1) * page], expect):
+                raise RuntimeError(f"retrieve of {batch} x {human_bytes(page)} pages was not byte-exact")
+            if done.result.get("nbytes") != nbytes:
+                raise RuntimeError(f"retrieve moved {done.result.get('nbytes')} bytes, expected {nbytes}")
+            helper.run("write", pages)
+            memcpy_from()
+            del expect
+
+            t: dict[str, list[float]] = {k: [] for k in ("store", "raw_read", "memcpy_to", "retrieve",
+                                                         "raw_write", "memcpy_from")}
+            for _ in range(repeats):  # interleaved, so noise lands on all paths alike
+                fresh = items(_fresh_keys(batch))
+                t["store"].append(timed(eng.store, fresh))
+                stored = fresh
+                t["raw_read"] += helper.run("read", pages)
+                t["memcpy_to"].append(memcpy_to())
+            for _ in range(repeats):
+                t["retrieve"].append(timed(eng.retrieve, stored))
+                t["raw_write"] += helper.run("write", pages)
+                t["memcpy_from"].append(memcpy_from())
+            g = {k: gbps(nbytes, median(v)) for k, v in t.items()}
+            row = {
+                "page_bytes": page, "batch": batch, "request_bytes": nbytes, "repeats": repeats,
+                "store_gbps": g["store"], "raw_read_gbps": g["raw_read"], "memcpy_to_gbps": g["memcpy_to"],
+                "retrieve_gbps": g["retrieve"], "raw_write_gbps": g["raw_write"],
+                "memcpy_from_gbps": g["memcpy_from"],
+                "store_vs_raw": g["store"] / g["raw_read"], "store_vs_memcpy": g["store"] / g["memcpy_to"],
+                "retrieve_vs_raw": g["retrieve"] / g["raw_write"],
+                "retrieve_vs_memcpy": g["retrieve"] / g["memcpy_from"],
+                # What one descriptor round trip adds to the kernel's copy, in microseconds.
+                "store_overhead_us": (median(t["store"]) - median(t["raw_read"])) * 1e6,
+                "retrieve_overhead_us": (median(t["retrieve"]) - median(t["raw_write"])) * 1e6,
+                "median_s": {k: median(v) for k, v in t.items()},
+            }
+            rows.append(row)
+            log(f"  {human_bytes(page):>7} x {batch:<3} store {row['store_gbps']:5.2f} GB/s "
+                f"({row['store_vs_raw']:.2f} raw, {row['store_vs_memcpy']:.2f} memcpy)  retrieve "
+                f"{row['retrieve_gbps']:5.2f} GB/s ({row['retrieve_vs_raw']:.2f} raw, "
+                f"{row['retrieve_vs_memcpy']:.2f} memcpy)")
+    finally:
+        eng.close()
+    return rows
+
+
+def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    headers = ["page", "batch", "store GB/s", "raw readv GB/s", "store/raw", "store/memcpy", "retrieve GB/s",
+               "raw writev GB/s", "retrieve/raw", "retrieve/memcpy", "store +us", "retrieve +us"]
+    rows = [[human_bytes(r["page_bytes"]), r["batch"], r["store_gbps"], r["raw_read_gbps"], r["store_vs_raw"],
+             r["store_vs_memcpy"], r["retrieve_gbps"], r["raw_write_gbps"], r["retrieve_vs_raw"],
+             r["retrieve_vs_memcpy"], r["store_overhead_us"], r["retrieve_overhead_us"]] for r in result["rows"]]
+    return headers, rows
+
+
+def plot(plt: Any, result: dict[str, Any], out_dir: Any) -> list[str]:
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, what in zip(axes, ("store", "retrieve"), strict=True):
+        for batch in sorted({r["batch"] for r in rows}):
+            rs = [r for r in rows if r["batch"] == batch]
+            ax.plot([r["page_bytes"] / 1024 for r in rs], [r[f"{what}_vs_raw"] for r in rs], marker="o",
+                    label=f"batch {batch}")
+        ax.axhline(TARGET, color="grey", ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("page KiB")
+        ax.set_title(f"{what} / raw process_vm_{'readv' if what == 'store' else 'writev'}")
+        ax.legend()
+    axes[0].set_ylabel("ratio (same run, same buffers)")
+    path = out_dir / "store_retrieve.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]
