@@ -124,6 +124,7 @@ class Runner:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.sched.schedule()
+        self.last_so = so
         meta = so.kv_connector_metadata
         self.metas.append(meta)
         out_conn = KVConnectorOutput()
@@ -143,7 +144,7 @@ class Runner:
         sampled = []
         for rid in req_ids:
             req = self.sched.requests[rid]
-            done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
+            done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
             sampled.append([7] if done else [])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
@@ -156,7 +157,7 @@ class Runner:
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             toks = self.tokens[rid]
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            start, end = req.num_computed_tokens - n, req.num_computed_tokens  # advanced by schedule()
             table = self.sched.kv_cache_manager.get_block_ids(rid)
             for b in range(start // BLOCK, -(-end // BLOCK)):
                 if b < len(table[0]) and table[0][b]:
@@ -214,10 +215,12 @@ def test_trace_a_descriptors_and_external_load(qwen_dir, daemon_factory) -> None
     (load,) = m.loads
     attn = [it for it in load.items if it[0] == 0]
     (mamba,) = [it for it in load.items if it[0] == 1]
-    table = sched.kv_cache_manager.get_block_ids("r3")
+    (new,) = run.last_so.scheduled_new_reqs
+    table = new.block_ids  # as allocated for this step (the Mamba entry retires later)
     assert [it[1] for it in attn] == [0, 1, 2, 3] and [it[3][0] for it in attn] == table[0][:4]
     assert mamba[1] == 3 and mamba[3] == [table[1][3]]  # state(64) into index 64/16 - 1
     assert sched.requests["r3"].num_computed_tokens >= 64
+    assert run.worker._worker.stats["loads_ok"] == 1  # type: ignore[union-attr]
     for i in range(4):  # the bytes r1 computed, now in r3's blocks
         assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
     assert run.read(table[1][3], MAMBA_BYTES) == Runner.pattern(prompt, 64, MAMBA_BYTES)
