@@ -3,67 +3,21 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from hkvd.shim.client import DaemonClient
-from hkvd.transport.wire.errors import KVError
+
+from hkvd.daemon.launcher import DaemonProcess
 
 
-class DaemonProc:
+class DaemonProc(DaemonProcess):
+    """``hkvd serve`` on a private socket, with huge pages off and debug logs (tests only)."""
+
     def __init__(self, socket_path: str, args: list[str], log_path: Path) -> None:
-        self.socket_path = socket_path
-        self.args = args
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 30.0) -> DaemonProc:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, "--hugepages", "off",
-             "--log-level", "debug", *self.args],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hkvd exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=1.0) as c:
-                    c.ping()
-                return self
-            except KVError:
-                time.sleep(0.05)
-        raise RuntimeError(f"hkvd did not become ready in {timeout_s} s:\n{self.log()}")
-
-    def status(self) -> dict:
-        with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=5.0) as c:
-            return c.status()
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        super().__init__(socket_path, ["--hugepages", "off", "--log-level", "debug", *args], log_path)
 
 
 @pytest.fixture

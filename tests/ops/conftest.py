@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from hkvd.daemon.launcher import stop_process
 
 
 class NotifySocket:
@@ -78,15 +79,7 @@ class Spawned:
         raise AssertionError(f"{needle!r} not logged within {timeout_s} s:\n{self.log()}")
 
     def stop(self, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)
 
 
 @pytest.fixture

@@ -1,0 +1,86 @@
+"""Start and stop an ``hkvd serve`` subprocess: for tests, benchmarks and smoke checks.
+
+``DaemonProcess.start`` returns once the daemon answers a ping on its socket (bounded by
+``timeout_s``); ``stop`` sends SIGTERM and waits, killing the process if it outlives the deadline.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hkvd.transport.wire.errors import KVError
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> int:
+    """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return proc.returncode
+
+
+class DaemonProcess:
+    def __init__(self, socket_path: str, args: list[str], log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.socket_path = socket_path
+        self.args = args
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def spawn(self) -> DaemonProcess:
+        out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
+            stdout=out, stderr=subprocess.STDOUT, env=self.env,
+        )
+        return self
+
+    def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+        self.spawn()
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        from hkvd.shim.client import DaemonClient
+
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hkvd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=1.0) as c:
+                    c.ping()
+                return
+            except KVError:
+                time.sleep(0.05)
+        raise RuntimeError(f"hkvd did not become ready in {timeout_s} s:\n{self.log()}")
+
+    def status(self) -> dict[str, Any]:
+        from hkvd.shim.client import DaemonClient
+
+        with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=5.0) as c:
+            return c.status()
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        assert self.proc is not None
+        return stop_process(self.proc, timeout_s)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
