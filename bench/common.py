@@ -7,18 +7,15 @@ import math
 import os
 import platform
 import select
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkvd.shim.client import DaemonClient
-from hkvd.transport.wire.errors import KVError
+from hkvd.daemon.launcher import DaemonProcess, stop_process
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -83,58 +80,22 @@ def readline_timeout(proc: subprocess.Popen[str], timeout_s: float, what: str) -
     return line
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
-
-
-class Daemon:
-    """A real ``hkvd serve`` on a private socket, as tests/conftest.py starts it."""
+class Daemon(DaemonProcess):
+    """A real ``hkvd serve`` on a private socket in a temporary directory."""
 
     def __init__(self, *args: str, pool_gb: float = 1.0, hugepages: str = "auto") -> None:
         self.dir = tempfile.mkdtemp(prefix="hkvd-bench-")
-        self.socket_path = os.path.join(self.dir, "hkvd.sock")
-        self.log_path = Path(self.dir) / "hkvd.log"
-        self.args = ["--l1-size-gb", str(pool_gb), "--hugepages", hugepages, "--log-level", "warning", *args]
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(os.path.join(self.dir, "hkvd.sock"),
+                         ["--l1-size-gb", str(pool_gb), "--hugepages", hugepages, "--log-level", "warning", *args],
+                         Path(self.dir) / "hkvd.log")
 
     def __enter__(self) -> Daemon:
-        return self.start()
+        self.start(60.0)
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self, timeout_s: float = 60.0) -> Daemon:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen([sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path,
-                                      *self.args], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hkvd exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with DaemonClient(self.socket_path, client_name="bench-probe", role="tool", timeout_s=1.0) as c:
-                    c.ping()
-                return self
-            except KVError:
-                time.sleep(0.05)
-        raise RuntimeError(f"hkvd did not become ready in {timeout_s} s:\n{self.log()}")
-
-    def status(self) -> dict[str, Any]:
-        with DaemonClient(self.socket_path, client_name="bench-probe", role="tool", timeout_s=5.0) as c:
-            return c.status()
-
-    def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, 20.0)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
