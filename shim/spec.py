@@ -87,9 +87,9 @@ class ShimConfig:
             )
         values: dict[str, Any] = {}
         for name, value in extra.items():
-            default = known[name].default
+            default: Any = known[name].default
             try:
-                values[name] = type(default)(value) if not isinstance(default, bool) else _to_bool(value)
+                values[name] = _to_bool(value) if isinstance(default, bool) else type(default)(value)
             except (TypeError, ValueError):
                 raise ValueError(
                     f"hkvd: kv_connector_extra_config[{name!r}]={value!r} is not a {type(default).__name__}"

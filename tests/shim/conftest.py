@@ -66,7 +66,8 @@ class Daemon:
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"hkvd serve did not start: {(self.workdir / f'daemon-{self.starts}.log').read_text()}")
+                log_text = (self.workdir / f"daemon-{self.starts}.log").read_text()
+                raise RuntimeError(f"hkvd serve did not start: {log_text}")
             time.sleep(0.05)
 
     def stop(self) -> None:

@@ -34,11 +34,12 @@ DEFAULT_ROOT = Path("/tmp/hkvd-models")
 
 # Words for the tokenizer's training corpus; the corpus only shapes the BPE merges. Tests feed
 # token ids directly (TokensPrompt), so the exact merges do not matter beyond determinism.
-_WORDS = (
-    "the quick brown fox jumps over lazy dog cache block chunk state mamba window prefix "
-    "token layer group engine daemon store retrieve lookup hybrid attention linear delta "
-    "gated memory page stride offset region view boundary step event lease"
-).split()
+_WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cache", "block", "chunk", "state",
+    "mamba", "window", "prefix", "token", "layer", "group", "engine", "daemon", "store", "retrieve",
+    "lookup", "hybrid", "attention", "linear", "delta", "gated", "memory", "page", "stride", "offset",
+    "region", "view", "boundary", "step", "event", "lease",
+]
 
 
 def _build_tokenizer(out: Path) -> None:
@@ -64,16 +65,16 @@ def _build_tokenizer(out: Path) -> None:
 
 
 def _config(kind: str):  # type: ignore[no-untyped-def]
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-    )
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "tie_word_embeddings": False,
+    }
     if kind == "qwen3_next":
         from transformers import Qwen3NextConfig
 
