@@ -196,6 +196,10 @@ class SchedulerSide:
         if st is None:  # a request vLLM never announced (resumed after a reset): look it up now
             self.on_new_request(request)
             st = self._reqs[request.request_id]
+        if st.lease_used:
+            # Asked again after its load was planned: the request was preempted and its blocks
+            # freed. The lease is spent (a retrieve releases it), so look the prefix up afresh.
+            st.hit_chunks, st.lookup_id, st.lease_id, st.lease_used = None, None, 0, False
         if st.hit_chunks is None:
             if st.lookup_id is None or st.lookup_gen != self.link.generation:
                 self._submit_lookup(request.request_id, st)
