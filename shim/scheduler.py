@@ -90,6 +90,11 @@ class SchedulerSide:
             chunk = int(self.link.ack.chunk_size)
             if chunk % self.block_size:
                 self.link.close()
+                if not startup:  # a daemon restarted with another chunk size: stay down, recompute
+                    logger.error("hkvd: the daemon's chunk size %d is not a multiple of vLLM's block size %d; "
+                                 "external caching is off until it is restarted with --chunk-size %d",
+                                 chunk, self.block_size, self.block_size)
+                    return None
                 raise ValueError(
                     f"hkvd: the daemon's chunk size {chunk} is not a multiple of vLLM's block size "
                     f"N={self.block_size}; restart `hkvd serve --chunk-size {self.block_size}` (or a multiple "

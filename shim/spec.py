@@ -62,7 +62,11 @@ class ShimConfig:
     """``kv_connector_extra_config`` keys (all optional)."""
 
     socket_path: str = ""  # "" -> hkvd.daemon.config.default_socket_path(), as `hkvd serve`
-    chunk_size: int = 0  # tokens; 0 -> the daemon's --chunk-size (its RegisterAck tells us)
+    # Tokens per chunk. 0 = auto: vLLM's block size N for models with Mamba/GDN layers, else the
+    # daemon's --chunk-size. Mamba states exist only at block boundaries and, with vLLM's default
+    # retention, only at the last one before the prompt's end, so any chunk larger than N makes
+    # about half of the prompts miss (601 tokens, N=128: 512 is a 256-multiple; 900: 896 is not).
+    chunk_size: int = 0
     connect_timeout_s: float = 5.0  # connect + register, and every blocking client call
     # A lookup is submitted when the request arrives (on_new_request); the scheduler then
     # waits at most this long for the reply before answering "ask again" (None). A UDS round
@@ -232,6 +236,15 @@ def validate_vllm(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> No
             )
 
 
+def effective_chunk_size(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> int:
+    """The chunk size the shim asks for (0 = the daemon's default); see ``ShimConfig.chunk_size``."""
+    if cfg.chunk_size:
+        return cfg.chunk_size
+    if any(i.kind == _KIND_MAMBA for i in group_infos(kv_cache_config)):
+        return int(vllm_config.cache_config.block_size)
+    return 0
+
+
 def layout_tag(kv_cache_config: Any) -> str:
     from vllm.platforms import current_platform
 
@@ -250,7 +263,7 @@ def build_engine_spec(
         world_size=int(par.world_size),
         rank=int(getattr(par, "rank", 0)) if layer_addr else 0,
         layout_tag=layout_tag(kv_cache_config),
-        chunk_size=cfg.chunk_size,
+        chunk_size=effective_chunk_size(vllm_config, kv_cache_config, cfg),
         block_size=int(vllm_config.cache_config.block_size),
         max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
         mamba_cache_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none")),
@@ -305,9 +318,16 @@ class DaemonLink:
             if self._on_connected is not None:
                 self._on_connected(client)
             ack = client.register(self._spec_fn())
-        except RegistrationError:
+        except RegistrationError as e:
             _close_quietly(client)
-            raise  # a configuration problem: vLLM's startup (or the step) must show the fix
+            if startup:
+                raise  # a configuration problem: vLLM's startup must fail with the fix
+            # A daemon restarted with other settings: keep serving (recompute), say why once.
+            if not self._warned:
+                logger.error("hkvd %s: the daemon at %s refused registration: %s", self.role,
+                             self.cfg.socket_path, e)
+            self._warned = True
+            return None
         except (KVError, OSError, TimeoutError) as e:
             _close_quietly(client)
             if startup and self.cfg.require_daemon:
