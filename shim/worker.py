@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
-from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec
+from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec, validate_vllm
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -52,6 +52,9 @@ class _Job:
 
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> None:
+        if vllm_config is not None:
+            # Workers start (and allocate KV) before the scheduler: fail here, with the fix.
+            validate_vllm(vllm_config, kv_cache_config, cfg)
         self.cfg = cfg
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,10 +104,12 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         d.stop()
 
 
-def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None) -> dict:  # type: ignore[no-untyped-def]
+def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ignore[no-untyped-def]
+               expect_failure: bool = False) -> dict:
     """Run tests/shim/e2e_run.py in a fresh process; return its JSON result.
 
     ``on_pause(i)`` runs when the engine pauses before prompt ``i`` (``args["pause_before"]``).
+    ``expect_failure``: the engine must fail to start; returns ``{"log": ..., "rc": ...}``.
     """
     env = dict(os.environ)
     # Identical thread binding in every compared run: vLLM's automatic binding reserves one
@@ -116,14 +119,14 @@ def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None) -> dict:  #
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     proc = subprocess.Popen([sys.executable, str(HERE / "e2e_run.py"), json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    out = b""
+    chunks: list[bytes] = []
+    # A reader thread drains the pipe (vLLM logs a lot) while this thread watches for pauses.
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, b"")),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
     deadline = time.monotonic() + timeout_s
     paused = set()
-    os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
     while proc.poll() is None:
-        chunk = proc.stdout.read()  # type: ignore[union-attr]
-        if chunk:
-            out += chunk
         for i in args.get("pause_before", []):
             if i not in paused and Path(args["sync_dir"], f"paused-{i}").exists():
                 paused.add(i)
@@ -132,10 +135,16 @@ def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None) -> dict:  #
                 Path(args["sync_dir"], f"go-{i}").write_text("")
         if time.monotonic() > deadline:
             proc.kill()
-            raise TimeoutError(f"engine run exceeded {timeout_s} s:\n{out.decode(errors='replace')[-4000:]}")
+            reader.join(10)
+            tail = b"".join(chunks).decode(errors="replace")[-4000:]
+            raise TimeoutError(f"engine run exceeded {timeout_s} s:\n{tail}")
         time.sleep(0.05)
-    out += proc.stdout.read() or b""  # type: ignore[union-attr]
+    reader.join(30)
+    out = b"".join(chunks)
     text = out.decode(errors="replace")
+    if expect_failure:
+        assert proc.returncode != 0 and "HKVD_RESULT " not in text, text[-3000:]
+        return {"log": text, "rc": proc.returncode}
     for line in text.splitlines():
         if line.startswith("HKVD_RESULT "):
             res = json.loads(line[len("HKVD_RESULT "):])

@@ -10,7 +10,7 @@ What is compared: greedy tokens strictly; logprobs within ``LOGPROB_TOL``. Runs 
 random weights a restored state may still differ from a recomputed one by one bf16 ulp
 (0.0039 nats at these magnitudes), so the tolerance is a few ulps, not zero.
 
-Costs ~40 s per engine on 2 cores (import + startup dominate); 5 engines in all.
+Costs ~40 s per engine on 2 cores (import + startup dominate); 6 engines in all (~4 min).
 """
 
 from __future__ import annotations
@@ -94,3 +94,13 @@ def test_gemma3_sliding_window_cold_warm(tiny_models, daemon_factory, engine_run
     deltas = [_compare(c, w, f"gemma3 prompt {i}") for i, (c, w) in
               enumerate(zip(cold["results"], warm["results"], strict=True))]
     print("gemma3 logprob deltas:", [round(x, 5) for x in deltas])
+
+
+def test_startup_error_surfaces_in_vllm_with_its_fix(tiny_models, daemon_factory, engine_runner) -> None:
+    d = daemon_factory(chunk_size=BLOCK)
+    res = engine_runner({"model": str(tiny_models["qwen3_next"]), "socket": d.socket,
+                         "max_num_batched_tokens": BLOCK, "prompts": [P1], "extra": {"chunk_size": 192}},
+                        expect_failure=True)
+    assert "Engine core initialization failed" in res["log"]
+    assert "chunk_size 192 is not a multiple of vLLM's block size N=128" in res["log"]
+    assert "set kv_connector_extra_config chunk_size (and hkvd serve --chunk-size) to 128" in res["log"]
