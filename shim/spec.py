@@ -252,6 +252,15 @@ def layout_tag(kv_cache_config: Any) -> str:
     return f"{current_platform.device_type}/{layout}"
 
 
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (tests driving the worker half directly): single rank
+        return 0
+
+
 def build_engine_spec(
     vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig, *, regions: list[Any], layer_addr: LayerAddr | None,
 ) -> Any:
@@ -261,7 +270,8 @@ def build_engine_spec(
     return EngineSpec(
         model=str(vllm_config.model_config.model),
         world_size=int(par.world_size),
-        rank=int(getattr(par, "rank", 0)) if layer_addr else 0,
+        # The scheduler looks up with rank 0's format; each worker registers its own rank.
+        rank=_worker_rank() if layer_addr else 0,
         layout_tag=layout_tag(kv_cache_config),
         chunk_size=effective_chunk_size(vllm_config, kv_cache_config, cfg),
         block_size=int(vllm_config.cache_config.block_size),
