@@ -8,6 +8,23 @@ Use::
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"socket_path": "/run/hkvd/hkvd.sock"}}'
 
+Serving a hybrid model (N = the block size vLLM logs: "Setting attention block size to N tokens"
+for Mamba/GDN hybrids; 128 for the tiny CPU Qwen3-Next and Gemma3 of the tests)::
+
+    hkvd serve --chunk-size N
+    vllm serve MODEL --enable-prefix-caching --mamba-cache-mode align \
+        --max-num-batched-tokens N --prefix-cache-retention-interval N \
+        --kv-transfer-config '{"kv_connector": "HkvdConnector", "kv_role": "kv_both",
+                               "kv_connector_module_path": "hkvd.shim.connector"}'
+
+``--mamba-cache-mode align`` is required for Mamba/GDN layers (their states exist only at block
+boundaries). ``--max-num-batched-tokens`` must be >= N; N (up to 2N-1) makes every prefill step
+end on a block boundary. ``--prefix-cache-retention-interval N`` makes vLLM offer every block
+boundary's state, so prompts that share only part of a long prefix still hit; with vLLM's
+default 0 only the last boundary before each prompt's end is offered. The shim's chunk size
+defaults to N for Mamba hybrids whatever ``--chunk-size`` says (``chunk_size`` in the extra
+config overrides it; it must be a multiple of N).
+
 vLLM builds two instances with the final ``KVCacheConfig``: the SCHEDULER one in EngineCore
 (``hkvd.shim.scheduler.SchedulerSide``: lookups, block tables -> items) and one WORKER per rank
 (``hkvd.shim.worker.WorkerSide``: registration, copies). The class subclasses ``SupportsHMA``
