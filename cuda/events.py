@@ -90,6 +90,19 @@ def wait_event_host(event_ptr: int, timeout_s: float, what: str) -> None:
             time.sleep(sleep_s)
 
 
+
+def _destroy_events(device: int, events: list[int], what: str) -> None:
+    """Destroy ``events`` on ``device``; a failure is logged, never raised (close() must finish)."""
+    if not events:
+        return
+    try:
+        rt = runtime()
+        with cupy().cuda.Device(device):
+            for ev in events:
+                rt.eventDestroy(ev)
+    except Exception:
+        logger.warning("destroying %s on device %d failed", what, device, exc_info=True)
+
 class IpcEventRing:
     """``size`` interprocess events on ``device``, recorded round-robin. See the module docstring."""
 
@@ -123,15 +136,7 @@ class IpcEventRing:
 
     def close(self) -> None:
         events, self._events, self._handles = self._events, [], []
-        if not events:
-            return
-        try:
-            rt = runtime()
-            with cupy().cuda.Device(self.device):
-                for ev in events:
-                    rt.eventDestroy(ev)
-        except Exception:
-            logger.warning("destroying IPC events on device %d failed", self.device, exc_info=True)
+        _destroy_events(self.device, events, "IPC events")
 
 
 class OpenedEvents:
@@ -166,12 +171,4 @@ class OpenedEvents:
         with self._lock:
             self._closed = True
             events, self._open = list(self._open.values()), {}
-        if not events:
-            return
-        try:
-            rt = runtime()
-            with cupy().cuda.Device(self.device):
-                for ev in events:
-                    rt.eventDestroy(ev)
-        except Exception:
-            logger.warning("destroying opened IPC events on device %d failed", self.device, exc_info=True)
+        _destroy_events(self.device, events, "opened IPC events")

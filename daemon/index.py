@@ -115,6 +115,11 @@ class Index:
         if not pending:
             self.policy.insert(entry.key)
 
+    def abandon_write(self, entry: Entry) -> None:
+        """Undo ``begin_write``: the copy failed or was aborted, so the bytes are not to be trusted."""
+        entry.pins -= 1
+        self.drop(entry)
+
     def confirm(self, entry: Entry) -> None:
         if entry.state is EntryState.PENDING:
             entry.state = EntryState.READY

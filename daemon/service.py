@@ -28,6 +28,7 @@ from hkvd.daemon import layout
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import Attachment, Direction, Segment
 from hkvd.daemon.errors import (
+    Aborted,
     CopyFailedError,
     KVError,
     KVTimeout,
@@ -163,11 +164,11 @@ class KVService:
     async def _store(self, conn: Conn, msg: kv.Store) -> None:
         engine = self._engine(conn, copy=True)
         items = msg.parsed()
-        nbytes, info = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False)
+        nbytes, info, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False)
         conn.send(kv.Done(msg.req_id, nbytes, info))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
-                           pending: bool) -> tuple[int, dict[str, Any]]:
+                           pending: bool) -> tuple[int, dict[str, Any], list[Entry]]:
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         entries: list[Entry] = []
         segments: list[Segment] = []
@@ -197,22 +198,19 @@ class KVService:
                 nbytes = await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL)
         except BaseException:
             for e in entries:
-                e.pins -= 1
-                self.index.drop(e)
+                self.index.abandon_write(e)
             raise
         if job_id in conn.aborted:
             for e in entries:
-                e.pins -= 1
-                self.index.drop(e)
+                self.index.abandon_write(e)
             conn.aborted.discard(job_id)
-            from hkvd.daemon.errors import Aborted
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
         for e in entries:
             self.index.finish_write(e, pending=pending)
         for e in entries:
             self.metrics.inc("stored_bytes", e.nbytes, kind=e.kind)
-        return nbytes, {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned,
-                        "entries": entries if pending else None}
+        info = {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned}
+        return nbytes, info, entries
 
     # ---- retrieve ------------------------------------------------------------------------------
     async def _retrieve(self, conn: Conn, msg: kv.Retrieve) -> None:
@@ -266,11 +264,11 @@ class KVService:
             conn.send(kv.Done(msg.req_id, 0, {"outcome": decision.outcome.value}))
             return
         try:
-            nbytes, info = await self._write_items(conn, engine, offers, job_id=msg.req_id, pending=True)
+            nbytes, info, written = await self._write_items(conn, engine, offers, job_id=msg.req_id,
+                                                            pending=True)
         except BaseException:
             conn.snapshots.on_copy_failed(msg.req_id)
             raise
-        written: list[Entry] = info.pop("entries") or []
         if conn.snapshots.on_copy_done(msg.req_id):
             conn.pending[msg.req_id] = written
         else:  # invalidated while copying: the block may have been reused under us
