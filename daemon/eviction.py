@@ -2,8 +2,9 @@
 
 A policy only orders candidates; the index decides whether a candidate may go (never while a copy
 or a lease holds it). ``lru`` is plain least-recently-used. ``hybrid`` (hybrid-aware LRU) first
-evicts entries that can no longer serve any hit -- orphans, such as Mamba states and attention
-chunks whose chain prefix is gone -- and only then falls back to LRU order.
+evicts entries that can no longer serve any hit -- orphans: entries whose prefix chain is broken,
+and attention chunks left without any Mamba state at or after them (see ``daemon/chains.py``) --
+and only then falls back to LRU order. An orphan that is used by a hit again is unmarked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class EvictionPolicy(ABC):
 
     def mark_orphan(self, key: Hashable) -> None:  # noqa: B027 - optional
         """A hint that ``key`` can no longer serve a hit; hybrid-aware policies evict it first."""
+
+    def unmark_orphan(self, key: Hashable) -> None:  # noqa: B027 - optional
+        """``key`` can serve a hit again (a state below it came back)."""
 
 
 class LRUPolicy(EvictionPolicy):
@@ -67,12 +71,17 @@ class HybridAwarePolicy(LRUPolicy):
         if key in self._order:
             self._orphans[key] = None
 
+    def unmark_orphan(self, key: Hashable) -> None:
+        self._orphans.pop(key, None)
+
     def remove(self, key: Hashable) -> None:
         super().remove(key)
         self._orphans.pop(key, None)
 
     def touch(self, key: Hashable) -> None:
+        # A touched entry is part of a hit (a lease or a retrieve), so it is not an orphan.
         super().touch(key)
+        self._orphans.pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
         orphans = list(self._orphans)

@@ -106,6 +106,7 @@ class DaemonCollector:
         yield g
         yield GaugeMetricFamily("hkvd_bytes_stored", "Bytes held by index entries", value=idx["bytes_stored"])
         for name, help_ in (("evictions", "Entries evicted"), ("orphans_dropped", "Orphaned entries dropped"),
+                            ("orphans_marked", "Entries found unable to serve any hit (evicted first by hybrid)"),
                             ("index_stores_dropped", "Stores the index dropped (pool full)")):
             m = Metric(f"hkvd_{name}", help_, "counter")
             m.add_sample(f"hkvd_{name}_total", {}, idx[name.removeprefix("index_")])

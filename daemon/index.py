@@ -23,11 +23,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from hkvd.daemon.chains import ChainChange, ChainTracker, Groups
 from hkvd.daemon.errors import LeaseExpired, PoolFull
 from hkvd.daemon.eviction import EvictionPolicy
 from hkvd.daemon.pool import Allocation, HugePagePool
 
 EntryKey = tuple[bytes, int, bytes]
+_NO_GROUPS: Groups = (frozenset(), frozenset())
 
 
 class EntryState(enum.Enum):
@@ -46,6 +48,8 @@ class Entry:
     pins: int = 0
     leases: int = 0
     job_id: int = 0  # the store job that wrote it (for pending confirmation)
+    parent: bytes = b""  # chunk key of the previous chunk (prefix chain), b"" if chunk 0 or unknown
+    tracked: bool = False  # READY and known to the chain tracker
 
 
 @dataclass(slots=True)
@@ -67,6 +71,8 @@ class IndexStats:
     pinned_entries: int
     evictions: int
     orphans_dropped: int
+    orphans_marked: int
+    chain_nodes: int
     stores_dropped: int
     by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -82,8 +88,11 @@ class Index:
         self._lease_ids = itertools.count(1)
         self._evictions = 0
         self._orphans_dropped = 0
+        self._orphans_marked = 0
         self.stores_dropped = 0
         self._mamba_groups: dict[bytes, tuple[int, ...]] = {}
+        self._chain_groups: dict[bytes, Groups] = {}
+        self._chains = ChainTracker(lambda fp: self._chain_groups.get(fp, _NO_GROUPS))
 
     # ---- queries -------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Entry | None:
@@ -97,15 +106,18 @@ class Index:
         return len(self._entries)
 
     # ---- writes --------------------------------------------------------------------------------
-    def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int) -> Entry | None:
+    def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"") -> Entry | None:
         """Allocate a WRITING entry (pinned), evicting as needed. None if the key already exists.
+
+        ``parent`` is the previous chunk's key when the client sent it: it places the entry in its
+        prefix chain, which the hybrid-aware eviction policy uses to find orphans first.
 
         Raises PoolFull when nothing evictable frees enough room.
         """
         if key in self._entries:
             return None
         alloc = self._alloc_evicting(nbytes)
-        entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id)
+        entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent)
         self._entries[key] = entry
         return entry
 
@@ -113,7 +125,7 @@ class Index:
         entry.pins -= 1
         entry.state = EntryState.PENDING if pending else EntryState.READY
         if not pending:
-            self.policy.insert(entry.key)
+            self._ready(entry)
 
     def abandon_write(self, entry: Entry) -> None:
         """Undo ``begin_write``: the copy failed or was aborted, so the bytes are not to be trusted."""
@@ -123,7 +135,12 @@ class Index:
     def confirm(self, entry: Entry) -> None:
         if entry.state is EntryState.PENDING:
             entry.state = EntryState.READY
-            self.policy.insert(entry.key)
+            self._ready(entry)
+
+    def _ready(self, entry: Entry) -> None:
+        self.policy.insert(entry.key)
+        entry.tracked = True
+        self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
 
     def drop(self, entry: Entry) -> None:
         """Remove an entry now (failed copy, invalidated snapshot). Must not be pinned by a reader."""
@@ -132,6 +149,17 @@ class Index:
         del self._entries[entry.key]
         self.policy.remove(entry.key)
         self.pool.free(entry.alloc)
+        if entry.tracked:
+            entry.tracked = False
+            self._apply(self._chains.remove(entry.key, entry.kind))
+
+    def _apply(self, change: ChainChange) -> None:
+        for k in change.revived:
+            self.policy.unmark_orphan(k)
+        for k in change.orphans:
+            if k in self._entries:
+                self.policy.mark_orphan(k)
+                self._orphans_marked += 1
 
     # ---- reads ---------------------------------------------------------------------------------
     def pin(self, entry: Entry) -> None:
@@ -208,8 +236,10 @@ class Index:
     def _evict(self, e: Entry) -> None:
         self.drop(e)
         self._evictions += 1
-        # A Mamba state at chunk key k needs the full-attention chunk with the same key (the last
-        # chunk of its prefix): once that chunk is gone the state can never be part of a hit.
+        # A Mamba state at chunk key k needs the attention chunk with the same key (the last chunk
+        # of its prefix): once that chunk is gone the state can never be part of a hit, so it goes
+        # now. Other orphans (descendants, attention chunks left without a state) were marked by
+        # the chain tracker in ``drop`` and go first under the hybrid policy.
         fp, _gid, ck = e.key
         if e.kind in ("full", "swa"):
             for other in list(self._orphan_candidates(fp, ck)):
@@ -225,8 +255,11 @@ class Index:
             if other is not None:
                 yield other
 
-    def set_mamba_groups(self, fingerprint: bytes, group_ids: Iterable[int]) -> None:
-        self._mamba_groups[fingerprint] = tuple(group_ids)
+    def set_groups(self, fingerprint: bytes, kinds: dict[int, str]) -> None:
+        """The group kinds of a layout (from registration): orphan rules depend on them."""
+        self._mamba_groups[fingerprint] = tuple(g for g, k in kinds.items() if k == "mamba")
+        self._chain_groups[fingerprint] = (frozenset(g for g, k in kinds.items() if k == "full"),
+                                           frozenset(self._mamba_groups[fingerprint]))
 
     # ---- stats ---------------------------------------------------------------------------------
     def statistics(self) -> IndexStats:
@@ -243,5 +276,6 @@ class Index:
             entries=len(self._entries), ready=states[EntryState.READY], pending=states[EntryState.PENDING],
             writing=states[EntryState.WRITING], bytes_stored=total, leases=len(self._leases),
             pinned_entries=pinned, evictions=self._evictions, orphans_dropped=self._orphans_dropped,
+            orphans_marked=self._orphans_marked, chain_nodes=len(self._chains),
             stores_dropped=self.stores_dropped, by_kind=kinds,
         )

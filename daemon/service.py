@@ -122,8 +122,7 @@ class KVService:
         state = self.registry.register(spec, conn.pid, conn.conn_id)
         conn.engine = state
         conn.snapshots = SnapshotOrdering(state.engine_id)
-        self.index.set_mamba_groups(state.fingerprint,
-                                    [g.group_id for g in state.groups.values() if g.kind == "mamba"])
+        self.index.set_groups(state.fingerprint, {g.group_id: g.kind for g in state.groups.values()})
         self.metrics.inc("engines_registered")
         log.info("registered engine %d (pid %d, model %s, rank %d/%d, %s, %d groups, fingerprint %s)",
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
@@ -181,7 +180,7 @@ class KVService:
                 continue
             try:
                 entry = self.index.begin_write(self._key(engine, it), engine.entry_bytes[g.group_id], g.kind,
-                                               job_id)
+                                               job_id, it.parent)
             except PoolFull:
                 dropped += 1
                 self.index.stores_dropped += 1
@@ -338,6 +337,7 @@ class KVService:
             "index": {"entries": idx.entries, "ready": idx.ready, "pending": idx.pending, "writing": idx.writing,
                       "bytes_stored": idx.bytes_stored, "leases": idx.leases, "pinned_entries": idx.pinned_entries,
                       "evictions": idx.evictions, "orphans_dropped": idx.orphans_dropped,
+                      "orphans_marked": idx.orphans_marked, "chain_nodes": idx.chain_nodes,
                       "stores_dropped": idx.stores_dropped, "by_kind": idx.by_kind},
             "counters": {name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
             "shutting_down": self.shutting_down,

@@ -314,7 +314,7 @@ class SchedulerSide:
                     ids = list(table[g.group_id][i * bpe:(i + 1) * bpe])
                     # Sliding-window blocks out of the window are already null: nothing to store.
                     if len(ids) == bpe and 0 not in ids:
-                        items.append([g.group_id, i, keys[i], ids])
+                        items.append([g.group_id, i, keys[i], ids, _parent(keys, i)])
             st.next_store_chunk = last
             if items:
                 meta.stores.append(StoreJob(req_id, items))
@@ -331,7 +331,7 @@ class SchedulerSide:
                 ci = boundary // C - 1
                 if ci >= len(keys):
                     continue  # past the prompt's full chunks: no key
-                meta.offers.append((req_id, [int(group_id), ci, keys[ci], [int(block_id)]]))
+                meta.offers.append((req_id, [int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci)]))
                 st.had_copies = True
                 self.stats["offer_items"] += 1
         return meta
@@ -354,3 +354,8 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.link.close()
+
+
+def _parent(keys: list[bytes], i: int) -> bytes:
+    """The parent key the daemon's chain tracker uses (chunk 0 has none)."""
+    return keys[i - 1] if i else b""

@@ -114,7 +114,8 @@ class SyntheticEngine:
         bpc = 1 if self.groups[group_id].kind == "mamba" else self.blocks_per_chunk()
         out = []
         for c in chunks if chunks is not None else range(len(keys)):
-            out.append(Item(group_id, c, keys[c], [first_block + c * bpc + i for i in range(bpc)]))
+            out.append(Item(group_id, c, keys[c], [first_block + c * bpc + i for i in range(bpc)],
+                            keys[c - 1] if c else b""))
         return out
 
     def run(self, req_id: int) -> Completion:

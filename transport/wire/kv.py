@@ -1,8 +1,9 @@
 """KV messages: lookup, store, retrieve, completion, abort, errors, lease release.
 
 An *item* names one pool entry and the engine blocks it maps to:
-``[group_id, chunk_index, key, block_ids]`` (see docs/design.md). Stores and retrieves are jobs:
-the daemon answers ``Done(req_id)`` or ``Error(req_id)`` when the copies are over.
+``[group_id, chunk_index, key, block_ids]``, optionally followed by ``parent``, the key of chunk
+``chunk_index - 1`` (the daemon uses it to find entries no hit can reach; see docs/design.md).
+Stores and retrieves are jobs: the daemon answers ``Done(req_id)`` or ``Error(req_id)`` when the copies are over.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Item(NamedTuple):
     chunk_index: int
     key: bytes
     block_ids: list[int]
+    parent: bytes = b""  # key of the previous chunk; b"" for chunk 0 or when the client omits it
 
 
 def parse_items(raw: list[Any], where: str) -> list[Item]:
@@ -28,9 +30,11 @@ def parse_items(raw: list[Any], where: str) -> list[Item]:
         raise ProtocolViolation(f"{where}: at most {MAX_ITEMS} items per message, got {len(raw)}")
     items = []
     for i, it in enumerate(raw):
-        if not isinstance(it, list) or len(it) != 4:
-            raise ProtocolViolation(f"{where}[{i}]: an item is [group_id, chunk_index, key, block_ids]")
-        gid, idx, key, blocks = it
+        if not isinstance(it, list) or len(it) not in (4, 5):
+            raise ProtocolViolation(f"{where}[{i}]: an item is [group_id, chunk_index, key, block_ids] "
+                                    "or [group_id, chunk_index, key, block_ids, parent_key]")
+        gid, idx, key, blocks = it[:4]
+        parent = it[4] if len(it) == 5 else b""
         if not (isinstance(gid, int) and isinstance(idx, int)) or isinstance(gid, bool) or idx < 0:
             raise ProtocolViolation(f"{where}[{i}]: group_id and chunk_index must be integers >= 0")
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
@@ -38,12 +42,16 @@ def parse_items(raw: list[Any], where: str) -> list[Item]:
         if (not isinstance(blocks, list) or not blocks or len(blocks) > MAX_BLOCKS_PER_ITEM
                 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
             raise ProtocolViolation(f"{where}[{i}]: block_ids must be 1..{MAX_BLOCKS_PER_ITEM} integers")
-        items.append(Item(gid, idx, key, list(blocks)))
+        if not isinstance(parent, bytes) or len(parent) not in (0, KEY_BYTES) or (parent and idx == 0):
+            raise ProtocolViolation(f"{where}[{i}]: parent_key must be {KEY_BYTES} bytes (the key of chunk "
+                                    "chunk_index - 1), or empty; chunk 0 has no parent")
+        items.append(Item(gid, idx, key, list(blocks), parent))
     return items
 
 
 def items_to_wire(items: list[Item]) -> list[list[Any]]:
-    return [[it.group_id, it.chunk_index, it.key, list(it.block_ids)] for it in items]
+    return [[it.group_id, it.chunk_index, it.key, list(it.block_ids), *((it.parent,) if it.parent else ())]
+            for it in items]
 
 
 @dataclass(frozen=True, slots=True)
