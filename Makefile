@@ -11,8 +11,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+NIXL_VERSION := 1.5.1
+
+# NIXL (peer links) declares a dependency on torch; --no-deps keeps the CPU torch in place
+# (the [peer] extra cannot say --no-deps). numpy, its other dependency, is one of ours.
 dev: $(BIN)/python
 	$(PIP) -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps nixl-cu12==$(NIXL_VERSION)
 
 # vLLM's CPU build for the shim's end-to-end tests (about 3 minutes, 3.4 GB). vLLM pulls torchvision,
 # torchaudio and torchcodec, which break `import vllm` beside the CPU torch: remove them.
