@@ -5,8 +5,10 @@ Protocol on stdin/stdout, JSON lines: first ``{"socket", "threads", "seed"}``, a
 ``{"op", "duration_s"}`` per measurement, answered by ``{"op", "n", "elapsed_s", "lat_us": [...]}``
 (closed loop: each engine issues its next request when the previous one completed). EOF ends it.
 
-Ops: ``lookup`` (4 stored chunk keys, no lease), ``store`` (one fresh 4 KiB chunk), ``retrieve``
-(one stored 4 KiB chunk, no lease), ``ping``.
+Ops: ``lookup`` (4 stored chunk keys, no lease), ``lookup_lease`` (what a scheduler does per
+request: chunk keys from the 64 prompt tokens, lookup with a lease, release it: the like-for-like
+of LMCache's lookup + prefetch status + lock release), ``store`` (one fresh 4 KiB chunk),
+``retrieve`` (one stored 4 KiB chunk, no lease), ``ping``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,24 @@ import time
 from typing import Any
 
 from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
 
 PAGE = 4096
+CHUNK = 16
 MAX_SAMPLES = 20_000  # per engine and op
 
 
-def _one(eng: SyntheticEngine, op: str, keys: list[bytes], stored: list[Item]) -> None:
+def _one(eng: SyntheticEngine, op: str, tokens: list[int], keys: list[bytes], stored: list[Item]) -> None:
     if op == "lookup":
         hit, _ = eng.lookup(keys, lease=False)
         if hit != len(keys):
             raise RuntimeError(f"lookup hit {hit} of {len(keys)} stored chunks")
+    elif op == "lookup_lease":
+        hit, lease_id = eng.lookup(chunk_keys(tokens, CHUNK), lease=True)
+        if hit != len(keys) or not lease_id:
+            raise RuntimeError(f"lookup hit {hit} of {len(keys)} stored chunks (lease {lease_id})")
+        eng.client.release(lease_id)
     elif op == "store":
         eng.store([Item(0, 0, os.urandom(16), [2])])
     elif op == "retrieve":
@@ -44,14 +53,15 @@ def main() -> int:
     init = json.loads(sys.stdin.readline())
     n = int(init["threads"])
     engines = [SyntheticEngine(init["socket"], [GroupShape("full", 1, PAGE)], num_blocks=8, tokens_per_block=16,
-                               chunk_size=16, model="bench-cp", timeout_s=30.0) for _ in range(n)]
+                               chunk_size=CHUNK, model="bench-cp", timeout_s=30.0) for _ in range(n)]
     fixtures = []
     for i, eng in enumerate(engines):
-        keys = [os.urandom(16) for _ in range(4)]
+        tokens = [int(b) + 4 for b in os.urandom(4 * CHUNK)]
+        keys = chunk_keys(tokens, CHUNK)
         items = [Item(0, c, k, [c + 1]) for c, k in enumerate(keys)]
         eng.fill_random(0, [1, 2, 3, 4], seed=i)
         eng.store(items)
-        fixtures.append((keys, items[:1]))
+        fixtures.append((tokens, keys, items[:1]))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -65,7 +75,7 @@ def main() -> int:
                  counts: list[int] = counts, errors: list[str] = errors,
                  start: threading.Barrier = start) -> None:
             eng = engines[i]
-            keys, stored = fixtures[i]
+            tokens, keys, stored = fixtures[i]
             mine = lat[i]
             try:
                 start.wait()
@@ -74,7 +84,7 @@ def main() -> int:
                     t0 = time.perf_counter()
                     if t0 >= end:
                         break
-                    _one(eng, op, keys, stored)
+                    _one(eng, op, tokens, keys, stored)
                     if len(mine) < MAX_SAMPLES:
                         mine.append((time.perf_counter() - t0) * 1e6)
                     counts[i] += 1
