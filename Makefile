@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 WHEELS ?= /opt/wheels
 PIP := $(BIN)/pip install --find-links $(WHEELS)
 
-.PHONY: dev vllm serve test test-unit test-fault test-shim test-gpu check lint type bench bench-peers clean
+.PHONY: dev vllm serve test test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,13 +55,22 @@ type: dev
 
 check: lint type test
 
-bench: dev
+# Full mode (about 15 minutes on 2 cores); `.venv/bin/python -m bench all --quick` is the 2-minute smoke.
+bench-deps: dev
+	$(PIP) -q -e '.[dev,bench]'
+
+bench: bench-deps
 	$(BIN)/python -m bench all
 
-bench-peers: dev
-	.bench-lmcache/bin/python -c 'import lmcache' 2>/dev/null || \
-	  ($(PY) -m venv .bench-lmcache && .bench-lmcache/bin/pip install lmcache==0.5.6)
-	$(BIN)/python -m bench control_plane --lmcache-venv .bench-lmcache
+# LMCache 0.5.6 in its own venv (1.9 GB): torch's CPU wheel from $(WHEELS) goes in first, so
+# lmcache's unpinned torch is already satisfied and pip does not pull CUDA torch (5.9 GB).
+LMC := .bench-lmcache
+bench-peers: bench-deps
+	$(LMC)/bin/python -c 'import lmcache' 2>/dev/null || \
+	  ($(PY) -m venv $(LMC) && $(LMC)/bin/pip install -q --upgrade pip && \
+	   $(LMC)/bin/pip install --find-links $(WHEELS) torch==2.13.0 && \
+	   $(LMC)/bin/pip install --find-links $(WHEELS) lmcache==0.5.6 torch==2.13.0)
+	$(BIN)/python -m bench control_plane --lmcache-venv $(LMC)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
