@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +62,7 @@ from hkvd.cuda.descriptors import (
 from hkvd.cuda.events import IpcEventRing, OpenedEvents, wait_event_host
 from hkvd.cuda.hostreg import PinnedRegistration, PoolLike
 from hkvd.cuda.ipc import REGISTRY, check_region_fields, match_device, visible_device_uuids
-from hkvd.daemon.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
+from hkvd.daemon.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError, KVError, RegistrationError
 
 METHODS = ("kernel", "memcpy")
@@ -138,11 +138,6 @@ def check_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return method
-
-
-class CopyResult(NamedTuple):
-    nbytes: int
-    done_event: bytes  # IPC handle of the daemon's event recorded after the copy (b"" if no copy)
 
 
 class BatchCopier:

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from hkvd.daemon.cma import HostCopyEngine
 from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.copy_engine import make_copy_engine
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
@@ -148,7 +148,7 @@ class Daemon:
             gbps = await loop.run_in_executor(executor, self.pool.prefault)
             log.info("pool pre-faulted at %.1f GB/s", gbps)
             self.metrics.inc("prefault_gbps", gbps)
-            copy_engine = HostCopyEngine(self.pool)
+            copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=max(cfg.io_timeout_s, 30.0))
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine)
             self.service = KVService(cfg, index, registry, executor, self.metrics)

@@ -29,10 +29,15 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--lease-ttl-s", type=float, help="lookup lease lifetime in seconds (default 30)")
     p.add_argument("--socket-group", help="group owning the 0660 socket (default: the daemon's)")
     p.add_argument("--copy-threads", type=int, help="copy threads (default 2)")
+    p.add_argument("--copy-engine", help="host (default: KV caches in CPU memory, process_vm_readv/writev) "
+                   "or cuda (GPU KV caches over CUDA IPC; needs hkvd[gpu] and a GPU)")
     p.add_argument("--mamba-checkpoint-interval", type=int,
                    help="keep a Mamba state only every K chunks (default 1: every boundary)")
     p.add_argument("--shutdown-timeout-s", type=float, help="drain deadline on SIGTERM (default 10)")
     p.add_argument("--metrics-port", type=int, help="loopback port for /metrics and /healthz (default off)")
+    p.add_argument("--l2-path", help="disk tier directory: entries are written behind and served after a "
+                   "restart (default off)")
+    p.add_argument("--l2-size-gb", help="disk tier cap in GiB (required with --l2-path)")
 
 
 def build_config(args: argparse.Namespace) -> DaemonConfig:
@@ -207,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hkvd serve: {e}", file=sys.stderr)
             return 2
     setup_logging(cfg.log_level)
+    from hkvd.daemon.copy_engine import CopyEngineUnavailable, check_copy_engine
     from hkvd.daemon.errors import PoolError
 
     try:
+        check_copy_engine(cfg.copy_engine)
         return asyncio.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
-    except (PoolError, OSError) as e:
+    except (PoolError, OSError, CopyEngineUnavailable) as e:
         logging.getLogger("hkvd").error("cannot start: %s", e)
         return 1
 

@@ -33,6 +33,9 @@ def default_socket_path() -> str:
     return "/run/hkvd/hkvd.sock"
 
 
+COPY_ENGINES = ("host", "cuda")
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
     socket_path: str = field(default_factory=default_socket_path)
@@ -47,11 +50,14 @@ class DaemonConfig:
     socket_group: str = ""  # empty: the daemon's own group
     allowed_uids: tuple[int, ...] = ()  # empty: the daemon's own uid (and root)
     copy_threads: int = 2
+    copy_engine: str = "host"  # host (process_vm_readv/writev) or cuda (CUDA IPC; hkvd[gpu])
     mamba_checkpoint_interval: int = 1
     shutdown_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
     superblock_bytes: int = 32 << 20
     metrics_port: int = 0  # 0 = no metrics endpoint
+    l2_path: str = ""  # empty: no disk tier
+    l2_size_bytes: int = 0  # the disk tier's cap; required with l2_path
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +80,9 @@ class DaemonConfig:
         for name in ("lease_ttl_s", "shutdown_timeout_s", "io_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds")
+        if self.copy_engine not in COPY_ENGINES:
+            raise ConfigError(f"--copy-engine {self.copy_engine!r}: choose one of {COPY_ENGINES} (host for "
+                              "engines whose KV cache is in CPU memory, cuda for GPU KV caches)")
         if not 1 <= self.copy_threads <= 64:
             raise ConfigError("--copy-threads must be between 1 and 64")
         if self.mamba_checkpoint_interval < 1:
@@ -82,6 +91,12 @@ class DaemonConfig:
             raise ConfigError("max_frame_bytes must be between 4 KiB and 1 GiB")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("--metrics-port must be 0 (off) or a TCP port")
+        if self.l2_path and self.l2_size_bytes <= 0:
+            raise ConfigError(f"--l2-path {self.l2_path}: also set --l2-size-gb, the most disk the tier may use "
+                              "(e.g. --l2-size-gb 100)")
+        if self.l2_size_bytes and not self.l2_path:
+            raise ConfigError("--l2-size-gb needs --l2-path DIR (the disk tier's directory); set it, or drop "
+                              "--l2-size-gb")
         if self.socket_group:
             try:
                 grp.getgrnam(self.socket_group)
@@ -104,6 +119,16 @@ def _gb(v: Any) -> int:
     return int(gb * GIB)
 
 
+def _l2_gb(v: Any) -> int:
+    try:
+        gb = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--l2-size-gb {v!r}: expected a number of GiB, e.g. 100 or 0.5") from None
+    if gb <= 0:
+        raise ConfigError(f"--l2-size-gb {v!r}: must be > 0")
+    return int(gb * GIB)
+
+
 TOML_KEYS: dict[str, tuple[str, Any]] = {
     "socket": ("socket_path", str),
     "chunk_size": ("chunk_size", int),
@@ -116,9 +141,12 @@ TOML_KEYS: dict[str, tuple[str, Any]] = {
     "socket_group": ("socket_group", str),
     "allowed_uids": ("allowed_uids", lambda v: tuple(int(x) for x in v)),
     "copy_threads": ("copy_threads", int),
+    "copy_engine": ("copy_engine", lambda v: str(v).lower()),
     "mamba_checkpoint_interval": ("mamba_checkpoint_interval", int),
     "shutdown_timeout_s": ("shutdown_timeout_s", float),
     "metrics_port": ("metrics_port", int),
+    "l2_path": ("l2_path", str),
+    "l2_size_gb": ("l2_size_bytes", _l2_gb),
 }
 
 

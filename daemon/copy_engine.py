@@ -18,6 +18,10 @@ Contracts
       engine still refuses segments that leave a region (defence in depth).
     - ``copy`` either moves every byte or raises a ``KVError``; a partial copy is an error.
     - ``detach`` is idempotent and releases everything ``attach`` opened (IPC handles).
+    - ``copy_ordered`` adds event ordering where the engine has events (CUDA): wait for the
+      engine's ``wait_event`` before reading, and return the handle of an event recorded after
+      writing. Engines without events refuse a ``wait_event`` (the shim would be asking for an
+      ordering nobody provides) and return ``done_event=b""``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Direction(enum.Enum):
@@ -59,6 +63,11 @@ class Segment:
     nbytes: int
 
 
+class CopyResult(NamedTuple):
+    nbytes: int
+    done_event: bytes = b""  # IPC handle of an event recorded after the copy; b"" if the engine has none
+
+
 @dataclass(slots=True)
 class Attachment:
     """What an engine opened for one registered engine; opaque to the rest of the daemon."""
@@ -88,5 +97,53 @@ class CopyEngine(ABC):
     def copy(self, attachment: Attachment, segments: list[Segment], direction: Direction) -> int:
         """Move every segment; return the bytes moved. Blocking; runs on a copy thread."""
 
+    def copy_ordered(self, attachment: Attachment, segments: list[Segment], direction: Direction, *,
+                     wait_event: bytes | None = None) -> CopyResult:
+        """``copy`` ordered after ``wait_event`` (see the module docstring). Blocking."""
+        if wait_event:
+            from hkvd.transport.wire.errors import ProtocolViolation  # wire imports this module
+
+            raise ProtocolViolation(f"the {self.name} copy engine has no GPU events; send stores without "
+                                    "wait_event (host KV caches are final when the step returns)")
+        return CopyResult(self.copy(attachment, segments, direction))
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine-wide resources (streams, pinned registrations)."""
+
+
+class CopyEngineUnavailable(RuntimeError):
+    """The configured copy engine cannot run on this machine; the message names the fix."""
+
+
+def check_copy_engine(name: str) -> None:
+    """Fail fast (before the pool is pre-faulted) when ``name`` cannot run here; the message names the fix.
+
+    No fallback: a daemon asked for CUDA that cannot use it refuses to start, rather than refusing
+    every engine that registers GPU memory later.
+    """
+    if name == "host":
+        return
+    if name != "cuda":
+        raise CopyEngineUnavailable(f"unknown copy engine {name!r}; choose host or cuda")
+    from hkvd.cuda._cupy import CupyMissing, cupy, device_count
+
+    try:
+        cupy()
+    except CupyMissing as e:
+        raise CopyEngineUnavailable(f"--copy-engine cuda: {e}") from None
+    if device_count() == 0:
+        raise CopyEngineUnavailable(
+            "--copy-engine cuda: no CUDA device is visible to hkvd (check nvidia-smi, CUDA_VISIBLE_DEVICES "
+            "and the service's DeviceAllow); use --copy-engine host for CPU KV caches")
+
+
+def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float) -> CopyEngine:
+    """Build the engine ``hkvd serve --copy-engine`` names, for ``pool`` (a ``HugePagePool``)."""
+    check_copy_engine(name)
+    if name == "cuda":
+        from hkvd.cuda.copy import CudaCopyEngine
+
+        return CudaCopyEngine(pool, copy_timeout_s=copy_timeout_s)
+    from hkvd.daemon.cma import HostCopyEngine
+
+    return HostCopyEngine(pool)

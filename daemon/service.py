@@ -18,6 +18,7 @@ Errors
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -26,7 +27,7 @@ from typing import Any
 
 from hkvd.daemon import layout
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.copy_engine import Attachment, Direction, Segment
+from hkvd.daemon.copy_engine import Attachment, CopyResult, Direction, Segment
 from hkvd.daemon.errors import (
     Aborted,
     CopyFailedError,
@@ -163,11 +164,12 @@ class KVService:
     async def _store(self, conn: Conn, msg: kv.Store) -> None:
         engine = self._engine(conn, copy=True)
         items = msg.parsed()
-        nbytes, info, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False)
+        nbytes, info, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
+                                                  wait_event=msg.wait_event)
         conn.send(kv.Done(msg.req_id, nbytes, info))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
-                           pending: bool) -> tuple[int, dict[str, Any], list[Entry]]:
+                           pending: bool, wait_event: bytes = b"") -> tuple[int, dict[str, Any], list[Entry]]:
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         entries: list[Entry] = []
         segments: list[Segment] = []
@@ -194,7 +196,8 @@ class KVService:
         nbytes = 0
         try:
             if segments:
-                nbytes = await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL)
+                nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
+                                               wait_event)).nbytes
         except BaseException:
             for e in entries:
                 self.index.abandon_write(e)
@@ -232,7 +235,7 @@ class KVService:
         for e in entries:
             self.index.pin(e)
         try:
-            nbytes = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
+            result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
         finally:
             for e in entries:
                 self.index.unpin(e)
@@ -240,7 +243,10 @@ class KVService:
                 self.index.release(msg.lease_id)
         for e in entries:
             self.metrics.inc("retrieved_bytes", e.nbytes, kind=e.kind)
-        conn.send(kv.Done(msg.req_id, nbytes, {"entries": len(entries)}))
+        info: dict[str, Any] = {"entries": len(entries)}
+        if result.done_event:  # the engine's stream waits on it before a forward reads the blocks
+            info["event"] = result.done_event
+        conn.send(kv.Done(msg.req_id, result.nbytes, info))
 
     # ---- step events (Mamba boundary states) ---------------------------------------------------
     async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:
@@ -264,7 +270,7 @@ class KVService:
             return
         try:
             nbytes, info, written = await self._write_items(conn, engine, offers, job_id=msg.req_id,
-                                                            pending=True)
+                                                            pending=True, wait_event=msg.wait_event)
         except BaseException:
             conn.snapshots.on_copy_failed(msg.req_id)
             raise
@@ -290,11 +296,12 @@ class KVService:
 
     # ---- copies --------------------------------------------------------------------------------
     async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
-                        direction: Direction) -> int:
+                        direction: Direction, wait_event: bytes = b"") -> CopyResult:
         assert attachment is not None
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.executor, self.registry.copy_engine.copy, attachment, segments,
-                                   direction)
+        engine = self.registry.copy_engine
+        fut = loop.run_in_executor(self.executor, functools.partial(
+            engine.copy_ordered, attachment, segments, direction, wait_event=wait_event or None))
         conn.inflight += 1
         try:
             async with asyncio.timeout(self.copy_timeout_s):

@@ -134,16 +134,17 @@ class DaemonClient:
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
         return self._submit(lambda r: kv.Lookup(r, list(keys), lease))
 
-    def submit_store(self, items: Sequence[Item | Sequence[Any]]) -> int:
-        return self._submit(lambda r: kv.Store(r, items_to_wire(_items(items))))
+    def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"") -> int:
+        """``wait_event``: IPC handle of the step-end CUDA event to order the copy after (GPU KV only)."""
+        return self._submit(lambda r: kv.Store(r, items_to_wire(_items(items)), wait_event))
 
     def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
         return self._submit(lambda r: kv.Retrieve(r, lease_id, items_to_wire(_items(items))))
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
-                          confirms: Iterable[int] = ()) -> int:
+                          confirms: Iterable[int] = (), wait_event: bytes = b"") -> int:
         return self._submit(lambda r: events.StepEvent(r, seq, step, items_to_wire(_items(offers)),
-                                                       list(confirms)))
+                                                       list(confirms), wait_event))
 
     def release(self, lease_id: int) -> None:
         with self._lock:

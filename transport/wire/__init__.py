@@ -104,14 +104,28 @@ class Message:
             cls._hints_cache = hints  # type: ignore[attr-defined]
         return hints
 
+    @classmethod
+    def _required(cls) -> int:
+        """Fields without a default. Fields added later get defaults, so older peers still parse."""
+        return sum(1 for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
     def to_wire(self) -> list[Any]:
-        return [int(self.TYPE), *(getattr(self, name) for name, _ in self._field_hints())]
+        values = [getattr(self, name) for name, _ in self._field_hints()]
+        defaults = [f.default for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        # Trailing optional fields left at their default are not sent.
+        while len(values) > self._required() and values[-1] == defaults[len(values) - 1]:
+            values.pop()
+        return [int(self.TYPE), *values]
 
     @classmethod
     def from_wire(cls, fields: list[Any]) -> Message:
         hints = cls._field_hints()
-        if len(fields) != len(hints):
-            raise ProtocolViolation(f"{cls.__name__}: expected {len(hints)} fields, got {len(fields)}")
+        if not cls._required() <= len(fields) <= len(hints):
+            want = (str(len(hints)) if cls._required() == len(hints)
+                    else f"{cls._required()} to {len(hints)}")
+            raise ProtocolViolation(f"{cls.__name__}: expected {want} fields, got {len(fields)}")
+        hints = hints[:len(fields)]
         for value, (name, hint) in zip(fields, hints, strict=True):
             _check(value, hint, f"{cls.__name__}.{name}")
         msg = cls(*fields)

@@ -13,7 +13,7 @@ from typing import Any
 
 from hkvd.transport.wire import MAX_ITEMS, Message, MsgType, check_u64
 from hkvd.transport.wire.errors import ProtocolViolation
-from hkvd.transport.wire.kv import Item, parse_items
+from hkvd.transport.wire.kv import Item, check_event, parse_items
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,7 @@ class StepEvent(Message):
     step: int
     offers: list[Any]
     confirms: list[int]
+    wait_event: bytes = b""  # the step's end event (CUDA IPC handle), as in Store.wait_event
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -31,6 +32,7 @@ class StepEvent(Message):
         check_u64(self.step, "step")
         if len(self.confirms) > MAX_ITEMS:
             raise ProtocolViolation(f"StepEvent: at most {MAX_ITEMS} confirms")
+        check_event(self.wait_event, "StepEvent.wait_event")
         parsed = parse_items(self.offers, "StepEvent.offers")
         if any(len(it.block_ids) != 1 for it in parsed):
             raise ProtocolViolation("StepEvent.offers: a boundary state names exactly one block")

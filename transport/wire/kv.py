@@ -49,6 +49,14 @@ def parse_items(raw: list[Any], where: str) -> list[Item]:
     return items
 
 
+EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
+
+
+def check_event(handle: bytes, where: str) -> None:
+    if handle and len(handle) != EVENT_HANDLE_BYTES:
+        raise ProtocolViolation(f"{where}: a CUDA IPC event handle is {EVENT_HANDLE_BYTES} bytes (or empty for none)")
+
+
 def items_to_wire(items: list[Item]) -> list[list[Any]]:
     return [[it.group_id, it.chunk_index, it.key, list(it.block_ids), *((it.parent,) if it.parent else ())]
             for it in items]
@@ -83,10 +91,14 @@ class Store(Message):
     TYPE = MsgType.STORE
     req_id: int
     items: list[Any]
+    # IPC handle of the engine's step-end CUDA event: the daemon's stream waits on it before reading
+    # (cuda copy engine only; b"" = the blocks are already final, as on the host engine).
+    wait_event: bytes = b""
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         parse_items(self.items, "Store.items")
+        check_event(self.wait_event, "Store.wait_event")
 
     def parsed(self) -> list[Item]:
         return parse_items(self.items, "Store.items")
