@@ -2,15 +2,17 @@
 
 Start-up
     The health endpoint (``--metrics-port``) and the systemd watchdog start first, so both answer
-    while the pool pre-faults; ``READY=1`` (and ``/healthz`` 200) follow only once the pool is
-    pre-faulted and the control socket accepts.
+    while the pool pre-faults and the disk tier (``--l2-path``) is scanned; ``READY=1`` (and
+    ``/healthz`` 200) follow only once both are done and the control socket accepts.
 
 Shutdown sequence (SIGTERM or SIGINT)
     0. tell systemd ``STOPPING=1``; ``/healthz`` turns 503;
     1. stop accepting (close the listener, unlink the socket);
     2. reject new work with SHUTTING_DOWN;
     3. drain in-flight copies within ``shutdown_timeout_s``;
-    4. close connections (which releases leases and pins), the copy engine and the pool.
+    4. flush the disk tier's write-behind queue within what is left of that deadline (what is not
+       flushed is logged; it is missing from the disk copy only);
+    5. close connections (which releases leases and pins), the copy engine and the pool.
 Exit code 0 after a clean shutdown.
 
 Reload (SIGHUP)
@@ -32,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
+from hkvd.daemon.disk_tier import DiskTier
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
@@ -59,6 +62,7 @@ class Daemon:
         self.pool: HugePagePool | None = None
         self.server: Server | None = None
         self.service: KVService | None = None
+        self.disk: DiskTier | None = None
         self.ready_hooks: list[Callable[[], None]] = []
         self.notifier = notifier if notifier is not None else Notifier()
         self.reload_config = reload_config
@@ -130,7 +134,11 @@ class Daemon:
             if self.http is not None:
                 await self.http.close()
             executor.shutdown(wait=True, cancel_futures=True)
-            if self.pool is not None:
+            if self.disk is not None:
+                self.disk.close(timeout_s=1.0)  # no-op after a clean shutdown; start-up failures land here
+            if self.disk is not None and self.disk.busy():
+                log.warning("disk tier: a read or write is still running; leaving the pool mapped until exit")
+            elif self.pool is not None:
                 self.pool.close()
         log.info("hkvd stopped")
         return 0
@@ -148,10 +156,12 @@ class Daemon:
             gbps = await loop.run_in_executor(executor, self.pool.prefault)
             log.info("pool pre-faulted at %.1f GB/s", gbps)
             self.metrics.inc("prefault_gbps", gbps)
+            if cfg.l2_path:
+                await self._open_disk(loop)
             copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=max(cfg.io_timeout_s, 30.0))
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine)
-            self.service = KVService(cfg, index, registry, executor, self.metrics)
+            self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk)
             self.server = Server(cfg, self.service)
             await self.server.start()  # listening: connections are accepted from here on
             self.ready.set()
@@ -170,6 +180,37 @@ class Daemon:
             await self._shutdown()
             for task in background:
                 task.cancel()
+
+    async def _open_disk(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Scan ``--l2-path`` into the catalog (on a thread; progress in the log and STATUS=)."""
+        assert self.pool is not None
+        cfg = self.cfg
+        self.disk = DiskTier(cfg.l2_path, cfg.l2_size_bytes, self.pool.buffer,
+                             queue_bytes=max(cfg.l1_size_bytes // 8, 1 << 20))
+
+        def progress(files: int, nbytes: float) -> None:  # runs on the scan thread
+            self.notifier.status(f"scanning disk tier: {files} files, {nbytes / (1 << 30):.1f} GiB")
+
+        self.notifier.status(f"scanning disk tier {cfg.l2_path}")
+        await loop.run_in_executor(self.disk.readers, self.disk.open, progress)
+        self.disk.start(loop)
+
+    async def _flush_disk(self, deadline: float) -> None:
+        disk = self.disk
+        assert disk is not None
+        queued = disk.pending()
+        if queued:
+            log.info("disk tier: flushing %d queued entries", queued)
+            self.notifier.status(f"shutting down: flushing {queued} entries to the disk tier")
+        while disk.pending() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        left = await asyncio.to_thread(disk.close, max(deadline - time.monotonic(), 0.5))
+        st = disk.stats()
+        if left:
+            log.warning("disk tier: %d entries not written within shutdown-timeout-s (%.0f s); a restart misses "
+                        "them", left, self.cfg.shutdown_timeout_s)
+        log.info("disk tier: %d entries (%.2f GiB) on disk; %d written, %d not flushed, %d dropped (queue full) "
+                 "since start", st["entries"], st["bytes"] / (1 << 30), st["writes"], left, st["queue_drops"])
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half WatchdogSec, from the event loop: a hung loop stops the pings."""
@@ -232,6 +273,8 @@ class Daemon:
         if left:
             log.warning("%d copies still running after %.0f s; closing anyway", left,
                         self.cfg.shutdown_timeout_s)
+        if self.disk is not None:
+            await self._flush_disk(deadline)
         for conn in list(self.server.connections.values()):
             self.service.disconnect(conn)
         with contextlib.suppress(Exception):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 from hkvd.daemon import layout
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import Attachment, CopyResult, Direction, Segment
+from hkvd.daemon.disk_tier import DiskTier, Stored
 from hkvd.daemon.errors import (
     Aborted,
     CopyFailedError,
@@ -41,7 +43,7 @@ from hkvd.daemon.errors import (
     ShuttingDown,
 )
 from hkvd.daemon.hybrid import mamba_checkpoint_keep, plan_hit
-from hkvd.daemon.index import Entry, EntryKey, Index
+from hkvd.daemon.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.registry import EngineState, Registry
 from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
@@ -49,6 +51,9 @@ from hkvd.transport.wire import Message, control, events, kv
 from hkvd.transport.wire.kv import Item
 
 log = logging.getLogger("hkvd.service")
+
+# Rounds of "plan with the disk tier, read what the plan needs": a failed read re-plans without it.
+PROMOTE_ROUNDS = 3
 
 
 @dataclass(slots=True)
@@ -69,14 +74,26 @@ class Conn:
     closed: bool = False
 
 
+def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
+    """``extra=`` fields for a per-request log line: ``engine`` (or ``conn``), ``peer_pid``, ``req_id``."""
+    fields: dict[str, Any] = {"peer_pid": conn.pid, "req_id": req_id}
+    if conn.engine is not None:
+        fields["engine"] = conn.engine.engine_id
+    else:
+        fields["conn"] = conn.conn_id
+    return fields
+
+
 class KVService:
     def __init__(self, cfg: DaemonConfig, index: Index, registry: Registry, executor: Executor,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, disk: DiskTier | None = None) -> None:
         self.cfg = cfg
         self.index = index
         self.registry = registry
         self.executor = executor
         self.metrics = metrics
+        self.disk = disk  # the cold-restart tier (--l2-path), or None
+        self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # disk reads in flight, by key
         self.shutting_down = False
         self.copy_timeout_s = max(cfg.io_timeout_s, 30.0)
 
@@ -86,7 +103,7 @@ class KVService:
             raise ShuttingDown("hkvd is shutting down; the engine will recompute and reconnect later")
         match msg:
             case kv.Lookup():
-                self._lookup(conn, msg)
+                await self._lookup(conn, msg)
             case kv.Store():
                 await self._store(conn, msg)
             case kv.Retrieve():
@@ -142,13 +159,21 @@ class KVService:
         return (engine.fingerprint, item.group_id, item.key)
 
     # ---- lookup --------------------------------------------------------------------------------
-    def _lookup(self, conn: Conn, msg: kv.Lookup) -> None:
+    async def _lookup(self, conn: Conn, msg: kv.Lookup) -> None:
         engine = self._engine(conn, copy=False)
         fp = engine.fingerprint
         keys = msg.keys
+        if self.disk is not None and keys:
+            await self._promote_from_disk(conn, engine, keys, msg.req_id)
+        kinds = {r.group_id: r.kind for r in engine.rules}
+        missing: dict[str, int] = {}
 
-        def present(group_id: int, chunk: int) -> bool:
-            return self.index.is_ready((fp, group_id, keys[chunk]))
+        def present(group_id: int, chunk: int) -> bool:  # the pool only: what a retrieve can be served from
+            if self.index.is_ready((fp, group_id, keys[chunk])):
+                return True
+            kind = kinds[group_id]
+            missing[kind] = missing.get(kind, 0) + 1
+            return False
 
         plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
         lease_id = 0
@@ -158,7 +183,140 @@ class KVService:
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
         self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
+        hit_by_kind: dict[str, int] = {}
+        for gid, chunks in plan.needed.items():
+            hit_by_kind[kinds[gid]] = hit_by_kind.get(kinds[gid], 0) + len(chunks)
+        for kind, n in hit_by_kind.items():
+            self.metrics.inc("lookup_hit_entries", n, kind=kind)
+        for kind, n in missing.items():
+            self.metrics.inc("lookup_miss_entries", n, kind=kind)
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s))
+
+    # ---- disk tier: promotions on lookup, write-behind on READY ------------------------------------
+    async def _promote_from_disk(self, conn: Conn, engine: EngineState, keys: list[bytes], req_id: int) -> None:
+        """Read into the pool the entries that the best hit over pool + disk needs and only the disk has.
+
+        A read that fails (I/O error, checksum, timeout, pool full) re-plans without that entry. The
+        caller then plans over the pool alone, so a lookup never promises what it cannot serve.
+        """
+        disk = self.disk
+        assert disk is not None
+        fp = engine.fingerprint
+        failed: set[EntryKey] = set()
+
+        def present(group_id: int, chunk: int) -> bool:
+            k = (fp, group_id, keys[chunk])
+            return self.index.is_ready(k) or (k not in failed and k in disk)
+
+        for _ in range(PROMOTE_ROUNDS):
+            plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+            wanted = [k for gid, chunks in plan.needed.items() for c in chunks
+                      if not self.index.is_ready(k := (fp, gid, keys[c]))]
+            if not wanted:
+                return
+            bad = await self._promote(conn, engine, wanted, req_id)
+            if not bad:
+                return
+            failed.update(bad)
+
+    async def _promote(self, conn: Conn, engine: EngineState, wanted: list[EntryKey], req_id: int) -> set[EntryKey]:
+        """Read ``wanted`` from disk into fresh pool entries; return the keys that did not make it."""
+        disk = self.disk
+        assert disk is not None
+        bad: set[EntryKey] = set()
+        jobs: list[tuple[Entry, Stored]] = []
+        others: list[tuple[EntryKey, asyncio.Future[None]]] = []
+        for k in wanted:
+            if (fut := self._promoting.get(k)) is not None:  # another lookup is reading it already
+                others.append((k, fut))
+                continue
+            stored = disk.get(k)
+            group = engine.groups[k[1]]
+            if stored is None:  # evicted from disk since the plan
+                bad.add(k)
+                continue
+            if stored.nbytes != engine.entry_bytes[group.group_id] or stored.kind != group.kind:
+                disk.discard(k, stored, "layout")
+                log.warning("disk tier: %s holds %d bytes of kind %s; this layout's entries are %d bytes of %s; "
+                            "deleted", stored.path, stored.nbytes, stored.kind, engine.entry_bytes[group.group_id],
+                            group.kind, extra=request_log(conn, req_id))
+                bad.add(k)
+                continue
+            try:
+                entry = self.index.begin_write(k, stored.nbytes, group.kind, 0, stored.parent)
+            except PoolFull:
+                self.metrics.inc("l2_read_failures", reason="pool_full")
+                bad.add(k)
+                continue
+            if entry is None:  # a store is writing this key right now: not servable yet
+                bad.add(k)
+                continue
+            jobs.append((entry, stored))
+        if jobs:
+            done = asyncio.get_running_loop().create_future()
+            for e, _ in jobs:
+                self._promoting[e.key] = done
+            try:
+                bad |= await self._read_from_disk(conn, jobs, req_id)
+            finally:
+                for e, _ in jobs:
+                    self._promoting.pop(e.key, None)
+                done.set_result(None)
+        for k, fut in others:
+            await asyncio.shield(fut)  # bounded: that lookup's read has its own timeout
+            if not self.index.is_ready(k):
+                bad.add(k)
+        return bad
+
+    async def _read_from_disk(self, conn: Conn, jobs: list[tuple[Entry, Stored]], req_id: int) -> set[EntryKey]:
+        disk = self.disk
+        assert disk is not None
+        loop = asyncio.get_running_loop()
+        n = max(1, min(disk.read_threads, len(jobs)))
+        parts = [jobs[i::n] for i in range(n)]
+        reads = asyncio.gather(*[loop.run_in_executor(disk.readers, disk.read_batch,
+                                                      [(e.key, s, e.alloc.extents) for e, s in part])
+                                 for part in parts])
+        try:
+            async with asyncio.timeout(self.cfg.io_timeout_s):
+                results = await asyncio.shield(reads)
+        except TimeoutError:
+            # The threads still write into these pages: free them only once the reads return.
+            def abandon(_: object) -> None:
+                for e, _s in jobs:
+                    self.index.abandon_write(e)
+
+            reads.add_done_callback(abandon)
+            self.metrics.inc("l2_read_failures", len(jobs), reason="timeout")
+            log.warning("disk tier: reading %d entries took longer than %.0f s; the lookup goes on without them",
+                        len(jobs), self.cfg.io_timeout_s, extra=request_log(conn, req_id))
+            return {e.key for e, _ in jobs}
+        bad: set[EntryKey] = set()
+        for part, errors in zip(parts, results, strict=True):
+            for (e, _s), err in zip(part, errors, strict=True):
+                if err is None:
+                    self.index.finish_write(e, pending=False)
+                    self.metrics.inc("l2_hits", kind=e.kind)
+                    continue
+                self.index.abandon_write(e)
+                bad.add(e.key)
+                reason = getattr(err, "reason", "io")
+                self.metrics.inc("l2_read_failures", reason=reason)
+                log.info("disk tier: entry not served (%s: %s)", reason, err, extra=request_log(conn, req_id))
+        return bad
+
+    def _to_disk(self, entries: list[Entry]) -> None:
+        """Write-behind: offer READY entries to the disk tier; each stays pinned until written."""
+        if self.disk is None:
+            return
+        for e in entries:
+            if e.state is EntryState.READY and self.disk.offer(
+                    e.key, e.kind, e.nbytes, getattr(e, "parent", b""), e.alloc.extents,
+                    lambda e=e: self.index.unpin(e)):  # type: ignore[misc]
+                self.index.pin(e)
+
+    def _by_kind(self, name: str) -> dict[str, float]:
+        return {dict(labels).get("kind", ""): v for labels, v in self.metrics.counters.get(name, {}).items()}
 
     # ---- store ---------------------------------------------------------------------------------
     async def _store(self, conn: Conn, msg: kv.Store) -> None:
@@ -209,6 +367,8 @@ class KVService:
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
         for e in entries:
             self.index.finish_write(e, pending=pending)
+        if not pending:
+            self._to_disk(entries)
         for e in entries:
             self.metrics.inc("stored_bytes", e.nbytes, kind=e.kind)
         info = {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned}
@@ -261,6 +421,7 @@ class KVService:
         for job in decision.visible:
             for e in conn.pending.pop(job, []):
                 self.index.confirm(e)
+                self._to_disk([e])
         self._drop_jobs(conn, list(decision.invalidated))
         self.metrics.inc("step_events", outcome=decision.outcome.value)
         if decision.outcome is StepOutcome.GAP:
@@ -289,6 +450,7 @@ class KVService:
             self.metrics.inc("snapshots_invalidated")
 
     def _abort(self, conn: Conn, req_id: int) -> None:
+        log.info("abort requested", extra=request_log(conn, req_id))
         conn.aborted.add(req_id)
         if conn.snapshots is not None:
             conn.snapshots.on_abort([req_id])
@@ -303,9 +465,14 @@ class KVService:
         fut = loop.run_in_executor(self.executor, functools.partial(
             engine.copy_ordered, attachment, segments, direction, wait_event=wait_event or None))
         conn.inflight += 1
+        t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.copy_timeout_s):
-                return await asyncio.shield(fut)
+                result = await asyncio.shield(fut)
+            # GB/s of the last copies per direction, submit to completion (thread hand-off included)
+            self.metrics.observe_rate("copy", getattr(result, "nbytes", result), time.perf_counter() - t0,
+                                      direction=direction.value)
+            return result
         except TimeoutError:
             self.metrics.inc("copy_timeouts")
             # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
@@ -347,5 +514,8 @@ class KVService:
                       "orphans_marked": idx.orphans_marked, "chain_nodes": idx.chain_nodes,
                       "stores_dropped": idx.stores_dropped, "by_kind": idx.by_kind},
             "counters": {name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
+            "by_kind": {name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits")},
+            "rates": {"copy_gbps": {d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}},
+            "l2": self.disk.stats() if self.disk is not None else None,
             "shutting_down": self.shutting_down,
         }
