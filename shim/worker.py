@@ -3,8 +3,8 @@
 
 Role
     Runs in each vLLM worker process, in the model runner's execute loop. It registers the
-    engine's KV memory with the daemon once (one host region per distinct backing storage,
-    one view per layer), then per step:
+    engine's KV memory with the daemon once (one region per distinct backing storage: host
+    memory, or a CUDA IPC export through ``shim/gpu.py``; one view per layer), then per step:
 
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
@@ -68,6 +68,7 @@ class WorkerSide:
         self._finishing: set[str] = set()
         self._confirmable: list[int] = []
         self._load_errors: set[int] = set()
+        self._gpu: Any = None  # shim.gpu.GpuOrdering when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
         self.stats = {"loads_ok": 0, "loads_failed": 0, "stores": 0, "stores_failed": 0, "step_events": 0,
                       "fence_waits": 0, "fence_timeouts": 0, "loaded_bytes": 0, "stored_bytes": 0}
@@ -88,28 +89,32 @@ class WorkerSide:
         from hkvd.daemon.copy_engine import Region
 
         block_strides = {name: t.block_stride for t in self._kv_cache_config.kv_cache_tensors for name in t.layers}
-        by_storage: dict[int, Any] = {}
-        for name, t in kv_caches.items():
-            if name not in block_strides:
-                continue
-            tensor = t[0] if isinstance(t, list | tuple) else t
-            if tensor.device.type != "cpu":
-                raise ValueError(
-                    f"hkvd: layer {name} lives on {tensor.device}; this shim build registers host (CPU) KV "
-                    "caches only. Use the CPU build of vLLM or remove the hkvd kv_transfer_config.")
+        tensors = {name: (t[0] if isinstance(t, list | tuple) else t) for name, t in kv_caches.items()
+                   if name in block_strides}
+        device_types = {t.device.type for t in tensors.values()}
+        if device_types - {"cpu", "cuda"} or len(device_types) > 1:
+            raise ValueError(f"hkvd: KV caches on {sorted(device_types)}; hkvd registers either host (CPU) or "
+                             "CUDA KV caches, one kind per engine. Remove the hkvd kv_transfer_config for others.")
+        region_of: dict[int, int] = {}
+        if device_types == {"cuda"}:
+            from hkvd.shim.gpu import GpuOrdering, export_storages
+
+            self._regions, region_of = export_storages(tensors)
+            self._gpu = GpuOrdering(next(iter(tensors.values())).device.index)
+        for name, tensor in tensors.items():
             storage = tensor.untyped_storage()
             base = storage.data_ptr()
-            if base not in by_storage:
+            if base not in region_of:
                 # Aliased layers (vLLM packs every group into one int8 buffer) share a region.
-                by_storage[base] = Region(region_id=len(by_storage), kind="host", size=int(storage.nbytes()),
-                                          addr=int(base))
+                region_of[base] = len(self._regions)
+                self._regions.append(Region(region_id=region_of[base], kind="host", size=int(storage.nbytes()),
+                                            addr=int(base)))
             stride = int(tensor.stride(0)) * int(tensor.element_size())
             if stride != block_strides[name]:
                 raise ValueError(
                     f"hkvd: layer {name}: block stride {stride} B in the tensor but {block_strides[name]} B in "
                     "KVCacheConfig; this KV layout is not supported (set VLLM_KV_CACHE_LAYOUT=LBHNC).")
-            self._layer_addr[name] = (by_storage[base].region_id, int(tensor.data_ptr()) - base)
-        self._regions = list(by_storage.values())
+            self._layer_addr[name] = (region_of[base], int(tensor.data_ptr()) - base)
         logger.info("hkvd worker: %d KV layers in %d region(s) (%.1f GiB)", len(self._layer_addr),
                     len(self._regions), sum(r.size for r in self._regions) / 2**30)
         self._ensure(startup=True)
@@ -261,6 +266,8 @@ class WorkerSide:
         for rid, job in pending.items():
             c = done.get(rid)
             if c is not None and c.ok:
+                if self._gpu is not None and c.result.get("event"):
+                    self._gpu.wait_loaded(c.result["event"])  # the forward reads after the daemon's copy
                 self.stats["loads_ok"] += 1
                 self.stats["loaded_bytes"] += int(c.result.get("nbytes", 0))
             else:
@@ -281,13 +288,16 @@ class WorkerSide:
         if client is None:
             return
         try:
+            # GPU: the daemon's stream waits for the end of this step's forward before reading.
+            event = self._gpu.step_end_event() if self._gpu is not None and (meta.stores or meta.offers) else b""
             for sj in meta.stores:
-                rid = client.submit_store(sj.items)
+                rid = client.submit_store(sj.items, wait_event=event)
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
             offers = [it for _, it in meta.offers]
             confirms, self._confirmable = self._confirmable, []
             self._seq += 1
-            rid = client.submit_step_event(self._seq, meta.step, offers, confirms)
+            rid = client.submit_step_event(self._seq, meta.step, offers, confirms,
+                                           wait_event=event if offers else b"")
             self._track(rid, _Job("step", item_blocks(offers), {r for r, _ in meta.offers}))
             self.stats["step_events"] += 1
         except Exception as e:
@@ -311,3 +321,5 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.link.close()
+        if self._gpu is not None:
+            self._gpu.close()

@@ -285,3 +285,56 @@ def test_expandable_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> Non
             e.alloc(1 << 20, seed=9)
     finally:
         e.close()
+
+
+def test_hkvd_serve_with_the_cuda_engine_round_trips_through_the_wire(engine: Engine, tmp_path: Path) -> None:
+    """The whole daemon: ``hkvd serve --copy-engine cuda`` opens the engine's IPC handle at
+    registration, stores and retrieves over the socket, and returns a done event with the retrieve."""
+    import subprocess
+
+    from hkvd.daemon.layout import GroupSpec, View
+    from hkvd.shim.client import DaemonClient
+    from hkvd.transport.keys import chunk_keys
+    from hkvd.transport.wire.control import EngineSpec
+    from hkvd.transport.wire.kv import Item
+
+    nb, nl, page = 16, 2, 64 << 10
+    nbytes = nl * nb * page
+    regions = engine.alloc(nbytes, seed=21)
+    sock = str(tmp_path / "hkvd.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "hkvd.daemon.cli", "serve", "--copy-engine", "cuda",
+                             "--socket", sock, "--l1-size-gb", "0.25", "--chunk-size", "32"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(sock):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "hkvd serve --copy-engine cuda did not start in 120 s"
+            time.sleep(0.2)
+        group = GroupSpec(0, "full", 16, 0, nb, "bfloat16", (View(1, 0, nl, nb * page, page, page),))
+        client = DaemonClient(sock, client_name="gpu-test", role="worker", timeout_s=60)
+        client.connect()
+        client.register(EngineSpec("gpu-test", 1, 0, "cuda/LBHNC", 32, 16, 8192, "align", regions, [group]))
+        keys = chunk_keys(list(range(64)), 32)
+        before = engine.read().copy()
+        stored = client.wait([client.submit_store([Item(0, c, keys[c], [1 + 2 * c, 2 + 2 * c]) for c in (0, 1)])],
+                             60)
+        assert all(c.ok for c in stored.values()), stored
+        lookup = client.wait([client.submit_lookup(keys)], 60)
+        (hit,) = lookup.values()
+        assert hit.result["hit_chunks"] == 2
+        target = [Item(0, c, keys[c], [9 + 2 * c, 10 + 2 * c]) for c in (0, 1)]
+        done = client.wait([client.submit_retrieve(target, hit.result["lease_id"])], 60)
+        (c,) = done.values()
+        assert c.ok, c.error
+        assert len(c.result["event"]) == 64  # the engine's stream would wait on it
+        after = engine.read()
+        for layer in range(nl):
+            for src, dst in ((1, 9), (2, 10), (3, 11), (4, 12)):
+                s = layer * nb * page + src * page
+                d = layer * nb * page + dst * page
+                assert np.array_equal(after[d:d + page], before[s:s + page]), (layer, src, dst)
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine-side half of the CUDA path: export KV storages once, order copies with IPC events.
+
+Role
+    Used by ``shim/worker.py`` only when vLLM's KV caches live on a GPU (``hkvd serve
+    --copy-engine cuda``). Registration exports each backing storage as a ``Region(kind="cuda")``
+    (``hkvd.cuda.export``: legacy CUDA IPC, cudaMalloc memory only). Per step:
+
+    - ``step_end_event()`` records one interprocess event on the engine's current stream after
+      the forward. Its handle travels with the step's stores and step event, and the daemon's
+      stream waits on it before reading: a Mamba snapshot is read after exactly the step that
+      wrote it, with no host synchronisation on the engine's side.
+    - ``wait_loaded(handle)`` makes the engine's current stream wait for the event the daemon
+      recorded after a retrieve, before the forward reads the loaded blocks.
+
+Threading
+    vLLM's execute thread only (the thread that owns the device).
+
+Verification
+    Needs a GPU and CuPy (``hkvd[gpu]``). Not exercised on the CPU-only CI machines; see
+    ``tests/gpu`` (skipped without a GPU) and ``make test-gpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hkvd.daemon.copy_engine import Region
+
+
+def export_storages(tensors: dict[str, Any]) -> tuple[list[Region], dict[int, int]]:
+    """One ``Region(kind="cuda")`` per distinct backing storage; returns (regions, base ptr -> region id).
+
+    Every tensor must be on the same GPU (one rank, one device).
+    """
+    from hkvd.cuda.export import export_tensor
+
+    regions: list[Region] = []
+    ids: dict[int, int] = {}
+    devices = {t.device.index for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"hkvd: this rank's KV caches span GPUs {sorted(devices)}; register one GPU per rank")
+    for t in tensors.values():
+        base = int(t.untyped_storage().data_ptr())
+        if base not in ids:
+            ids[base] = len(regions)
+            regions.append(export_tensor(ids[base], t))
+    return regions, ids
+
+
+class GpuOrdering:
+    """Step-end events out, load-done events in. See the module docstring."""
+
+    def __init__(self, device: int) -> None:
+        from hkvd.cuda.events import IpcEventRing, OpenedEvents
+
+        self.device = device
+        self._ring = IpcEventRing(device)
+        self._opened = OpenedEvents(device)
+
+    def _stream(self) -> int:
+        import torch
+
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def step_end_event(self) -> bytes:
+        _, handle = self._ring.record(self._stream())
+        return handle
+
+    def wait_loaded(self, handle: bytes) -> None:
+        self._opened.wait(self._stream(), handle)
+
+    def close(self) -> None:
+        self._opened.close()
+        self._ring.close()
