@@ -31,13 +31,15 @@ class ScriptedClient:
         self.sent.append((self.next_id, *what))
         return self.next_id
 
-    def submit_store(self, items: Any) -> int:
+    def submit_store(self, items: Any, wait_event: bytes = b"") -> int:
+        assert wait_event == b""  # host KV caches: no GPU events
         return self._id(("store", items))
 
     def submit_retrieve(self, items: Any, lease_id: int) -> int:
         return self._id(("retrieve", items, lease_id))
 
-    def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any) -> int:
+    def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any, wait_event: bytes = b"") -> int:
+        assert wait_event == b""
         return self._id(("step", seq, step, offers, list(confirms)))
 
     def complete(self, rid: int, ok: bool = True) -> None:
