@@ -100,6 +100,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"leases    {idx['leases']} held, {idx['pinned_entries']} entries pinned",
         f"errors    {errors} sent to clients, {int(c.get('copy_timeouts', 0))} copy timeouts, "
         f"{int(c.get('step_event_gaps', 0))} step-event gaps",
+        *_status_extra(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -107,6 +108,32 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  #{e['engine_id']:<3} {e['role']:9} pid {e['pid']:<7} {e['model']} rank {e['rank']}/"
                      f"{e['world_size']} chunk {e['chunk_size']} [{groups}]")
     return "\n".join(lines)
+
+
+def _status_extra(s: dict[str, Any]) -> list[str]:
+    """Lines for hits by group kind, copy throughput and the disk tier (absent in older daemons)."""
+    lines = []
+    by_kind = s.get("by_kind") or {}
+    hit, miss = by_kind.get("lookup_hit_entries", {}), by_kind.get("lookup_miss_entries", {})
+    kinds = ", ".join(f"{k} {int(hit.get(k, 0))}/{int(miss.get(k, 0))}" for k in sorted(set(hit) | set(miss)))
+    if "by_kind" in s:
+        lines.append(f"kinds     entries hit/missed by group kind: {kinds or 'n/a'}")
+    rates = (s.get("rates") or {}).get("copy_gbps")
+    if rates is not None:
+        lines.append("copy      " + ", ".join(f"{d} {v:.2f} GB/s" for d, v in sorted(rates.items()))
+                     + " (last 64 copies)")
+    if "l2" not in s:
+        return lines
+    l2 = s["l2"]
+    if l2 is None:
+        lines.append("disk      off (--l2-path DIR enables the cold-restart tier)")
+        return lines
+    corrupt = sum(l2["corrupt"].values())
+    lines.append(f"disk      {_bytes(l2['bytes'])} / {_bytes(l2['cap_bytes'])} in {l2['entries']} entries, "
+                 f"{sum(int(v) for v in by_kind.get('l2_hits', {}).values())} read back ({l2['path']})")
+    lines.append(f"disk-io   {l2['writes']} written, {l2['queued']} queued, {l2['queue_drops']} dropped (queue full), "
+                 f"{l2['write_errors']} write errors, {corrupt} corrupt skipped, {l2['evictions']} evicted")
+    return lines
 
 
 class KeyValueFormatter(logging.Formatter):

@@ -46,6 +46,24 @@ COUNTERS: dict[str, str] = {
     "copy_timeouts": "Copies that exceeded their timeout",
     "copy_errors": "Copies that failed",
     "engines_registered": "Engine registrations",
+    "lookup_hit_entries": "Entries the served hits load, by group kind",
+    "lookup_miss_entries": "Entries whose absence cut a lookup's hit short, by group kind",
+}
+HELP = {
+    **COUNTERS,
+    "l2_hits": "Entries read from the disk tier into the pool for a lookup, by group kind",
+    "l2_read_failures": "Disk-tier reads not served (checksum, truncated, io, timeout, pool_full), by reason",
+}
+# The disk tier's counters (status()["l2"]), exported as hkvd_l2_<name>_total.
+L2_COUNTERS = {
+    "writes": "Entries written to the disk tier",
+    "write_bytes": "Bytes written to the disk tier (headers included)",
+    "write_errors": "Disk-tier writes that failed (disk full, I/O error)",
+    "queue_drops": "Entries not written because the write-behind queue was full",
+    "evictions": "Disk-tier files deleted to stay under --l2-size-gb",
+    "reads": "Disk-tier files read and verified",
+    "read_bytes": "Payload bytes read from the disk tier",
+    "read_errors": "Disk-tier reads that failed with an I/O error",
 }
 GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
 
@@ -76,7 +94,7 @@ class DaemonCollector:
         for name in sorted(set(COUNTERS) | set(snap)):
             if name in GAUGE_COUNTERS:
                 continue
-            m = Metric(f"hkvd_{name}", COUNTERS.get(name, name.replace("_", " ")), "counter")
+            m = Metric(f"hkvd_{name}", HELP.get(name, name.replace("_", " ")), "counter")
             series = snap.get(name) or {(): 0.0}
             for labels, value in sorted(series.items()):
                 m.add_sample(f"hkvd_{name}_total", dict(labels), value)
@@ -121,12 +139,40 @@ class DaemonCollector:
         for role, n in sorted(roles.items()):
             g.add_metric([role], n)
         yield g
+        g = GaugeMetricFamily("hkvd_copy_gbps", "Copy throughput of the last 64 copies (submit to done), by "
+                              "direction", labels=["direction"])
+        for direction, gbps in sorted(s["rates"]["copy_gbps"].items()):
+            g.add_metric([direction], gbps)
+        yield g
+        if s.get("l2") is not None:
+            yield from self._l2(s["l2"])
         server = d.server
         if server is not None:
             yield GaugeMetricFamily("hkvd_connections", "Open control connections",
                                     value=len(server.connections))
             yield GaugeMetricFamily("hkvd_inflight_copies", "Copies running now",
                                     value=sum(c.inflight for c in server.connections.values()))
+
+
+    @staticmethod
+    def _l2(l2: dict[str, Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, help_ in L2_COUNTERS.items():
+            yield CounterMetricFamily(f"hkvd_l2_{name}", help_, value=l2[name])
+        c = CounterMetricFamily("hkvd_l2_corrupt_files", "Disk-tier files skipped as unusable (and deleted, "
+                                "except another format version), by reason", labels=["reason"])
+        for reason, n in sorted(l2["corrupt"].items()):
+            c.add_metric([reason], n)
+        yield c
+        for name, help_, value in (
+                ("entries", "Entries in the disk tier's catalog", l2["entries"]),
+                ("bytes", "Bytes of the disk tier's files", l2["bytes"]),
+                ("capacity_bytes", "The disk tier's cap (--l2-size-gb)", l2["cap_bytes"]),
+                ("queued_entries", "Entries waiting in the write-behind queue", l2["queued"]),
+                ("write_gbps", "Disk-tier write throughput, last 64 files", l2["write_gbps"]),
+                ("read_gbps", "Disk-tier read throughput, last 64 files", l2["read_gbps"])):
+            yield GaugeMetricFamily(f"hkvd_l2_{name}", help_, value=value)
 
 
 def build_registry(daemon: Any) -> Any:

@@ -35,7 +35,7 @@ from hkvd.daemon.errors import (
     ProtocolViolation,
     UnsupportedVersion,
 )
-from hkvd.daemon.service import Conn, KVService
+from hkvd.daemon.service import Conn, KVService, request_log
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, events, kv
 
@@ -44,6 +44,8 @@ log = logging.getLogger("hkvd.server")
 MAX_CONSECUTIVE_ERRORS = 32
 READ_BYTES = 1 << 16
 _JOBS = (kv.Store, kv.Retrieve, events.StepEvent)
+# Error replies logged at warning (the daemon or the machine is in trouble); the rest at info.
+_LOUD_CODES = {"TIMEOUT", "COPY_FAILED", "INTERNAL", "POOL_FULL"}
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -196,7 +198,8 @@ class Server:
             self._reply_error(conn, req_id, e)
             return False
         except Exception as e:  # a bug: never let it take the daemon down
-            log.exception("internal error handling a request from pid %d", conn.pid)
+            log.exception("internal error handling a request from pid %d", conn.pid,
+                          extra=request_log(conn, req_id))
             self.service.metrics.inc("internal_errors")
             self._reply_error(conn, req_id, InternalError(f"internal error: {e!r}"))
             return False
@@ -208,10 +211,13 @@ class Server:
         except KVError as e:
             self._reply_error(conn, req_id, e)
         except Exception as e:
-            log.exception("internal error in job %d from pid %d", req_id, conn.pid)
+            log.exception("internal error in job %d from pid %d", req_id, conn.pid,
+                          extra=request_log(conn, req_id))
             self.service.metrics.inc("internal_errors")
             self._reply_error(conn, req_id, InternalError(f"internal error: {e!r}"))
 
     def _reply_error(self, conn: Conn, req_id: int, e: KVError) -> None:
         self.service.metrics.inc("errors", code=e.code.name)
+        log.log(logging.WARNING if e.code.name in _LOUD_CODES else logging.INFO, "request failed: %s: %s",
+                e.code.name, e.message, extra=request_log(conn, req_id))
         conn.send(kv.Error(req_id, int(e.code), e.message))

@@ -1,0 +1,248 @@
+"""The disk tier's file format and its writer, scan, read checks and size cap, on a real directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from hkvd.daemon.disk_tier import (
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    DiskTier,
+    DiskTierError,
+    FormatError,
+    Header,
+    relative_path,
+    unpack_header,
+)
+from hkvd.daemon.pool import Extent
+
+FP = bytes(range(16))
+ENTRY = 8192
+
+
+def header(**kw: object) -> Header:
+    base = {"fingerprint": FP, "group_id": 3, "chunk_key": b"k" * 16, "kind": "mamba", "nbytes": ENTRY,
+            "checksum": 0xDEADBEEF, "parent": b"p" * 16}
+    base.update(kw)
+    return Header(**base)  # type: ignore[arg-type]
+
+
+def test_header_round_trip():
+    h = header()
+    raw = h.pack()
+    assert len(raw) == HEADER_BYTES == 80
+    assert raw.startswith(MAGIC)
+    assert unpack_header(raw) == h
+    assert unpack_header(header(parent=b"", kind="full").pack()).parent == b""
+
+
+@pytest.mark.parametrize(("mangle", "reason"), [
+    (lambda raw: b"NOTHKVD!" + raw[8:], "magic"),
+    (lambda raw: raw[:8] + struct.pack("<H", VERSION + 1) + raw[10:], "version"),
+    (lambda raw: raw[:40] + bytes([raw[40] ^ 1]) + raw[41:], "header"),  # a flipped bit in the fingerprint
+    (lambda raw: raw[:50], "truncated"),
+    (lambda raw: b"", "truncated"),
+])
+def test_bad_headers_are_refused_with_a_reason(mangle, reason):
+    with pytest.raises(FormatError) as ei:
+        unpack_header(mangle(header().pack()))
+    assert ei.value.reason == reason
+
+
+def test_version_check_comes_before_the_header_crc():
+    # A future version may change the layout after the version field: its CRC means nothing to us.
+    raw = bytearray(header().pack())
+    raw[8:10] = struct.pack("<H", 7)
+    with pytest.raises(FormatError, match="format version 7") as ei:
+        unpack_header(bytes(raw))
+    assert ei.value.reason == "version"
+
+
+class Pool:
+    """A pool-like buffer: entries are pairs of extents at fixed offsets (split, as the allocator does)."""
+
+    def __init__(self, entries: int) -> None:
+        self.mem = bytearray(entries * ENTRY * 2)
+        self.buffer = memoryview(self.mem)
+
+    def extents(self, i: int) -> tuple[Extent, ...]:  # two non-adjacent halves
+        return (Extent(2 * i * ENTRY, ENTRY // 2), Extent((2 * i + 1) * ENTRY, ENTRY // 2))
+
+    def fill(self, i: int, seed: int) -> bytes:
+        data = os.urandom(ENTRY) if seed < 0 else bytes((seed + j) % 251 for j in range(ENTRY))
+        (a, la), (b, lb) = self.extents(i)
+        self.mem[a:a + la] = data[:la]
+        self.mem[b:b + lb] = data[la:]
+        return data
+
+    def read(self, i: int) -> bytes:
+        return b"".join(bytes(self.mem[o:o + n]) for o, n in self.extents(i))
+
+
+def key(i: int) -> tuple[bytes, int, bytes]:
+    return (FP, 0, i.to_bytes(2, "big") * 8)
+
+
+async def write_entries(tier: DiskTier, pool: Pool, n: int) -> list[bytes]:
+    """Offer n entries and wait until every done callback ran (the caller's unpin)."""
+    done = asyncio.Event()
+    left = [n]
+
+    def one_done() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+
+    data = []
+    for i in range(n):
+        data.append(pool.fill(i, seed=i))
+        assert tier.offer(key(i), "full", ENTRY, b"", pool.extents(i), one_done)
+    async with asyncio.timeout(20):
+        await done.wait()
+    return data
+
+
+def new_tier(root: Path, pool: Pool, cap: int = 1 << 30, **kw: int) -> DiskTier:
+    tier = DiskTier(str(root), cap, pool.buffer, queue_bytes=kw.pop("queue_bytes", 1 << 30), **kw)
+    tier.open()
+    tier.start(asyncio.get_running_loop())
+    return tier
+
+
+async def test_written_entries_survive_a_new_tier_and_read_back_byte_exact(tmp_path):
+    pool = Pool(8)
+    tier = new_tier(tmp_path, pool)
+    data = await write_entries(tier, pool, 4)
+    assert tier.stats()["writes"] == 4 and tier.stats()["entries"] == 4
+    assert not tier.offer(key(0), "full", ENTRY, b"", pool.extents(0), lambda: None)  # already on disk
+    assert tier.close(5.0) == 0
+
+    pool2 = Pool(8)
+    again = new_tier(tmp_path, pool2)
+    assert again.scan.entries == 4
+    stored = again.get(key(2))
+    assert stored is not None and stored.kind == "full" and stored.nbytes == ENTRY
+    assert again.read_batch([(key(2), stored, pool2.extents(5))]) == [None]
+    assert pool2.read(5) == data[2]
+    again.close(5.0)
+
+
+async def test_a_flipped_payload_byte_is_caught_at_read_and_the_file_deleted(tmp_path):
+    pool = Pool(4)
+    tier = new_tier(tmp_path, pool)
+    await write_entries(tier, pool, 2)
+    tier.close(5.0)
+    victim = tmp_path / relative_path(key(1))
+    raw = bytearray(victim.read_bytes())
+    raw[HEADER_BYTES + 1000] ^= 0x40
+    victim.write_bytes(bytes(raw))
+
+    pool2 = Pool(4)
+    again = new_tier(tmp_path, pool2)
+    assert again.scan.entries == 2  # the header is fine: only the payload CRC can tell
+    stored = again.get(key(1))
+    assert stored is not None
+    [err] = again.read_batch([(key(1), stored, pool2.extents(0))])
+    assert isinstance(err, FormatError) and err.reason == "checksum"
+    assert key(1) not in again and not victim.exists()
+    assert again.stats()["corrupt"] == {"checksum": 1}
+    again.close(5.0)
+
+
+async def test_scan_skips_counts_and_deletes_unusable_files_and_leaves_others_alone(tmp_path):
+    pool = Pool(8)
+    tier = new_tier(tmp_path, pool)
+    await write_entries(tier, pool, 6)
+    tier.close(5.0)
+    files = [tmp_path / relative_path(key(i)) for i in range(6)]
+    os.truncate(files[0], HEADER_BYTES + 100)  # partial payload
+    os.truncate(files[1], 30)  # partial header
+    raw = files[2].read_bytes()
+    files[2].write_bytes(b"GARBAGE!" + raw[8:])  # bad magic
+    raw = bytearray(files[3].read_bytes())
+    raw[8:10] = struct.pack("<H", VERSION + 1)  # a newer hkvd's file: skipped, kept
+    files[3].write_bytes(bytes(raw))
+    files[4].rename(files[4].with_name("0000-0-" + "ab" * 16 + ".hkv"))  # name disagrees with the header
+    (tmp_path / "00" / "leftover.hkv.tmp").write_bytes(b"x" * 10)  # a write cut short
+    (tmp_path / "00" / "notes.txt").write_text("not ours")
+    (tmp_path / "README").write_text("not ours either")
+
+    again = new_tier(tmp_path, Pool(8))
+    assert again.scan.entries == 1 and key(5) in again
+    assert again.scan.corrupt == {"truncated": 2, "magic": 1, "version": 1, "name": 1}
+    assert again.stats()["corrupt"] == again.scan.corrupt
+    assert again.scan.tmp_removed == 1 and again.scan.ignored == 1
+    assert not files[0].exists() and not files[1].exists() and not files[2].exists()
+    assert files[3].exists()  # another version's file is left in place
+    assert (tmp_path / "00" / "notes.txt").exists() and (tmp_path / "README").exists()
+    assert not (tmp_path / "00" / "leftover.hkv.tmp").exists()
+    again.close(5.0)
+
+
+async def test_size_cap_evicts_the_least_recently_used_files(tmp_path):
+    pool = Pool(8)
+    per_file = HEADER_BYTES + ENTRY
+    tier = new_tier(tmp_path, pool, cap=3 * per_file)
+    await write_entries(tier, pool, 5)
+    st = tier.stats()
+    assert st["entries"] == 3 and st["bytes"] == 3 * per_file and st["evictions"] == 2
+    assert [key(i) in tier for i in range(5)] == [False, False, True, True, True]
+    assert sum(len(files) for _, _, files in os.walk(tmp_path)) == 3
+    tier.close(5.0)
+    # A smaller cap at the next start evicts the oldest at once.
+    os.utime(tmp_path / relative_path(key(3)), ns=(1, 1))
+    smaller = new_tier(tmp_path, Pool(8), cap=2 * per_file)
+    assert smaller.scan.evicted == 1 and key(3) not in smaller and key(2) in smaller and key(4) in smaller
+    smaller.close(5.0)
+
+
+def test_a_full_queue_skips_and_counts_instead_of_blocking(tmp_path):
+    pool = Pool(4)
+    tier = DiskTier(str(tmp_path), 1 << 30, pool.buffer, queue_bytes=ENTRY)  # room for one queued entry
+    tier.open()  # writer not started: the queue cannot drain
+    assert tier.offer(key(0), "full", ENTRY, b"", pool.extents(0), lambda: None)
+    assert not tier.offer(key(1), "full", ENTRY, b"", pool.extents(1), lambda: None)
+    assert tier.stats()["queue_drops"] == 1 and tier.pending() == 1
+    assert tier.close(5.0) == 1  # shut down with the queue full: one entry not flushed
+
+
+async def test_close_reports_entries_it_could_not_flush_and_runs_their_callbacks(tmp_path):
+    pool = Pool(4)
+    tier = DiskTier(str(tmp_path), 1 << 30, pool.buffer, queue_bytes=1 << 20)
+    tier.open()
+    ran = []
+    for i in range(3):
+        assert tier.offer(key(i), "full", ENTRY, b"", pool.extents(i), lambda i=i: ran.append(i))
+    tier.start(asyncio.get_running_loop())  # and stop at once: whatever was not taken is not flushed
+    left = await asyncio.to_thread(tier.close, 5.0)
+    assert left + tier.stats()["writes"] == 3
+    await asyncio.sleep(0.05)
+    assert sorted(ran) == [0, 1, 2]
+
+
+def test_an_unwritable_directory_fails_with_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    tier = DiskTier(str(blocker / "l2"), 1 << 30, memoryview(bytearray(16)), queue_bytes=1)
+    with pytest.raises(DiskTierError, match=r"--l2-path .*writable directory"):
+        tier.open()
+
+
+def test_write_checksum_is_crc32_of_the_payload_in_pool_order(tmp_path):
+    async def run() -> None:
+        pool = Pool(2)
+        tier = new_tier(tmp_path, pool)
+        data = await write_entries(tier, pool, 1)
+        tier.close(5.0)
+        raw = (tmp_path / relative_path(key(0))).read_bytes()
+        h = unpack_header(raw[:HEADER_BYTES])
+        assert raw[HEADER_BYTES:] == data[0] and h.checksum == zlib.crc32(data[0]) and h.key == key(0)
+
+    asyncio.run(run())
