@@ -10,8 +10,16 @@ Role
 Threading
     ``attach``/``detach`` are quick (two 1-byte reads per region) and run on the loop. ``copy``
     blocks and runs on the copy thread pool; ctypes drops the GIL for the syscall, so several
-    copies proceed in parallel. The engine keeps no mutable state between calls.
+    copies proceed in parallel. A copy of at least ``SPLIT_MIN_BYTES`` is cut by bytes into up
+    to ``split_parts`` parts (default: the usable CPUs, at most 4): the calling thread moves one,
+    the engine's private ``hkvd-cma-split`` threads the others, and ``copy`` returns once all
+    have finished, failed or not (their pages are pinned until then). The engine keeps no
+    per-copy state between calls; ``close`` stops the split threads.
     This module never imports asyncio (the shim imports ``allow_ptracer``).
+
+Cost per copy
+    One pass over the segments checks them and builds the iovec arrays (numpy, two flat lists),
+    then one syscall per IOV_MAX iovecs per part. No Python work per iovec on the copy path.
 
 Contracts
     - Only regions of kind "host" are accepted; attach proves access by reading the first and
@@ -27,8 +35,12 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
+
+import numpy as np
 
 from hkvd.daemon.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError, RegistrationError
@@ -40,6 +52,11 @@ PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_IovecPtr = ctypes.POINTER(_Iovec)
+# Copies of at least this many bytes are cut into parts that move in parallel (see HostCopyEngine).
+SPLIT_MIN_BYTES = 8 << 20
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -103,14 +120,25 @@ class _PoolLike(Protocol):
 class HostCopyEngine(CopyEngine):
     """CMA copy engine over a pool's local mapping. See the module docstring.
 
-    ``pool`` needs ``base_addr`` and ``size`` (a ``HugePagePool``).
+    ``pool`` needs ``base_addr`` and ``size`` (a ``HugePagePool``). A copy of at least
+    ``split_min_bytes`` is cut by bytes into ``split_parts`` parts that move in parallel: the
+    calling copy thread moves the first, private split threads the others. One thread's
+    process_vm_* copy is bound by its page walks and memcpy, not by DRAM, so parts on other
+    cores add bandwidth. ``split_parts=1`` turns this off.
     """
 
     name = "host"
 
-    def __init__(self, pool: _PoolLike) -> None:
+    def __init__(self, pool: _PoolLike, *, split_parts: int | None = None,
+                 split_min_bytes: int = SPLIT_MIN_BYTES) -> None:
         self._base = pool.base_addr
         self._pool_size = pool.size
+        self.split_parts = default_split_parts() if split_parts is None else split_parts
+        if self.split_parts < 1:
+            raise ValueError(f"split_parts must be >= 1, got {self.split_parts}")
+        self.split_min_bytes = split_min_bytes
+        self._splitter: ThreadPoolExecutor | None = None  # made on the first split copy
+        self._splitter_lock = threading.Lock()
 
     def attach(self, pid: int, regions: list[Region]) -> Attachment:
         by_id: dict[int, Region] = {}
@@ -145,57 +173,101 @@ class HostCopyEngine(CopyEngine):
         # CMA opens nothing per engine; kept for the interface (idempotent by construction).
         return None
 
-    def _check(self, attachment: Attachment, segments: list[Segment]) -> None:
+    def close(self) -> None:
+        with self._splitter_lock:
+            splitter, self._splitter = self._splitter, None
+        if splitter is not None:
+            splitter.shutdown(wait=True)
+
+    def _iovecs(self, attachment: Attachment, segments: list[Segment]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Check every segment, then return (local, remote) iovec arrays (n x 2 uint64) and the bytes.
+
+        One pass over the segments; nothing moves until all of them passed (defence in depth:
+        the caller has already checked). Zero-length segments are no-ops and take no iovec.
+        """
+        regions = attachment.regions
+        base, pool_size = self._base, self._pool_size
+        local: list[int] = []
+        remote: list[int] = []
+        total = 0
         for s in segments:
-            region = attachment.regions.get(s.region_id)
+            n, ro, po = s.nbytes, s.region_offset, s.pool_offset
+            region = regions.get(s.region_id)
             if region is None:
                 raise CopyFailedError(f"segment names region {s.region_id}, which is not registered")
-            if s.nbytes < 0 or s.region_offset < 0 or s.region_offset + s.nbytes > region.size:
+            if n < 0 or ro < 0 or ro + n > region.size:
                 raise CopyFailedError(
-                    f"segment [{s.region_offset}, +{s.nbytes}) leaves region {s.region_id} "
-                    f"({region.size} bytes)"
+                    f"segment [{ro}, +{n}) leaves region {s.region_id} ({region.size} bytes)"
                 )
-            if s.pool_offset < 0 or s.pool_offset + s.nbytes > self._pool_size:
-                raise CopyFailedError(
-                    f"segment [{s.pool_offset}, +{s.nbytes}) leaves the pool ({self._pool_size} bytes)"
-                )
+            if po < 0 or po + n > pool_size:
+                raise CopyFailedError(f"segment [{po}, +{n}) leaves the pool ({pool_size} bytes)")
+            if n:
+                local += (base + po, n)
+                remote += (region.addr + ro, n)
+                total += n
+        return (np.array(local, dtype=np.uint64).reshape(-1, 2),
+                np.array(remote, dtype=np.uint64).reshape(-1, 2), total)
 
     def copy(self, attachment: Attachment, segments: list[Segment], direction: Direction) -> int:
-        self._check(attachment, segments)
+        local, remote, total = self._iovecs(attachment, segments)
         # TO_POOL reads the engine (remote) into the pool (local); FROM_POOL writes it back.
         syscall: _Syscall = (
             _libc.process_vm_readv if direction is Direction.TO_POOL else _libc.process_vm_writev
         )
-        regions = attachment.regions
-        # (local, remote, length) triples; zero-length segments are no-ops and would only cost iovecs.
-        pending = [
-            (self._base + s.pool_offset, regions[s.region_id].addr + s.region_offset, s.nbytes)
-            for s in segments
-            if s.nbytes
-        ]
+        parts = min(self.split_parts, total // max(1, self.split_min_bytes // 2)) if total >= self.split_min_bytes \
+            else 1
+        if parts <= 1:
+            return self._move(syscall, attachment.pid, local, remote)
+        pieces = split_rows(local, remote, parts)
+        splitter = self._splitter_pool()
+        futures = [splitter.submit(self._move, syscall, attachment.pid, lo, re) for lo, re in pieces[1:]]
         moved = 0
-        i = 0
-        while i < len(pending):
-            batch = pending[i : i + IOV_MAX]
-            moved += self._transfer(syscall, attachment.pid, batch)
-            i += len(batch)
+        first_error: BaseException | None = None
+        try:
+            moved += self._move(syscall, attachment.pid, *pieces[0])
+        except BaseException as e:  # the other parts still use the pages: wait for them first
+            first_error = e
+        for f in futures:
+            try:
+                moved += f.result()
+            except BaseException as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
         return moved
 
-    def _transfer(self, syscall: _Syscall, pid: int, batch: list[tuple[int, int, int]]) -> int:
-        """Move one batch of at most IOV_MAX pairs, resuming after short transfers."""
-        total = sum(n for _, _, n in batch)
+    def _splitter_pool(self) -> ThreadPoolExecutor:
+        with self._splitter_lock:
+            if self._splitter is None:
+                self._splitter = ThreadPoolExecutor(max_workers=self.split_parts - 1,
+                                                    thread_name_prefix="hkvd-cma-split")
+            return self._splitter
+
+    def _move(self, syscall: _Syscall, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+        """Move every (local, remote) iovec pair, IOV_MAX per call."""
+        moved = 0
+        for i in range(0, len(local), IOV_MAX):
+            moved += self._transfer(syscall, pid, local[i : i + IOV_MAX], remote[i : i + IOV_MAX])
+        return moved
+
+    def _transfer(self, syscall: _Syscall, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+        """Move one batch of at most IOV_MAX pairs (same lengths both sides), resuming after short transfers."""
+        lens = local[:, 1]
+        total = int(lens.sum())
         done = 0
         start = 0  # first pair not fully moved
-        skip = 0  # bytes of batch[start] already moved
+        skip = 0  # bytes of pair ``start`` already moved
         while done < total:
-            count = len(batch) - start
-            local = (_Iovec * count)()
-            remote = (_Iovec * count)()
-            for j, (lo, ro, n) in enumerate(batch[start:]):
-                off = skip if j == 0 else 0
-                local[j].iov_base, local[j].iov_len = lo + off, n - off
-                remote[j].iov_base, remote[j].iov_len = ro + off, n - off
-            got = syscall(pid, local, count, remote, count, 0)
+            # Fresh arrays per call: the kernel leaves them alone, but nothing here relies on it.
+            lo = local[start:].copy()
+            ro = remote[start:].copy()
+            if skip:
+                lo[0, 0] += skip
+                ro[0, 0] += skip
+                lo[0, 1] -= skip
+                ro[0, 1] -= skip
+            count = len(lo)
+            got = syscall(pid, lo.ctypes.data_as(_IovecPtr), count, ro.ctypes.data_as(_IovecPtr), count, 0)
             if got <= 0:
                 err = ctypes.get_errno() if got < 0 else 0
                 what = os.strerror(err) if err else "no progress"
@@ -203,11 +275,51 @@ class HostCopyEngine(CopyEngine):
                     f"CMA copy with process {pid} failed after {done} of {total} bytes of a batch: {what}"
                 )
             done += got
+            if done == total:
+                break
             # A short transfer stops at an iovec boundary or inside one (unmapped remote page):
             # advance past what was moved and retry; the retry reports the real error if any.
             got += skip
-            while start < len(batch) and got >= batch[start][2]:
-                got -= batch[start][2]
+            while start < len(local) and got >= int(lens[start]):
+                got -= int(lens[start])
                 start += 1
             skip = got
         return total
+
+
+def default_split_parts() -> int:
+    """Parts a large copy is cut into: the CPUs this process may run on, at most 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def split_rows(local: np.ndarray, remote: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut paired iovec arrays into ``parts`` runs of about equal bytes, splitting an iovec if needed."""
+    ends = np.cumsum(local[:, 1], dtype=np.uint64)
+    total = int(ends[-1]) if len(ends) else 0
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    row, into = 0, 0  # where the next part starts: pair ``row``, ``into`` bytes inside it
+    for k in range(1, parts + 1):
+        if k == parts:
+            end_row, end_into = len(local), 0
+        else:
+            target = total * k // parts
+            end_row = int(np.searchsorted(ends, target, side="right"))  # first pair ending past target
+            end_into = target - (int(ends[end_row - 1]) if end_row else 0)
+        stop = end_row + (1 if end_into else 0)
+        lo, re = local[row:stop].copy(), remote[row:stop].copy()
+        if len(lo):
+            if into:
+                lo[0, 0] += into
+                re[0, 0] += into
+                lo[0, 1] -= into
+                re[0, 1] -= into
+            if end_into:
+                lo[-1, 1] = re[-1, 1] = end_into - (into if end_row == row else 0)
+            if int(lo[:, 1].sum()):
+                out.append((lo, re))
+        row, into = end_row, end_into
+    return out

@@ -15,7 +15,8 @@ Layout of an entry (the contract with every engine and every peer)
     the same (num_layers, page_bytes) share entries whatever their strides.
 
 Threading
-    Pure and immutable; safe from any thread.
+    Pure and immutable, apart from a bounded cache of per-group block templates (plain dict
+    operations, atomic under the GIL); safe from any thread.
 
 Contracts
     - ``GroupSpec.validate`` raises ``ValueError`` naming the group and view when a view leaves
@@ -153,6 +154,39 @@ def entry_bytes(group: GroupSpec, chunk_size: int) -> int:
     return blocks_per_entry(group, chunk_size) * group.block_bytes
 
 
+# Per-group block templates, keyed by id(group) and holding the group itself (so the id stays
+# valid); bounded: registrations are few, and a full cache is simply emptied.
+_TEMPLATES: dict[int, tuple[GroupSpec, tuple[tuple[int, int, int, int], ...], int]] = {}
+_TEMPLATES_MAX = 1024
+
+
+def _block_template(group: GroupSpec) -> tuple[tuple[tuple[int, int, int, int], ...], int]:
+    """The pages of one block as runs ``(region_id, offset at block 0, block_stride, nbytes)``.
+
+    Consecutive pages merge into one run when they are adjacent in the same region for *every*
+    block, i.e. with equal block strides (block-major layouts: all layers of a view become one
+    run). Returns the runs and the block's bytes.
+    """
+    hit = _TEMPLATES.get(id(group))
+    if hit is not None and hit[0] is group:
+        return hit[1], hit[2]
+    runs: list[list[int]] = []
+    for v in group.views:
+        for layer in range(v.num_layers):
+            off = v.offset + layer * v.layer_stride
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == v.region_id and last[2] == v.block_stride and last[1] + last[3] == off:
+                last[3] += v.page_bytes
+            else:
+                runs.append([v.region_id, off, v.block_stride, v.page_bytes])
+    template = tuple((r[0], r[1], r[2], r[3]) for r in runs)
+    block = sum(r[3] for r in template)
+    if len(_TEMPLATES) >= _TEMPLATES_MAX:
+        _TEMPLATES.clear()
+    _TEMPLATES[id(group)] = (group, template, block)
+    return template, block
+
+
 def segments_for_entry(
     group: GroupSpec, block_ids: Sequence[int], extents: Sequence[tuple[int, int]]
 ) -> list[Segment]:
@@ -160,7 +194,8 @@ def segments_for_entry(
 
     Adjacent pieces are merged when both the engine side (same region, next byte) and the pool
     side (next byte) are contiguous: a block-major engine with a one-extent entry collapses to
-    one segment per block run, and each segment is one iovec / one copy descriptor.
+    one segment per block run, and each segment is one iovec / one copy descriptor. The work
+    per entry is one step per (block, template run), not per page (see ``_block_template``).
     """
     if not block_ids:
         raise ValueError(f"group {group.group_id}: an entry needs at least one block id")
@@ -168,8 +203,12 @@ def segments_for_entry(
         raise ValueError(
             f"group {group.group_id}: a mamba entry names exactly one block, got {len(block_ids)}"
         )
-    group.validate_block_ids(block_ids)
-    need = len(block_ids) * group.block_bytes
+    num_blocks = group.num_blocks
+    for b in block_ids:
+        if not 0 < b < num_blocks:
+            group.validate_block_ids(block_ids)  # raises with the precise message
+    template, block_bytes = _block_template(group)
+    need = len(block_ids) * block_bytes
     have = 0
     for off, length in extents:
         if off < 0 or length <= 0:
@@ -187,29 +226,23 @@ def segments_for_entry(
     ext_off, ext_left = next(ext_iter)
 
     for b in block_ids:
-        for v in group.views:
-            base = v.offset + b * v.block_stride
-            for layer in range(v.num_layers):
-                roff = base + layer * v.layer_stride
-                left = v.page_bytes
-                while left:
-                    if ext_left == 0:
-                        ext_off, ext_left = next(ext_iter)
-                    n = min(left, ext_left)
-                    if (
-                        regs
-                        and regs[-1] == v.region_id
-                        and roffs[-1] + sizes[-1] == roff
-                        and poffs[-1] + sizes[-1] == ext_off
-                    ):
-                        sizes[-1] += n
-                    else:
-                        regs.append(v.region_id)
-                        roffs.append(roff)
-                        poffs.append(ext_off)
-                        sizes.append(n)
-                    roff += n
-                    left -= n
-                    ext_off += n
-                    ext_left -= n
+        for region_id, base, stride, page in template:
+            roff = base + b * stride
+            left = page
+            while left:
+                if ext_left == 0:
+                    ext_off, ext_left = next(ext_iter)
+                n = left if left <= ext_left else ext_left
+                if (regs and regs[-1] == region_id and roffs[-1] + sizes[-1] == roff
+                        and poffs[-1] + sizes[-1] == ext_off):
+                    sizes[-1] += n
+                else:
+                    regs.append(region_id)
+                    roffs.append(roff)
+                    poffs.append(ext_off)
+                    sizes.append(n)
+                roff += n
+                left -= n
+                ext_off += n
+                ext_left -= n
     return [Segment(r, ro, po, n) for r, ro, po, n in zip(regs, roffs, poffs, sizes, strict=True)]

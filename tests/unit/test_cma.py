@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from hkvd.daemon import cma
@@ -190,6 +191,74 @@ def test_short_transfers_resume_mid_iovec(
         assert bytes(pool.buffer[s.pool_offset : s.pool_offset + s.nbytes]) == child.dump(
             s.region_id, s.region_offset, s.nbytes
         )
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_split_copy_round_trip_is_byte_exact(child: Child, pool: HugePagePool, parts: int) -> None:
+    """Copies past the split threshold move in parallel parts (cut inside iovecs too), byte-exact."""
+    engine = HostCopyEngine(pool, split_parts=parts, split_min_bytes=4096)
+    try:
+        att = engine.attach(child.pid, child.regions())
+        original = [child.dump(0), child.dump(1)]
+        # Many small segments, and one long one at the end of region 0 where a cut lands inside it.
+        tail = REGION_SIZES[0] - 40_000
+        segs = [s for s in random_segments(random.Random(11), 1500, 300, pool.size)
+                if s.region_id == 1 or s.region_offset + s.nbytes <= tail]
+        segs.append(Segment(0, tail, 3 * MIB, 40_000))
+        total = sum(s.nbytes for s in segs)
+        assert engine.copy(att, segs, Direction.TO_POOL) == total
+        for s in segs:
+            assert bytes(pool.buffer[s.pool_offset : s.pool_offset + s.nbytes]) == original[s.region_id][
+                s.region_offset : s.region_offset + s.nbytes
+            ]
+        child.fill(0, 0)
+        child.fill(1, 0)
+        assert engine.copy(att, segs, Direction.FROM_POOL) == total
+        after = [bytearray(child.dump(0)), bytearray(child.dump(1))]
+        expected = [bytearray(REGION_SIZES[0]), bytearray(REGION_SIZES[1])]
+        for s in segs:
+            expected[s.region_id][s.region_offset : s.region_offset + s.nbytes] = original[s.region_id][
+                s.region_offset : s.region_offset + s.nbytes
+            ]
+        assert after == expected
+        assert engine._splitter is not None, "the copy was not split"
+    finally:
+        engine.close()
+    assert engine._splitter is None
+
+
+def test_split_rows_covers_every_byte_once() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        lens = [rng.randint(1, 50) for _ in range(rng.randint(1, 12))]
+        local = np.array([(1000 * i, n) for i, n in enumerate(lens)], dtype=np.uint64)
+        remote = np.array([(10**6 + 777 * i, n) for i, n in enumerate(lens)], dtype=np.uint64)
+        parts = rng.randint(1, 5)
+        pieces = cma.split_rows(local, remote, parts)
+
+        def expand(a: np.ndarray) -> list[int]:
+            return [int(b) + i for b, n in a for i in range(int(n))]
+
+        assert [x for lo, _ in pieces for x in expand(lo)] == expand(local)
+        assert [x for _, re in pieces for x in expand(re)] == expand(remote)
+        sizes = [int(lo[:, 1].sum()) for lo, _ in pieces]
+        assert len(pieces) == min(parts, sum(lens))
+        assert max(sizes) - min(sizes) <= 1
+        assert all((lo[:, 1] > 0).all() for lo, _ in pieces)
+
+
+def test_split_copy_to_exited_process_fails_after_every_part(pool: HugePagePool) -> None:
+    c = spawn_child()
+    engine = HostCopyEngine(pool, split_parts=2, split_min_bytes=4096)
+    try:
+        att = engine.attach(c.pid, c.regions())
+        assert c.proc.stdin is not None
+        c.proc.stdin.close()
+        c.proc.wait(timeout=30)
+        with pytest.raises(CopyFailedError, match="failed"):
+            engine.copy(att, [Segment(0, 0, 0, 64 * 1024), Segment(1, 0, MIB, 64 * 1024)], Direction.TO_POOL)
+    finally:
+        engine.close()
 
 
 def test_out_of_region_segment_is_refused_before_any_byte_moves(child: Child, pool: HugePagePool) -> None:
