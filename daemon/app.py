@@ -31,6 +31,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
@@ -39,6 +40,7 @@ from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.notify import Notifier
+from hkvd.daemon.peers import peers_wanted
 from hkvd.daemon.pool import HugePagePool
 from hkvd.daemon.registry import Registry
 from hkvd.daemon.server import Server
@@ -67,6 +69,7 @@ class Daemon:
         self.notifier = notifier if notifier is not None else Notifier()
         self.reload_config = reload_config
         self.http = None  # hkvd.daemon.http.HTTPEndpoint when --metrics-port is set
+        self.peers: Any = None  # hkvd.daemon.peers.PeerService when --peer-listen or a peer token is set
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -134,6 +137,8 @@ class Daemon:
             if self.http is not None:
                 await self.http.close()
             executor.shutdown(wait=True, cancel_futures=True)
+            if self.peers is not None:  # before the pool goes: the transport may still write into it
+                await self.peers.aclose()
             if self.disk is not None:
                 self.disk.close(timeout_s=1.0)  # no-op after a clean shutdown; start-up failures land here
             if self.disk is not None and self.disk.busy():
@@ -163,6 +168,13 @@ class Daemon:
             registry = Registry(cfg.chunk_size, copy_engine)
             self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk)
             self.server = Server(cfg, self.service)
+            if peers_wanted(cfg):
+                from hkvd.daemon.peers import PeerService
+
+                self.peers = PeerService(cfg, self.pool, index, registry, self.metrics)
+                await self.peers.start()
+                self.service.peers = self.peers
+                background.append(tg.create_task(self.peers.run()))
             await self.server.start()  # listening: connections are accepted from here on
             self.ready.set()
             for hook in self.ready_hooks:

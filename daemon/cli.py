@@ -38,6 +38,16 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--l2-path", help="disk tier directory: entries are written behind and served after a "
                    "restart (default off)")
     p.add_argument("--l2-size-gb", help="disk tier cap in GiB (required with --l2-path)")
+    p.add_argument("--peer-listen", help="HOST:PORT where peer daemons (decode nodes) pull leased entries "
+                   "(default off; needs a peer token and NIXL)")
+    p.add_argument("--peer-advertise", help="HOST:PORT engines hand to decode engines (default --peer-listen)")
+    p.add_argument("--peer-token-file", help="file holding the shared peer token (chmod 600; the same on both "
+                   "daemons); also $HKVD_PEER_TOKEN")
+    p.add_argument("--peer-token", help="the shared peer token itself (visible in ps: prefer --peer-token-file)")
+    p.add_argument("--peer-allow", help="addresses/CIDRs that may connect to --peer-listen, comma-separated "
+                   "(default loopback only)")
+    p.add_argument("--peer-timeout-s", type=float, help="connect, handshake and each peer request (default 10)")
+    p.add_argument("--peer-pull-timeout-s", type=float, help="a whole pull from a peer (default 20)")
 
 
 def build_config(args: argparse.Namespace) -> DaemonConfig:
@@ -238,14 +248,28 @@ def main(argv: list[str] | None = None) -> int:
         except PrometheusMissing as e:
             print(f"hkvd serve: {e}", file=sys.stderr)
             return 2
+    from hkvd.daemon.peers import peers_wanted
+
+    if peers_wanted(cfg):
+        from hkvd.daemon.peer_auth import PeerConfigError
+        from hkvd.daemon.peers import check_peer_config
+
+        try:
+            check_peer_config(cfg)
+        except PeerConfigError as e:
+            print(f"hkvd serve: {e}", file=sys.stderr)
+            return 2
+        if cfg.peer_token:
+            print("hkvd serve: warning: --peer-token is visible to every user in ps; prefer --peer-token-file",
+                  file=sys.stderr)
     setup_logging(cfg.log_level)
     from hkvd.daemon.copy_engine import CopyEngineUnavailable, check_copy_engine
-    from hkvd.daemon.errors import PoolError
+    from hkvd.daemon.errors import KVError, PoolError
 
     try:
         check_copy_engine(cfg.copy_engine)
         return asyncio.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
-    except (PoolError, OSError, CopyEngineUnavailable) as e:
+    except (PoolError, OSError, CopyEngineUnavailable, KVError) as e:
         logging.getLogger("hkvd").error("cannot start: %s", e)
         return 1
 

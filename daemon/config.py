@@ -58,6 +58,14 @@ class DaemonConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     l2_path: str = ""  # empty: no disk tier
     l2_size_bytes: int = 0  # the disk tier's cap; required with l2_path
+    # Peer links (daemon/peers.py): serve leased entries to decode daemons, pull from prefill ones.
+    peer_listen: str = ""  # HOST:PORT for peer daemons; empty: serve no peers
+    peer_advertise: str = ""  # HOST:PORT engines hand to decode engines; default: peer_listen
+    peer_token: str = field(default="", repr=False)  # prefer peer_token_file or $HKVD_PEER_TOKEN
+    peer_token_file: str = ""
+    peer_allow: tuple[str, ...] = ()  # addresses / CIDRs that may connect; empty: loopback only
+    peer_timeout_s: float = 10.0  # connect, handshake, each control request
+    peer_pull_timeout_s: float = 20.0  # a whole pull (also capped below the serving lease's TTL)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +97,20 @@ class DaemonConfig:
             raise ConfigError("--mamba-checkpoint-interval must be >= 1 (1 keeps every boundary state)")
         if not 1 << 12 <= self.max_frame_bytes <= 1 << 30:
             raise ConfigError("max_frame_bytes must be between 4 KiB and 1 GiB")
+        for name in ("peer_timeout_s", "peer_pull_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        if self.peer_listen or self.peer_advertise or self.peer_allow:
+            from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, split_address
+
+            try:
+                if self.peer_listen:
+                    split_address(self.peer_listen, "--peer-listen")
+                if self.peer_advertise:
+                    split_address(self.peer_advertise, "--peer-advertise")
+                parse_allow(self.peer_allow)
+            except PeerConfigError as e:
+                raise ConfigError(str(e)) from None
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("--metrics-port must be 0 (off) or a TCP port")
         if self.l2_path and self.l2_size_bytes <= 0:
@@ -147,6 +169,14 @@ TOML_KEYS: dict[str, tuple[str, Any]] = {
     "metrics_port": ("metrics_port", int),
     "l2_path": ("l2_path", str),
     "l2_size_gb": ("l2_size_bytes", _l2_gb),
+    "peer_listen": ("peer_listen", str),
+    "peer_advertise": ("peer_advertise", str),
+    "peer_token": ("peer_token", str),
+    "peer_token_file": ("peer_token_file", str),
+    "peer_allow": ("peer_allow", lambda v: tuple(x.strip() for x in (v.split(",") if isinstance(v, str) else v)
+                                                 if str(x).strip())),
+    "peer_timeout_s": ("peer_timeout_s", float),
+    "peer_pull_timeout_s": ("peer_pull_timeout_s", float),
 }
 
 

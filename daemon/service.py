@@ -39,6 +39,7 @@ from hkvd.daemon.errors import (
     NotRegistered,
     PoolFull,
     ProtocolViolation,
+    PermissionDenied,
     RegistrationError,
     ShuttingDown,
 )
@@ -47,7 +48,7 @@ from hkvd.daemon.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.registry import EngineState, Registry
 from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
-from hkvd.transport.wire import Message, control, events, kv
+from hkvd.transport.wire import Message, control, events, kv, peer
 from hkvd.transport.wire.kv import Item
 
 log = logging.getLogger("hkvd.service")
@@ -97,6 +98,7 @@ class KVService:
         self.shutting_down = False
         self.copy_timeout_s = max(cfg.io_timeout_s, 30.0)
 
+        self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
     # ---- dispatch ------------------------------------------------------------------------------
     async def handle(self, conn: Conn, msg: Message) -> None:
         if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status)):
@@ -112,6 +114,8 @@ class KVService:
                 await self._step_event(conn, msg)
             case kv.Release():
                 self.index.release(msg.lease_id)
+            case peer.Pull():
+                self._pull(conn, msg)
             case kv.Abort():
                 self._abort(conn, msg.req_id)
                 conn.send(kv.AbortAck(msg.req_id))
@@ -131,6 +135,13 @@ class KVService:
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, conn: Conn, msg: control.Register) -> None:
+    def _pull(self, conn: Conn, msg: peer.Pull) -> None:
+        """Peer pulls run as tasks of the peer service; the reply reaches ``conn`` when they end."""
+        if self.peers is None:
+            raise PermissionDenied("this hkvd does not pull from peers; start it with --peer-token-file (the "
+                                   "token of the prefill node's daemon)")
+        self.peers.submit_pull(conn, msg)
+
         if conn.engine is not None:
             raise RegistrationError("this connection already registered an engine; open one connection "
                                     "per engine rank")
@@ -519,3 +530,4 @@ class KVService:
             "l2": self.disk.stats() if self.disk is not None else None,
             "shutting_down": self.shutting_down,
         }
+            "peer": self.peers.status() if self.peers is not None else None,

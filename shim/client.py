@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
+from hkvd.transport.wire import peer as peer_wire
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.errors import (
     DaemonUnavailable,
@@ -146,6 +147,11 @@ class DaemonClient:
         return self._submit(lambda r: events.StepEvent(r, seq, step, items_to_wire(_items(offers)),
                                                        list(confirms), wait_event))
 
+    def submit_pull(self, peer: str, keys: Sequence[bytes], max_chunks: int = 0, release_lease: int = 0) -> int:
+        """Ask the daemon to pull ``keys``' entries from the peer daemon at ``peer`` (HOST:PORT) into its
+        pool; the completion's result carries ``hit_chunks`` and a ``lease_id`` for the Retrieve."""
+        return self._submit(lambda r: peer_wire.Pull(r, peer, list(keys), max_chunks, release_lease))
+
     def release(self, lease_id: int) -> None:
         with self._lock:
             self._require()
@@ -234,6 +240,8 @@ class DaemonClient:
             while data:
                 for body in self._decoder.feed(data):
                     self._on_message(decode_body(body))
+                if self._sock is None:  # a connection-level Error made _on_message drop the link
+                    return
                 ready, _, _ = select.select([self._sock], [], [], 0)
                 if not ready:
                     return

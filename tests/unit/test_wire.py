@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv
+from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv, peer
 from hkvd.transport.wire.errors import (
     ErrorCode,
     FrameTooLarge,
@@ -29,6 +29,11 @@ SAMPLES = [
     kv.Lookup(1, [KEY], True), kv.LookupReply(1, 3, 4, 30.0), kv.Store(2, [[0, 0, KEY, [1, 2]]]),
     kv.Retrieve(3, 9, [[1, 0, KEY, [5]]]), kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
     kv.Error(2, 20, "m"), kv.Release(9), events.StepEvent(1, 0, 5, [[1, 3, KEY, [7]]], [2, 3]),
+    peer.PeerHello(1, "node", b"n" * 32), peer.PeerChallenge(1, "node", b"s" * 32, b"p" * 32),
+    peer.PeerAuth(b"p" * 32, [b"f" * 16]), peer.PeerWelcome("agent", b"md", [b"f" * 16], 30.0),
+    peer.PeerLookup(1, b"f" * 16, [KEY], 1, 0.5, 0),
+    peer.PeerLookupReply(1, 1, 2, 30.0, [[0, 0, 10, [[4096, 4], [8192, 6]]]]), peer.PeerRelease(2, 2),
+    peer.Pull(3, "10.0.0.5:7470", [KEY], 0, 0),
 ]
 
 

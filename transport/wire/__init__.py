@@ -49,6 +49,15 @@ class MsgType(enum.IntEnum):
     RELEASE = 28
     # events
     STEP_EVENT = 40
+    # peer (transport/wire/peer.py): daemon <-> daemon, and the engine's Pull
+    PEER_HELLO = 60
+    PEER_CHALLENGE = 61
+    PEER_AUTH = 62
+    PEER_WELCOME = 63
+    PEER_LOOKUP = 64
+    PEER_LOOKUP_REPLY = 65
+    PEER_RELEASE = 66
+    PULL = 70
 
 
 MESSAGE_CLASSES: dict[int, type[Message]] = {}
@@ -155,9 +164,9 @@ def check_u64(value: int, what: str) -> None:
 
 
 # Import the families so their classes register (kept at the end: they import Message from here).
-from hkvd.transport.wire import control, events, kv  # noqa: E402
+from hkvd.transport.wire import control, events, kv, peer  # noqa: E402
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "KEY_BYTES", "MAX_ITEMS", "MAX_KEYS", "MESSAGE_CLASSES", "PROTOCOL_VERSION",
-    "Message", "MsgType", "check_u64", "control", "events", "kv", "message_from_wire",
+    "Message", "MsgType", "check_u64", "control", "events", "kv", "message_from_wire", "peer",
 ]

@@ -1,0 +1,105 @@
+"""Peer authentication: the shared token, HMAC challenge proofs, the address allowlist.
+
+Role
+    Pure helpers for ``peer_server`` and ``peer_client``. Two daemons pair only when both know the
+    same token (``--peer-token-file``, ``HKVD_PEER_TOKEN`` or ``--peer-token``), proved by
+    HMAC-SHA256 over fresh nonces from both sides (the token never crosses the wire), and only
+    when the connecting address is in the serving daemon's ``--peer-allow`` list.
+
+Trust model
+    An authenticated peer receives the NIXL metadata of the serving pool: with it the transport can
+    read (and, at the RDMA level, write) any byte of that registered pool, not only the entries it
+    leased. Give the token only to daemons you trust with the cache's contents.
+
+Threading
+    Pure functions; safe anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import stat
+from collections.abc import Iterable
+
+from hkvd.transport.wire.peer import PEER_VERSION
+
+MIN_TOKEN_BYTES = 16
+TOKEN_ENV = "HKVD_PEER_TOKEN"
+DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
+_LABEL = f"hkvd-peer-{PEER_VERSION}".encode()
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class PeerConfigError(ValueError):
+    """A peer flag is wrong; the message names the fix."""
+
+
+def read_token(token: str, token_file: str) -> bytes:
+    """The shared token from ``--peer-token-file`` (first), ``--peer-token``, or ``$HKVD_PEER_TOKEN``.
+
+    Returns b"" when none is set. A token file readable by other users is refused (like ssh keys).
+    """
+    if token_file:
+        try:
+            st = os.stat(token_file)
+            with open(token_file, "rb") as f:
+                value = f.read().strip()
+        except OSError as e:
+            raise PeerConfigError(f"--peer-token-file {token_file}: {e.strerror or e}") from None
+        if st.st_mode & stat.S_IROTH:
+            raise PeerConfigError(f"--peer-token-file {token_file} is readable by every user; "
+                                  f"`chmod 600 {token_file}`")
+    else:
+        value = (token or os.environ.get(TOKEN_ENV, "")).strip().encode()
+    if value and len(value) < MIN_TOKEN_BYTES:
+        raise PeerConfigError(f"the peer token has {len(value)} bytes; use at least {MIN_TOKEN_BYTES} random "
+                              "bytes, e.g. `openssl rand -hex 32 > /etc/hkvd/peer.token`")
+    return value
+
+
+def parse_allow(entries: Iterable[str]) -> tuple[IPNetwork, ...]:
+    """``--peer-allow`` entries (addresses or CIDRs) -> networks; empty -> loopback only."""
+    nets = []
+    for raw in entries:
+        item = raw.strip()
+        if not item:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise PeerConfigError(f"--peer-allow {item!r}: not an IP address or CIDR (e.g. 10.0.0.0/24, "
+                                  "192.168.1.7, fd00::/8)") from None
+    return tuple(nets) or tuple(ipaddress.ip_network(a) for a in DEFAULT_ALLOW)
+
+
+def allowed(address: str, nets: Iterable[IPNetwork]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip.version == n.version and ip in n for n in nets)
+
+
+def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(token, _LABEL + b" server" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def client_proof(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(token, _LABEL + b" client" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def check_proof(expected: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(expected, got)
+
+
+def split_address(address: str, what: str = "peer address") -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port)."""
+    host, sep, port_s = address.strip().rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise PeerConfigError(f"{what} {address!r}: expected HOST:PORT, e.g. 10.0.0.5:7470 or [fd00::5]:7470")
+    return host.strip("[]"), int(port_s)

@@ -1,0 +1,437 @@
+"""The pulling end of peer links: an engine's ``Pull`` -> entries READ from a peer into our pool.
+
+Role
+    For ``Pull(req_id, peer, keys, max_chunks, release_lease)`` from an engine registered here:
+    connect (or reuse a link) to the serving daemon, prove the token, agree on the engine's layout,
+    ``PeerLookup`` + lease, allocate local entries (``Index.begin_write``), READ the leased pages
+    straight into them with the transport, check sizes, publish them (``finish_write``: READY),
+    release the remote lease, and answer with the hit the engine can now ``Retrieve`` locally (and
+    a local lease on it).
+
+Correctness rules
+    - Nothing pulled is visible before its READ completed whole; a failed, timed-out or partial
+      pull abandons every entry it allocated and answers ``Error``: the engine recomputes.
+    - The serving daemon's lease protects the pages being read. It lasts ``lease_ttl_s`` from the
+      moment it was granted, which is after our request was sent, so a READ must complete within
+      ``LEASE_USE_FRACTION`` of the TTL counted from the send; bytes that arrive later are discarded.
+    - The transport cannot cancel a READ in flight (``hkvd.transport.nixl_transport``). When we stop
+      waiting (timeout, cancellation) the destination entries stay allocated, WRITING and invisible
+      ("quarantined") until the transport reports the READ over; only then are they freed.
+    - The peer's reply is checked against the engine's own layout: exactly the entries the hybrid
+      hit rule needs for the reported hit, each of the engine's entry size.
+
+Threading
+    Event loop only. One control request at a time per link (a lock); READs of many pulls overlap.
+
+Timeouts
+    Connect, handshake and each control request: ``peer_timeout_s``; the whole pull:
+    ``peer_pull_timeout_s`` (and the lease bound above).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from hkvd.daemon.errors import (
+    CopyFailedError,
+    DaemonUnavailable,
+    FrameTooLarge,
+    KVError,
+    KVTimeout,
+    PermissionDenied,
+    ProtocolViolation,
+    UnsupportedVersion,
+    error_from_wire,
+)
+from hkvd.daemon.hybrid import HitPlan, plan_hit, required_chunks
+from hkvd.daemon.peer_auth import check_proof, client_proof, server_proof, split_address
+from hkvd.transport.aio import FrameStream
+from hkvd.transport.base import Desc
+from hkvd.transport.wire import Message, kv
+from hkvd.transport.wire.peer import (
+    NONCE_BYTES,
+    PEER_VERSION,
+    PeerAuth,
+    PeerChallenge,
+    PeerHello,
+    PeerLookup,
+    PeerLookupReply,
+    PeerRelease,
+    PeerWelcome,
+    Pull,
+    RemoteEntry,
+    parse_entries,
+)
+
+if TYPE_CHECKING:
+    from hkvd.daemon.config import DaemonConfig
+    from hkvd.daemon.index import Entry, Index
+    from hkvd.daemon.metrics import Metrics
+    from hkvd.daemon.pool import HugePagePool
+    from hkvd.daemon.registry import EngineState
+    from hkvd.transport.base import DataTransport, Transfer
+
+log = logging.getLogger("hkvd.peer_client")
+
+LEASE_USE_FRACTION = 0.8
+# How long the serving daemon may wait for its hit to reach what we ask (Mamba states turn visible
+# when their engine confirms them, one or two steps after the copy).
+LOOKUP_WAIT_S = 1.0
+SETTLE_POLL_S = 0.02
+
+
+class PeerLink:
+    """One authenticated control connection to a serving daemon, for one layout."""
+
+    def __init__(self, address: str, fingerprint: bytes, stream: FrameStream, welcome: PeerWelcome,
+                 peer_name: str) -> None:
+        self.address = address
+        self.fingerprint = fingerprint
+        self.stream = stream
+        self.welcome = welcome
+        self.peer_name = peer_name  # the transport's name for the serving daemon
+        self.lock = asyncio.Lock()
+        self.broken = False
+        self.requests = 0
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def call(self, msg: Message, reply_type: type | None, timeout_s: float) -> Any:
+        """Send ``msg``; return its reply (``None`` for one-way messages). A link that timed out,
+        broke, or answered out of order is closed: its replies can no longer be matched."""
+        async with self.lock:
+            if self.broken:
+                raise DaemonUnavailable(f"the peer link to {self.address} is closed")
+            self.requests += 1
+            try:
+                await self.stream.send(msg, timeout_s)
+                if reply_type is None:
+                    return None
+                reply = await self.stream.recv(timeout_s)
+            except (ConnectionError, OSError) as e:
+                await self._break()
+                raise DaemonUnavailable(f"lost the peer link to {self.address}: {e}") from None
+            except (KVTimeout, FrameTooLarge, ProtocolViolation):
+                await self._break()
+                raise
+            req_id = getattr(msg, "req_id", 0)
+            if isinstance(reply, kv.Error):
+                if reply.req_id != req_id:
+                    await self._break()
+                raise error_from_wire(reply.code, reply.message)
+            if not isinstance(reply, reply_type) or getattr(reply, "req_id", None) != req_id:
+                await self._break()
+                raise ProtocolViolation(f"peer {self.address} answered {type(reply).__name__} to "
+                                        f"{type(msg).__name__} {req_id}")
+            return reply
+
+    async def _break(self) -> None:
+        self.broken = True
+        await self.stream.aclose()
+
+
+def pair_extents(remote: list[tuple[int, int]], local: list[tuple[int, int]]) -> list[Desc]:
+    """Map an entry's bytes, laid out over ``remote`` extents, onto ``local`` extents (both in entry
+    order, same total), merging pieces contiguous on both sides."""
+    out: list[Desc] = []
+    ri = li = 0
+    r_addr, r_left = remote[0]
+    l_addr, l_left = local[0]
+    while True:
+        n = min(r_left, l_left)
+        if out and out[-1].remote_addr + out[-1].nbytes == r_addr and out[-1].local_addr + out[-1].nbytes == l_addr:
+            last = out[-1]
+            out[-1] = Desc(last.remote_addr, last.local_addr, last.nbytes + n)
+        else:
+            out.append(Desc(r_addr, l_addr, n))
+        r_addr += n
+        l_addr += n
+        r_left -= n
+        l_left -= n
+        if r_left == 0:
+            ri += 1
+            if ri == len(remote):
+                break
+            r_addr, r_left = remote[ri]
+        if l_left == 0:
+            li += 1
+            l_addr, l_left = local[li]
+    if li != len(local) - 1 or l_left:
+        raise ValueError("remote and local extents hold different byte counts")
+    return out
+
+
+def merge(descs: list[Desc]) -> list[Desc]:
+    out: list[Desc] = []
+    for d in descs:
+        if out and out[-1].remote_addr + out[-1].nbytes == d.remote_addr and \
+                out[-1].local_addr + out[-1].nbytes == d.local_addr:
+            last = out[-1]
+            out[-1] = Desc(last.remote_addr, last.local_addr, last.nbytes + d.nbytes)
+        else:
+            out.append(d)
+    return out
+
+
+class PeerClient:
+    def __init__(self, cfg: DaemonConfig, token: bytes, node: str, index: Index, pool: HugePagePool,
+                 transport: DataTransport, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.token = token
+        self.node = node
+        self.index = index
+        self.pool = pool
+        self.transport = transport
+        self.metrics = metrics
+        self._links: dict[tuple[str, bytes], PeerLink] = {}
+        self._connecting: dict[tuple[str, bytes], asyncio.Lock] = {}
+        self._agents: dict[str, str] = {}  # serving daemon's agent name -> transport peer name
+        self.quarantined = 0  # entries waiting for an abandoned READ to settle
+
+    # ---- links ---------------------------------------------------------------------------------
+    async def _link(self, address: str, fingerprint: bytes) -> PeerLink:
+        key = (address, fingerprint)
+        link = self._links.get(key)
+        if link is not None and not link.broken:
+            return link
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:
+            link = self._links.get(key)
+            if link is None or link.broken:
+                link = await self._connect(address, fingerprint)
+                self._links[key] = link
+            return link
+
+    async def _connect(self, address: str, fingerprint: bytes) -> PeerLink:
+        from hkvd.daemon.peer_auth import PeerConfigError
+
+        try:
+            host, port = split_address(address)
+        except PeerConfigError as e:
+            raise ProtocolViolation(str(e)) from None
+        timeout = self.cfg.peer_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as e:
+            self.metrics.inc("peer_connect_errors")
+            raise DaemonUnavailable(f"cannot reach the peer hkvd at {address} ({e or 'timed out'}); is it running "
+                                    f"with --peer-listen {address}?") from None
+        stream = FrameStream(reader, writer, self.cfg.max_frame_bytes)
+        try:
+            nonce = os.urandom(NONCE_BYTES)
+            await stream.send(PeerHello(PEER_VERSION, self.node, nonce), timeout)
+            challenge = await self._expect(stream, PeerChallenge, timeout)
+            if challenge.version != PEER_VERSION:
+                raise UnsupportedVersion(f"the peer at {address} speaks peer protocol {challenge.version}, this "
+                                         f"daemon {PEER_VERSION}; run the same hkvd version on both nodes")
+            if not check_proof(server_proof(self.token, nonce, challenge.nonce), challenge.proof):
+                self.metrics.inc("peer_refused", why="server_token")
+                raise PermissionDenied(f"the peer at {address} does not know our peer token (different "
+                                       "--peer-token-file?); not pulling from it")
+            await stream.send(PeerAuth(client_proof(self.token, nonce, challenge.nonce), [fingerprint]), timeout)
+            welcome = await self._expect(stream, PeerWelcome, timeout)
+            if fingerprint not in welcome.fingerprints:
+                raise ProtocolViolation(f"the peer at {address} welcomed us without our layout")
+            peer_name = self._agents.get(welcome.agent)
+            if peer_name is None:
+                peer_name = await self.transport.add_peer(welcome.agent_metadata)
+                self._agents[welcome.agent] = peer_name
+        except (ConnectionError, OSError) as e:
+            await stream.aclose()
+            raise DaemonUnavailable(f"the peer at {address} closed the link during the handshake: {e}") from None
+        except BaseException:
+            await stream.aclose()
+            raise
+        log.info("peer link to %s (%s) up; layout %s", address, challenge.node, fingerprint.hex()[:12])
+        return PeerLink(address, fingerprint, stream, welcome, peer_name)
+
+    @staticmethod
+    async def _expect(stream: FrameStream, cls: type, budget_s: float) -> Any:
+        msg = await stream.recv(budget_s)
+        if isinstance(msg, kv.Error):
+            raise error_from_wire(msg.code, msg.message)
+        if not isinstance(msg, cls):
+            raise ProtocolViolation(f"expected {cls.__name__} from the peer, got {type(msg).__name__}")
+        return msg
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"address": link.address, "layout": link.fingerprint.hex()[:12], "up": not link.broken,
+                 "requests": link.requests} for link in self._links.values()]
+
+    async def aclose(self) -> None:
+        for link in list(self._links.values()):
+            link.broken = True
+            await link.stream.aclose()
+        self._links.clear()
+
+    # ---- pull ----------------------------------------------------------------------------------
+    async def pull(self, engine: EngineState, msg: Pull, owner: int) -> dict[str, Any]:
+        started = time.monotonic()
+        deadline = started + self.cfg.peer_pull_timeout_s
+        keys = msg.keys
+        want = min(msg.max_chunks or len(keys), len(keys))
+        fp = engine.fingerprint
+        local = self._plan_local(engine, keys, want)
+        if local.hit_chunks >= want:  # nothing to move
+            return self._answer(engine, keys, local, owner, nbytes=0, pulled=0, started=started)
+        reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
+        # The serving lease started after our request left: bound every use of it from the send.
+        lease_deadline = sent_at + reply.lease_ttl_s * LEASE_USE_FRACTION
+        try:
+            nbytes, pulled = await self._read(engine, keys, want, reply, link, msg.req_id,
+                                              min(deadline, lease_deadline), lease_deadline)
+        finally:
+            if reply.lease_id and not link.broken:
+                with contextlib.suppress(KVError):
+                    await link.call(PeerRelease(link.next_id(), reply.lease_id), None, self.cfg.peer_timeout_s)
+        plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
+        return self._answer(engine, keys, plan, owner, nbytes=nbytes, pulled=pulled, started=started)
+
+    async def _lookup(self, msg: Pull, fp: bytes, keys: list[bytes], want: int,
+                      deadline: float) -> tuple[PeerLookupReply, PeerLink, float]:
+        for attempt in (0, 1):
+            link = await self._link(msg.peer, fp)
+            reused = link.requests > 0
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise KVTimeout(f"pull from {msg.peer}: no time left for the lookup "
+                                f"(--peer-pull-timeout-s {self.cfg.peer_pull_timeout_s:g})")
+            wait_s = min(LOOKUP_WAIT_S, remaining / 4)
+            sent_at = time.monotonic()
+            try:
+                reply: PeerLookupReply = await link.call(
+                    PeerLookup(link.next_id(), fp, keys, want, wait_s, msg.release_lease), PeerLookupReply,
+                    min(remaining, self.cfg.peer_timeout_s + wait_s))
+            except DaemonUnavailable:
+                if attempt == 0 and reused:  # an idle link the peer closed (restart?): one fresh try
+                    continue
+                raise
+            return reply, link, sent_at
+        raise AssertionError("unreachable")
+
+    async def _read(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
+                    link: PeerLink, job_id: int, deadline: float, lease_deadline: float) -> tuple[int, int]:
+        hit = reply.hit_chunks
+        if hit > want:
+            raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
+        entries = parse_entries(reply.entries)
+        self._check_entries(engine, hit, entries, link.address)
+        fp = engine.fingerprint
+        base = self.pool.base_addr
+        begun: list[Entry] = []
+        descs: list[Desc] = []
+        try:
+            for e in entries:
+                key = (fp, e.group_id, keys[e.chunk_index])
+                if self.index.get(key) is not None:
+                    continue  # READY here already, or being written by another job (checked in _settle)
+                parent = keys[e.chunk_index - 1] if e.chunk_index else b""
+                le = self.index.begin_write(key, e.nbytes, engine.groups[e.group_id].kind, job_id, parent)
+                if le is None:
+                    continue
+                begun.append(le)
+                descs.extend(pair_extents(e.extents, [(base + off, n) for off, n in le.alloc.extents]))
+        except BaseException:
+            for le in begun:
+                self.index.abandon_write(le)
+            raise
+        if not descs:
+            return 0, 0
+        transfer = self.transport.read(link.peer_name, merge(descs))
+        want_bytes = sum(le.nbytes for le in begun)
+        try:
+            budget = deadline - time.monotonic()
+            if budget <= 0:
+                raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
+            moved = await transfer.wait(budget)
+            if transfer.finished_at > lease_deadline:
+                raise KVTimeout(f"the READ from {link.address} finished after the serving daemon's lease could "
+                                "have expired; its bytes are discarded (raise --lease-ttl-s on the serving daemon)")
+            if moved != want_bytes:
+                raise CopyFailedError(f"READ from {link.address} moved {moved} bytes, expected {want_bytes}")
+        except BaseException as e:
+            self._discard(transfer, begun, repr(e))
+            raise
+        for le in begun:
+            self.index.finish_write(le, pending=False)
+        self.metrics.inc("peer_pulled_bytes", want_bytes)
+        self.metrics.observe_rate("peer_read", want_bytes, max(transfer.finished_at - transfer.started_at, 1e-9))
+        self.metrics.inc("peer_pulled_entries", len(begun))
+        return want_bytes, len(begun)
+
+    def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
+        need = {(r.group_id, c) for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size)}
+        got = [(e.group_id, e.chunk_index) for e in entries]
+        if set(got) != need or len(got) != len(need):
+            raise ProtocolViolation(f"peer {address} sent entries {sorted(got)[:8]}..., but a hit of {hit} chunks "
+                                    f"needs {sorted(need)[:8]}... for this layout")
+        for e in entries:
+            if e.nbytes != engine.entry_bytes[e.group_id]:
+                raise ProtocolViolation(f"peer {address}: group {e.group_id} entry of {e.nbytes} bytes, this layout's "
+                                        f"entries are {engine.entry_bytes[e.group_id]} bytes")
+
+    def _discard(self, transfer: Transfer, begun: list[Entry], why: str) -> None:
+        """Free the destination entries once the transport no longer writes into them."""
+        if transfer.settled.done():
+            for le in begun:
+                self.index.abandon_write(le)
+            return
+        transfer.abort(why)
+        self.quarantined += len(begun)
+        self.metrics.inc("peer_reads_quarantined")
+        log.warning("an abandoned READ from %s is still running; %d entries (%d bytes) stay out of use until it "
+                    "ends", transfer.peer, len(begun), transfer.nbytes)
+
+        def release(_: asyncio.Future[int]) -> None:
+            self.quarantined -= len(begun)
+            for le in begun:
+                self.index.abandon_write(le)
+
+        transfer.settled.add_done_callback(release)
+
+    # ---- local side ----------------------------------------------------------------------------
+    def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> HitPlan:
+        fp = engine.fingerprint
+
+        def present(group_id: int, chunk: int) -> bool:
+            return self.index.is_ready((fp, group_id, keys[chunk]))
+
+        return plan_hit(engine.rules, n, engine.chunk_size, present)
+
+    async def _settle(self, engine: EngineState, keys: list[bytes], hit: int, deadline: float) -> HitPlan:
+        """The hit now servable here. Entries another job is still writing are waited for (bounded)."""
+        while True:
+            plan = self._plan_local(engine, keys, hit)
+            if plan.hit_chunks >= hit or time.monotonic() >= deadline:
+                return plan
+            fp = engine.fingerprint
+            busy = any(
+                (e := self.index.get((fp, r.group_id, keys[c]))) is not None and e.state.value != "ready"
+                for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size))
+            if not busy:
+                return plan
+            await asyncio.sleep(SETTLE_POLL_S)
+
+    def _answer(self, engine: EngineState, keys: list[bytes], plan: HitPlan, owner: int, *, nbytes: int,
+                pulled: int, started: float) -> dict[str, Any]:
+        lease_id = 0
+        if plan.hit_chunks:
+            fp = engine.fingerprint
+            lease_id = self.index.lease([(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks],
+                                        owner, self.cfg.lease_ttl_s)
+        needed = sum(len(c) for c in plan.needed.values())
+        elapsed = time.monotonic() - started
+        self.metrics.inc("peer_pull_chunks", plan.hit_chunks)
+        return {"nbytes": nbytes, "hit_chunks": plan.hit_chunks, "lease_id": lease_id,
+                "lease_ttl_s": self.cfg.lease_ttl_s, "pulled": pulled, "local": needed - pulled,
+                "seconds": round(elapsed, 6)}
+

@@ -1,0 +1,226 @@
+"""Peer links: the daemon's side of disaggregated prefill/decode pairs.
+
+Role
+    Composes the pieces and is the one thing ``daemon/app.py`` and ``daemon/service.py`` know:
+    - a ``DataTransport`` (NIXL/UCX, ``hkvd.transport.nixl_transport``) with the whole pool
+      registered, so peers READ entries straight out of it and pulls land straight in it;
+    - ``PeerServer`` (``--peer-listen``): hands leased entries of this pool to authenticated peers;
+    - ``PeerClient``: pulls entries from a peer into this pool when an engine sends ``Pull``;
+    - ``LayoutBook``: the layouts (hit rules, entry sizes) of engines seen here, by fingerprint, kept
+      after the engine leaves so a finished prefill engine's entries can still be served.
+    Peers are on when ``--peer-listen`` or a peer token is configured (``peers_wanted``).
+
+Threading
+    Event loop only; the transport runs its own thread. Pulls run as tasks of this service's
+    TaskGroup (``run``), so a pull never holds up the engine connection that asked for it.
+
+Lifecycle
+    ``start`` (transport up, pool registered, listener bound) -> ``run`` (in the daemon's root
+    TaskGroup) -> ``aclose`` before the pool is unmapped: the transport may write into the pool
+    until it has stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.errors import KVError, NotRegistered
+from hkvd.daemon.hybrid import GroupRule
+from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, read_token
+from hkvd.transport.wire import kv
+from hkvd.transport.wire.peer import Pull
+
+if TYPE_CHECKING:
+    from hkvd.daemon.index import Index
+    from hkvd.daemon.metrics import Metrics
+    from hkvd.daemon.pool import HugePagePool
+    from hkvd.daemon.registry import EngineState, Registry
+    from hkvd.daemon.service import Conn
+    from hkvd.transport.base import DataTransport
+
+log = logging.getLogger("hkvd.peers")
+
+TRANSPORT_START_S = 60.0
+MAX_LAYOUTS = 64
+
+
+def peers_wanted(cfg: DaemonConfig) -> bool:
+    from hkvd.daemon.peer_auth import TOKEN_ENV
+
+    return bool(cfg.peer_listen or cfg.peer_token or cfg.peer_token_file or os.environ.get(TOKEN_ENV))
+
+
+def check_peer_config(cfg: DaemonConfig) -> bytes:
+    """Start-up checks with the fix in the message (``PeerConfigError``); returns the token."""
+    token = read_token(cfg.peer_token, cfg.peer_token_file)
+    if not token:
+        raise PeerConfigError("--peer-listen needs a shared peer token: write one with `openssl rand -hex 32 > "
+                              "/etc/hkvd/peer.token; chmod 600 /etc/hkvd/peer.token` and pass --peer-token-file "
+                              "(the same file on every daemon of the pair)")
+    parse_allow(cfg.peer_allow)
+    from hkvd.transport.nixl_transport import load_nixl
+
+    try:
+        load_nixl()
+    except KVError as e:
+        raise PeerConfigError(e.message) from None
+    return token
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What a peer needs to serve or verify one layout (an engine format, by fingerprint)."""
+
+    fingerprint: bytes
+    chunk_size: int
+    rules: tuple[GroupRule, ...]
+    kinds: dict[int, str]
+    entry_bytes: dict[int, int]
+
+    @classmethod
+    def of(cls, engine: EngineState) -> Layout:
+        return cls(engine.fingerprint, engine.chunk_size, tuple(engine.rules),
+                   {g.group_id: g.kind for g in engine.groups.values()}, dict(engine.entry_bytes))
+
+
+class LayoutBook:
+    """Layouts of engines registered here, kept (up to ``MAX_LAYOUTS``) after they leave."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._known: OrderedDict[bytes, Layout] = OrderedDict()
+
+    def refresh(self) -> None:
+        for e in self.registry.engines():
+            if e.fingerprint not in self._known:
+                self._known[e.fingerprint] = Layout.of(e)
+            self._known.move_to_end(e.fingerprint)
+        while len(self._known) > MAX_LAYOUTS:
+            self._known.popitem(last=False)
+
+    def get(self, fingerprint: bytes) -> Layout | None:
+        self.refresh()
+        return self._known.get(fingerprint)
+
+    def fingerprints(self) -> list[bytes]:
+        self.refresh()
+        return list(self._known)
+
+
+class PeerService:
+    def __init__(self, cfg: DaemonConfig, pool: HugePagePool, index: Index, registry: Registry,
+                 metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.index = index
+        self.metrics = metrics
+        self.token = check_peer_config(cfg)
+        self.allow = parse_allow(cfg.peer_allow)
+        self.layouts = LayoutBook(registry)
+        self.node = socket.gethostname()
+        self.agent_name = f"hkvd-{self.node}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.transport: DataTransport | None = None
+        self.server: Any = None  # PeerServer when --peer-listen
+        self.client: Any = None  # PeerClient
+        self._tg: asyncio.TaskGroup | None = None
+        self._stop = asyncio.Event()
+        self._closed = False
+
+    @property
+    def advertise(self) -> str:
+        return self.cfg.peer_advertise or self.cfg.peer_listen
+
+    async def start(self) -> None:
+        from hkvd.daemon.peer_client import PeerClient
+        from hkvd.daemon.peer_server import PeerServer
+        from hkvd.transport.nixl_transport import NixlTransport
+
+        transport = NixlTransport(self.agent_name)
+        self.transport = transport
+        await transport.start(TRANSPORT_START_S)
+        await transport.register(self.pool.base_addr, self.pool.size)
+        metadata = await transport.metadata()
+        log.info("peer transport: NIXL agent %s, %d MiB pool registered", self.agent_name, self.pool.size >> 20)
+        self.client = PeerClient(self.cfg, self.token, self.node, self.index, self.pool, transport, self.metrics)
+        if self.cfg.peer_listen:
+            self.server = PeerServer(self.cfg, self.token, self.allow, self.node, self.index, self.pool,
+                                     self.layouts, self.agent_name, metadata, self.metrics)
+            await self.server.start()
+            log.info("serving peers on %s (allowed: %s)", self.cfg.peer_listen,
+                     ", ".join(str(n) for n in self.allow))
+
+    async def run(self) -> None:
+        """Owns the pull tasks; returns when ``aclose`` is called (or is cancelled with the daemon)."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            try:
+                await self._stop.wait()
+            finally:
+                self._tg = None
+
+    def submit_pull(self, conn: Conn, msg: Pull) -> None:
+        """Start a pull for ``conn``'s engine; the reply (Done or Error) goes to ``conn`` when it ends."""
+        if conn.engine is None:
+            raise NotRegistered("register the engine (Register) before a Pull: the pull needs its layout")
+        if self._tg is None or self.client is None:
+            from hkvd.daemon.errors import ShuttingDown
+
+            raise ShuttingDown("peer links are stopping; the engine recomputes")
+        conn.inflight += 1
+        self._tg.create_task(self._pull(conn, conn.engine, msg))
+
+    async def _pull(self, conn: Conn, engine: EngineState, msg: Pull) -> None:
+        from hkvd.daemon.errors import InternalError
+
+        try:
+            result = await self.client.pull(engine, msg, owner=conn.conn_id)
+        except KVError as e:
+            self.metrics.inc("peer_pulls", outcome="error")
+            self.metrics.inc("errors", code=e.code.name)
+            log.info("pull %d from %s failed: %s", msg.req_id, msg.peer, e.message)
+            conn.send(kv.Error(msg.req_id, int(e.code), e.message))
+        except Exception as e:  # a bug: answer the engine, keep the daemon up
+            log.exception("internal error in pull %d from %s", msg.req_id, msg.peer)
+            self.metrics.inc("internal_errors")
+            conn.send(kv.Error(msg.req_id, int(InternalError.code), f"internal error: {e!r}"))
+        else:
+            self.metrics.inc("peer_pulls", outcome="ok")
+            conn.send(kv.Done(msg.req_id, result.pop("nbytes"), result))
+        finally:
+            conn.inflight -= 1
+
+    def status(self) -> dict[str, Any]:
+        t = self.transport.statistics() if self.transport is not None else None
+        return {
+            "listen": self.cfg.peer_listen, "advertise": self.advertise, "agent": self.agent_name,
+            "allow": [str(n) for n in self.allow],
+            "transport": t._asdict() if t is not None else None,
+            "read_gbps": self.metrics.rate("peer_read"),
+            "quarantined_entries": self.client.quarantined if self.client is not None else 0,
+            "links": self.client.describe() if self.client is not None else [],
+            "serving": self.server.describe() if self.server is not None else None,
+        }
+
+    async def aclose(self) -> None:
+        """Stop serving and pulling, then stop the transport. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.server.aclose()
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.aclose()
+        if self.transport is not None:
+            await self.transport.aclose()

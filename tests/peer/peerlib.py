@@ -1,0 +1,105 @@
+"""Helpers for peer-link tests: two real ``hkvd serve`` processes with NIXL over TCP.
+
+Loaded by path (``load()``), since test folders are not packages under --import-mode=importlib.
+The pytest process itself never imports NIXL: only the daemons do (UCX must not be forked).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hkvd.daemon.launcher import DaemonProcess
+
+TOKEN = "hkvd-test-token-0123456789abcdef"
+# UCX over TCP on loopback; larger TCP segments (small ones collapsed over veth in measurements).
+UCX_ENV = {
+    "UCX_TLS": "tcp,self",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_TCP_TX_SEG_SIZE": "256K",
+    "UCX_TCP_RX_SEG_SIZE": "512K",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+
+def nixl_missing() -> str | None:
+    """Why peer tests cannot run here, or None."""
+    if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+        return ("NIXL is not installed (peer links need it): `pip install --no-deps nixl-cu12==1.5.1`, "
+                "or `make dev`")
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_token(path: Path, value: str = TOKEN) -> Path:
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return path
+
+
+class PeerDaemon(DaemonProcess):
+    """``hkvd serve`` with peers on, debug logs, huge pages off, UCX over TCP."""
+
+    def __init__(self, workdir: Path, name: str, args: list[str], env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None) -> None:
+        self.name = name
+        self.prefix = prefix or []
+        full_env = dict(os.environ, **UCX_ENV, **(env or {}))
+        super().__init__(str(workdir / f"{name}.sock"),
+                         ["--hugepages", "off", "--log-level", "debug", *args], workdir / f"{name}.log", full_env)
+        self.peer_address = ""
+
+    def spawn(self) -> PeerDaemon:
+        import subprocess
+        import sys
+
+        out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*self.prefix, sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
+            stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+
+def start_pair(workdir: Path, *, chunk_size: int = 32, pool_gb: str = "0.25", token: str = TOKEN,
+               serve_args: tuple[str, ...] = (), pull_args: tuple[str, ...] = (),
+               decode_token: str | None = None) -> tuple[PeerDaemon, PeerDaemon]:
+    """A serving ("prefill") daemon with --peer-listen and a pulling ("decode") one."""
+    port = free_port()
+    common = ["--l1-size-gb", pool_gb, "--chunk-size", str(chunk_size)]
+    ptok = write_token(workdir / "prefill.token", token)
+    dtok = write_token(workdir / "decode.token", decode_token if decode_token is not None else token)
+    prefill = PeerDaemon(workdir, "prefill", [*common, "--peer-token-file", str(ptok),
+                                               "--peer-listen", f"127.0.0.1:{port}", *serve_args])
+    prefill.peer_address = f"127.0.0.1:{port}"
+    decode = PeerDaemon(workdir, "decode", [*common, "--peer-token-file", str(dtok), *pull_args])
+    prefill.spawn()
+    decode.spawn()
+    prefill.wait_ready(60)
+    decode.wait_ready(60)
+    return prefill, decode
+
+
+def wait_status(daemon: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout_s: float,
+                poll_s: float = 0.02) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = daemon.status()
+        if pred(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s; last status: {status}")
+        time.sleep(poll_s)
+
+
+def counter(status: dict[str, Any], name: str) -> float:
+    return float(status["counters"].get(name, 0))

@@ -1,0 +1,127 @@
+"""The data-transport interface: one-sided reads from a peer daemon's registered memory.
+
+Role
+    The peer link (``hkvd.daemon.peer_client`` / ``peer_server``) decides *what* to move: which
+    leased pool entries of the serving daemon land in which freshly allocated entries of the
+    pulling daemon. A ``DataTransport`` only moves the bytes: it registers the local pool, exports
+    the metadata a peer needs to reach it, loads a peer's metadata, and READs lists of
+    ``Desc(remote_addr, local_addr, nbytes)``. The daemon core never imports NIXL or UCX; it sees
+    this interface (``hkvd.transport.nixl_transport`` implements it).
+
+Threading
+    Every method is called from the event loop and never blocks it: implementations run the
+    library on threads of their own and hand results back with ``call_soon_threadsafe``.
+
+Lifecycle
+    ``start`` -> ``register`` (the pool, once) -> ``add_peer`` per peer -> ``read``... ->
+    ``aclose`` (idempotent). Memory registered with a transport must stay mapped until ``aclose``
+    has returned: a transport may still be writing into it until then.
+
+Contracts
+    - ``read`` returns a ``Transfer`` at once; it never raises for transport failures, which
+      arrive through ``Transfer.settled``.
+    - ``Transfer.settled`` resolves only when the transport will never touch the local bytes of
+      that transfer again: to the bytes moved when it completed whole, or to a ``KVError`` when
+      it failed. There is no partial success.
+    - ``Transfer.wait(timeout_s)`` bounds the caller's wait. A timeout raises ``KVTimeout`` but
+      does not make the local memory reusable: the caller keeps the destination pages out of
+      use until ``settled`` resolves (``hkvd.daemon.peer_client`` quarantines them).
+    - ``Transfer.abort`` records that nobody waits for the result any more. A transport that can
+      cancel in flight does so; one that cannot (NIXL, see its module) still settles later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hkvd.transport.wire.errors import KVTimeout
+
+
+class Desc(NamedTuple):
+    """Move ``nbytes`` from ``remote_addr`` (peer's registered memory) to ``local_addr`` (ours)."""
+
+    remote_addr: int
+    local_addr: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One READ in flight. See the module docstring for what ``settled`` promises."""
+
+    xfer_id: int
+    peer: str
+    nbytes: int
+    descs: int
+    settled: asyncio.Future[int]
+    started_at: float
+    # Set by the transport when it saw the transfer complete (time.monotonic()); 0 until then.
+    finished_at: float = 0.0
+    aborted: bool = False
+    abort_reason: str = field(default="")
+
+    async def wait(self, timeout_s: float) -> int:
+        """The bytes moved; ``KVTimeout`` after ``timeout_s`` (the transfer may still be running)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(self.settled)
+        except TimeoutError:
+            raise KVTimeout(f"READ of {self.nbytes} bytes from {self.peer} did not finish within "
+                            f"{timeout_s:.1f} s") from None
+
+    def abort(self, reason: str) -> None:
+        """Nobody waits for this transfer any more (timeout, dead control link, shutdown)."""
+        self.aborted = True
+        self.abort_reason = reason
+
+
+class TransportStats(NamedTuple):
+    reads: int
+    reads_failed: int
+    reads_aborted: int
+    bytes_read: int
+    in_flight: int
+    peers: int
+
+
+class DataTransport(ABC):
+    """One-sided reads between registered memory of two daemons. See the module docstring."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    async def start(self, timeout_s: float) -> None:
+        """Bring the library up (threads, agent). Raises ``KVError`` with the fix when it cannot."""
+
+    @abstractmethod
+    async def register(self, addr: int, nbytes: int) -> None:
+        """Make ``[addr, addr + nbytes)`` of this process readable by peers and writable by reads."""
+
+    @abstractmethod
+    async def metadata(self) -> bytes:
+        """What a peer passes to its ``add_peer`` to read our registered memory (send it only to
+        authenticated peers: it grants access to that memory)."""
+
+    @abstractmethod
+    async def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the name to pass to ``read``."""
+
+    @abstractmethod
+    async def remove_peer(self, peer: str) -> None:
+        """Forget a peer (its daemon restarted, or the link closed). Idempotent."""
+
+    @abstractmethod
+    def read(self, peer: str, descs: Sequence[Desc]) -> Transfer:
+        """Start one READ of every descriptor from ``peer`` into local registered memory."""
+
+    @abstractmethod
+    def statistics(self) -> TransportStats:
+        """Counters for status and metrics."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop; afterwards the library touches no registered memory. Idempotent."""
