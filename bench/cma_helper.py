@@ -5,9 +5,15 @@ the bench process's engine pages with the bare syscall: iovecs built once, one i
 IOV_MAX per call, nothing else timed. The daemon does the same copy behind a descriptor, so the
 ratio daemon / raw is what the daemon costs on top of the kernel's copy.
 
+``read_par``/``write_par`` are the same copy cut by bytes into the parts the daemon's host copy
+engine uses for that size (``hkvd.daemon.cma.split_count``/``split_rows``: one part below 8 MiB),
+moved by that many threads at once (the calling one and a pool's): the reference for the
+daemon's split copies.
+
 Protocol: JSON lines. First line ``{"pid", "pool_bytes", "hugepages"}``, answered by
-``{"ready": true, "prefault_gbps"}``; then ``{"op": "read"|"write", "pages": [[addr, len], ...],
-"repeats": n}`` answered by ``{"times": [s, ...]}``; EOF ends it.
+``{"ready": true, "prefault_gbps", "kind", "parts"}``; then ``{"op": "read"|"write"|"read_par"|
+"write_par", "pages": [[addr, len], ...], "repeats": n}`` answered by ``{"times": [s, ...]}``;
+EOF ends it.
 """
 
 from __future__ import annotations
@@ -16,9 +22,36 @@ import ctypes
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from hkvd.daemon.cma import IOV_MAX, _Iovec, _libc
+import numpy as np
+
+from hkvd.daemon.cma import (
+    IOV_MAX,
+    SPLIT_MIN_BYTES,
+    _Iovec,
+    _IovecPtr,
+    _libc,
+    default_split_parts,
+    split_count,
+    split_rows,
+)
 from hkvd.daemon.pool import HugePagePool
+
+
+def _parallel_calls(pool: HugePagePool, pages: list[tuple[int, int]], parts: int) -> list[tuple]:
+    """One (local, remote, count, total) call per part; parts as the daemon cuts them."""
+    local, remote, off = [], [], 0
+    for addr, n in pages:
+        local.append((pool.base_addr + off, n))
+        remote.append((addr, n))
+        off += n
+    out = []
+    parts = split_count(off, parts, SPLIT_MIN_BYTES)
+    for lo, re in split_rows(np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), parts):
+        assert len(lo) <= IOV_MAX
+        out.append((lo, re, len(lo), int(lo[:, 1].sum())))
+    return out
 
 
 def main() -> int:
@@ -26,11 +59,37 @@ def main() -> int:
     pid = int(init["pid"])
     pool = HugePagePool(int(init["pool_bytes"]), init.get("hugepages", "auto"))
     rate = pool.prefault()
-    print(json.dumps({"ready": True, "prefault_gbps": rate, "kind": pool.kind}), flush=True)
+    parts = default_split_parts()
+    threads = ThreadPoolExecutor(max_workers=max(1, parts - 1))
+    print(json.dumps({"ready": True, "prefault_gbps": rate, "kind": pool.kind, "parts": parts}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         pages = [(int(a), int(n)) for a, n in req["pages"]]
-        syscall = _libc.process_vm_readv if req["op"] == "read" else _libc.process_vm_writev
+        syscall = _libc.process_vm_readv if req["op"].startswith("read") else _libc.process_vm_writev
+        if req["op"].endswith("_par"):
+            par = _parallel_calls(pool, pages, parts)
+
+            def one(call: tuple, syscall=syscall) -> int:  # type: ignore[no-untyped-def]
+                lo, re, count, total = call
+                got = syscall(pid, lo.ctypes.data_as(_IovecPtr), count, re.ctypes.data_as(_IovecPtr), count, 0)
+                if got != total:
+                    raise OSError(ctypes.get_errno(), f"moved {got} of {total} bytes")
+                return got
+
+            times = []
+            try:
+                for _ in range(int(req.get("repeats", 1))):
+                    t0 = time.perf_counter()
+                    futs = [threads.submit(one, c) for c in par[1:]]
+                    one(par[0])
+                    for f in futs:
+                        f.result()
+                    times.append(time.perf_counter() - t0)
+            except OSError as e:
+                print(json.dumps({"error": f"{req['op']}: {e}"}), flush=True)
+                return 1
+            print(json.dumps({"times": times}), flush=True)
+            continue
         calls = []
         local_off = 0
         for i in range(0, len(pages), IOV_MAX):
@@ -54,6 +113,7 @@ def main() -> int:
                     return 1
             times.append(time.perf_counter() - t0)
         print(json.dumps({"times": times}), flush=True)
+    threads.shutdown()
     pool.close()
     return 0
 
