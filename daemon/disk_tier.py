@@ -357,6 +357,9 @@ class DiskTier:
     def __contains__(self, key: EntryKey) -> bool:
         return key in self._catalog
 
+    def __len__(self) -> int:
+        return len(self._catalog)
+
     def get(self, key: EntryKey) -> Stored | None:
         return self._catalog.get(key)
 

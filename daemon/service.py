@@ -7,7 +7,9 @@ Role
 Threading
     Event loop only. Copies run on the daemon's copy thread pool through ``_run_copy`` with a
     timeout; a copy that outlives its timeout keeps its pins until the thread returns (the pool
-    pages are in use), and its job fails with ``KVTimeout``.
+    pages are in use), and its job fails with ``KVTimeout``. With a disk tier, a lookup whose hit
+    needs entries only the disk has awaits their reads (disk read pool, ``io_timeout_s``) before
+    it replies; the connection's later requests wait behind it, other connections do not.
 
 Errors
     Anything the client got wrong raises a ``KVError`` that the adapter sends back as
@@ -37,9 +39,9 @@ from hkvd.daemon.errors import (
     KVTimeout,
     NotFound,
     NotRegistered,
+    PermissionDenied,
     PoolFull,
     ProtocolViolation,
-    PermissionDenied,
     RegistrationError,
     ShuttingDown,
 )
@@ -96,9 +98,9 @@ class KVService:
         self.disk = disk  # the cold-restart tier (--l2-path), or None
         self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # disk reads in flight, by key
         self.shutting_down = False
+        self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
         self.copy_timeout_s = max(cfg.io_timeout_s, 30.0)
 
-        self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
     # ---- dispatch ------------------------------------------------------------------------------
     async def handle(self, conn: Conn, msg: Message) -> None:
         if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status)):
@@ -112,10 +114,10 @@ class KVService:
                 await self._retrieve(conn, msg)
             case events.StepEvent():
                 await self._step_event(conn, msg)
-            case kv.Release():
-                self.index.release(msg.lease_id)
             case peer.Pull():
                 self._pull(conn, msg)
+            case kv.Release():
+                self.index.release(msg.lease_id)
             case kv.Abort():
                 self._abort(conn, msg.req_id)
                 conn.send(kv.AbortAck(msg.req_id))
@@ -133,8 +135,6 @@ class KVService:
             case _:
                 raise ProtocolViolation(f"{type(msg).__name__} is not a request a client may send")
 
-    # ---- registration --------------------------------------------------------------------------
-    def _register(self, conn: Conn, msg: control.Register) -> None:
     def _pull(self, conn: Conn, msg: peer.Pull) -> None:
         """Peer pulls run as tasks of the peer service; the reply reaches ``conn`` when they end."""
         if self.peers is None:
@@ -142,6 +142,8 @@ class KVService:
                                    "token of the prefill node's daemon)")
         self.peers.submit_pull(conn, msg)
 
+    # ---- registration --------------------------------------------------------------------------
+    def _register(self, conn: Conn, msg: control.Register) -> None:
         if conn.engine is not None:
             raise RegistrationError("this connection already registered an engine; open one connection "
                                     "per engine rank")
@@ -174,8 +176,6 @@ class KVService:
         engine = self._engine(conn, copy=False)
         fp = engine.fingerprint
         keys = msg.keys
-        if self.disk is not None and keys:
-            await self._promote_from_disk(conn, engine, keys, msg.req_id)
         kinds = {r.group_id: r.kind for r in engine.rules}
         missing: dict[str, int] = {}
 
@@ -187,6 +187,10 @@ class KVService:
             return False
 
         plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+        if (self.disk is not None and plan.hit_chunks < len(keys) and len(self.disk)
+                and await self._promote_from_disk(conn, engine, keys, msg.req_id)):
+            missing.clear()
+            plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
         lease_id = 0
         if msg.lease and plan.hit_chunks > 0:
             lease_keys = [(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks]
@@ -204,8 +208,9 @@ class KVService:
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s))
 
     # ---- disk tier: promotions on lookup, write-behind on READY ------------------------------------
-    async def _promote_from_disk(self, conn: Conn, engine: EngineState, keys: list[bytes], req_id: int) -> None:
-        """Read into the pool the entries that the best hit over pool + disk needs and only the disk has.
+    async def _promote_from_disk(self, conn: Conn, engine: EngineState, keys: list[bytes], req_id: int) -> bool:
+        """Read into the pool the entries that the best hit over pool + disk needs and only the disk has;
+        True if any was read.
 
         A read that fails (I/O error, checksum, timeout, pool full) re-plans without that entry. The
         caller then plans over the pool alone, so a lookup never promises what it cannot serve.
@@ -219,16 +224,19 @@ class KVService:
             k = (fp, group_id, keys[chunk])
             return self.index.is_ready(k) or (k not in failed and k in disk)
 
+        promoted = False
         for _ in range(PROMOTE_ROUNDS):
             plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
             wanted = [k for gid, chunks in plan.needed.items() for c in chunks
                       if not self.index.is_ready(k := (fp, gid, keys[c]))]
             if not wanted:
-                return
+                break
             bad = await self._promote(conn, engine, wanted, req_id)
+            promoted = promoted or len(bad) < len(wanted)
             if not bad:
-                return
+                break
             failed.update(bad)
+        return promoted
 
     async def _promote(self, conn: Conn, engine: EngineState, wanted: list[EntryKey], req_id: int) -> set[EntryKey]:
         """Read ``wanted`` from disk into fresh pool entries; return the keys that did not make it."""
@@ -528,6 +536,6 @@ class KVService:
             "by_kind": {name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits")},
             "rates": {"copy_gbps": {d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}},
             "l2": self.disk.stats() if self.disk is not None else None,
+            "peer": self.peers.status() if self.peers is not None else None,
             "shutting_down": self.shutting_down,
         }
-            "peer": self.peers.status() if self.peers is not None else None,
