@@ -536,7 +536,7 @@ class DiskTier:
             self._notify(job.done)
         if self._writer is not None:
             self._writer.join(timeout_s)
-        self.readers.shutdown(wait=False, cancel_futures=True)
+        self.readers.shutdown(wait=False)  # queued reads still run: lookups await them (failing once the pool closes)
         return len(dropped) + (1 if self.busy() else 0)
 
     def busy(self) -> bool:
