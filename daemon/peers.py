@@ -99,13 +99,17 @@ class LayoutBook:
         self.registry = registry
         self._known: OrderedDict[bytes, Layout] = OrderedDict()
 
-    def refresh(self) -> None:
-        for e in self.registry.engines():
-            if e.fingerprint not in self._known:
-                self._known[e.fingerprint] = Layout.of(e)
-            self._known.move_to_end(e.fingerprint)
+    def add(self, engine: EngineState) -> None:
+        """Called at every registration (``KVService``), so a layout outlives its engine."""
+        if engine.fingerprint not in self._known:
+            self._known[engine.fingerprint] = Layout.of(engine)
+        self._known.move_to_end(engine.fingerprint)
         while len(self._known) > MAX_LAYOUTS:
             self._known.popitem(last=False)
+
+    def refresh(self) -> None:
+        for e in self.registry.engines():
+            self.add(e)
 
     def get(self, fingerprint: bytes) -> Layout | None:
         self.refresh()

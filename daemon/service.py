@@ -152,6 +152,8 @@ class KVService:
             raise RegistrationError("a scheduler connection registers without regions (lookup only)")
         state = self.registry.register(spec, conn.pid, conn.conn_id)
         conn.engine = state
+        if self.peers is not None:  # peers can serve its entries after it leaves
+            self.peers.layouts.add(state)
         conn.snapshots = SnapshotOrdering(state.engine_id)
         self.index.set_groups(state.fingerprint, {g.group_id: g.kind for g in state.groups.values()})
         self.metrics.inc("engines_registered")

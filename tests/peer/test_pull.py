@@ -38,6 +38,7 @@ def test_pull_then_retrieve_gives_the_stored_bytes(pair: Any, lib: Any) -> None:
     stored = producer.items(0, keys, first_block=1)
     producer.fill_random(0, [b for it in stored for b in it.block_ids], seed=5)
     assert producer.store(stored).result["stored"] == 10
+    producer.close()  # the prefill engine may be gone by now: its daemon still serves the entries
 
     consumer = SyntheticEngine(decode.socket_path, FULL, num_blocks=128)
     assert consumer.fingerprint == producer.fingerprint

@@ -1,0 +1,124 @@
+"""Peer-link pieces that need no daemon: extent pairing, the allowlist, tokens, proofs, wire checks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hkvd.daemon.peer_auth import (
+    PeerConfigError,
+    allowed,
+    client_proof,
+    parse_allow,
+    read_token,
+    server_proof,
+    split_address,
+)
+from hkvd.daemon.peer_client import merge, pair_extents
+from hkvd.transport.base import Desc
+from hkvd.transport.wire.errors import ProtocolViolation
+from hkvd.transport.wire.peer import PeerLookup, PeerLookupReply, Pull, parse_entries
+
+
+def _split(total: int, cuts: list[int], base: int) -> list[tuple[int, int]]:
+    points = sorted({c % total for c in cuts if c % total} | {0, total})
+    # Extents are scattered: a gap of 4096 after each one, so nothing merges by accident.
+    out, addr = [], base
+    for a, b in itertools.pairwise(points):
+        out.append((addr, b - a))
+        addr += b - a + 4096
+    return out
+
+
+@given(total=st.integers(1, 10_000), rcuts=st.lists(st.integers(0, 10_000), max_size=8),
+       lcuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_pair_extents_maps_every_byte_in_order(total: int, rcuts: list[int], lcuts: list[int]) -> None:
+    remote = _split(total, rcuts, 1 << 20)
+    local = _split(total, lcuts, 1 << 30)
+    descs = pair_extents(remote, local)
+    assert sum(d.nbytes for d in descs) == total
+
+    def flat(extents: list[tuple[int, int]]) -> list[int]:
+        return [a + i for a, n in extents for i in range(n)]
+
+    assert [d.remote_addr + i for d in descs for i in range(d.nbytes)] == flat(remote)
+    assert [d.local_addr + i for d in descs for i in range(d.nbytes)] == flat(local)
+
+
+def test_pair_extents_merges_contiguous_pieces_and_refuses_size_mismatch() -> None:
+    assert pair_extents([(100, 10), (110, 6)], [(5000, 16)]) == [Desc(100, 5000, 16)]
+    with pytest.raises(ValueError, match="different byte counts"):
+        pair_extents([(100, 10)], [(5000, 12)])
+    assert merge([Desc(0 + 1, 10, 4), Desc(5, 14, 4), Desc(100, 18, 1)]) == [Desc(1, 10, 8), Desc(100, 18, 1)]
+
+
+def test_allowlist() -> None:
+    nets = parse_allow(["10.0.0.0/24", "192.168.1.7", " fd00::/8 "])
+    assert allowed("10.0.0.42", nets) and allowed("192.168.1.7", nets) and allowed("fd00::1", nets)
+    assert allowed("::ffff:10.0.0.9", nets)  # IPv4-mapped IPv6 from a dual-stack socket
+    assert not allowed("10.0.1.1", nets) and not allowed("127.0.0.1", nets) and not allowed("junk", nets)
+    loop = parse_allow([])  # default: loopback only
+    assert allowed("127.0.0.1", loop) and allowed("::1", loop) and not allowed("10.0.0.1", loop)
+    with pytest.raises(PeerConfigError, match="not an IP address or CIDR"):
+        parse_allow(["10.0.0.0/33"])
+
+
+def test_tokens(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("HKVD_PEER_TOKEN", raising=False)
+    assert read_token("", "") == b""
+    monkeypatch.setenv("HKVD_PEER_TOKEN", "x" * 20)
+    assert read_token("", "") == b"x" * 20
+    f = tmp_path / "t"
+    f.write_text("  " + "y" * 32 + "\n")
+    f.chmod(0o600)
+    assert read_token("", str(f)) == b"y" * 32  # the file wins, whitespace stripped
+    f.chmod(0o604)
+    with pytest.raises(PeerConfigError, match="chmod 600"):
+        read_token("", str(f))
+    with pytest.raises(PeerConfigError, match="at least 16"):
+        read_token("short", "")
+    with pytest.raises(PeerConfigError, match="No such file"):
+        read_token("", str(tmp_path / "missing"))
+
+
+def test_proofs_bind_both_nonces_and_the_direction() -> None:
+    tok, a, b = os.urandom(32), os.urandom(32), os.urandom(32)
+    assert server_proof(tok, a, b) != client_proof(tok, a, b)  # a server proof is no client proof
+    assert client_proof(tok, a, b) != client_proof(tok, a, os.urandom(32))
+    assert client_proof(tok, a, b) != client_proof(os.urandom(32), a, b)
+    assert len(server_proof(tok, a, b)) == 32
+
+
+def test_split_address() -> None:
+    assert split_address("10.0.0.5:7470") == ("10.0.0.5", 7470)
+    assert split_address("[fd00::5]:7470") == ("fd00::5", 7470)
+    assert split_address("prefill-0.svc:80") == ("prefill-0.svc", 80)
+    for bad in ("10.0.0.5", ":80", "h:0", "h:99999", "h:x"):
+        with pytest.raises(PeerConfigError, match="HOST:PORT"):
+            split_address(bad)
+
+
+def test_peer_wire_checks() -> None:
+    ok = [[0, 1, 10, [[4096, 4], [8192, 6]]]]
+    assert parse_entries(ok)[0].extents == [(4096, 4), (8192, 6)]
+    for bad in ([[0, 1, 10, [[4096, 4]]]],          # extents hold fewer bytes than the entry
+                [[0, 1, 10, []]],                     # no extents
+                [[0, 1, 10, [[0, 10]]]],              # address 0
+                [[0, 1, 10, [[4096, -10]]]],          # negative length
+                [[0, True, 10, [[4096, 10]]]],        # bool is no integer
+                [[0, 1, 10]]):                        # short entry
+        with pytest.raises(ProtocolViolation):
+            PeerLookupReply.from_wire([1, 1, 2, 30.0, bad])
+    key = b"k" * 16
+    with pytest.raises(ProtocolViolation, match="16 bytes"):
+        PeerLookup.from_wire([1, b"f" * 15, [key], 0, 0.0, 0])
+    with pytest.raises(ProtocolViolation, match="wait_s"):
+        PeerLookup.from_wire([1, b"f" * 16, [key], 0, 99.0, 0])
+    with pytest.raises(ProtocolViolation, match="at least one chunk key"):
+        Pull.from_wire([1, "h:1", [], 0, 0])
+    with pytest.raises(ProtocolViolation, match="HOST:PORT"):
+        Pull.from_wire([1, "", [key], 0, 0])
