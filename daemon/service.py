@@ -333,7 +333,7 @@ class KVService:
         for e in entries:
             if e.state is EntryState.READY and self.disk.offer(
                     e.key, e.kind, e.nbytes, getattr(e, "parent", b""), e.alloc.extents,
-                    lambda e=e: self.index.unpin(e)):  # type: ignore[misc]
+                    lambda e=e: self.index.unpin(e)):
                 self.index.pin(e)
 
     def _by_kind(self, name: str) -> dict[str, float]:
