@@ -391,10 +391,13 @@ class PeerClient:
         log.warning("an abandoned READ from %s is still running; %d entries (%d bytes) stay out of use until it "
                     "ends", transfer.peer, len(begun), transfer.nbytes)
 
-        def release(_: asyncio.Future[int]) -> None:
+        def release(f: asyncio.Future[int]) -> None:
             self.quarantined -= len(begun)
             for le in begun:
                 self.index.abandon_write(le)
+            how = "failed" if f.cancelled() or f.exception() is not None else "completed late"
+            log.info("the abandoned READ from %s %s; its %d entries are free again (contents discarded)",
+                     transfer.peer, how, len(begun))
 
         transfer.settled.add_done_callback(release)
 

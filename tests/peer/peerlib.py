@@ -54,7 +54,7 @@ class PeerDaemon(DaemonProcess):
                  prefix: list[str] | None = None) -> None:
         self.name = name
         self.prefix = prefix or []
-        full_env = dict(os.environ, **UCX_ENV, **(env or {}))
+        full_env = {**os.environ, **UCX_ENV, **(env or {})}
         super().__init__(str(workdir / f"{name}.sock"),
                          ["--hugepages", "off", "--log-level", "debug", *args], workdir / f"{name}.log", full_env)
         self.peer_address = ""

@@ -1,0 +1,143 @@
+"""Two daemons in two network namespaces joined by a veth pair the test creates: a pull crosses a
+real link (TCP only, pinned to the veth), and bringing the link down in the middle of a READ ends
+the pull in an error within its timeout; the READ's pages stay out of use until it ends, and the
+link serves again once it is back up.
+
+Needs root (or CAP_NET_ADMIN) and iproute2; skips with the reason otherwise. Engines run in the
+test process and reach both daemons through their Unix sockets, which namespaces do not split."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.transport.keys import chunk_keys
+from hkvd.transport.wire.errors import KVTimeout
+
+SUBNET = "10.231.{}"
+PORT = 7470
+BIG = [GroupShape("full", 2, 64 << 10)]  # 256 KiB per chunk
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.fixture
+def veth() -> Iterator[dict[str, str]]:
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (`ip`) is not installed")
+    tag = f"{os.getpid() % 100000}"
+    ns_p, ns_d, dev_p, dev_d = f"hkvdp{tag}", f"hkvdd{tag}", f"hkvp{tag}", f"hkvd{tag}"
+    net = SUBNET.format(os.getpid() % 200 + 20)
+    made = _ip("netns", "add", ns_p)
+    if made.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here ({made.stderr.strip()}); needs root or CAP_NET_ADMIN")
+    try:
+        steps = [("netns", "add", ns_d), ("link", "add", dev_p, "type", "veth", "peer", "name", dev_d),
+                 ("link", "set", dev_p, "netns", ns_p), ("link", "set", dev_d, "netns", ns_d),
+                 ("-n", ns_p, "addr", "add", f"{net}.1/24", "dev", dev_p), ("-n", ns_p, "link", "set", dev_p, "up"),
+                 ("-n", ns_p, "link", "set", "lo", "up"),
+                 ("-n", ns_d, "addr", "add", f"{net}.2/24", "dev", dev_d), ("-n", ns_d, "link", "set", dev_d, "up"),
+                 ("-n", ns_d, "link", "set", "lo", "up")]
+        for step in steps:
+            r = _ip(*step)
+            if r.returncode != 0:
+                pytest.skip(f"cannot set up the veth pair (`ip {' '.join(step)}`: {r.stderr.strip()})")
+        yield {"ns_p": ns_p, "ns_d": ns_d, "dev_p": dev_p, "dev_d": dev_d, "ip_p": f"{net}.1", "ip_d": f"{net}.2"}
+    finally:
+        _ip("netns", "del", ns_p)  # takes its end of the veth pair (and so the pair) with it
+        _ip("netns", "del", ns_d)
+
+
+@pytest.fixture
+def netns_pair(veth: dict[str, str], tmp_path: Path, lib: Any) -> Iterator[tuple[Any, Any, dict[str, str]]]:
+    tok = lib.write_token(tmp_path / "token")
+    common = ["--l1-size-gb", "0.25", "--chunk-size", "32", "--peer-token-file", str(tok)]
+    prefill = lib.PeerDaemon(tmp_path, "prefill",
+                             [*common, "--peer-listen", f"{veth['ip_p']}:{PORT}", "--peer-allow", veth["ip_d"]],
+                             env={"UCX_NET_DEVICES": veth["dev_p"]}, prefix=["ip", "netns", "exec", veth["ns_p"]])
+    prefill.peer_address = f"{veth['ip_p']}:{PORT}"
+    decode = lib.PeerDaemon(tmp_path, "decode", [*common, "--peer-pull-timeout-s", "5"],
+                            env={"UCX_NET_DEVICES": veth["dev_d"]}, prefix=["ip", "netns", "exec", veth["ns_d"]])
+    started = []
+    try:
+        for d in (prefill, decode):
+            d.spawn()
+            started.append(d)
+        prefill.wait_ready(60)
+        decode.wait_ready(60)
+        yield prefill, decode, veth
+    finally:
+        for d in started:
+            if d.proc.poll() is None:
+                os.kill(d.proc.pid, signal.SIGCONT)
+                d.stop(20)
+
+
+def _store(prefill: Any, chunks: int, seed: int) -> tuple[SyntheticEngine, list[bytes]]:
+    eng = SyntheticEngine(prefill.socket_path, BIG, num_blocks=2 * chunks + 2, timeout_s=60)
+    eng.buffer[:] = np.random.default_rng(seed).integers(-128, 128, eng.buffer.size, dtype=np.int8)
+    keys = chunk_keys(prompt_tokens(32 * chunks, seed=seed), eng.chunk_size)
+    eng.store(eng.items(0, keys, first_block=1))
+    return eng, keys
+
+
+def _pull_and_check(eng: SyntheticEngine, producer: SyntheticEngine, peer: str, keys: list[bytes]) -> None:
+    rid = eng.client.submit_pull(peer, keys)
+    c = eng.client.wait([rid], 60)[rid]
+    assert c.ok, c.error
+    assert c.result["hit_chunks"] == len(keys)
+    hit, lease = eng.lookup(keys)
+    assert hit == len(keys)
+    items = eng.items(0, keys, first_block=1)
+    eng.retrieve(items, lease)
+    for it in items:
+        for b in it.block_ids:
+            assert eng.block_bytes(0, b) == producer.block_bytes(0, b)
+
+
+def test_pull_across_a_veth_pair(netns_pair: Any) -> None:
+    prefill, decode, _ = netns_pair
+    producer, keys = _store(prefill, 64, seed=1)  # 16 MiB
+    consumer = SyntheticEngine(decode.socket_path, BIG, num_blocks=130, timeout_s=60)
+    _pull_and_check(consumer, producer, prefill.peer_address, keys)
+    served = prefill.status()["peer"]["serving"]["sessions"]
+    assert [s["address"] for s in served] == [netns_pair[2]["ip_d"]]  # it really came over the veth
+
+
+def test_link_down_mid_pull(netns_pair: Any, lib: Any) -> None:
+    prefill, decode, veth = netns_pair
+    chunks = 512  # 128 MiB
+    producer, keys = _store(prefill, chunks, seed=2)
+    consumer = SyntheticEngine(decode.socket_path, BIG, num_blocks=2 * chunks + 2, timeout_s=60)
+    rid = consumer.client.submit_pull(prefill.peer_address, keys)
+    lib.wait_status(decode, lambda s: s["peer"]["transport"]["in_flight"] >= 1, 30, poll_s=0.002)
+    # Hold the READ mid-way (a stopped target cannot serve it), cut the link, let the target run.
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    assert decode.status()["peer"]["transport"]["in_flight"] >= 1, "the READ finished before the link went down"
+    down = _ip("-n", veth["ns_d"], "link", "set", veth["dev_d"], "down")
+    assert down.returncode == 0, down.stderr
+    os.kill(prefill.proc.pid, signal.SIGCONT)
+    try:
+        c = consumer.client.wait([rid], 30)[rid]  # --peer-pull-timeout-s 5 on the decode daemon
+        assert isinstance(c.error, KVTimeout), c.error
+        s = decode.status()
+        assert s["index"]["ready"] == 0 and consumer.lookup(keys)[0] == 0
+    finally:
+        up = _ip("-n", veth["ns_d"], "link", "set", veth["dev_d"], "up")
+        assert up.returncode == 0, up.stderr
+    # Once the READ ends (completed late or failed), its pages are freed, never published.
+    s = lib.wait_status(decode, lambda s: s["peer"]["quarantined_entries"] == 0 and s["index"]["entries"] == 0, 120,
+                        poll_s=0.1)
+    assert s["pool"]["used_bytes"] == 0
+    _pull_and_check(consumer, producer, prefill.peer_address, keys)
