@@ -20,6 +20,7 @@ from bench.common import git_commit, machine, md_table, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e")
 QUICK_SKIPS = ("vllm_e2e",)  # not in `all --quick`: too slow for the 2-minute smoke
+LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
 def _gpu(quick: bool) -> int:
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=["host", "cuda"], default="host",
                     help="store_retrieve copy engine; cuda runs bench/gpu_copy.py where present")
     ap.add_argument("--lmcache-venv", default=None,
-                    help="venv with lmcache installed (make bench-peers): adds LMCache's ping to control_plane")
+                    help="venv with lmcache 0.5.6 installed (make bench-peers): adds LMCache's ping and lookup to "
+                         f"control_plane; default: {LMCACHE_VENV} when it exists and --quick is not given")
     a = ap.parse_args(argv)
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         kwargs: dict[str, Any] = {"quick": a.quick, "hugepages": a.hugepages}
         if name == "control_plane":
-            kwargs["lmcache_venv"] = a.lmcache_venv
+            venv = Path(__file__).resolve().parent.parent / LMCACHE_VENV
+            auto = None if a.quick or not (venv / "bin" / "python").exists() else str(venv)
+            kwargs["lmcache_venv"] = a.lmcache_venv or auto
         result = mod.run(**kwargs)
         payload = {"name": name, "quick": a.quick, "date": datetime.now(UTC).isoformat(timespec="seconds"),
                    "commit": git_commit(), "machine": machine(), "wall_s": time.perf_counter() - t0, **result}

@@ -237,17 +237,29 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 def plot(plt: Any, result: dict[str, Any], out_dir: Path) -> list[str]:
     rows = result["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for op in OPS:
         rs = [r for r in rows if r["op"] == op]
-        axes[0].plot([r["engines"] for r in rs], [r["p50_us"] for r in rs], marker="o", label=f"{op} p50")
+        line = axes[0].plot([r["engines"] for r in rs], [r["p50_us"] for r in rs], marker="o", label=f"{op} p50")
+        axes[0].plot([r["engines"] for r in rs], [r["p99_us"] for r in rs], ls=":", color=line[0].get_color(),
+                     label=f"{op} p99")
         axes[1].plot([r["engines"] for r in rs], [r["ops_s"] for r in rs], marker="o", label=op)
-    axes[0].axhline(result["echo"]["p50_us"], color="grey", ls="--", lw=1, label="UDS echo p50")
-    for ax, y in zip(axes, ("latency us", "ops/s"), strict=True):
+    axes[0].axhline(result["echo"]["p50_us"], color="grey", ls="--", lw=1, label="bare UDS echo p50")
+    lm = result.get("lmcache", {})
+    if "ping_rate_ratio" in lm:  # LMCache 0.5.6, one client, same run
+        for op, marker in (("ping", "X"), ("lookup", "P")):
+            r = lm["lmcache"][op]
+            axes[0].plot([1], [r["p50_us"]], marker=marker, ms=11, ls="none", color="black",
+                         label=f"LMCache {op} p50")
+            axes[1].plot([1], [r["ops_s"]], marker=marker, ms=11, ls="none", color="black", label=f"LMCache {op}")
+    axes[0].set_yscale("log")
+    for ax, y in zip(axes, ("latency us (log)", "ops/s, all engines together"), strict=True):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent engines")
+        ax.set_xlabel("concurrent engines (closed loop)")
         ax.set_ylabel(y)
-        ax.legend()
+        ax.legend(fontsize=7, ncol=2)
+    axes[0].set_title("round-trip latency vs engines")
+    axes[1].set_title("rate vs engines")
     path = out_dir / "control_plane.png"
     fig.tight_layout()
     fig.savefig(path, dpi=100)

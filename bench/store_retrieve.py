@@ -1,9 +1,10 @@
 """store_retrieve: daemon store / retrieve GB/s against memcpy and raw CMA on the same buffers.
 
-Setup: a real ``hkvd serve`` subprocess; in this process a synthetic engine (one full-attention
-group, one layer, one block per chunk, so one entry = one page of ``page`` bytes) registered with
-it; a helper child (``bench.cma_helper``) that owns a pool of the daemon's kind. For every
-(page size, batch size) and every repeat, interleaved so drift hits all of them alike:
+Setup: a real ``hkvd serve`` subprocess per page size, its pool large enough that no store of
+the run evicts (eviction is the index's cost, not the copy path's); in this process a synthetic
+engine (one full-attention group, one layer, one block per chunk, so one entry = one page of
+``page`` bytes) registered with it; a helper child (``bench.cma_helper``) that owns a pool of
+the daemon's kind. For every (page size, batch size) and every repeat, interleaved so drift hits all of them alike:
 
 - **store**: one Store descriptor of ``batch`` fresh chunks, submit to Done (the daemon reads the
   engine pages into its pool with process_vm_readv);
@@ -88,30 +89,36 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
     cap: int = cfg["cap"]
     repeats: int = cfg["repeats"]
     max_bytes = max(p * b for p in pages_list for b in batches if p * b <= cap)
-    pool_gb = max(1.0, 4 * max_bytes / (1 << 30))
     rows: list[dict[str, Any]] = []
     helper_parts = 1
+    pools: dict[int, float] = {}
     _allow_any_ptracer()
-    with Daemon("--chunk-size", "16", pool_gb=pool_gb, hugepages=hugepages) as daemon:
-        st = daemon.status()
-        helper = Helper(max_bytes, hugepages)
-        scratch_pool = HugePagePool(max_bytes, hugepages)  # type: ignore[arg-type]
-        try:
-            scratch_pool.prefault()
-            scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
-            helper_parts = int(helper.info.get("parts", 1))
-            log(f"  daemon pool {st.get('pool', {}).get('kind', '?') if isinstance(st.get('pool'), dict) else '?'}"
-                f", helper pool {helper.info.get('kind')}, scratch pool {scratch_pool.kind}")
-            for page in pages_list:
-                fits = [b for b in batches if page * b <= cap]
-                if not fits:
-                    continue
+    helper = Helper(max_bytes, hugepages)
+    scratch_pool = HugePagePool(max_bytes, hugepages)  # type: ignore[arg-type]
+    try:
+        scratch_pool.prefault()
+        scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
+        helper_parts = int(helper.info.get("parts", 1))
+        for page in pages_list:
+            fits = [b for b in batches if page * b <= cap]
+            if not fits:
+                continue
+            # A daemon per page size, its pool holding every entry this page size stores (a warm-up
+            # and ``repeats`` fresh stores per batch): no store here pays for an eviction.
+            stored = sum(fits) * page * (repeats + 1)
+            pool_gb = pools[page] = round((stored * 1.1 + 64 * MiB) / (1 << 30), 3)
+            with Daemon("--chunk-size", "16", pool_gb=pool_gb, hugepages=hugepages) as daemon:
+                if not rows:
+                    kind = daemon.status().get("pool", {})
+                    log(f"  daemon pool {kind.get('kind', '?') if isinstance(kind, dict) else '?'}, helper pool "
+                        f"{helper.info.get('kind')}, scratch pool {scratch_pool.kind}, copy parts "
+                        f"{helper_parts} (daemon's default split for copies >= 8 MiB)")
                 rows += _run_page(daemon.socket_path, helper, scratch, page, fits, repeats, log)
             _allow_any_ptracer()
-        finally:
-            del scratch
-            scratch_pool.close()
-            helper.close()
+    finally:
+        del scratch
+        scratch_pool.close()
+        helper.close()
     big = [r for r in rows if r["page_bytes"] >= 2 * MiB]
     summary = {
         "min_store_vs_raw_ge_2MiB": min((r["store_vs_raw"] for r in big), default=float("nan")),
@@ -129,7 +136,7 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
     log(f"  >= 2 MiB pages: {summary['rows_meeting_target_ge_2MiB']}/{len(big)} rows at >= {TARGET} of raw "
         f"(1 thread) both ways, {summary['rows_meeting_target_vs_raw_par_ge_2MiB']}/{len(big)} against raw in "
         f"{helper_parts} parallel parts")
-    return {"config": {**cfg, "hugepages": hugepages, "pool_gb": pool_gb}, "rows": rows, "summary": summary}
+    return {"config": {**cfg, "hugepages": hugepages, "pool_gb_by_page": pools}, "rows": rows, "summary": summary}
 
 
 def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, batches: list[int],
@@ -230,13 +237,14 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["page", "batch", "store GB/s", "raw readv GB/s", "store/raw", "store/raw par", "store/memcpy",
-               "retrieve GB/s", "raw writev GB/s", "retrieve/raw", "retrieve/raw par", "retrieve/memcpy",
-               "store +us", "retrieve +us"]
+    par = result.get("summary", {}).get("split_parts", 1) > 1  # raw par == raw when the daemon does not split
+    headers = ["page", "batch", "store GB/s", "raw readv GB/s", "store/raw", *(["store/raw par"] * par),
+               "store/memcpy", "retrieve GB/s", "raw writev GB/s", "retrieve/raw", *(["retrieve/raw par"] * par),
+               "retrieve/memcpy", "store +us", "retrieve +us"]
     rows = [[human_bytes(r["page_bytes"]), r["batch"], r["store_gbps"], r["raw_read_gbps"], r["store_vs_raw"],
-             r["store_vs_raw_par"], r["store_vs_memcpy"], r["retrieve_gbps"], r["raw_write_gbps"],
-             r["retrieve_vs_raw"], r["retrieve_vs_raw_par"], r["retrieve_vs_memcpy"], r["store_overhead_us"],
-             r["retrieve_overhead_us"]] for r in result["rows"]]
+             *([r["store_vs_raw_par"]] * par), r["store_vs_memcpy"], r["retrieve_gbps"], r["raw_write_gbps"],
+             r["retrieve_vs_raw"], *([r["retrieve_vs_raw_par"]] * par), r["retrieve_vs_memcpy"],
+             r["store_overhead_us"], r["retrieve_overhead_us"]] for r in result["rows"]]
     return headers, rows
 
 
@@ -254,8 +262,9 @@ def plot(plt: Any, result: dict[str, Any], out_dir: Any) -> list[str]:
                                            ("retrieve", "raw_write", "memcpy_from")), strict=True):
         ax.plot(xs, [r[f"{what}_gbps"] for r in pts], marker="o", lw=2, label=f"hkvd {what}")
         ax.plot(xs, [r[f"{raw}_gbps"] for r in pts], marker="s", ls="--", label=f"raw {raw.replace('raw_', '')}v")
-        ax.plot(xs, [r[f"{raw}_par_gbps"] for r in pts], marker="s", ls=":",
-                label=f"raw {raw.replace('raw_', '')}v, daemon's parts")
+        if result.get("summary", {}).get("split_parts", 1) > 1:
+            ax.plot(xs, [r[f"{raw}_par_gbps"] for r in pts], marker="s", ls=":",
+                    label=f"raw {raw.replace('raw_', '')}v, daemon's parts")
         ax.plot(xs, [r[f"{mem}_gbps"] for r in pts], marker="^", ls="-.", label="numpy memcpy")
         for x, r in zip(xs, pts, strict=True):
             ax.annotate(f"x{r['batch']}", (x, r[f"{what}_gbps"]), textcoords="offset points", xytext=(0, 6),
