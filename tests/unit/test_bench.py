@@ -1,0 +1,97 @@
+"""bench/: the store/retrieve path checks bytes against a real daemon, and the report renders.
+
+Correctness only (no timing assertions): a store/retrieve row through a real ``hkvd serve``
+and the raw-CMA helper child, and the tables of every run from result dicts shaped as the runs
+write them. Plots are drawn when matplotlib is installed (``make bench`` installs it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the checkout, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import control_plane, store_retrieve, vllm_e2e  # noqa: E402
+from bench.common import Daemon, md_table  # noqa: E402
+from hkvd.daemon.pool import HugePagePool  # noqa: E402
+
+KIB = 1024
+
+
+def test_store_retrieve_rows_move_every_byte() -> None:
+    page, batches = 64 * KIB, [1, 4]
+    store_retrieve._allow_any_ptracer()
+    pool_bytes = 32 << 20  # one superblock, the smallest pool
+    helper = store_retrieve.Helper(pool_bytes, "off")
+    scratch_pool = HugePagePool(pool_bytes, "off")
+    try:
+        scratch_pool.prefault()
+        scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
+        with Daemon("--chunk-size", "16", pool_gb=0.0625, hugepages="off") as daemon:
+            # _run_page raises unless each retrieve brings back exactly the stored bytes.
+            rows = store_retrieve._run_page(daemon.socket_path, helper, scratch, page, batches, 1, lambda *_: None)
+        del scratch
+    finally:
+        scratch_pool.close()
+        helper.close()
+    assert [r["batch"] for r in rows] == batches
+    for r in rows:
+        assert r["request_bytes"] == r["batch"] * page
+        for k in ("store_gbps", "raw_read_gbps", "raw_read_par_gbps", "retrieve_gbps", "raw_write_gbps",
+                  "raw_write_par_gbps", "memcpy_to_gbps", "memcpy_from_gbps"):
+            assert r[k] > 0, k
+    result = {"rows": rows, "summary": {"split_parts": 1}}
+    headers, table_rows = store_retrieve.table(result)
+    assert "store/raw par" not in headers and len(table_rows) == 2
+    text = md_table(headers, table_rows)
+    assert "| 64 KiB | 4 |" in text
+
+
+def _cp_result(with_lmcache: bool) -> dict:
+    rows = [{"op": op, "engines": n, "n": 10, "ops_s": 1000.0 * n, "p50_us": 100.0, "p99_us": 200.0,
+             "p50_vs_echo": 5.0} for n in (1, 8, 64) for op in control_plane.OPS]
+    res: dict = {"echo": {"p50_us": 20.0, "p99_us": 30.0, "ops_s": 50000.0}, "rows": rows,
+                 "lmcache": {"skipped": "LMCache not installed: make bench-peers"}}
+    if with_lmcache:
+        lm = {"ping": {"p50_us": 300.0, "p99_us": 900.0, "ops_s": 3000.0},
+              "lookup": {"p50_us": 1200.0, "p99_us": 3000.0, "ops_s": 800.0}}
+        ours = {"ping": {"p50_us": 90.0, "p99_us": 200.0, "ops_s": 10000.0},
+                "lookup_lease": {"p50_us": 150.0, "p99_us": 300.0, "ops_s": 6000.0}}
+        res["lmcache"] = {"lmcache": lm, "hkvd": ours, "pairs": {"ping": "ping", "lookup": "lookup_lease"},
+                          "ping_rate_ratio": 10000 / 3000, "lookup_rate_ratio": 6000 / 800}
+    return res
+
+
+@pytest.mark.parametrize("with_lmcache", [False, True])
+def test_control_plane_table(with_lmcache: bool) -> None:
+    headers, rows = control_plane.table(_cp_result(with_lmcache))
+    text = md_table(headers, rows)
+    assert "(bare UDS echo)" in text
+    assert ("(LMCache ping)" in text and "(hkvd lookup_lease, same run)" in text) == with_lmcache
+
+
+def test_vllm_e2e_table_and_skip() -> None:
+    runs = [{"run": name, "prompts": 2, "prompt_tokens": 1800, "cached_tokens": cached,
+             "prefill_computed": 1800 - cached, "hkvd_share": cached / 1800, "ttft_ms_p50": ttft,
+             "ttft_vs_cold": ttft / 200.0} for name, cached, ttft in (("cold", 0, 200.0), ("warm", 1792, 60.0))]
+    headers, rows = vllm_e2e.table({"models": [{"model": "qwen3_next", "runs": runs, "warm_vs_cold_ttft": 0.3}]})
+    text = md_table(headers, rows)
+    assert "| qwen3_next | warm | 2 x 900 | 8 | 1792 | 99.6% |" in text
+    headers, rows = vllm_e2e.table({"skipped": "vllm not installed (make vllm)", "models": []})
+    assert "vllm not installed" in md_table(headers, rows)
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
+    from bench.common import try_pyplot
+
+    plt = try_pyplot()
+    for with_lmcache in (False, True):
+        (path,) = control_plane.plot(plt, _cp_result(with_lmcache), tmp_path)
+        assert Path(path).stat().st_size > 1000
