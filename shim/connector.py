@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -137,7 +138,7 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous and complete in start_load_kv
+        return  # loads complete in start_load_kv; their requests wait for get_transfer_results
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores are submitted in bulk after the forward (wait_for_save)
@@ -150,6 +151,13 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

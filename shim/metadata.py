@@ -23,13 +23,12 @@ def item_blocks(items: list[Item]) -> set[int]:
 
 @dataclass(slots=True)
 class LoadJob:
-    """A sync load: finished inside this step's ``start_load_kv``, before the forward."""
+    """A load, done in this step's ``start_load_kv`` while its request waits (WAITING_FOR_REMOTE_KVS)."""
 
     req_id: str
     lease_id: int
     items: list[Item]
-    # Every block the load writes: reported by get_block_ids_with_load_errors if it fails, so
-    # vLLM recomputes from the first of them.
+    # Every block the load writes (a failed load is reported per request: vLLM recomputes it).
     block_ids: list[int]
 
 

@@ -18,7 +18,12 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       flight (at most ``lookup_timeout_s``, then a miss), afterwards the same answer. Hits are
       whole chunks (chunk_size is a multiple of vLLM's block size N, so block-aligned) and
       never reach the last prompt token (vLLM must compute at least one token). Loads are
-      synchronous (``False``): done in the worker's ``start_load_kv`` before the forward.
+      reported as asynchronous (``True``): the request waits in WAITING_FOR_REMOTE_KVS while
+      the worker's ``start_load_kv`` loads its blocks, and the worker reports it finished (or
+      failed) in ``get_transfer_results``. vLLM 0.32 accepts a failed load of a model with
+      several KV-cache groups (every hybrid) only as a failed request (``failed_recving``); a
+      block-level load error (the sync-load path) stops the engine. A request whose load failed
+      is recomputed from scratch and never offered an external hit again.
     - Attention stores cover full chunks of the prompt only, from the blocks vLLM holds in
       the step that completes them (sliding-window blocks are freed soon after). Mamba stores
       come only from ``boundary_state_offloads`` at chunk boundaries.
@@ -58,6 +63,7 @@ class _Req:
     lease_used: bool = False
     next_store_chunk: int = 0
     had_copies: bool = False
+    load_failed: bool = False  # its load failed once: recompute, never load it again
     keys: list[bytes] = field(default_factory=list)  # chunk keys over the prompt's full chunks
 
 
@@ -201,6 +207,8 @@ class SchedulerSide:
         if st is None:  # a request vLLM never announced (resumed after a reset): look it up now
             self.on_new_request(request)
             st = self._reqs[request.request_id]
+        if st.load_failed:  # vLLM recomputes it; a second load could fail the same way
+            return 0, False
         if st.lease_used:
             # Asked again after its load was planned: the request was preempted and its blocks
             # freed. The lease is spent (a retrieve releases it), so look the prefix up afresh.
@@ -220,7 +228,7 @@ class SchedulerSide:
         hit_tokens = st.hit_chunks * self.chunk_size
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, False
+        return hit_tokens - num_computed_tokens, True  # async: see "Contracts" above
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -337,7 +345,16 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        self._note_failed_loads(getattr(output, "failed_recving", None) or ())
         self._pump()
+
+    def _note_failed_loads(self, req_ids: Any) -> None:
+        for req_id in req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_failed = True
+                st.hit_chunks, st.lease_id = 0, 0
+                st.next_store_chunk = 0  # recomputed from scratch: store it again (a new daemon lacks it)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

@@ -9,9 +9,12 @@ Role
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
        then aborted and treated as failed).
-    2. ``start_load_kv`` (before the forward, vLLM calls it there when a sync load exists):
-       submit every load of the step and wait for all of them (``load_timeout_s``). A failed
-       load's blocks go to ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+    2. ``start_load_kv``: submit every load of the step and wait for all of them
+       (``load_timeout_s``). The scheduler reports loads as asynchronous, so the requests wait
+       (WAITING_FOR_REMOTE_KVS) and none of their blocks is read by this step's forward;
+       ``get_transfer_results`` then reports each as finished, and a failed one also as failed
+       (``failed_recving``): vLLM recomputes the request. Block-level load errors are never
+       reported (vLLM 0.32 stops the engine on them for models with several KV-cache groups).
        Mamba layers get no per-layer hooks, so every group is moved in bulk here.
     3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
        ``StepEvent`` carrying this step's Mamba offers and the confirms of earlier step
@@ -67,7 +70,8 @@ class WorkerSide:
         self._req_jobs: dict[str, set[int]] = {}
         self._finishing: set[str] = set()
         self._confirmable: list[int] = []
-        self._load_errors: set[int] = set()
+        self._recved: set[str] = set()  # loads done since the last get_transfer_results
+        self._recv_failed: set[str] = set()
         self._gpu: Any = None  # shim.gpu.GpuOrdering when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
         self.stats = {"loads_ok": 0, "loads_failed": 0, "stores": 0, "stores_failed": 0, "step_events": 0,
@@ -270,6 +274,7 @@ class WorkerSide:
                     self._gpu.wait_loaded(c.result["event"])  # the forward reads after the daemon's copy
                 self.stats["loads_ok"] += 1
                 self.stats["loaded_bytes"] += int(c.result.get("nbytes", 0))
+                self._recved.add(job.req_id)
             else:
                 logger.info("hkvd: load for %s failed (%s); vLLM recomputes it", job.req_id,
                             c.error if c is not None else "no reply")
@@ -277,7 +282,7 @@ class WorkerSide:
 
     def _fail_load(self, job: Any) -> None:
         self.stats["loads_failed"] += 1
-        self._load_errors.update(job.block_ids)
+        self._recv_failed.add(job.req_id)
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -315,9 +320,16 @@ class WorkerSide:
             self._req_jobs.pop(r, None)
         return (ready or None), None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving): every load of the step is
+        reported finished once, done or failed; a failed one is in both receiving sets."""
+        sending, _ = self.get_finished(finished_req_ids)
+        failed, self._recv_failed = self._recv_failed, set()
+        recved, self._recved = self._recved | failed, set()
+        return set(sending or ()), recved, failed
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return set()  # failed loads are reported per request (get_transfer_results)
 
     def shutdown(self) -> None:
         self.link.close()

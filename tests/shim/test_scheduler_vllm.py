@@ -135,8 +135,9 @@ class Runner:
             w.start_load_kv(None)
             self._forward(so)
             w.wait_for_save()
-            sending, recving = w.get_finished(so.finished_req_ids)
-            out_conn = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+            res = w.get_transfer_results(so.finished_req_ids)  # as vLLM's model runner asks
+            out_conn = KVConnectorOutput(finished_sending=res.finished_sending, finished_recving=res.finished_recving,
+                                         failed_recving=res.failed_recving,
                                          invalid_block_ids=w.get_block_ids_with_load_errors())
             w.clear_connector_metadata()
             self._drain()
@@ -215,8 +216,9 @@ def test_trace_a_descriptors_and_external_load(qwen_dir, daemon_factory) -> None
     (load,) = m.loads
     attn = [it for it in load.items if it[0] == 0]
     (mamba,) = [it for it in load.items if it[0] == 1]
-    (new,) = run.last_so.scheduled_new_reqs
-    table = new.block_ids  # as allocated for this step (the Mamba entry retires later)
+    # The load is asynchronous for vLLM: r3 waits (WAITING_FOR_REMOTE_KVS) while it is loaded.
+    assert not run.last_so.scheduled_new_reqs
+    table = sched.kv_cache_manager.get_block_ids("r3")  # as allocated (the Mamba entry retires later)
     assert [it[1] for it in attn] == [0, 1, 2, 3] and [it[3][0] for it in attn] == table[0][:4]
     assert mamba[1] == 3 and mamba[3] == [table[1][3]]  # state(64) into index 64/16 - 1
     assert sched.requests["r3"].num_computed_tokens >= 64
@@ -255,3 +257,33 @@ def test_startup_validation_names_the_fix(qwen_dir, daemon_factory) -> None:
         _make(qwen_dir, d.socket, batched=8)
     with pytest.raises(ValueError, match="--mamba-cache-mode align"):
         _make(qwen_dir, d.socket, mamba_mode="none")
+
+
+def test_failed_load_fails_the_request_and_recomputes_it(qwen_dir, daemon_factory) -> None:
+    # vLLM 0.32 stops an engine whose connector reports block-level load errors for a model with
+    # several KV-cache groups (every hybrid): a failed load must come back as a failed request.
+    d = daemon_factory(chunk_size=BLOCK)
+    vcfg, kvc, sched = _make(qwen_dir, d.socket)
+    run = Runner(vcfg, kvc, sched)
+    prompt = list(range(10, 80))
+    run.add("r1", prompt)
+    run.run()
+    sched.reset_prefix_cache()
+    run.add("r3", prompt)
+    side = run.worker._worker  # type: ignore[union-attr]
+    load = side.start_load_kv
+
+    def daemon_dies_first() -> None:
+        d.proc.kill()  # kill -9 between the lookup's hit and the load
+        d.proc.wait()
+        load()
+
+    side.start_load_kv = daemon_dies_first
+    m = run.step()  # update_from_output raised here when the failure went out as block ids
+    side.start_load_kv = load
+    assert len(m.loads) == 1 and side.stats["loads_failed"] == 1 and side.stats["loads_ok"] == 0
+    computed = 0
+    while "r3" in sched.requests:
+        run.step()
+        computed += run.last_so.num_scheduled_tokens.get("r3", 0)
+    assert computed == len(prompt)  # recomputed from the first token, and not loaded again

@@ -4,7 +4,7 @@
 The real daemon copies too fast to catch a copy in flight at a block reuse, so these tests
 script completions: fences wait for copies out of reused blocks, a fence timeout aborts and
 never confirms, confirms carry only step events seen done, delayed frees wait for copies, and
-failed loads become vLLM load errors.
+every load is reported finished once, a failed one as a failed request (never as block errors).
 """
 
 from __future__ import annotations
@@ -87,13 +87,16 @@ def _meta(step: int, **kw: Any) -> Any:
     return HkvdConnectorMetadata(step=step, **kw)
 
 
-def _run_step(side: Any, meta: Any) -> tuple[set[str] | None, set[int]]:
+def _run_step(side: Any, meta: Any) -> tuple[set[str] | None, set[str]]:
+    """One step as vLLM's model runner drives it; returns (finished sending, failed loads)."""
     side.handle_preemptions(meta)
     side.bind(meta)
     side.start_load_kv()
     side.wait_for_save()
-    sending, _ = side.get_finished(set(meta.delayed_free))
-    return sending, side.get_block_ids_with_load_errors()
+    sending, recving, failed = side.get_transfer_results(set(meta.delayed_free))
+    assert {job.req_id for job in meta.loads} == recving, "every load is reported finished, in its step"
+    assert side.get_block_ids_with_load_errors() == set()  # vLLM stops hybrid engines on these
+    return sending or None, failed
 
 
 def test_fence_waits_for_copy_out_of_reused_block_then_confirms() -> None:
@@ -136,7 +139,7 @@ def test_delayed_free_waits_for_copies() -> None:
     assert sending == {"r1"}
 
 
-def test_failed_or_unplannable_load_reports_blocks() -> None:
+def test_failed_or_unplannable_load_fails_its_request() -> None:
     from hkvd.shim.metadata import LoadJob
 
     side, client = _side()
@@ -145,11 +148,11 @@ def test_failed_or_unplannable_load_reports_blocks() -> None:
     empty = LoadJob("c", 9, [], [11, 12])  # the scheduler could not plan it (null block)
     client.finish_on_wait = {1, 2}
     client.fail = {2}
-    _, errors = _run_step(side, _meta(1, loads=[ok, bad, empty]))
-    assert errors == {4, 11, 12}
+    _, failed = _run_step(side, _meta(1, loads=[ok, bad, empty]))
+    assert failed == {"b", "c"}
     assert side.stats["loads_ok"] == 1
-    _, errors = _run_step(side, _meta(2))
-    assert errors == set()  # reported once
+    _, failed = _run_step(side, _meta(2))
+    assert failed == set()  # reported once
 
 
 def test_daemon_down_fails_loads_and_releases_delayed_frees() -> None:
@@ -159,7 +162,7 @@ def test_daemon_down_fails_loads_and_releases_delayed_frees() -> None:
     _run_step(side, _meta(1, stores=[StoreJob("r1", [[0, 0, b"k" * 16, [5]]])]))
     side._lost(ConnectionError("daemon gone"))
     side.link._next_try = float("inf")  # stays down for this test
-    sending, errors = _run_step(side, _meta(2, loads=[LoadJob("a", 1, [[0, 0, b"k" * 16, [3]]], [3])],
+    sending, failed = _run_step(side, _meta(2, loads=[LoadJob("a", 1, [[0, 0, b"k" * 16, [3]]], [3])],
                                             delayed_free=["r1"]))
-    assert errors == {3}
+    assert failed == {"a"}
     assert sending == {"r1"}
