@@ -36,7 +36,7 @@ import itertools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hkvd.daemon.errors import (
     CopyFailedError,
@@ -84,6 +84,13 @@ LEASE_USE_FRACTION = 0.8
 # when their engine confirms them, one or two steps after the copy).
 LOOKUP_WAIT_S = 1.0
 SETTLE_POLL_S = 0.02
+
+
+class ReadResult(NamedTuple):
+    nbytes: int
+    pulled: int  # entries written
+    seconds: float  # the READ alone
+    descs: int
 
 
 class PeerLink:
@@ -284,17 +291,20 @@ class PeerClient:
         if local.hit_chunks >= want:  # nothing to move
             return self._answer(engine, keys, local, owner, nbytes=0, pulled=0, started=started)
         reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
+        looked_up = time.monotonic()
         # The serving lease started after our request left: bound every use of it from the send.
         lease_deadline = sent_at + reply.lease_ttl_s * LEASE_USE_FRACTION
         try:
-            nbytes, pulled = await self._read(engine, keys, want, reply, link, msg.req_id,
-                                              min(deadline, lease_deadline), lease_deadline)
+            read = await self._read(engine, keys, want, reply, link, msg.req_id, min(deadline, lease_deadline),
+                                    lease_deadline)
         finally:
             if reply.lease_id and not link.broken:
                 with contextlib.suppress(KVError):
                     await link.call(PeerRelease(link.next_id(), reply.lease_id), None, self.cfg.peer_timeout_s)
         plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
-        return self._answer(engine, keys, plan, owner, nbytes=nbytes, pulled=pulled, started=started)
+        out = self._answer(engine, keys, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
+        out.update(lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6), descs=read.descs)
+        return out
 
     async def _lookup(self, msg: Pull, fp: bytes, keys: list[bytes], want: int,
                       deadline: float) -> tuple[PeerLookupReply, PeerLink, float]:
@@ -319,7 +329,7 @@ class PeerClient:
         raise AssertionError("unreachable")
 
     async def _read(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
-                    link: PeerLink, job_id: int, deadline: float, lease_deadline: float) -> tuple[int, int]:
+                    link: PeerLink, job_id: int, deadline: float, lease_deadline: float) -> ReadResult:
         hit = reply.hit_chunks
         if hit > want:
             raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
@@ -345,8 +355,9 @@ class PeerClient:
                 self.index.abandon_write(le)
             raise
         if not descs:
-            return 0, 0
-        transfer = self.transport.read(link.peer_name, merge(descs))
+            return ReadResult(0, 0, 0.0, 0)
+        descs = merge(descs)
+        transfer = self.transport.read(link.peer_name, descs)
         want_bytes = sum(le.nbytes for le in begun)
         try:
             budget = deadline - time.monotonic()
@@ -366,7 +377,7 @@ class PeerClient:
         self.metrics.inc("peer_pulled_bytes", want_bytes)
         self.metrics.observe_rate("peer_read", want_bytes, max(transfer.finished_at - transfer.started_at, 1e-9))
         self.metrics.inc("peer_pulled_entries", len(begun))
-        return want_bytes, len(begun)
+        return ReadResult(want_bytes, len(begun), transfer.finished_at - transfer.started_at, len(descs))
 
     def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
         need = {(r.group_id, c) for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size)}

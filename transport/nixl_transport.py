@@ -36,10 +36,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -57,6 +59,11 @@ INSTALL_HINT = (f"install NIXL with `pip install --no-deps nixl-cu12=={NIXL_VERS
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 2e-3
 IDLE_WAKE_S = 1.0
+# NIXL's UCX progress thread sleeps in poll() on the workers' event fds with this timeout (rounded
+# up to whole ms). The Python API hard-codes 0, which makes poll() return at once: the thread spun
+# at 56% of a core with no transfer at all. 1 ms keeps an idle daemon near 0% and costs nothing
+# measurable: the fds wake the thread as soon as UCX has work.
+PROGRESS_DELAY_US = int(os.environ.get("HKVD_NIXL_PROGRESS_DELAY_US", "1000"))
 _DRAM = "DRAM"
 
 
@@ -87,6 +94,33 @@ def load_nixl() -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _progress_delay(nixl: ModuleType, delay_us: int) -> Iterator[None]:
+    """Create agents with NIXL's progress-thread delay set to ``delay_us`` (see PROGRESS_DELAY_US).
+
+    ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` and sets ``pthrDelay = 0`` itself, so the
+    binding's constructor is wrapped for the duration of the call (only the transfer thread creates
+    agents). If the API ever moves, the agent is created as NIXL does and a warning says so.
+    """
+    api = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""))
+    bind = getattr(api, "nixlBind", None)
+    make = getattr(bind, "nixlAgent", None)
+    if make is None:
+        log.warning("cannot set NIXL's progress-thread delay (NIXL API changed); its thread may spin")
+        yield
+        return
+
+    def with_delay(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return make(name, config)
+
+    bind.nixlAgent = with_delay
+    try:
+        yield
+    finally:
+        bind.nixlAgent = make
+
+
 @dataclass(slots=True)
 class _Read:
     transfer: Transfer
@@ -104,8 +138,9 @@ class NixlTransport(DataTransport):
     name = "nixl"
 
     def __init__(self, agent_name: str, *, backends: Sequence[str] = ("UCX",), poll_min_s: float = POLL_MIN_S,
-                 poll_max_s: float = POLL_MAX_S) -> None:
+                 poll_max_s: float = POLL_MAX_S, progress_delay_us: int = PROGRESS_DELAY_US) -> None:
         self.agent_name = agent_name
+        self.progress_delay_us = progress_delay_us
         self.backends = tuple(backends)
         self.poll_min_s = poll_min_s
         self.poll_max_s = poll_max_s
@@ -135,7 +170,8 @@ class NixlTransport(DataTransport):
 
     def _create_agent(self, nixl: ModuleType) -> None:
         cfg = nixl.nixl_agent_config(enable_prog_thread=True, backends=list(self.backends))
-        agent = nixl.nixl_agent(self.agent_name, cfg)
+        with _progress_delay(nixl, self.progress_delay_us):
+            agent = nixl.nixl_agent(self.agent_name, cfg)
         missing = [b for b in self.backends if b not in agent.backends]
         if missing:
             raise TransportUnavailable(f"NIXL has no {', '.join(missing)} backend here (plugins found: "
