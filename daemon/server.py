@@ -190,6 +190,7 @@ class Server:
             msg = decode_body(body, self.cfg.max_frame_bytes)
             req_id = getattr(msg, "req_id", 0)
             if isinstance(msg, _JOBS):
+                conn.jobs.add(req_id)  # before any later frame (an Abort of it) is dispatched
                 jobs.create_task(self._job(conn, msg))
             else:
                 await self.service.handle(conn, msg)
@@ -215,6 +216,9 @@ class Server:
                           extra=request_log(conn, req_id))
             self.service.metrics.inc("internal_errors")
             self._reply_error(conn, req_id, InternalError(f"internal error: {e!r}"))
+        finally:
+            conn.jobs.discard(req_id)
+            conn.aborted.discard(req_id)
 
     def _reply_error(self, conn: Conn, req_id: int, e: KVError) -> None:
         self.service.metrics.inc("errors", code=e.code.name)

@@ -73,6 +73,7 @@ class Conn:
     # step-event job id -> entries it wrote that await the engine's confirmation
     pending: dict[int, list[Entry]] = field(default_factory=dict)
     aborted: set[int] = field(default_factory=set)
+    jobs: set[int] = field(default_factory=set)  # job ids (store, retrieve, step event) not finished yet
     inflight: int = 0
     closed: bool = False
 
@@ -472,7 +473,8 @@ class KVService:
 
     def _abort(self, conn: Conn, req_id: int) -> None:
         log.info("abort requested", extra=request_log(conn, req_id))
-        conn.aborted.add(req_id)
+        if req_id in conn.jobs:  # an abort of a finished (or unknown) job changes nothing and is not kept
+            conn.aborted.add(req_id)
         if conn.snapshots is not None:
             conn.snapshots.on_abort([req_id])
         self._drop_jobs(conn, [req_id] if req_id in conn.pending else [])
