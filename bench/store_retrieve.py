@@ -39,8 +39,8 @@ from hkvd.shim.synthetic import GroupShape, SyntheticEngine
 from hkvd.transport.wire.kv import Item
 
 FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "batches": [1, 8, 64],
-        "cap": 256 * MiB, "repeats": 7}
-QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 5}
+        "cap": 256 * MiB, "repeats": 9}
+QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 7}
 TARGET = 0.9
 TIMEOUT_S = 60.0
 

@@ -1,7 +1,7 @@
 """One vLLM engine (CPU) in its own process for ``bench.vllm_e2e``; prints one JSON line last.
 
     python -m bench.vllm_engine '{"model": DIR, "socket": PATH | null, "prompts": [[ids...], ...],
-                                  "block": 128, "warmup_prompt": [ids...]}'
+                                  "block": 128, "warmup_prompt": [ids...], "repeats": 1}'
 
 ``socket`` null runs vLLM without a KV connector (the reference); otherwise with
 ``HkvdConnector`` on that socket. Settings follow the shim's serve recipe for hybrids (prefix
@@ -11,8 +11,10 @@ where vLLM has it; ``mamba_cache_mode align`` for Mamba/GDN models is the shim's
 Per prompt: ``llm.reset_prefix_cache()`` (vLLM's own cache is emptied, hkvd's is not, so every
 cached token came from hkvd), then ``generate`` with ``max_tokens=1`` timed on the wall clock:
 the time to first token of a single request on an idle engine (scheduling, any hkvd lookup and
-load, the prefill steps, sampling one token). One warm-up generate of a short prompt (shorter
-than a chunk: nothing is stored) runs first so one-off costs do not land on the first prompt.
+load, the prefill steps, sampling one token). ``repeats`` runs the prompt list that many times
+(more samples where a repeat measures the same thing: without a connector, or warm). One
+warm-up generate of a short prompt (shorter than a chunk: nothing is stored) runs first so
+one-off costs do not land on the first prompt.
 
 Output: ``HKVD_BENCH {"results": [{"prompt_tokens", "cached_tokens", "ttft_s", "token"}...],
 "startup_s"}``.
@@ -51,13 +53,14 @@ def main() -> None:
     llm.reset_prefix_cache()
     llm.generate([TokensPrompt(prompt_token_ids=args["warmup_prompt"])], sp, use_tqdm=False)
     results = []
-    for ids in args["prompts"]:
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-        ttft = time.perf_counter() - t
-        results.append({"prompt_tokens": len(ids), "cached_tokens": int(out.num_cached_tokens or 0),
-                        "ttft_s": ttft, "token": int(out.outputs[0].token_ids[0])})
+    for _ in range(int(args.get("repeats", 1))):
+        for ids in args["prompts"]:
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+            ttft = time.perf_counter() - t
+            results.append({"prompt_tokens": len(ids), "cached_tokens": int(out.num_cached_tokens or 0),
+                            "ttft_s": ttft, "token": int(out.outputs[0].token_ids[0])})
     print("HKVD_BENCH " + json.dumps({"results": results, "startup_s": startup}), flush=True)
 
 
