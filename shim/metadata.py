@@ -30,6 +30,8 @@ class LoadJob:
     items: list[Item]
     # Every block the load writes (a failed load is reported per request: vLLM recomputes it).
     block_ids: list[int]
+    # Prefill/decode: pull these chunks from the prefill engine's daemon first (hkvd.shim.pd).
+    pull: Any = None
 
 
 @dataclass(slots=True)

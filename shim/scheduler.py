@@ -28,7 +28,11 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       the step that completes them (sliding-window blocks are freed soon after). Mamba stores
       come only from ``boundary_state_offloads`` at chunk boundaries.
     - ``request_finished_all_groups`` delays the free of every request that had copies, until
-      the worker reports it in ``finished_sending`` (stores done or failed).
+      the worker reports it in ``finished_sending`` (stores done or failed). A producer
+      (``kv_producer``) returns ``kv_transfer_params`` for a decode engine; a consumer given them
+      claims the chunks and its worker pulls them from the producer's daemon first
+      (``hkvd.shim.pd``); a request finished while its pull runs keeps its blocks until the worker
+      reports it in ``finished_recving``.
     - Leases the daemon granted for hits that are not loaded (local cache won, request
       finished before allocation) are released at once; a retrieve releases its own lease.
 
@@ -45,10 +49,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hkvd.shim import pd
 from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
 from hkvd.shim.spec import DaemonLink, GroupInfo, ShimConfig, build_engine_spec, group_infos, validate_vllm
 
 logger = logging.getLogger("hkvd.shim")
+
+PEER_ASK_INTERVAL_S = 30.0
+# request_finished may wait this long for the hold lease of a producer's prefix (a UDS round trip
+# is ~0.1 ms); past it the params carry no lease and the entries are held by recency only.
+PD_HOLD_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -64,6 +74,9 @@ class _Req:
     next_store_chunk: int = 0
     had_copies: bool = False
     load_failed: bool = False  # its load failed once: recompute, never load it again
+    pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
+    pull: Any = None  # pd.PullSpec until the load job that carries it is planned
+    pulling: bool = False  # a pull + load is in flight: the blocks stay until the worker reports it
     keys: list[bytes] = field(default_factory=list)  # chunk keys over the prompt's full chunks
 
 
@@ -80,6 +93,9 @@ class SchedulerSide:
             lambda: build_engine_spec(vllm_config, kv_cache_config, cfg, regions=[], layer_addr=None),
         )
         self.chunk_size = cfg.chunk_size
+        self.kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
+        self._peer_address = cfg.peer_address  # a producer's daemon peer listener (pd)
+        self._peer_asked_at = -1e9
         self._reqs: dict[str, _Req] = {}
         self._by_lookup: dict[int, str] = {}
         self._loads: list[LoadJob] = []
@@ -213,6 +229,9 @@ class SchedulerSide:
             # Asked again after its load was planned: the request was preempted and its blocks
             # freed. The lease is spent (a retrieve releases it), so look the prefix up afresh.
             st.hit_chunks, st.lookup_id, st.lease_id, st.lease_used = None, None, 0, False
+        if not st.pd_checked:
+            st.pd_checked = True
+            self._plan_pull(request, st)
         if st.hit_chunks is None:
             if st.lookup_id is None or st.lookup_gen != self.link.generation:
                 self._submit_lookup(request.request_id, st)
@@ -241,6 +260,7 @@ class SchedulerSide:
             if st.lease_id and not st.lease_used:
                 self._release(st.lease_id)
                 st.lease_used = True
+            st.pull = None  # nothing external to load (vLLM's own cache covered it)
             return
         n = st.hit_chunks
         C = self.chunk_size
@@ -276,7 +296,10 @@ class SchedulerSide:
             logger.warning("hkvd: load plan for %s names vLLM's null block (window starts mid-chunk?); "
                            "recomputing it", request.request_id)
             items = []
-        self._loads.append(LoadJob(request.request_id, st.lease_id, items, all_blocks))
+        self._loads.append(LoadJob(request.request_id, st.lease_id, items, all_blocks, pull=st.pull))
+        if st.pull is not None:
+            st.pull, st.pulling = None, True
+            self.stats["pull_jobs"] = self.stats.get("pull_jobs", 0) + 1
         st.lease_used = True
         st.next_store_chunk = max(st.next_store_chunk, n)
         self.stats["load_jobs"] += 1
@@ -345,6 +368,10 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        for req_id in getattr(output, "finished_recving", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.pulling = False
         self._note_failed_loads(getattr(output, "failed_recving", None) or ())
         self._pump()
 
@@ -364,10 +391,70 @@ class SchedulerSide:
             self._by_lookup.pop(st.lookup_id, None)
         if st.lease_id and not st.lease_used:
             self._release(st.lease_id)
+        params = None
+        if pd.wants_params(self.kv_role, getattr(request, "kv_transfer_params", None)):
+            params = self._producer_params(request.request_id, st)
+        if st.pulling:  # finished while its pull + load runs: its blocks go when the worker reports it
+            return True, params
         if st.had_copies:
             self._delayed.append(request.request_id)
-            return True, None
-        return False, None
+            return True, params
+        return False, params
+
+    # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------
+    def _plan_pull(self, request: Any, st: _Req) -> None:
+        """A consumer's request carrying a producer's params: claim its chunks, pull them first."""
+        if self.kv_role == "kv_producer" or not self.chunk_size:
+            return
+        plan = pd.consumer_plan(getattr(request, "kv_transfer_params", None), self._keys(st),
+                                (st.num_tokens - 1) // self.chunk_size, self.chunk_size)
+        if plan is None:
+            return
+        if st.lookup_id is not None:  # a local lookup is moot now; its lease is released on arrival
+            self._by_lookup.pop(st.lookup_id, None)
+        if st.lease_id and not st.lease_used:
+            self._release(st.lease_id)
+        st.hit_chunks, st.lease_id, st.pull = plan[0], 0, plan[1]
+
+    def _producer_params(self, req_id: str, st: _Req) -> dict[str, Any] | None:
+        C = self.chunk_size
+        keys = self._keys(st)
+        n = min(len(keys), (st.num_tokens - 1) // C) if C else 0
+        peer = self._peer() if n > 0 else ""
+        if not peer:
+            return None
+        return pd.producer_params(peer, keys, n, C, self._hold(keys[:n]))
+
+    def _peer(self) -> str:
+        """``peer_address``, else the daemon's advertised peer address (asked at most every 30 s)."""
+        if self._peer_address or time.monotonic() - self._peer_asked_at < PEER_ASK_INTERVAL_S:
+            return self._peer_address
+        self._peer_asked_at = time.monotonic()
+        client = self._client()
+        try:
+            peer = (client.status().get("peer") or {}) if client is not None else {}
+        except Exception as e:
+            self.link.lost(e)
+            return ""
+        self._peer_address = str(peer.get("advertise") or "")
+        if not self._peer_address:
+            logger.error("hkvd: kv_role %s hands decode engines its daemon's peer address, but the daemon at %s "
+                         "serves no peers; start it with --peer-listen HOST:PORT (and --peer-token-file), or set "
+                         "kv_connector_extra_config peer_address", self.kv_role, self.cfg.socket_path)
+        return self._peer_address
+
+    def _hold(self, keys: list[bytes]) -> int:
+        """A lease on the prefix until the decode side pulls it (0 if none in ``PD_HOLD_WAIT_S``)."""
+        client = self.link.client
+        if client is None:
+            return 0
+        try:
+            rid = client.submit_lookup(keys, lease=True)
+            c = client.wait([rid], PD_HOLD_WAIT_S)[rid]
+        except Exception as e:  # a late reply is an unknown lookup to _pump: its lease is released
+            logger.debug("hkvd: no hold lease for the decode side: %s", e)
+            return 0
+        return int(c.result.get("lease_id", 0)) if c.ok else 0
 
     def shutdown(self) -> None:
         self.link.close()

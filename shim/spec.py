@@ -79,6 +79,11 @@ class ShimConfig:
     # vLLM's default "fail" turns a failed load into a failed request; a cache should recompute.
     load_failure_policy: str = "recompute"
     require_daemon: bool = False  # True: vLLM's startup fails when the daemon is unreachable
+    # Prefill/decode pairs (hkvd.shim.pd). Producer: the HOST:PORT of its daemon's peer listener put in
+    # kv_transfer_params ("" = ask the daemon: its --peer-advertise or --peer-listen). Consumer: the
+    # budget of one pull + load (the request waits in WAITING_FOR_REMOTE_KVS meanwhile).
+    peer_address: str = ""
+    pull_timeout_s: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimConfig:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
+from hkvd.shim.pd import PullLoads
 from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec, validate_vllm
 
 logger = logging.getLogger("hkvd.shim")
@@ -72,6 +73,7 @@ class WorkerSide:
         self._confirmable: list[int] = []
         self._recved: set[str] = set()  # loads done since the last get_transfer_results
         self._recv_failed: set[str] = set()
+        self._pd = PullLoads(cfg.pull_timeout_s)  # prefill/decode loads that pull first (hkvd.shim.pd)
         self._gpu: Any = None  # shim.gpu.GpuOrdering when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
         self.stats = {"loads_ok": 0, "loads_failed": 0, "stores": 0, "stores_failed": 0, "step_events": 0,
@@ -138,6 +140,7 @@ class WorkerSide:
         self._jobs.clear()
         self._req_jobs.clear()
         self._confirmable.clear()
+        self._pd.forget("the daemon connection was lost")
 
     def _lost(self, exc: BaseException) -> None:
         self.link.lost(exc)
@@ -162,6 +165,8 @@ class WorkerSide:
 
         lost: BaseException | None = None
         for c in completions:
+            if self._pd.in_flight and self._pd.absorb(c, self.link.client):
+                continue
             job = self._jobs.pop(c.req_id, None)
             if job is None:
                 continue
@@ -235,7 +240,19 @@ class WorkerSide:
             return
         client = self._ensure()
         pending: dict[int, Any] = {}
+        loads = []
         for job in meta.loads:
+            if job.pull is None:
+                loads.append(job)
+            elif client is None:
+                self._fail_load(job)
+            else:
+                try:  # never waited for here: the request waits in WAITING_FOR_REMOTE_KVS
+                    self._pd.start(client, job)
+                except Exception as e:
+                    self._lost(e)
+                    client = None
+        for job in loads:
             if client is None or not job.items:
                 self._fail_load(job)
                 continue
@@ -324,6 +341,11 @@ class WorkerSide:
         """(finished sending, finished receiving, failed receiving): every load of the step is
         reported finished once, done or failed; a failed one is in both receiving sets."""
         sending, _ = self.get_finished(finished_req_ids)
+        if self._pd.in_flight:
+            self._pd.expire(self.link.client)
+        self._recved |= self._pd.done
+        self._recv_failed |= self._pd.failed
+        self._pd.done, self._pd.failed = set(), set()
         failed, self._recv_failed = self._recv_failed, set()
         recved, self._recved = self._recved | failed, set()
         return set(sending or ()), recved, failed

@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill/decode pairs in the shim: ``kv_transfer_params`` out of a producer, pulls into a consumer.
+
+Flow (one request, two engines, each with its own ``hkvd serve``; see examples/pd_proxy.py)
+    1. The proxy sends the prompt to the prefill engine with ``max_tokens=1`` (and
+       ``kv_transfer_params={"do_remote_decode": true}``). Its shim stores the prompt's chunks as
+       usual; ``request_finished_all_groups`` returns ``producer_params``: the address of its
+       daemon's peer listener (``hkvd serve --peer-listen``), the number of chunks, the key of the
+       last one (it names the whole prefix: keys are chained), and a lease that holds the entries
+       on the prefill daemon until the decode side pulls them (or the lease expires).
+    2. The proxy sends the same prompt to the decode engine with those params. Its scheduler side
+       (``consumer_plan``) checks them against its own chunk keys, claims the chunks as an
+       asynchronous external hit (the request waits in WAITING_FOR_REMOTE_KVS) and hands the
+       worker a ``LoadJob`` carrying a ``PullSpec``.
+    3. The worker (``PullLoads``) asks its daemon to ``Pull`` the chunks from the prefill daemon
+       (daemon to daemon, NIXL READ into the pool), then ``Retrieve``s them into the request's
+       blocks, without blocking vLLM's steps; then it reports the request finished receiving. Any
+       failure (peer down, layout mismatch, partial pull, timeout) reports it failed: vLLM
+       recomputes the request, never with wrong bytes.
+
+Threading
+    Called from vLLM's threads through the scheduler and worker sides; no threads of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("hkvd.shim")
+
+DO_REMOTE_DECODE = "do_remote_decode"  # the proxy asks the prefill engine for params
+DO_REMOTE_PREFILL = "do_remote_prefill"  # vLLM's own key: the decode side loads remotely
+PEER = "hkvd_peer"
+CHUNKS = "hkvd_chunks"
+CHUNK_SIZE = "hkvd_chunk_size"
+LAST_KEY = "hkvd_last_key"
+LEASE = "hkvd_lease"
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """What the worker pulls before loading (pickled to the workers with the LoadJob)."""
+
+    peer: str
+    keys: list[bytes]
+    release_lease: int
+
+
+def producer_params(peer: str, keys: list[bytes], n: int, chunk_size: int, lease_id: int) -> dict[str, Any]:
+    return {DO_REMOTE_PREFILL: True, PEER: peer, CHUNKS: n, CHUNK_SIZE: chunk_size, LAST_KEY: keys[n - 1].hex(),
+            LEASE: int(lease_id)}
+
+
+def wants_params(kv_role: str, request_params: dict[str, Any] | None) -> bool:
+    """A producer always hands out params; a kv_both engine only when the proxy asks."""
+    if kv_role == "kv_producer":
+        return True
+    return kv_role == "kv_both" and bool(request_params and request_params.get(DO_REMOTE_DECODE))
+
+
+def consumer_plan(params: dict[str, Any] | None, keys: list[bytes], max_chunks: int,
+                  chunk_size: int) -> tuple[int, PullSpec] | None:
+    """(chunks to claim, what to pull) for a request carrying a producer's params, else None.
+
+    Params from another chunk size or for another prompt (the last key differs) are ignored with a
+    warning: the request is served by a local lookup (or recomputed), never loaded from wrong keys.
+    """
+    if not params or not params.get(PEER) or not params.get(DO_REMOTE_PREFILL):
+        return None
+    try:
+        peer, n, size = str(params[PEER]), int(params[CHUNKS]), int(params[CHUNK_SIZE])
+        last = bytes.fromhex(str(params[LAST_KEY]))
+        lease = int(params.get(LEASE, 0))
+    except (KeyError, TypeError, ValueError) as e:
+        logger.warning("hkvd: ignoring malformed kv_transfer_params (%s: %s)", type(e).__name__, e)
+        return None
+    if size != chunk_size:
+        logger.warning("hkvd: the prefill engine used %d-token chunks, this one %d; recomputing instead of "
+                       "pulling (give both daemons the same --chunk-size)", size, chunk_size)
+        return None
+    if n <= 0 or n > len(keys) or keys[n - 1] != last:
+        logger.warning("hkvd: kv_transfer_params name another prompt than this request's (chunk %d's key "
+                       "differs); recomputing instead of pulling", n)
+        return None
+    n = min(n, max_chunks)
+    if n <= 0:
+        return None
+    return n, PullSpec(peer, keys[:n], lease)
+
+
+@dataclass(slots=True)
+class _Pending:
+    job: Any  # hkvd.shim.metadata.LoadJob with .pull set
+    deadline: float
+    lease_id: int = 0  # the local lease of a finished pull
+
+
+class PullLoads:
+    """Worker side: loads that start with a pull, driven by completions, never blocking a step.
+
+    ``start`` submits the Pull; ``absorb`` takes the client's completions: a finished Pull submits
+    the Retrieve into the request's blocks with the pull's lease, a finished Retrieve ends the load.
+    ``done`` / ``failed`` collect request ids for ``get_transfer_results``. ``expire`` fails loads
+    past ``timeout_s`` (the daemon finishes or abandons the pull on its own timeout; a late reply's
+    lease is released here).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pulls: dict[int, _Pending] = {}
+        self._retrieves: dict[int, _Pending] = {}
+        self._late: set[int] = set()
+        self.done: set[str] = set()
+        self.failed: set[str] = set()
+        self.stats = {"pulls_ok": 0, "pulls_failed": 0, "pulled_chunks": 0, "pull_seconds": 0.0}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pulls) + len(self._retrieves)
+
+    def start(self, client: Any, job: Any) -> None:
+        spec: PullSpec = job.pull
+        try:
+            rid = client.submit_pull(spec.peer, spec.keys, len(spec.keys), spec.release_lease)
+        except Exception as e:
+            self._fail(job, f"could not ask the daemon to pull: {e}")
+            raise
+        self._pulls[rid] = _Pending(job, time.monotonic() + self.timeout_s)
+
+    def absorb(self, c: Any, client: Any) -> bool:
+        """Handle one completion if it is ours; True when it was."""
+        if c.req_id in self._late:
+            self._late.discard(c.req_id)
+            if c.ok and c.result.get("lease_id"):
+                _release(client, int(c.result["lease_id"]))
+            return True
+        p = self._pulls.pop(c.req_id, None)
+        if p is not None:
+            self._pulled(p, c, client)
+            return True
+        p = self._retrieves.pop(c.req_id, None)
+        if p is None:
+            return False
+        if c.ok:
+            self.done.add(p.job.req_id)
+        else:
+            self._fail(p.job, f"load after the pull failed: {c.error}")
+        return True
+
+    def _pulled(self, p: _Pending, c: Any, client: Any) -> None:
+        job, want = p.job, len(p.job.pull.keys)
+        if not c.ok:
+            self._fail(job, f"pull from {job.pull.peer} failed: {c.error}")
+            return
+        hit, lease = int(c.result.get("hit_chunks", 0)), int(c.result.get("lease_id", 0))
+        if hit < want:
+            _release(client, lease)
+            self._fail(job, f"the prefill daemon at {job.pull.peer} had {hit} of {want} chunks")
+            return
+        self.stats["pulls_ok"] += 1
+        self.stats["pulled_chunks"] += want
+        self.stats["pull_seconds"] += float(c.result.get("seconds", 0.0))
+        if not job.items:
+            _release(client, lease)
+            self._fail(job, "the load plan was refused (null block in it)")
+            return
+        try:
+            rid = client.submit_retrieve(job.items, lease)
+        except Exception as e:
+            self._fail(job, f"could not submit the load: {e}")
+            return
+        self._retrieves[rid] = _Pending(job, p.deadline, lease)
+
+    def expire(self, client: Any) -> None:
+        now = time.monotonic()
+        for table in (self._pulls, self._retrieves):
+            for rid, p in list(table.items()):
+                if p.deadline > now:
+                    continue
+                del table[rid]
+                self._late.add(rid)
+                self._fail(p.job, f"no pull+load within {self.timeout_s:.1f} s (pull_timeout_s)")
+                if client is not None:
+                    try:
+                        client.abort(rid)
+                    except Exception:
+                        logger.debug("hkvd: abort of %d failed", rid, exc_info=True)
+
+    def forget(self, why: str) -> None:
+        """The daemon connection is gone: every load in flight failed."""
+        for p in [*self._pulls.values(), *self._retrieves.values()]:
+            self._fail(p.job, why)
+        self._pulls.clear()
+        self._retrieves.clear()
+        self._late.clear()
+
+    def _fail(self, job: Any, why: str) -> None:
+        self.stats["pulls_failed"] += 1
+        logger.warning("hkvd: remote prefill for %s not loaded (%s); vLLM recomputes it", job.req_id, why)
+        self.failed.add(job.req_id)
+
+
+def _release(client: Any, lease_id: int) -> None:
+    if lease_id and client is not None:
+        try:
+            client.release(lease_id)
+        except Exception:
+            logger.debug("hkvd: lease release failed", exc_info=True)

@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill/decode pair in real vLLM (CPU): a prefill ``LLM`` (kv_producer) and a decode ``LLM``
+(kv_consumer), each with its own ``hkvd serve``; the decode daemon pulls the prompt's KV (a
+Qwen3-Next hybrid: full attention + Gated-DeltaNet states) from the prefill daemon with NIXL, and
+the decode engine's greedy output equals a single engine's.
+
+Costs three engine starts (~1 min each on 2 cores). Needs vLLM (``make vllm``) and NIXL."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+BLOCK = 128  # vLLM's block size for the tiny Qwen3-Next on CPU (= hkvd chunk size N)
+LOGPROB_TOL = 0.02  # nats: a few bf16 ulps (a restored state may differ from a recomputed one by one)
+
+
+def _seq(n: int, mul: int, add: int) -> list[int]:
+    return [(i * mul + add) % 500 + 4 for i in range(n)]  # ids 0..3 are special tokens
+
+
+PROMPTS = [_seq(601, 7, 3), _seq(900, 13, 1), _seq(100, 11, 5)]  # 4 chunks, 7 chunks, none
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:
+        return f"vllm is not importable ({type(e).__name__}: {e}); run `make vllm`"
+    return None
+
+
+def _model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = importlib.util.spec_from_file_location("hkvd_tiny_models", HERE.parent / "shim" / "tiny_models.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root = Path(os.environ.get("HKVD_TEST_MODELS", "")) or tmp_path_factory.mktemp("models")
+    return Path(mod.build("qwen3_next", root))
+
+
+def _run(args: dict[str, Any], timeout_s: float = 400) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("HKVD_TEST_OMP_BIND", "0-1")  # the same in every run
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.Popen([sys.executable, str(HERE / "pd_run.py"), json.dumps(args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, b"")),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    reader.join(30)
+    text = b"".join(chunks).decode(errors="replace")
+    for line in text.splitlines():
+        if line.startswith("HKVD_PD "):
+            res: dict[str, Any] = json.loads(line[len("HKVD_PD "):])
+            res["log"] = text
+            return res
+    raise AssertionError(f"{args['role']} engine failed (rc {proc.returncode}):\n{text[-6000:]}")
+
+
+def _hkvd_lines(log: str) -> str:
+    return "\n".join(line for line in log.splitlines() if "hkvd" in line.lower())[-6000:]
+
+
+def test_prefill_decode_pair_matches_a_single_engine(tmp_path: Path, tmp_path_factory: Any, lib: Any) -> None:
+    why = _vllm_missing()
+    if why:
+        pytest.skip(why)
+    model = str(_model(tmp_path_factory))
+    prefill, decode = lib.start_pair(tmp_path, chunk_size=BLOCK, pool_gb="0.5")
+    single = lib.PeerDaemon(tmp_path, "single", ["--l1-size-gb", "0.25", "--chunk-size", str(BLOCK)])
+    single.env.pop("HKVD_PEER_TOKEN", None)
+    single.start(60)
+    try:
+        common = {"model": model, "prompts": PROMPTS, "max_num_batched_tokens": BLOCK}
+        prod = _run({**common, "role": "kv_producer", "socket": prefill.socket_path})
+        params = [r["params"] for r in prod["results"]]
+        n = [(len(p) - 1) // BLOCK for p in PROMPTS]
+        for p, chunks in zip(params, n, strict=True):
+            if chunks == 0:
+                assert p is None or "hkvd_peer" not in p, p
+                continue
+            assert p["hkvd_peer"] == prefill.peer_address and p["hkvd_chunks"] == chunks, p
+            assert p["do_remote_prefill"] is True and p["hkvd_chunk_size"] == BLOCK
+
+        dec = _run({**common, "role": "kv_consumer", "socket": decode.socket_path, "params": params})
+        ref = _run({**common, "role": "kv_both", "socket": single.socket_path})
+        for i, (d, r) in enumerate(zip(dec["results"], ref["results"], strict=True)):
+            assert d["tokens"] == r["tokens"], f"prompt {i}: decode {d['tokens']} vs single engine {r['tokens']}"
+            delta = max((abs(a - b) for a, b in zip(d["logprobs"], r["logprobs"], strict=True)), default=0.0)
+            assert delta <= LOGPROB_TOL, f"prompt {i}: logprob delta {delta:.5f}"
+            # Every full chunk before the last token came from the prefill engine, through the pull.
+            assert d["num_cached_tokens"] == n[i] * BLOCK, (i, d["num_cached_tokens"], _hkvd_lines(dec["log"]))
+            assert r["num_cached_tokens"] == 0
+        s = decode.status()
+        c = s["counters"]
+        assert c["peer_pulls"] == sum(1 for x in n if x) and s["peer"]["transport"]["reads_failed"] == 0
+        # What the engine loaded is exactly what its daemon pulled (4 + 7 chunks of full attention,
+        # and 3 Gated-DeltaNet states per prompt), nothing was recomputed from a failed load.
+        assert c["peer_pulled_entries"] == 4 + 7 + 3 * 2
+        assert c["retrieved_bytes"] == c["peer_pulled_bytes"] > 0
+        assert "not loaded" not in dec["log"]
+        p = prefill.status()
+        assert p["index"]["leases"] == 0  # the producer's hold leases went with the pulls
+    finally:
+        single.stop()
+        for d in (prefill, decode):
+            d.stop()

@@ -1,0 +1,173 @@
+"""Prefill/decode pieces that need neither vLLM nor NIXL: the kv_transfer_params contract, the
+worker's pull-then-load state machine (against a scripted daemon client: the real boundary), and
+the example proxy's request rewriting against two fake upstream servers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hkvd.shim import pd
+from hkvd.shim.client import Completion
+from hkvd.transport.keys import chunk_keys
+from hkvd.transport.wire.errors import DaemonUnavailable
+
+KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
+
+
+def test_params_round_trip_and_checks() -> None:
+    params = pd.producer_params("10.0.0.5:7470", KEYS, 4, 128, 17)
+    assert json.loads(json.dumps(params)) == params  # travels through the OpenAI API as JSON
+    n, spec = pd.consumer_plan(params, KEYS, 7, 128)  # type: ignore[misc]
+    assert (n, spec.peer, spec.keys, spec.release_lease) == (4, "10.0.0.5:7470", KEYS[:4], 17)
+    # capped by what this request may load (at least its last token is computed)
+    assert pd.consumer_plan(params, KEYS, 3, 128)[0] == 3  # type: ignore[index]
+    other = chunk_keys(list(range(1, 1001)), 128)
+    assert pd.consumer_plan(params, other, 7, 128) is None  # another prompt: the last key differs
+    assert pd.consumer_plan(params, KEYS, 7, 256) is None  # another chunk size
+    assert pd.consumer_plan({**params, "hkvd_chunks": "x"}, KEYS, 7, 128) is None
+    assert pd.consumer_plan({**params, "hkvd_chunks": 99}, KEYS, 7, 128) is None
+    assert pd.consumer_plan({"do_remote_decode": True}, KEYS, 7, 128) is None
+    assert pd.consumer_plan(None, KEYS, 7, 128) is None
+    assert pd.wants_params("kv_producer", None) and not pd.wants_params("kv_consumer", {"do_remote_decode": True})
+    assert pd.wants_params("kv_both", {"do_remote_decode": True}) and not pd.wants_params("kv_both", {})
+
+
+class ScriptedClient:
+    """The daemon client's boundary: records submits; the test feeds completions."""
+
+    def __init__(self) -> None:
+        self.next = 100
+        self.sent: list[tuple[str, Any]] = []
+        self.released: list[int] = []
+        self.aborted: list[int] = []
+
+    def _id(self, what: str, arg: Any) -> int:
+        self.next += 1
+        self.sent.append((what, arg))
+        return self.next
+
+    def submit_pull(self, peer: str, keys: list[bytes], max_chunks: int, release_lease: int) -> int:
+        return self._id("pull", (peer, len(keys), max_chunks, release_lease))
+
+    def submit_retrieve(self, items: list[Any], lease_id: int) -> int:
+        return self._id("retrieve", lease_id)
+
+    def release(self, lease_id: int) -> None:
+        self.released.append(lease_id)
+
+    def abort(self, rid: int) -> None:
+        self.aborted.append(rid)
+
+
+def _job(req: str = "r1", n: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req, items=[[0, 0, KEYS[0], [1]]], pull=pd.PullSpec("p:1", KEYS[:n], 9))
+
+
+def test_pull_then_load_then_done() -> None:
+    c, loads = ScriptedClient(), pd.PullLoads(30.0)
+    loads.start(c, _job())
+    assert c.sent == [("pull", ("p:1", 4, 4, 9))]
+    assert loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 55, "seconds": 0.1}, None), c)
+    assert c.sent[-1] == ("retrieve", 55)  # the load uses the pull's local lease
+    assert not loads.absorb(Completion(7, True, {}, None), c)  # not ours
+    assert loads.absorb(Completion(102, True, {"nbytes": 10}, None), c)
+    assert loads.done == {"r1"} and not loads.failed and loads.in_flight == 0
+
+
+@pytest.mark.parametrize("completion", [
+    Completion(101, False, {}, DaemonUnavailable("peer down")),
+    Completion(101, True, {"hit_chunks": 3, "lease_id": 55}, None),  # partial: never loaded
+])
+def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
+    c, loads = ScriptedClient(), pd.PullLoads(30.0)
+    loads.start(c, _job())
+    assert loads.absorb(completion, c)
+    assert loads.failed == {"r1"} and not loads.done
+    assert [w for w, _ in c.sent] == ["pull"]  # no load after it
+    assert c.released == ([55] if completion.ok else [])
+
+
+def test_timeout_fails_and_a_late_reply_gives_its_lease_back() -> None:
+    c, loads = ScriptedClient(), pd.PullLoads(0.0)
+    loads.start(c, _job())
+    loads.expire(c)
+    assert loads.failed == {"r1"} and c.aborted == [101] and loads.in_flight == 0
+    assert loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 77}, None), c)
+    assert c.released == [77] and [w for w, _ in c.sent] == ["pull"]
+
+
+def test_lost_connection_fails_everything_in_flight() -> None:
+    c, loads = ScriptedClient(), pd.PullLoads(30.0)
+    loads.start(c, _job("a"))
+    loads.start(c, _job("b"))
+    loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 5}, None), c)
+    loads.forget("gone")
+    assert loads.failed == {"a", "b"} and loads.in_flight == 0
+
+
+# ---- the example proxy -------------------------------------------------------------------------
+def _proxy() -> Any:
+    path = Path(__file__).resolve().parents[2] / "examples" / "pd_proxy.py"
+    spec = importlib.util.spec_from_file_location("hkvd_pd_proxy", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def test_proxy_prefills_then_decodes_with_the_params() -> None:
+    web = pytest.importorskip("aiohttp.web")
+    import aiohttp
+
+    seen: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    params = {"do_remote_prefill": True, "hkvd_peer": "10.0.0.5:7470", "hkvd_chunks": 4}
+
+    async def prefill(request: Any) -> Any:
+        seen["prefill"].append(await request.json())
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+    async def decode(request: Any) -> Any:
+        body = await request.json()
+        seen["decode"].append(body)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for part in (b"data: a\n\n", b"data: b\n\n", b"data: [DONE]\n\n"):
+                await resp.write(part)
+            await resp.write_eof()
+            return resp
+        return web.json_response({"choices": [{"text": "decoded"}]})
+
+    runners = []
+
+    async def serve(app: Any) -> str:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    up_p, up_d = web.Application(), web.Application()
+    up_p.router.add_post("/v1/completions", prefill)
+    up_d.router.add_post("/v1/completions", decode)
+    proxy = await serve(_proxy().make_app(await serve(up_p), await serve(up_d), 30.0))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy + "/v1/completions", json={"prompt": "hi", "max_tokens": 16}) as r:
+                assert r.status == 200 and (await r.json())["choices"][0]["text"] == "decoded"
+            async with s.post(proxy + "/v1/completions", json={"prompt": "hi", "max_tokens": 16, "stream": True}) as r:
+                assert await r.read() == b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert seen["prefill"][0] == {"prompt": "hi", "max_tokens": 1, "stream": False,
+                                  "kv_transfer_params": {"do_remote_decode": True}}
+    assert seen["decode"][0] == {"prompt": "hi", "max_tokens": 16, "kv_transfer_params": params}
+    assert seen["decode"][1]["stream"] is True and seen["decode"][1]["kv_transfer_params"] == params
