@@ -56,6 +56,7 @@ def _sum(d: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in d.items() if k == prefix or k.startswith(prefix + "{"))
 
 
+@pytest.mark.timeout(int(STORM_S) + 180)
 @pytest.mark.parametrize("policy", ["lru", "hybrid"])
 def test_store_storm_over_capacity_evicts_per_policy_and_counts_every_failure(daemon_factory, fault, tmp_path,
                                                                               policy):

@@ -21,12 +21,15 @@ import statistics
 import threading
 import time
 
+import pytest
+
 SOAK_S = float(os.environ.get("HKVD_SOAK_SECONDS", "60"))
 SOAK_ENGINES = 3
 RSS_DRIFT_LIMIT_MIB = 4.0
 SAMPLE_S = 0.5
 
 
+@pytest.mark.timeout(int(SOAK_S) + 240)
 def test_soak_keeps_rss_flat_and_leaves_nothing_behind(daemon_factory, fault, tmp_path):
     d = daemon_factory("--l1-size-gb", "0.125", "--chunk-size", "16", "--lease-ttl-s", "2")
     assert d.proc is not None

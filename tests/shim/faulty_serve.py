@@ -33,10 +33,10 @@ def _install(fault: str) -> None:
         nonlocal seen
         if direction is want:
             seen += 1
-            if seen == target:
+            if seen == target:  # copies run concurrently: `seen` may move on while this one awaits
                 half = segments[: max(1, len(segments) // 2)]
                 await original(self, conn, attachment, half, direction, *args, **kw)
-                print(f"faulty_serve: SIGKILL in {kind} copy #{seen} after {len(half)}/{len(segments)} segments",
+                print(f"faulty_serve: SIGKILL in {kind} copy #{target} after {len(half)}/{len(segments)} segments",
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         return await original(self, conn, attachment, segments, direction, *args, **kw)
