@@ -29,7 +29,9 @@ def _seq(n: int, mul: int, add: int) -> list[int]:
     return [(i * mul + add) % 500 + 4 for i in range(n)]  # ids 0..3 are special tokens
 
 
-PROMPTS = [_seq(601, 7, 3), _seq(900, 13, 1), _seq(100, 11, 5)]  # 4 chunks, 7 chunks, none
+# 4 chunks, 7 chunks, none, and 5 chunks whose params the test points at a dead peer address
+PROMPTS = [_seq(601, 7, 3), _seq(900, 13, 1), _seq(100, 11, 5), _seq(700, 5, 9)]
+DEAD = 3
 
 
 def _vllm_missing() -> str | None:
@@ -100,6 +102,8 @@ def test_prefill_decode_pair_matches_a_single_engine(tmp_path: Path, tmp_path_fa
             assert p["hkvd_peer"] == prefill.peer_address and p["hkvd_chunks"] == chunks, p
             assert p["do_remote_prefill"] is True and p["hkvd_chunk_size"] == BLOCK
 
+        # A pull that cannot happen (nothing listens there) is a failed load: recomputed, same answer.
+        params[DEAD] = {**params[DEAD], "hkvd_peer": f"127.0.0.1:{lib.free_port()}"}
         dec = _run({**common, "role": "kv_consumer", "socket": decode.socket_path, "params": params})
         ref = _run({**common, "role": "kv_both", "socket": single.socket_path})
         for i, (d, r) in enumerate(zip(dec["results"], ref["results"], strict=True)):
@@ -107,16 +111,18 @@ def test_prefill_decode_pair_matches_a_single_engine(tmp_path: Path, tmp_path_fa
             delta = max((abs(a - b) for a, b in zip(d["logprobs"], r["logprobs"], strict=True)), default=0.0)
             assert delta <= LOGPROB_TOL, f"prompt {i}: logprob delta {delta:.5f}"
             # Every full chunk before the last token came from the prefill engine, through the pull.
-            assert d["num_cached_tokens"] == n[i] * BLOCK, (i, d["num_cached_tokens"], _hkvd_lines(dec["log"]))
+            want = 0 if i == DEAD else n[i] * BLOCK
+            assert d["num_cached_tokens"] == want, (i, d["num_cached_tokens"], _hkvd_lines(dec["log"]))
             assert r["num_cached_tokens"] == 0
         s = decode.status()
         c = s["counters"]
         assert c["peer_pulls"] == sum(1 for x in n if x) and s["peer"]["transport"]["reads_failed"] == 0
+        assert s["peer"]["transport"]["reads"] == sum(1 for x in n if x) - 1  # none for the dead peer
         # What the engine loaded is exactly what its daemon pulled (4 + 7 chunks of full attention,
         # and 3 Gated-DeltaNet states per prompt), nothing was recomputed from a failed load.
         assert c["peer_pulled_entries"] == 4 + 7 + 3 * 2
         assert c["retrieved_bytes"] == c["peer_pulled_bytes"] > 0
-        assert "not loaded" not in dec["log"]
+        assert dec["log"].count("not loaded") == 1 and "cannot reach the peer hkvd" in dec["log"]
         p = prefill.status()
         assert p["index"]["leases"] == 0  # the producer's hold leases went with the pulls
     finally:
