@@ -149,6 +149,6 @@ def test_fuzz_frames_get_typed_errors_and_hurt_no_one(daemon):
     st = daemon.status()
     assert st["index"]["writing"] == 0 and st["index"]["pinned_entries"] == 0
     assert errors > 0 and "INTERNAL" not in codes, codes  # every rejection was typed, none a bug
-    print(f"\nfuzz: frames sent {sent}, typed errors {errors}, crashes 0, other-client failures 0, "
+    print(f"\nRELIABILITY fuzz: frames sent {sent}, typed errors {errors}, crashes 0, other-client failures 0, "
           f"connections {reconnects}, by code {codes}")
     bystander.close()

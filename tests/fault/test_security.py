@@ -20,6 +20,7 @@ NOBODY = 65534
 def test_socket_is_created_0660(daemon):
     mode = stat.S_IMODE(os.stat(daemon.socket_path).st_mode)
     assert mode == 0o660
+    print("\nRELIABILITY attack refused: the control socket is created 0660 (no window with wider permissions)")
 
 
 def _open_path_to(path) -> None:
@@ -62,6 +63,7 @@ def test_other_users_cannot_open_the_socket(daemon, tmp_path):
     out = _as_nobody(daemon.socket_path)
     assert "GOT IN" not in out
     assert "DaemonUnavailable" in out and "Permission denied" in out
+    print("\nRELIABILITY attack refused: another uid cannot open the 0660 socket (EACCES)")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
@@ -74,6 +76,7 @@ def test_uid_allowlist_is_checked_with_so_peercred(daemon_factory, tmp_path):
     out = _as_nobody(d.socket_path)
     assert "GOT IN" not in out  # ...but the kernel-reported uid is not on the allowlist
     assert "PermissionDenied" in out
+    print("\nRELIABILITY attack refused: a uid off the allowlist, on a 0666 socket, is refused (SO_PEERCRED)")
 
 
 def test_a_client_cannot_register_memory_it_does_not_own(daemon):
@@ -86,6 +89,7 @@ def test_a_client_cannot_register_memory_it_does_not_own(daemon):
     with DaemonClient(daemon.socket_path, client_name="t", role="worker") as c, \
             pytest.raises(RegistrationError):
         c.register(spec)
+    print("\nRELIABILITY attack refused: registering memory the client does not map")
 
 
 def test_descriptors_cannot_reach_outside_the_registered_region(daemon):
@@ -101,3 +105,4 @@ def test_descriptors_cannot_reach_outside_the_registered_region(daemon):
             assert not comp.ok
             assert isinstance(comp.error, (OutOfRange,)) or comp.error is not None
     assert daemon.status()["index"]["entries"] == 0
+    print("\nRELIABILITY attack refused: 3 descriptors outside the registered region, nothing copied")
