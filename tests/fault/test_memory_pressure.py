@@ -29,6 +29,7 @@ import pytest
 
 STORM_S = float(os.environ.get("HKVD_STORM_SECONDS", "8"))
 STORMS = 3
+MIN_EVICTIONS = 1000  # ~3x the room the leases leave (attention entries of 512 KiB, Mamba of 192 KiB)
 
 
 def _free_port() -> int:
@@ -56,7 +57,7 @@ def _sum(d: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in d.items() if k == prefix or k.startswith(prefix + "{"))
 
 
-@pytest.mark.timeout(int(STORM_S) + 180)
+@pytest.mark.timeout(int(STORM_S) + 270)
 @pytest.mark.parametrize("policy", ["lru", "hybrid"])
 def test_store_storm_over_capacity_evicts_per_policy_and_counts_every_failure(daemon_factory, fault, tmp_path,
                                                                               policy):
@@ -74,13 +75,17 @@ def test_store_storm_over_capacity_evicts_per_policy_and_counts_every_failure(da
                               "--progress", str(tmp_path / "storm-0")))
     for p in others:
         p.ready()
-    deadline = time.monotonic() + STORM_S
-    peak = 0
-    while time.monotonic() < deadline:
+    # At least STORM_S, and on a slow machine until the storm has turned the unleased room over a
+    # few times (MIN_EVICTIONS), within a bound.
+    t0 = time.monotonic()
+    while True:
         st = d.status()
         assert st["pool"]["used_bytes"] <= st["pool"]["total_bytes"]
-        peak = max(peak, st["pool"]["used_bytes"])
+        elapsed = time.monotonic() - t0
+        if (elapsed >= STORM_S and st["index"]["evictions"] >= MIN_EVICTIONS) or elapsed >= STORM_S + 90:
+            break
         time.sleep(0.2)
+    storm_s = time.monotonic() - t0
     stop.touch()
     results = {p.role + (str(i) if p.role == "storm" else ""): p.result() for i, p in enumerate(others)}
     stop_holder.touch()
@@ -122,7 +127,7 @@ def test_store_storm_over_capacity_evicts_per_policy_and_counts_every_failure(da
     offered = sum(r.get("bytes_offered", 0) for r in results.values())
     total = st["pool"]["total_bytes"]
     print(f"\nRELIABILITY pressure-{policy}: pool {total >> 20} MiB, storm offered {offered >> 20} MiB "
-          f"({offered / total:.0f}x capacity) in {STORM_S:.0f} s, evictions {idx['evictions']}, orphans dropped "
+          f"({offered / total:.0f}x capacity) in {storm_s:.0f} s, evictions {idx['evictions']}, orphans dropped "
           f"{idx['orphans_dropped']}, stores dropped (pool full) {dropped} = counted {idx['stores_dropped']}, "
           f"typed errors {client_errors} = counted, leased prefixes intact {hold['leased_prefixes']}/16, "
           f"hot retrieves {hot['ops']}, reader hits {results['reader']['hits']}/{results['reader']['ops']}, "
