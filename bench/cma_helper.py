@@ -18,19 +18,17 @@ EOF ends it.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from hkvd.daemon.cma import (
     IOV_MAX,
     SPLIT_MIN_BYTES,
     _Iovec,
-    _IovecPtr,
     _libc,
     default_split_parts,
     split_count,
@@ -41,16 +39,20 @@ from hkvd.daemon.pool import HugePagePool
 
 def _parallel_calls(pool: HugePagePool, pages: list[tuple[int, int]], parts: int) -> list[tuple]:
     """One (local, remote, count, total) call per part; parts as the daemon cuts them."""
-    local, remote, off = [], [], 0
+    local: list[int] = []
+    remote: list[int] = []
+    off = 0
     for addr, n in pages:
-        local.append((pool.base_addr + off, n))
-        remote.append((addr, n))
+        local += (pool.base_addr + off, n)
+        remote += (addr, n)
         off += n
     out = []
     parts = split_count(off, parts, SPLIT_MIN_BYTES)
-    for lo, re in split_rows(np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), parts):
-        assert len(lo) <= IOV_MAX
-        out.append((lo, re, len(lo), int(lo[:, 1].sum())))
+    for lo, re in split_rows(local, remote, parts):
+        count = len(lo) // 2
+        assert count <= IOV_MAX
+        out.append(((_Iovec * count).from_buffer(array.array("Q", lo)),
+                    (_Iovec * count).from_buffer(array.array("Q", re)), count, sum(lo[1::2])))
     return out
 
 
@@ -71,7 +73,7 @@ def main() -> int:
 
             def one(call: tuple, syscall=syscall) -> int:  # type: ignore[no-untyped-def]
                 lo, re, count, total = call
-                got = syscall(pid, lo.ctypes.data_as(_IovecPtr), count, re.ctypes.data_as(_IovecPtr), count, 0)
+                got = syscall(pid, lo, count, re, count, 0)
                 if got != total:
                     raise OSError(ctypes.get_errno(), f"moved {got} of {total} bytes")
                 return got

@@ -48,8 +48,9 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def machine() -> dict[str, Any]:
+    """The machine, and its load when the run ended (shared machines: read ratios with it)."""
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
 def git_commit() -> str:

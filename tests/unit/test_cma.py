@@ -11,7 +11,6 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 
 from hkvd.daemon import cma
@@ -231,20 +230,21 @@ def test_split_rows_covers_every_byte_once() -> None:
     rng = random.Random(3)
     for _ in range(500):
         lens = [rng.randint(1, 50) for _ in range(rng.randint(1, 12))]
-        local = np.array([(1000 * i, n) for i, n in enumerate(lens)], dtype=np.uint64)
-        remote = np.array([(10**6 + 777 * i, n) for i, n in enumerate(lens)], dtype=np.uint64)
+        local = [x for i, n in enumerate(lens) for x in (1000 * i, n)]
+        remote = [x for i, n in enumerate(lens) for x in (10**6 + 777 * i, n)]
         parts = rng.randint(1, 5)
         pieces = cma.split_rows(local, remote, parts)
 
-        def expand(a: np.ndarray) -> list[int]:
-            return [int(b) + i for b, n in a for i in range(int(n))]
+        def expand(flat: list[int]) -> list[int]:
+            return [b + i for b, n in zip(flat[::2], flat[1::2], strict=True) for i in range(n)]
 
         assert [x for lo, _ in pieces for x in expand(lo)] == expand(local)
         assert [x for _, re in pieces for x in expand(re)] == expand(remote)
-        sizes = [int(lo[:, 1].sum()) for lo, _ in pieces]
+        sizes = [sum(lo[1::2]) for lo, _ in pieces]
         assert len(pieces) == min(parts, sum(lens))
         assert max(sizes) - min(sizes) <= 1
-        assert all((lo[:, 1] > 0).all() for lo, _ in pieces)
+        assert all(n > 0 for lo, _ in pieces for n in lo[1::2])
+        assert local == [x for i, n in enumerate(lens) for x in (1000 * i, n)], "the input was modified"
 
 
 def test_split_copy_to_exited_process_fails_after_every_part(pool: HugePagePool) -> None:
