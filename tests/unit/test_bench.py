@@ -13,13 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the checkout, not an installed package
-    sys.path.insert(0, str(ROOT))
+from hkvd.daemon.pool import HugePagePool
 
-from bench import control_plane, store_retrieve, vllm_e2e  # noqa: E402
-from bench.common import Daemon, md_table  # noqa: E402
-from hkvd.daemon.pool import HugePagePool  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+# bench/ is a top-level folder of the checkout, not an installed package. The checkout's root goes
+# on sys.path only while bench imports: left there, a plain `import cuda` (CuPy's NVIDIA bindings)
+# would find hkvd's cuda/ folder (tests/unit/test_packaging.py checks that it cannot).
+sys.path.insert(0, str(ROOT))
+try:
+    from bench import control_plane, store_retrieve, vllm_e2e
+    from bench.common import Daemon, md_table
+finally:
+    sys.path.remove(str(ROOT))
 
 KIB = 1024
 
