@@ -73,6 +73,7 @@ class WorkerSide:
         self._confirmable: list[int] = []
         self._recved: set[str] = set()  # loads done since the last get_transfer_results
         self._recv_failed: set[str] = set()
+        self._late_loads: dict[int, Any] = {}  # retrieve id -> load job that outlived load_timeout_s
         self._pd = PullLoads(cfg.pull_timeout_s)  # prefill/decode loads that pull first (hkvd.shim.pd)
         self._gpu: Any = None  # shim.gpu.GpuOrdering when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
@@ -141,6 +142,9 @@ class WorkerSide:
         self._req_jobs.clear()
         self._confirmable.clear()
         self._pd.forget("the daemon connection was lost")
+        for job in self._late_loads.values():
+            self._fail_load(job)
+        self._late_loads.clear()
 
     def _lost(self, exc: BaseException) -> None:
         self.link.lost(exc)
@@ -166,6 +170,14 @@ class WorkerSide:
         lost: BaseException | None = None
         for c in completions:
             if self._pd.in_flight and self._pd.absorb(c, self.link.client):
+                continue
+            late = self._late_loads.pop(c.req_id, None)
+            if late is not None:  # a load that outlived load_timeout_s has ended: report it now
+                if c.ok:
+                    self.stats["loads_ok"] += 1
+                    self._recved.add(late.req_id)
+                else:
+                    self._fail_load(late)
                 continue
             job = self._jobs.pop(c.req_id, None)
             if job is None:
@@ -269,10 +281,12 @@ class WorkerSide:
         try:
             done = client.wait(list(pending), self.cfg.load_timeout_s)
         except KVTimeout:
-            logger.warning("hkvd: %d loads not done after %.1f s; recomputing them", len(pending),
-                           self.cfg.load_timeout_s)
+            # The daemon may still be writing into these blocks: they stay the request's (it waits
+            # for remote KV) until the daemon's reply for each says the copy is over (_absorb).
+            logger.warning("hkvd: %d loads not done after %.1f s; their requests wait for the daemon to "
+                           "end the copies, then load or recompute", len(pending), self.cfg.load_timeout_s)
             for rid, job in pending.items():
-                self._fail_load(job)
+                self._late_loads[rid] = job
                 try:
                     client.abort(rid)
                 except Exception as e:

@@ -42,7 +42,10 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         import tiny_models
     finally:
         sys.path.remove(str(HERE))
-    root = Path(os.environ.get("HKVD_TEST_MODELS", "")) or tmp_path_factory.mktemp("models")
+    # HKVD_TEST_MODELS=DIR keeps the built models between runs; unset, they go to a temp dir
+    # (Path("") would be the current directory).
+    env_root = os.environ.get("HKVD_TEST_MODELS")
+    root = Path(env_root) if env_root else tmp_path_factory.mktemp("models")
     return {k: tiny_models.build(k, root) for k in ("qwen3_next", "gemma3")}
 
 
