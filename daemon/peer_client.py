@@ -66,7 +66,6 @@ from hkvd.transport.wire.peer import (
     PeerWelcome,
     Pull,
     RemoteEntry,
-    parse_entries,
 )
 
 if TYPE_CHECKING:
@@ -333,7 +332,8 @@ class PeerClient:
         hit = reply.hit_chunks
         if hit > want:
             raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
-        entries = parse_entries(reply.entries)
+        # Validated when the frame was decoded (PeerLookupReply.validate); only rebuilt here.
+        entries = [RemoteEntry(g, c, n, [(a, m) for a, m in ext]) for g, c, n, ext in reply.entries]
         self._check_entries(engine, hit, entries, link.address)
         fp = engine.fingerprint
         base = self.pool.base_addr
