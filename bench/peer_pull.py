@@ -150,12 +150,26 @@ class Bare:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_bare_main, args=(child, env, max_bytes, hugepages), daemon=True)
-        self.proc.start()
+        # The spawned child imports this module as bench.peer_pull: it needs the checkout's root on
+        # its sys.path, which spawn copies from ours at start().
+        root = str(Path(__file__).resolve().parents[1])
+        added = root not in sys.path
+        if added:
+            sys.path.insert(0, root)
+        try:
+            self.proc.start()
+        finally:
+            if added:
+                sys.path.remove(root)
         self._recv(120)
 
     def _recv(self, timeout_s: float) -> dict[str, Any]:
-        if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"the bare NIXL reader did not answer within {timeout_s:.0f} s")
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the bare NIXL reader exited (code {self.proc.exitcode}); see its stderr")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the bare NIXL reader did not answer within {timeout_s:.0f} s")
         out: dict[str, Any] = self.conn.recv()
         if "error" in out:
             raise RuntimeError(f"bare NIXL reader: {out['error']}")
