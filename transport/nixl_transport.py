@@ -103,9 +103,9 @@ def _progress_delay(nixl: ModuleType, delay_us: int) -> Iterator[None]:
     agents). If the API ever moves, the agent is created as NIXL does and a warning says so.
     """
     api = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""))
-    bind = getattr(api, "nixlBind", None)
+    bind: Any = getattr(api, "nixlBind", None)
     make = getattr(bind, "nixlAgent", None)
-    if make is None:
+    if bind is None or make is None:
         log.warning("cannot set NIXL's progress-thread delay (NIXL API changed); its thread may spin")
         yield
         return
@@ -333,12 +333,11 @@ class NixlTransport(DataTransport):
             self._resolve(t.settled, exc=CopyFailedError(f"NIXL refused the READ from {t.peer} ({t.descs} "
                                                          f"descriptors): {type(e).__name__}: {e}"))
             return
+        error: Exception | None = None
         try:
             state = agent.transfer(r.handle)
         except Exception as e:
             state, error = "ERR", e
-        else:
-            error = None
         self._active[t.xfer_id] = r
         self._settle_if_done(r, state, error)
 
