@@ -111,6 +111,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"errors    {errors} sent to clients, {int(c.get('copy_timeouts', 0))} copy timeouts, "
         f"{int(c.get('step_event_gaps', 0))} step-event gaps",
         *_status_extra(s),
+        *_status_peer(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -144,6 +145,25 @@ def _status_extra(s: dict[str, Any]) -> list[str]:
     lines.append(f"disk-io   {l2['writes']} written, {l2['queued']} queued, {l2['queue_drops']} dropped (queue full), "
                  f"{l2['write_errors']} write errors, {corrupt} corrupt skipped, {l2['evictions']} evicted")
     return lines
+
+
+def _status_peer(s: dict[str, Any]) -> list[str]:
+    """Peer links (prefill/decode pairs): what this daemon serves and pulls."""
+    if "peer" not in s:
+        return []
+    p = s["peer"]
+    if p is None:
+        return ["peers     off (--peer-listen / --peer-token-file enable prefill/decode pulls)"]
+    t, c = p.get("transport") or {}, s["counters"]
+    serving = p.get("serving")
+    served = (f"serving {p['listen']} to {len(serving['sessions'])} peers, {int(c.get('peer_lookups', 0))} lookups, "
+              f"{_bytes(c.get('peer_served_bytes', 0))} leased" if serving else "not serving")
+    return [
+        f"peers     {served}; {len(p.get('links', []))} links out",
+        f"pulls     {int(c.get('peer_pulls', 0))} pulls, {_bytes(c.get('peer_pulled_bytes', 0))} read in "
+        f"{int(t.get('reads', 0))} READs ({int(t.get('reads_failed', 0))} failed, {int(t.get('in_flight', 0))} "
+        f"in flight), {p.get('read_gbps', 0.0):.2f} GB/s, {int(p.get('quarantined_entries', 0))} entries quarantined",
+    ]
 
 
 class KeyValueFormatter(logging.Formatter):

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from hkvd.daemon.cli import format_status
 from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.errors import DaemonUnavailable, KVError, RegistrationError
@@ -62,6 +63,8 @@ def test_pull_then_retrieve_gives_the_stored_bytes(pair: Any, lib: Any) -> None:
     d = decode.status()
     assert d["index"]["writing"] == 0 and d["index"]["ready"] == 10
     assert d["peer"]["transport"]["reads"] == 1 and d["peer"]["transport"]["reads_failed"] == 0
+    text = format_status(d)  # `hkvd status`
+    assert "not serving; 1 links out" in text and "2 pulls, 320.0 KiB read in 1 READs (0 failed" in text
     # The serving daemon's lease ended with the pull (PeerRelease), not at its TTL.
     p = lib.wait_status(prefill, lambda s: s["index"]["leases"] == 0, 10)
     assert lib.counter(p, "peer_lookups") == 1 and lib.counter(p, "peer_served_chunks") == 10
