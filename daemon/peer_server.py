@@ -86,7 +86,7 @@ class _Session:
     address: str
     node: str = ""
     fingerprints: set[bytes] = field(default_factory=set)
-    leases: int = 0
+    lookups: int = 0
 
     @property
     def owner(self) -> int:
@@ -129,7 +129,7 @@ class PeerServer:
 
     def describe(self) -> dict[str, Any]:
         return {"listen": self.cfg.peer_listen,
-                "sessions": [{"address": s.address, "node": s.node, "leases": s.leases}
+                "sessions": [{"address": s.address, "node": s.node, "lookups": s.lookups}
                              for s in self.sessions.values()]}
 
     # ---- connection ----------------------------------------------------------------------------
@@ -243,8 +243,7 @@ class PeerServer:
             case PeerLookup():
                 return await self._lookup(session, msg)
             case PeerRelease():
-                if self.index.release(msg.lease_id):
-                    session.leases -= 1
+                self.index.release(msg.lease_id)
                 return None
             case _:
                 raise ProtocolViolation(f"{type(msg).__name__} is not a request a peer may send")
@@ -275,7 +274,6 @@ class PeerServer:
             needed = [(gid, c) for gid, chunks in sorted(plan.needed.items()) for c in chunks]
             lease_id = self.index.lease([(fp, gid, keys[c]) for gid, c in needed], session.owner,
                                         self.cfg.lease_ttl_s)
-            session.leases += 1
             base = self.pool.base_addr
             for gid, c in needed:
                 e = self.index.get((fp, gid, keys[c]))
@@ -283,6 +281,7 @@ class PeerServer:
                 entries.append(RemoteEntry(gid, c, e.nbytes, [(base + off, n) for off, n in e.alloc.extents]))
         if msg.release_lease and self.index.release(msg.release_lease):
             self.metrics.inc("peer_hold_leases_released")
+        session.lookups += 1
         self.metrics.inc("peer_lookups")
         self.metrics.inc("peer_served_chunks", plan.hit_chunks)
         self.metrics.inc("peer_served_bytes", sum(e.nbytes for e in entries))

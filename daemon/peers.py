@@ -180,7 +180,13 @@ class PeerService:
 
             raise ShuttingDown("peer links are stopping; the engine recomputes")
         conn.inflight += 1
-        self._tg.create_task(self._pull(conn, conn.engine, msg))
+        try:
+            self._tg.create_task(self._pull(conn, conn.engine, msg))
+        except RuntimeError:  # the TaskGroup is closing: the daemon is shutting down
+            conn.inflight -= 1
+            from hkvd.daemon.errors import ShuttingDown
+
+            raise ShuttingDown("peer links are stopping; the engine recomputes") from None
 
     async def _pull(self, conn: Conn, engine: EngineState, msg: Pull) -> None:
         from hkvd.daemon.errors import InternalError
