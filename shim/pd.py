@@ -96,6 +96,7 @@ class _Pending:
     job: Any  # hkvd.shim.metadata.LoadJob with .pull set
     deadline: float
     lease_id: int = 0  # the local lease of a finished pull
+    aborted: bool = False
 
 
 class PullLoads:
@@ -103,9 +104,10 @@ class PullLoads:
 
     ``start`` submits the Pull; ``absorb`` takes the client's completions: a finished Pull submits
     the Retrieve into the request's blocks with the pull's lease, a finished Retrieve ends the load.
-    ``done`` / ``failed`` collect request ids for ``get_transfer_results``. ``expire`` fails loads
-    past ``timeout_s`` (the daemon finishes or abandons the pull on its own timeout; a late reply's
-    lease is released here).
+    ``done`` / ``failed`` collect request ids for ``get_transfer_results``. ``expire`` acts on loads
+    past ``timeout_s``: a pull (daemon to daemon, no engine memory involved) fails at once and its late
+    reply's lease is released; a load into the engine's blocks is aborted but stays until the daemon's
+    reply says the copy is over, since vLLM reuses the request's blocks once it is reported.
     """
 
     def __init__(self, timeout_s: float) -> None:
@@ -176,18 +178,19 @@ class PullLoads:
 
     def expire(self, client: Any) -> None:
         now = time.monotonic()
-        for table in (self._pulls, self._retrieves):
-            for rid, p in list(table.items()):
-                if p.deadline > now:
-                    continue
-                del table[rid]
+        for rid, p in list(self._pulls.items()):
+            if p.deadline <= now:
+                del self._pulls[rid]
                 self._late.add(rid)
-                self._fail(p.job, f"no pull+load within {self.timeout_s:.1f} s (pull_timeout_s)")
-                if client is not None:
-                    try:
-                        client.abort(rid)
-                    except Exception:
-                        logger.debug("hkvd: abort of %d failed", rid, exc_info=True)
+                self._fail(p.job, f"no pull within {self.timeout_s:.1f} s (pull_timeout_s)")
+                _abort(client, rid)
+        for rid, p in self._retrieves.items():
+            if p.deadline <= now and not p.aborted:
+                # The daemon may be writing into the request's blocks: its reply ends the load.
+                p.aborted = True
+                logger.warning("hkvd: load for %s still running after %.1f s; aborting it, the request waits "
+                               "for the daemon's reply", p.job.req_id, self.timeout_s)
+                _abort(client, rid)
 
     def forget(self, why: str) -> None:
         """The daemon connection is gone: every load in flight failed."""
@@ -201,6 +204,14 @@ class PullLoads:
         self.stats["pulls_failed"] += 1
         logger.warning("hkvd: remote prefill for %s not loaded (%s); vLLM recomputes it", job.req_id, why)
         self.failed.add(job.req_id)
+
+
+def _abort(client: Any, rid: int) -> None:
+    if client is not None:
+        try:
+            client.abort(rid)
+        except Exception:
+            logger.debug("hkvd: abort of %d failed", rid, exc_info=True)
 
 
 def _release(client: Any, lease_id: int) -> None:

@@ -15,7 +15,7 @@ import pytest
 from hkvd.shim import pd
 from hkvd.shim.client import Completion
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import DaemonUnavailable
+from hkvd.transport.wire.errors import Aborted, DaemonUnavailable
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
 
@@ -91,6 +91,20 @@ def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
     assert loads.failed == {"r1"} and not loads.done
     assert [w for w, _ in c.sent] == ["pull"]  # no load after it
     assert c.released == ([55] if completion.ok else [])
+
+
+def test_a_load_past_the_timeout_ends_only_with_the_daemons_reply() -> None:
+    c, loads = ScriptedClient(), pd.PullLoads(30.0)
+    loads.start(c, _job())
+    loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 55}, None), c)
+    for p in loads._retrieves.values():
+        p.deadline = 0.0  # forged: past the deadline
+    loads.expire(c)
+    loads.expire(c)
+    # Aborted once, but not reported: the daemon may still be writing into the request's blocks.
+    assert c.aborted == [102] and not loads.failed and not loads.done and loads.in_flight == 1
+    assert loads.absorb(Completion(102, False, {}, Aborted("job 102 was aborted")), c)
+    assert loads.failed == {"r1"} and loads.in_flight == 0
 
 
 def test_timeout_fails_and_a_late_reply_gives_its_lease_back() -> None:
