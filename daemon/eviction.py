@@ -55,7 +55,24 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
-        return iter(list(self._order))
+        return _oldest_first(self._order, set())
+
+
+def _oldest_first(order: OrderedDict[Hashable, None], yielded: set[Hashable]) -> Iterator[Hashable]:
+    """Keys of ``order`` from the oldest, each once, while the caller evicts (removes) some of them.
+
+    No copy of the whole order per allocation: each step looks at the front, past the keys already
+    yielded that are still there (pinned or leased ones the index skipped), so the cost is the
+    number of skipped keys, not the size of the cache.
+    """
+    while True:
+        for key in order:
+            if key not in yielded:
+                break
+        else:
+            return
+        yielded.add(key)
+        yield key
 
 
 class HybridAwarePolicy(LRUPolicy):
@@ -84,9 +101,9 @@ class HybridAwarePolicy(LRUPolicy):
         self._orphans.pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
-        orphans = list(self._orphans)
-        seen = set(orphans)
-        return iter(orphans + [k for k in self._order if k not in seen])
+        yielded: set[Hashable] = set()
+        yield from _oldest_first(self._orphans, yielded)
+        yield from _oldest_first(self._order, yielded)
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -169,3 +169,21 @@ def test_parent_key_travels_on_the_wire(kind):
         parse_items([[0, 0, ck(1), [1], ck(9)]], "t")
     with pytest.raises(ProtocolViolation, match="parent_key must be 16 bytes"):
         parse_items([[0, 1, ck(1), [1], b"short"]], "t")
+
+
+@pytest.mark.parametrize("policy_cls", [LRUPolicy, HybridAwarePolicy])
+def test_candidates_stay_in_order_while_the_index_evicts(policy_cls):
+    policy = policy_cls()
+    for k in range(10):
+        policy.insert(k)
+    policy.mark_orphan(7)
+    got = []
+    for k in policy.candidates():
+        got.append(k)
+        if k % 2 == 0:
+            policy.remove(k)  # evicted; odd keys are "pinned" and stay
+    expected = list(range(10))
+    if policy_cls is HybridAwarePolicy:
+        expected = [7] + [k for k in expected if k != 7]
+    assert got == expected
+    assert list(policy.candidates()) == ([7, 1, 3, 5, 9] if policy_cls is HybridAwarePolicy else [1, 3, 5, 7, 9])
