@@ -55,7 +55,7 @@ type: dev
 
 check: lint type test
 
-# Full mode (about 15 minutes on 2 cores); `.venv/bin/python -m bench all --quick` is the 2-minute smoke.
+# Full mode (about 11 minutes on 2 cores); `.venv/bin/python -m bench all --quick` is the 2-minute smoke.
 bench-deps: dev
 	$(PIP) -q -e '.[dev,bench]'
 
