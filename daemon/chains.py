@@ -47,7 +47,7 @@ ATTENTION_KINDS = ("full", "swa")
 @dataclass(slots=True)
 class _Node:
     parent: bytes = b""  # parent chunk key; b"" for chunk 0 or not known yet
-    children: set[bytes] = field(default_factory=set)
+    children: set[bytes] | None = None  # created with the first child (most chunks have one or none)
     groups: dict[int, str] = field(default_factory=dict)  # READY entries here: group_id -> kind
     live_children: int = 0  # children that support hits
 
@@ -91,6 +91,8 @@ class ChainTracker:
         if parent and not node.parent:
             node.parent = parent
             pnode = self._node(fp, parent)
+            if pnode.children is None:
+                pnode.children = set()
             pnode.children.add(ck)
             if self._supports(fp, node):
                 self._propagate(fp, parent, pnode, +1, change)
@@ -110,7 +112,7 @@ class ChainTracker:
         del node.groups[gid]
         if was_intact and not self._intact(fp, node):
             change.orphans.extend((fp, g, ck) for g in node.groups)
-            for child in node.children:
+            for child in node.children or ():
                 self._collect_subtree(fp, child, change.orphans)
         elif was_complete and not self._complete(fp, node):
             change.orphans.extend((fp, g, ck) for g, k in node.groups.items() if k == "mamba")
@@ -161,7 +163,7 @@ class ChainTracker:
             if node is None:
                 continue
             out.extend((fp, g, ck) for g in node.groups)
-            stack.extend(node.children)
+            stack.extend(node.children or ())
 
     def _prune(self, fp: bytes, ck: bytes, node: _Node) -> None:
         # Drop nodes that hold nothing and lead nowhere, walking up through emptied parents.
@@ -172,5 +174,8 @@ class ChainTracker:
             parent = self._nodes.get((fp, node.parent))
             if parent is None:
                 return
-            parent.children.discard(ck)
+            if parent.children is not None:
+                parent.children.discard(ck)
+                if not parent.children:
+                    parent.children = None
             ck, node = node.parent, parent
