@@ -93,7 +93,7 @@ def device_uuid(ordinal: int) -> str:
     """UUID of the current process's CUDA device ``ordinal``."""
     props = runtime().getDeviceProperties(ordinal)
     raw = props["uuid"]
-    return normalize_uuid(raw if isinstance(raw, bytes | bytearray) else str(raw))
+    return normalize_uuid(bytes(raw) if isinstance(raw, bytes | bytearray) else str(raw))
 
 
 def visible_device_uuids() -> list[str]:

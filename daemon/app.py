@@ -114,8 +114,9 @@ class Daemon:
         from hkvd.daemon.http import HTTPEndpoint, build_registry
 
         registry = build_registry(self)
-        self.http = HTTPEndpoint(self.cfg.metrics_port, self.health, lambda: generate_latest(registry))
-        await self.http.start()
+        http = HTTPEndpoint(self.cfg.metrics_port, self.health, lambda: generate_latest(registry))
+        self.http = http
+        await http.start()
 
     async def serve(self) -> int:
         cfg = self.cfg

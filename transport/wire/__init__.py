@@ -116,8 +116,9 @@ class Message:
     @classmethod
     def _required(cls) -> int:
         """Fields without a default. Fields added later get defaults, so older peers still parse."""
-        return sum(1 for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        return len([f for f in fields
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
 
     def to_wire(self) -> list[Any]:
         values = [getattr(self, name) for name, _ in self._field_hints()]
