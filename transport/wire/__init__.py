@@ -105,35 +105,35 @@ class Message:
             MESSAGE_CLASSES[cls.TYPE] = cls
 
     @classmethod
-    def _field_hints(cls) -> list[tuple[str, Any]]:
-        hints = cls.__dict__.get("_hints_cache")
-        if hints is None:
-            resolved = typing.get_type_hints(cls)
-            hints = [(f.name, resolved[f.name]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-            cls._hints_cache = hints  # type: ignore[attr-defined]
-        return hints
+    def _layout(cls) -> tuple[list[tuple[str, Any]], int, tuple[Any, ...]]:
+        """(name, type hint) of each field, how many fields are required, each field's default.
 
-    @classmethod
-    def _required(cls) -> int:
-        """Fields without a default. Fields added later get defaults, so older peers still parse."""
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        return len([f for f in fields
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
+        Computed once per class (to_wire and from_wire run for every frame). Fields added later get
+        defaults, so older peers still parse.
+        """
+        layout = cls.__dict__.get("_layout_cache")
+        if layout is None:
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+            resolved = typing.get_type_hints(cls)
+            required = len([f for f in fields
+                            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
+            layout = ([(f.name, resolved[f.name]) for f in fields], required, tuple(f.default for f in fields))
+            cls._layout_cache = layout  # type: ignore[attr-defined]
+        return layout
 
     def to_wire(self) -> list[Any]:
-        values = [getattr(self, name) for name, _ in self._field_hints()]
-        defaults = [f.default for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        hints, required, defaults = self._layout()
+        values = [getattr(self, name) for name, _ in hints]
         # Trailing optional fields left at their default are not sent.
-        while len(values) > self._required() and values[-1] == defaults[len(values) - 1]:
+        while len(values) > required and values[-1] == defaults[len(values) - 1]:
             values.pop()
         return [int(self.TYPE), *values]
 
     @classmethod
     def from_wire(cls, fields: list[Any]) -> Message:
-        hints = cls._field_hints()
-        if not cls._required() <= len(fields) <= len(hints):
-            want = (str(len(hints)) if cls._required() == len(hints)
-                    else f"{cls._required()} to {len(hints)}")
+        hints, required, _ = cls._layout()
+        if not required <= len(fields) <= len(hints):
+            want = str(len(hints)) if required == len(hints) else f"{required} to {len(hints)}"
             raise ProtocolViolation(f"{cls.__name__}: expected {want} fields, got {len(fields)}")
         hints = hints[:len(fields)]
         for value, (name, hint) in zip(fields, hints, strict=True):
