@@ -90,9 +90,8 @@ class Index:
         self._orphans_dropped = 0
         self._orphans_marked = 0
         self.stores_dropped = 0
-        self._mamba_groups: dict[bytes, tuple[int, ...]] = {}
-        self._chain_groups: dict[bytes, Groups] = {}
-        self._chains = ChainTracker(lambda fp: self._chain_groups.get(fp, _NO_GROUPS))
+        self._groups: dict[bytes, Groups] = {}  # fingerprint -> (full-attention, Mamba) group ids
+        self._chains = ChainTracker(lambda fp: self._groups.get(fp, _NO_GROUPS))
 
     # ---- queries -------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Entry | None:
@@ -250,16 +249,15 @@ class Index:
                     self.policy.mark_orphan(other.key)
 
     def _orphan_candidates(self, fp: bytes, chunk_key: bytes) -> Iterable[Entry]:
-        for gid in self._mamba_groups.get(fp, ()):
+        for gid in self._groups.get(fp, _NO_GROUPS)[1]:
             other = self._entries.get((fp, gid, chunk_key))
             if other is not None:
                 yield other
 
     def set_groups(self, fingerprint: bytes, kinds: dict[int, str]) -> None:
         """The group kinds of a layout (from registration): orphan rules depend on them."""
-        self._mamba_groups[fingerprint] = tuple(g for g, k in kinds.items() if k == "mamba")
-        self._chain_groups[fingerprint] = (frozenset(g for g, k in kinds.items() if k == "full"),
-                                           frozenset(self._mamba_groups[fingerprint]))
+        self._groups[fingerprint] = (frozenset(g for g, k in kinds.items() if k == "full"),
+                                     frozenset(g for g, k in kinds.items() if k == "mamba"))
 
     # ---- stats ---------------------------------------------------------------------------------
     def statistics(self) -> IndexStats:
