@@ -164,7 +164,7 @@ class Daemon:
             self.metrics.inc("prefault_gbps", gbps)
             if cfg.l2_path:
                 await self._open_disk(loop)
-            copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=max(cfg.io_timeout_s, 30.0))
+            copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=cfg.copy_timeout_s)
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine)
             self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk)

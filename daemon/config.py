@@ -70,6 +70,11 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def copy_timeout_s(self) -> float:
+        """How long one copy may take: io_timeout_s, but never under 30 s (a large batch is slow)."""
+        return max(self.io_timeout_s, 30.0)
+
     def validate(self) -> None:
         if not self.socket_path:
             raise ConfigError("--socket must be a path, e.g. /run/hkvd/hkvd.sock")

@@ -100,7 +100,7 @@ class KVService:
         self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # disk reads in flight, by key
         self.shutting_down = False
         self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
-        self.copy_timeout_s = max(cfg.io_timeout_s, 30.0)
+        self.copy_timeout_s = cfg.copy_timeout_s
 
     # ---- dispatch ------------------------------------------------------------------------------
     async def handle(self, conn: Conn, msg: Message) -> None:
@@ -333,7 +333,7 @@ class KVService:
             return
         for e in entries:
             if e.state is EntryState.READY and self.disk.offer(
-                    e.key, e.kind, e.nbytes, getattr(e, "parent", b""), e.alloc.extents,
+                    e.key, e.kind, e.nbytes, e.parent, e.alloc.extents,
                     lambda e=e: self.index.unpin(e)):
                 self.index.pin(e)
 
@@ -493,7 +493,7 @@ class KVService:
             async with asyncio.timeout(self.copy_timeout_s):
                 result = await asyncio.shield(fut)
             # GB/s of the last copies per direction, submit to completion (thread hand-off included)
-            self.metrics.observe_rate("copy", getattr(result, "nbytes", result), time.perf_counter() - t0,
+            self.metrics.observe_rate("copy", result.nbytes, time.perf_counter() - t0,
                                       direction=direction.value)
             return result
         except TimeoutError:
