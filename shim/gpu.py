@@ -4,7 +4,8 @@
 Role
     Used by ``shim/worker.py`` only when vLLM's KV caches live on a GPU (``hkvd serve
     --copy-engine cuda``). Registration exports each backing storage as a ``Region(kind="cuda")``
-    (``hkvd.cuda.export``: legacy CUDA IPC, cudaMalloc memory only). Per step:
+    (the worker calls ``hkvd.cuda.export.export_tensor``: legacy CUDA IPC, cudaMalloc memory only),
+    all on ``one_device``. Per step:
 
     - ``step_end_event()`` records one interprocess event on the engine's current stream after
       the forward. Its handle travels with the step's stores and step event, and the daemon's
@@ -25,27 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hkvd.daemon.copy_engine import Region
 
-
-def export_storages(tensors: dict[str, Any]) -> tuple[list[Region], dict[int, int]]:
-    """One ``Region(kind="cuda")`` per distinct backing storage; returns (regions, base ptr -> region id).
-
-    Every tensor must be on the same GPU (one rank, one device).
-    """
-    from hkvd.cuda.export import export_tensor
-
-    regions: list[Region] = []
-    ids: dict[int, int] = {}
+def one_device(tensors: dict[str, Any]) -> int:
+    """The GPU every KV tensor of this rank lives on (one rank, one device)."""
     devices = {t.device.index for t in tensors.values()}
     if len(devices) != 1:
         raise ValueError(f"hkvd: this rank's KV caches span GPUs {sorted(devices)}; register one GPU per rank")
-    for t in tensors.values():
-        base = int(t.untyped_storage().data_ptr())
-        if base not in ids:
-            ids[base] = len(regions)
-            regions.append(export_tensor(ids[base], t))
-    return regions, ids
+    return devices.pop()
 
 
 class GpuOrdering:

@@ -37,6 +37,7 @@ Failure handling
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,20 +103,22 @@ class WorkerSide:
         if device_types - {"cpu", "cuda"} or len(device_types) > 1:
             raise ValueError(f"hkvd: KV caches on {sorted(device_types)}; hkvd registers either host (CPU) or "
                              "CUDA KV caches, one kind per engine. Remove the hkvd kv_transfer_config for others.")
-        region_of: dict[int, int] = {}
+        export: Callable[[int, Any], Any] | None = None  # None: host memory, the storage's address here
         if device_types == {"cuda"}:
-            from hkvd.shim.gpu import GpuOrdering, export_storages
+            from hkvd.cuda.export import export_tensor
+            from hkvd.shim.gpu import GpuOrdering, one_device
 
-            self._regions, region_of = export_storages(tensors)
-            self._gpu = GpuOrdering(next(iter(tensors.values())).device.index)
+            export = export_tensor
+            self._gpu = GpuOrdering(one_device(tensors))
+        region_of: dict[int, int] = {}
         for name, tensor in tensors.items():
             storage = tensor.untyped_storage()
             base = storage.data_ptr()
             if base not in region_of:
                 # Aliased layers (vLLM packs every group into one int8 buffer) share a region.
-                region_of[base] = len(self._regions)
-                self._regions.append(Region(region_id=region_of[base], kind="host", size=int(storage.nbytes()),
-                                            addr=int(base)))
+                rid = region_of[base] = len(self._regions)
+                self._regions.append(export(rid, tensor) if export is not None else
+                                     Region(region_id=rid, kind="host", size=int(storage.nbytes()), addr=int(base)))
             stride = int(tensor.stride(0)) * int(tensor.element_size())
             if stride != block_strides[name]:
                 raise ValueError(
