@@ -290,5 +290,6 @@ class Daemon:
             await self._flush_disk(deadline)
         for conn in list(self.server.connections.values()):
             self.service.disconnect(conn)
+        self.server.close_connections()
         with contextlib.suppress(Exception):
             self.service.registry.copy_engine.close()

@@ -31,6 +31,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--copy-threads", type=int, help="copy threads (default 2)")
     p.add_argument("--copy-engine", help="host (default: KV caches in CPU memory, process_vm_readv/writev) "
                    "or cuda (GPU KV caches over CUDA IPC; needs hkvd[gpu] and a GPU)")
+    p.add_argument("--event-loop", help="uvloop (default) or asyncio (the standard library's loop, slower)")
     p.add_argument("--mamba-checkpoint-interval", type=int,
                    help="keep a Mamba state only every K chunks (default 1: every boundary)")
     p.add_argument("--shutdown-timeout-s", type=float, help="drain deadline on SIGTERM (default 10)")
@@ -288,10 +289,23 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_copy_engine(cfg.copy_engine)
-        return asyncio.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
+        with asyncio.Runner(loop_factory=loop_factory(cfg.event_loop)) as runner:
+            return runner.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
     except (PoolError, OSError, CopyEngineUnavailable, KVError) as e:
         logging.getLogger("hkvd").error("cannot start: %s", e)
         return 1
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event loop ``--event-loop`` names; uvloop missing is an error with the fix, never a fallback."""
+    if name == "asyncio":
+        return asyncio.new_event_loop
+    try:
+        import uvloop
+    except ImportError:
+        raise OSError("--event-loop uvloop: uvloop is not installed; `pip install uvloop` (hkvd depends on "
+                      "it), or run with --event-loop asyncio") from None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
 async def _run(cfg: DaemonConfig, reload_config: Callable[[], DaemonConfig] | None = None) -> int:

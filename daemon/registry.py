@@ -55,6 +55,11 @@ class EngineState:
     def can_copy(self) -> bool:
         return self.attachment is not None
 
+    @property
+    def kinds(self) -> dict[int, str]:
+        """group id -> kind ("full", "sliding", "mamba")."""
+        return {r.group_id: r.kind for r in self.rules}
+
     def describe(self) -> dict[str, object]:
         return {
             "engine_id": self.engine_id, "pid": self.pid, "model": self.spec.model,

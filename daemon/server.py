@@ -2,9 +2,19 @@
 
 Lifecycle of a connection
     accept -> SO_PEERCRED (pid/uid/gid from the kernel, never from a message) -> uid allowlist ->
-    Hello within ``io_timeout_s`` (protocol version checked) -> frames until EOF -> release at
-    once everything the connection held (``KVService.disconnect``) -> wait for its in-flight
-    copies (each has its own timeout) -> close.
+    Hello within ``io_timeout_s`` (protocol version checked) -> frames until EOF -> wait for its
+    in-flight jobs (each has its own timeout) -> release everything the connection held
+    (``KVService.disconnect``).
+
+Threading and flow
+    Each connection is an ``asyncio.Protocol`` on the daemon's loop. Frames are served in the
+    callback that received them: a request that needs no wait (ping, status, release, abort,
+    register, a lookup the pool answers) is answered before the next frame is read, with no task
+    and no extra loop turn. Requests that wait (store, retrieve, step event, a lookup that reads
+    the disk tier) run as tasks of the connection. Backpressure both ways: at
+    ``MAX_TASKS_PER_CONN`` running tasks, or while the transport's write buffer is over its high
+    mark (a client that does not read its replies), the connection stops reading; a client whose
+    replies stay unread for ``io_timeout_s`` is disconnected.
 
 Errors
     A frame that cannot be decoded, or a request that breaks the rules, gets ``Error(req_id, code,
@@ -24,7 +34,9 @@ import os
 import socket
 import struct
 import uuid
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, cast
 
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.errors import (
@@ -37,13 +49,12 @@ from hkvd.daemon.errors import (
 )
 from hkvd.daemon.service import Conn, KVService, request_log
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
-from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, events, kv
+from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
 
 log = logging.getLogger("hkvd.server")
 
 MAX_CONSECUTIVE_ERRORS = 32
-READ_BYTES = 1 << 16
-_JOBS = (kv.Store, kv.Retrieve, events.StepEvent)
+MAX_TASKS_PER_CONN = 1024  # waiting requests per connection before it stops reading more
 # Error replies logged at warning (the daemon or the machine is in trouble); the rest at info.
 _LOUD_CODES = {"TIMEOUT", "COPY_FAILED", "INTERNAL", "POOL_FULL"}
 
@@ -59,10 +70,10 @@ class Server:
         self.cfg = cfg
         self.service = service
         self.server_id = uuid.uuid4().hex[:12]
-        self._server: asyncio.Server | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._conn_ids = itertools.count(1)
-        self._tasks: set[asyncio.Task[None]] = set()
         self.connections: dict[int, Conn] = {}
+        self._links: set[_Link] = set()
         allowed = set(cfg.allowed_uids) or {os.geteuid()}
         self.allowed_uids = allowed | {0}
 
@@ -73,9 +84,10 @@ class Server:
             if await self._socket_alive(path):
                 raise OSError(f"another hkvd is already serving {path}; stop it or pass --socket")
             os.unlink(path)
+        loop = asyncio.get_running_loop()
         old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider permissions
         try:
-            self._server = await asyncio.start_unix_server(self._on_client, path=str(path))
+            self._server = await loop.create_unix_server(lambda: _Link(self), path=str(path))
         finally:
             os.umask(old_umask)
         os.chmod(path, self.cfg.socket_mode)
@@ -102,126 +114,223 @@ class Server:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.socket_path)
 
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        pid, uid, _gid = peer_credentials(sock)
-        conn_id = next(self._conn_ids)
+    def close_connections(self) -> None:
+        """Close every client connection (shutdown, after its copies drained)."""
+        for link in list(self._links):
+            link.close()
 
-        def send(msg: Message) -> None:
-            if not writer.is_closing():
-                writer.write(encode(msg))
-
-        conn = Conn(conn_id=conn_id, pid=pid, uid=uid, send=send)
-        try:
-            if uid not in self.allowed_uids:
-                log.warning("refused connection from uid %d (pid %d): not in the allowlist", uid, pid)
-                send(kv.Error(0, PermissionDenied.code, f"uid {uid} may not use this hkvd; add it to "
-                              "allowed-uids in the daemon config"))
-                await self._drain(writer)
-                return
-            self.connections[conn_id] = conn
-            await self._serve(conn, reader, writer)
-        except (ConnectionError, TimeoutError) as e:
-            log.debug("connection %d (pid %d) ended: %s", conn_id, pid, e)
-        finally:
-            self.connections.pop(conn_id, None)
-            self.service.disconnect(conn)
-            conn.closed = True
-            writer.close()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await writer.wait_closed()
-
-    async def _drain(self, writer: asyncio.StreamWriter) -> None:
-        async with asyncio.timeout(self.cfg.io_timeout_s):
-            await writer.drain()
-
-    async def _hello(self, conn: Conn, reader: asyncio.StreamReader, decoder: FrameDecoder) -> list[bytes]:
-        async with asyncio.timeout(self.cfg.io_timeout_s):
-            frames: list[bytes] = []
-            while not frames:
-                data = await reader.read(READ_BYTES)
-                if not data:
-                    raise ConnectionError("closed before Hello")
-                frames = decoder.feed(data)
-        msg = decode_body(frames[0], self.cfg.max_frame_bytes)
-        if not isinstance(msg, control.Hello):
-            raise ProtocolViolation(f"the first message must be Hello, got {type(msg).__name__}")
-        if msg.version != PROTOCOL_VERSION:
-            raise UnsupportedVersion(f"client speaks protocol {msg.version}, this daemon speaks "
-                                     f"{PROTOCOL_VERSION}; upgrade the older side")
-        conn.role = msg.role
-        conn.send(control.HelloAck(PROTOCOL_VERSION, os.getpid(), self.cfg.max_frame_bytes, self.server_id))
-        return frames[1:]
-
-    async def _serve(self, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        decoder = FrameDecoder(self.cfg.max_frame_bytes)
-        try:
-            frames = await self._hello(conn, reader, decoder)
-        except KVError as e:
-            conn.send(kv.Error(0, e.code, e.message))
-            await self._drain(writer)
-            return
-        await self._drain(writer)
-        errors_in_a_row = 0
-        async with asyncio.TaskGroup() as jobs:
-            while True:
-                for body in frames:
-                    ok = await self._dispatch(conn, body, jobs)
-                    errors_in_a_row = 0 if ok else errors_in_a_row + 1
-                    if errors_in_a_row >= MAX_CONSECUTIVE_ERRORS:
-                        log.warning("closing connection %d (pid %d): %d bad requests in a row", conn.conn_id,
-                                    conn.pid, errors_in_a_row)
-                        return
-                await self._drain(writer)
-                data = await reader.read(READ_BYTES)
-                if not data:
-                    return
-                try:
-                    frames = decoder.feed(data)
-                except FrameTooLarge as e:
-                    conn.send(kv.Error(0, e.code, e.message))
-                    await self._drain(writer)
-                    return  # the stream cannot be resynchronised after a bad length
-
-    async def _dispatch(self, conn: Conn, body: bytes, jobs: asyncio.TaskGroup) -> bool:
-        req_id = 0
-        try:
-            msg = decode_body(body, self.cfg.max_frame_bytes)
-            req_id = getattr(msg, "req_id", 0)
-            if isinstance(msg, _JOBS):
-                conn.jobs.add(req_id)  # before any later frame (an Abort of it) is dispatched
-                jobs.create_task(self._job(conn, msg))
-            else:
-                await self.service.handle(conn, msg)
-            return True
-        except KVError as e:
-            self._reply_error(conn, req_id, e)
-            return False
-        except Exception as e:  # a bug: never let it take the daemon down
-            log.exception("internal error handling a request from pid %d", conn.pid,
-                          extra=request_log(conn, req_id))
-            self.service.metrics.inc("internal_errors")
-            self._reply_error(conn, req_id, InternalError(f"internal error: {e!r}"))
-            return False
-
-    async def _job(self, conn: Conn, msg: Message) -> None:
-        req_id = getattr(msg, "req_id", 0)
-        try:
-            await self.service.handle(conn, msg)
-        except KVError as e:
-            self._reply_error(conn, req_id, e)
-        except Exception as e:
-            log.exception("internal error in job %d from pid %d", req_id, conn.pid,
-                          extra=request_log(conn, req_id))
-            self.service.metrics.inc("internal_errors")
-            self._reply_error(conn, req_id, InternalError(f"internal error: {e!r}"))
-        finally:
-            conn.jobs.discard(req_id)
-            conn.aborted.discard(req_id)
-
-    def _reply_error(self, conn: Conn, req_id: int, e: KVError) -> None:
+    def reply_error(self, conn: Conn, req_id: int, e: KVError) -> None:
         self.service.metrics.inc("errors", code=e.code.name)
         log.log(logging.WARNING if e.code.name in _LOUD_CODES else logging.INFO, "request failed: %s: %s",
                 e.code.name, e.message, extra=request_log(conn, req_id))
         conn.send(kv.Error(req_id, int(e.code), e.message))
+
+    def internal_error(self, conn: Conn, req_id: int, e: Exception, what: str) -> None:
+        """A bug: log it with its traceback, answer INTERNAL, and never let it take the daemon down."""
+        log.error("internal error %s from pid %d", what, conn.pid, exc_info=e, extra=request_log(conn, req_id))
+        self.service.metrics.inc("internal_errors")
+        self.reply_error(conn, req_id, InternalError(f"internal error: {e!r}"))
+
+
+class _Link(asyncio.Protocol):
+    """One client connection: frames in, replies out, flow control both ways. See the module docstring."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.service = server.service
+        self.cfg = server.cfg
+        self.decoder = FrameDecoder(server.cfg.max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.conn: Conn | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.greeted = False
+        self.errors_in_a_row = 0
+        self.closing = False
+        self._read_paused = False
+        self._write_paused = False
+        self._timer: asyncio.TimerHandle | None = None  # Hello deadline, then the unread-replies deadline
+        self._closer: asyncio.Task[None] | None = None
+
+    # ---- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        pid, uid, _gid = peer_credentials(self.transport.get_extra_info("socket"))
+        conn = self.conn = Conn(conn_id=next(self.server._conn_ids), pid=pid, uid=uid, send=self._send)
+        if uid not in self.server.allowed_uids:
+            log.warning("refused connection from uid %d (pid %d): not in the allowlist", uid, pid)
+            self._send(kv.Error(0, PermissionDenied.code, f"uid {uid} may not use this hkvd; add it to "
+                                "allowed-uids in the daemon config"))
+            self._close()
+            return
+        self.server.connections[conn.conn_id] = conn
+        self.server._links.add(self)
+        self._timer = asyncio.get_running_loop().call_later(self.cfg.io_timeout_s, self._timed_out, "Hello")
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        try:
+            frames = self.decoder.feed(data)
+        except FrameTooLarge as e:
+            assert self.conn is not None
+            self._send(kv.Error(0, e.code, e.message))
+            self._close()  # the stream cannot be resynchronised after a bad length
+            return
+        for body in frames:
+            if self.closing:
+                return
+            if not self.greeted:
+                self._hello(body)
+            elif self._dispatch(body):
+                self.errors_in_a_row = 0
+            else:
+                self.errors_in_a_row += 1
+                if self.errors_in_a_row >= MAX_CONSECUTIVE_ERRORS:
+                    assert self.conn is not None
+                    log.warning("closing connection %d (pid %d): %d bad requests in a row", self.conn.conn_id,
+                                self.conn.pid, self.errors_in_a_row)
+                    self._close()
+
+    def eof_received(self) -> bool:
+        return False  # the client is done sending: close our side once the replies are out
+
+    def pause_writing(self) -> None:
+        """The client is not reading its replies: read no more of its requests, and give it ``io_timeout_s``."""
+        self._write_paused = True
+        self._update_reading()
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(self.cfg.io_timeout_s, self._timed_out,
+                                                            "reading its replies")
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._cancel_timer()
+        self._update_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self._cancel_timer()
+        conn = self.conn
+        if conn is None or conn.conn_id not in self.server.connections:
+            return
+        if exc is not None:
+            log.debug("connection %d (pid %d) ended: %s", conn.conn_id, conn.pid, exc)
+        if self.tasks:  # in-flight copies still use the engine's pages: release once they end
+            self._closer = asyncio.get_running_loop().create_task(self._release_after(list(self.tasks)))
+        else:
+            self._release()
+
+    # ---- frames ------------------------------------------------------------------------------
+    def _hello(self, body: bytes) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            msg = decode_body(body, self.cfg.max_frame_bytes)
+            if not isinstance(msg, control.Hello):
+                raise ProtocolViolation(f"the first message must be Hello, got {type(msg).__name__}")
+            if msg.version != PROTOCOL_VERSION:
+                raise UnsupportedVersion(f"client speaks protocol {msg.version}, this daemon speaks "
+                                         f"{PROTOCOL_VERSION}; upgrade the older side")
+        except KVError as e:
+            self._send(kv.Error(0, e.code, e.message))
+            self._close()
+            return
+        self.greeted = True
+        self._cancel_timer()
+        conn.role = msg.role
+        self._send(control.HelloAck(PROTOCOL_VERSION, os.getpid(), self.cfg.max_frame_bytes,
+                                    self.server.server_id))
+
+    def _dispatch(self, body: bytes) -> bool:
+        """Serve one frame; False when it earned an error reply (counted towards the close)."""
+        conn = self.conn
+        assert conn is not None
+        req_id = 0
+        try:
+            msg = decode_body(body, self.cfg.max_frame_bytes)
+            req_id = getattr(msg, "req_id", 0)
+            rest = self.service.handle(conn, msg)
+        except KVError as e:
+            self.server.reply_error(conn, req_id, e)
+            return False
+        except Exception as e:  # a bug: never let it take the daemon down
+            self.server.internal_error(conn, req_id, e, "handling a request")
+            return False
+        if rest is not None:
+            self._spawn(req_id, rest)
+        return True
+
+    def _spawn(self, req_id: int, rest: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(self._job(req_id, rest))
+        self.tasks.add(task)
+        task.add_done_callback(self._job_done)
+        self._update_reading()
+
+    async def _job(self, req_id: int, rest: Coroutine[Any, Any, None]) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            await rest
+        except KVError as e:
+            self.server.reply_error(conn, req_id, e)
+        except Exception as e:
+            self.server.internal_error(conn, req_id, e, f"in job {req_id}")
+        finally:
+            conn.jobs.discard(req_id)
+            conn.aborted.discard(req_id)
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._update_reading()
+
+    # ---- output, flow, close -----------------------------------------------------------------
+    def _send(self, msg: Message) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(encode(msg))
+
+    def _update_reading(self) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        pause = self._write_paused or len(self.tasks) >= MAX_TASKS_PER_CONN
+        if pause and not self._read_paused:
+            t.pause_reading()
+        elif not pause and self._read_paused:
+            t.resume_reading()
+        self._read_paused = pause
+
+    def _timed_out(self, what: str) -> None:
+        conn = self.conn
+        assert conn is not None
+        self._timer = None
+        log.info("closing connection %d (pid %d): no progress %s within %.0f s", conn.conn_id, conn.pid, what,
+                 self.cfg.io_timeout_s)
+        if self.transport is not None:
+            self.transport.abort()  # its buffered replies cannot be delivered anyway
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def close(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """Stop reading; close once the buffered replies (an error, usually) are written."""
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    async def _release_after(self, tasks: list[asyncio.Task[None]]) -> None:
+        await asyncio.wait(tasks)  # each job is bounded by its own copy or disk timeout
+        self._release()
+
+    def _release(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        self.server.connections.pop(conn.conn_id, None)
+        self.server._links.discard(self)
+        self.service.disconnect(conn)
+        conn.closed = True

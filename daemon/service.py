@@ -9,7 +9,8 @@ Threading
     timeout; a copy that outlives its timeout keeps its pins until the thread returns (the pool
     pages are in use), and its job fails with ``KVTimeout``. With a disk tier, a lookup whose hit
     needs entries only the disk has awaits their reads (disk read pool, ``io_timeout_s``) before
-    it replies; the connection's later requests wait behind it, other connections do not.
+    it replies; ``handle`` returns that part as a coroutine, so the connection's later requests
+    are not held behind it.
 
 Errors
     Anything the client got wrong raises a ``KVError`` that the adapter sends back as
@@ -23,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from hkvd.daemon.errors import (
     RegistrationError,
     ShuttingDown,
 )
-from hkvd.daemon.hybrid import mamba_checkpoint_keep, plan_hit
+from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
 from hkvd.daemon.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.registry import EngineState, Registry
@@ -103,22 +104,34 @@ class KVService:
         self.copy_timeout_s = cfg.copy_timeout_s
 
     # ---- dispatch ------------------------------------------------------------------------------
-    async def handle(self, conn: Conn, msg: Message) -> None:
+    def handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
+        """Serve ``msg`` now; return the coroutine of the part that must wait, if any.
+
+        Store, retrieve and step events wait on copies, and a lookup the pool cannot answer may
+        wait on disk reads: the caller runs the returned coroutine as a task. Everything else is
+        answered before this returns. Jobs enter ``conn.jobs`` here, before any later frame (an
+        Abort of one) is served.
+        """
         if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status)):
             raise ShuttingDown("hkvd is shutting down; the engine will recompute and reconnect later")
         match msg:
             case kv.Lookup():
-                await self._lookup(conn, msg)
+                return self._lookup(conn, msg)
             case kv.Store():
-                await self._store(conn, msg)
+                conn.jobs.add(msg.req_id)
+                return self._store(conn, msg)
             case kv.Retrieve():
-                await self._retrieve(conn, msg)
+                conn.jobs.add(msg.req_id)
+                return self._retrieve(conn, msg)
             case events.StepEvent():
-                await self._step_event(conn, msg)
-            case peer.Pull():
-                self._pull(conn, msg)
+                conn.jobs.add(msg.req_id)
+                return self._step_event(conn, msg)
+            case control.Ping():
+                conn.send(control.Pong(msg.req_id))
             case kv.Release():
                 self.index.release(msg.lease_id)
+            case peer.Pull():
+                self._pull(conn, msg)
             case kv.Abort():
                 self._abort(conn, msg.req_id)
                 conn.send(kv.AbortAck(msg.req_id))
@@ -127,14 +140,13 @@ class KVService:
             case control.Unregister():
                 self.disconnect(conn)
                 conn.send(kv.Done(msg.req_id, 0, {}))
-            case control.Ping():
-                conn.send(control.Pong(msg.req_id))
             case control.Status():
                 conn.send(control.StatusReply(msg.req_id, self.status()))
             case control.Hello() | control.Bye():
                 pass  # handled by the adapter
             case _:
                 raise ProtocolViolation(f"{type(msg).__name__} is not a request a client may send")
+        return None
 
     def _pull(self, conn: Conn, msg: peer.Pull) -> None:
         """Peer pulls run as tasks of the peer service; the reply reaches ``conn`` when they end."""
@@ -175,11 +187,24 @@ class KVService:
         return (engine.fingerprint, item.group_id, item.key)
 
     # ---- lookup --------------------------------------------------------------------------------
-    async def _lookup(self, conn: Conn, msg: kv.Lookup) -> None:
+    def _lookup(self, conn: Conn, msg: kv.Lookup) -> Coroutine[Any, Any, None] | None:
+        """Answer from the pool now, or return the coroutine that first reads from disk what the hit needs."""
         engine = self._engine(conn, copy=False)
+        plan, missing = self._plan_lookup(engine, msg.keys)
+        if self.disk is not None and plan.hit_chunks < len(msg.keys) and len(self.disk):
+            return self._lookup_via_disk(conn, engine, msg)
+        self._answer_lookup(conn, engine, msg, plan, missing)
+        return None
+
+    async def _lookup_via_disk(self, conn: Conn, engine: EngineState, msg: kv.Lookup) -> None:
+        await self._promote_from_disk(conn, engine, msg.keys, msg.req_id)
+        plan, missing = self._plan_lookup(engine, msg.keys)  # again: the pool may have changed meanwhile
+        self._answer_lookup(conn, engine, msg, plan, missing)
+
+    def _plan_lookup(self, engine: EngineState, keys: list[bytes]) -> tuple[HitPlan, dict[str, int]]:
+        """The best hit the pool can serve, and the entries it lacks by kind."""
         fp = engine.fingerprint
-        keys = msg.keys
-        kinds = {r.group_id: r.kind for r in engine.rules}
+        kinds = engine.kinds
         missing: dict[str, int] = {}
 
         def present(group_id: int, chunk: int) -> bool:  # the pool only: what a retrieve can be served from
@@ -189,11 +214,11 @@ class KVService:
             missing[kind] = missing.get(kind, 0) + 1
             return False
 
-        plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
-        if (self.disk is not None and plan.hit_chunks < len(keys) and len(self.disk)
-                and await self._promote_from_disk(conn, engine, keys, msg.req_id)):
-            missing.clear()
-            plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+        return plan_hit(engine.rules, len(keys), engine.chunk_size, present), missing
+
+    def _answer_lookup(self, conn: Conn, engine: EngineState, msg: kv.Lookup, plan: HitPlan,
+                       missing: dict[str, int]) -> None:
+        keys, fp, kinds = msg.keys, engine.fingerprint, engine.kinds
         lease_id = 0
         if msg.lease and plan.hit_chunks > 0:
             lease_keys = [(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks]
