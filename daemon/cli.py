@@ -35,6 +35,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--mamba-checkpoint-interval", type=int,
                    help="keep a Mamba state only every K chunks (default 1: every boundary)")
     p.add_argument("--shutdown-timeout-s", type=float, help="drain deadline on SIGTERM (default 10)")
+    p.add_argument("--io-timeout-s", type=float, help="how long a client may take to send Hello or to read "
+                   "its replies before it is disconnected (default 10)")
     p.add_argument("--metrics-port", type=int, help="loopback port for /metrics and /healthz (default off)")
     p.add_argument("--l2-path", help="disk tier directory: entries are written behind and served after a "
                    "restart (default off)")

@@ -52,7 +52,7 @@ class DaemonConfig:
     allowed_uids: tuple[int, ...] = ()  # empty: the daemon's own uid (and root)
     copy_threads: int = 2
     copy_engine: str = "host"  # host (process_vm_readv/writev) or cuda (CUDA IPC; hkvd[gpu])
-    event_loop: str = "uvloop"  # uvloop (a dependency: about 3x less loop CPU per request) or asyncio
+    event_loop: str = "uvloop"  # uvloop (a dependency) or asyncio (the standard library's loop)
     mamba_checkpoint_interval: int = 1
     shutdown_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
@@ -176,6 +176,7 @@ TOML_KEYS: dict[str, tuple[str, Any]] = {
     "event_loop": ("event_loop", lambda v: str(v).lower()),
     "mamba_checkpoint_interval": ("mamba_checkpoint_interval", int),
     "shutdown_timeout_s": ("shutdown_timeout_s", float),
+    "io_timeout_s": ("io_timeout_s", float),
     "metrics_port": ("metrics_port", int),
     "l2_path": ("l2_path", str),
     "l2_size_gb": ("l2_size_bytes", _l2_gb),

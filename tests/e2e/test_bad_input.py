@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import msgpack
 import pytest
@@ -102,3 +103,33 @@ def test_a_flood_of_garbage_closes_only_that_connection(daemon):
     assert 0 < len(msgs) <= 40 and all(m.code == ErrorCode.UNKNOWN_MESSAGE for m in msgs)
     with DaemonClient(daemon.socket_path, client_name="ok", role="tool") as c:
         c.ping()
+
+
+def test_a_client_that_never_reads_its_replies_is_cut_off_without_slowing_others(daemon_factory):
+    """Flow control: the daemon stops reading a client whose replies pile up, then drops it after
+    --io-timeout-s; a second client is served the whole time."""
+    d = daemon_factory("--l1-size-gb", "0.125", "--io-timeout-s", "2")
+    flooder = raw_conn(d.socket_path)
+    flooder.setblocking(False)
+    pings = encode(control.Ping(7)) * 400_000  # 3.6 MB: far more than both socket buffers hold
+    sent = 0
+    while sent < len(pings):  # until both socket buffers are full: the daemon stopped reading us
+        try:
+            sent += flooder.send(pings[sent:sent + 65536])
+        except BlockingIOError:
+            break
+    assert sent < len(pings), "the daemon read every request although no reply was read"
+    with DaemonClient(d.socket_path, client_name="bystander", role="tool", timeout_s=5.0) as other:
+        for _ in range(20):
+            assert other.ping() < 5.0
+    time.sleep(3.0)  # past --io-timeout-s with the replies still unread
+    flooder.setblocking(True)
+    flooder.settimeout(15)
+    got = b""
+    try:
+        while chunk := flooder.recv(1 << 20):  # the replies already buffered, then EOF or a reset
+            got += chunk
+    except ConnectionResetError:
+        pass
+    assert len(got) < len(encode(control.Pong(7))) * 400_000  # cut off: not every request was answered
+    assert "no progress reading its replies" in d.log_path.read_text()
