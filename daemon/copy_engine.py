@@ -9,7 +9,10 @@ Role
 
 Threading model
     ``attach``/``detach`` run on the event loop and must be quick. ``copy`` is blocking and
-    is always called from the daemon's copy thread pool, never from the loop.
+    runs on the daemon's copy thread pool, except a copy of at most ``inline_max_bytes``
+    (0 unless the engine sets it): that one runs on the loop, because handing it to a thread and
+    back costs more loop time than the copy itself (a few tens of microseconds of kernel copy
+    against two thread wake-ups). Engines whose copies can block on a device never set it.
 
 Contracts
     - A ``Segment`` addresses bytes by (region id, offset inside that region) on the engine
@@ -81,6 +84,7 @@ class CopyEngine(ABC):
     """Moves bytes between registered engine memory and the pool. See the module docstring."""
 
     name: str = "abstract"
+    inline_max_bytes: int = 0  # copies up to this size run on the event loop (see the module docstring)
 
     @abstractmethod
     def attach(self, pid: int, regions: list[Region]) -> Attachment:

@@ -31,7 +31,7 @@ from typing import Any
 
 from hkvd.daemon import layout
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.copy_engine import Attachment, CopyResult, Direction, Segment
+from hkvd.daemon.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
 from hkvd.daemon.disk_tier import DiskTier, Stored
 from hkvd.daemon.errors import (
     Aborted,
@@ -402,7 +402,7 @@ class KVService:
         try:
             if segments:
                 nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
-                                               wait_event)).nbytes
+                                               sum(e.nbytes for e in entries), wait_event)).nbytes
         except BaseException:
             for e in entries:
                 self.index.abandon_write(e)
@@ -416,10 +416,16 @@ class KVService:
             self.index.finish_write(e, pending=pending)
         if not pending:
             self._to_disk(entries)
-        for e in entries:
-            self.metrics.inc("stored_bytes", e.nbytes, kind=e.kind)
+        self._count_bytes("stored_bytes", entries)
         info = {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned}
         return nbytes, info, entries
+
+    def _count_bytes(self, name: str, entries: list[Entry]) -> None:
+        by_kind: dict[str, int] = {}
+        for e in entries:
+            by_kind[e.kind] = by_kind.get(e.kind, 0) + e.nbytes
+        for kind, n in by_kind.items():
+            self.metrics.inc(name, n, kind=kind)
 
     # ---- retrieve ------------------------------------------------------------------------------
     async def _retrieve(self, conn: Conn, msg: kv.Retrieve) -> None:
@@ -442,14 +448,14 @@ class KVService:
         for e in entries:
             self.index.pin(e)
         try:
-            result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
+            result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL,
+                                          sum(e.nbytes for e in entries))
         finally:
             for e in entries:
                 self.index.unpin(e)
             if msg.lease_id:
                 self.index.release(msg.lease_id)
-        for e in entries:
-            self.metrics.inc("retrieved_bytes", e.nbytes, kind=e.kind)
+        self._count_bytes("retrieved_bytes", entries)
         info: dict[str, Any] = {"entries": len(entries)}
         if result.done_event:  # the engine's stream waits on it before a forward reads the blocks
             info["event"] = result.done_event
@@ -506,26 +512,24 @@ class KVService:
 
     # ---- copies --------------------------------------------------------------------------------
     async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
-                        direction: Direction, wait_event: bytes = b"") -> CopyResult:
+                        direction: Direction, nbytes: int, wait_event: bytes = b"") -> CopyResult:
+        """Move ``segments`` (``nbytes`` in all): on a copy thread with a timeout, or on the loop
+        when the engine says a copy this small costs less than the hand-off (``inline_max_bytes``)."""
         assert attachment is not None
-        loop = asyncio.get_running_loop()
         engine = self.registry.copy_engine
-        fut = loop.run_in_executor(self.executor, functools.partial(
-            engine.copy_ordered, attachment, segments, direction, wait_event=wait_event or None))
         conn.inflight += 1
         t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.copy_timeout_s):
-                result = await asyncio.shield(fut)
+            if nbytes <= engine.inline_max_bytes and not wait_event:
+                result = engine.copy_ordered(attachment, segments, direction)
+            else:
+                result = await self._threaded_copy(engine, attachment, segments, direction, wait_event)
             # GB/s of the last copies per direction, submit to completion (thread hand-off included)
             self.metrics.observe_rate("copy", result.nbytes, time.perf_counter() - t0,
                                       direction=direction.value)
             return result
-        except TimeoutError:
-            self.metrics.inc("copy_timeouts")
-            # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
-            await asyncio.wait([fut])
-            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:.0f} s") from None
+        except KVTimeout:
+            raise  # counted as copy_timeouts
         except KVError:
             self.metrics.inc("copy_errors")
             raise
@@ -534,6 +538,20 @@ class KVService:
             raise CopyFailedError(f"{direction.value} copy failed: {e}") from None
         finally:
             conn.inflight -= 1
+
+    async def _threaded_copy(self, engine: CopyEngine, attachment: Attachment, segments: list[Segment],
+                             direction: Direction, wait_event: bytes) -> CopyResult:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.executor, functools.partial(
+            engine.copy_ordered, attachment, segments, direction, wait_event=wait_event or None))
+        try:
+            async with asyncio.timeout(self.copy_timeout_s):
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            self.metrics.inc("copy_timeouts")
+            # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
+            await asyncio.wait([fut])
+            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:.0f} s") from None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def disconnect(self, conn: Conn) -> None:

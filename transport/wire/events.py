@@ -13,7 +13,7 @@ from typing import Any
 
 from hkvd.transport.wire import MAX_ITEMS, Message, MsgType, check_u64
 from hkvd.transport.wire.errors import ProtocolViolation
-from hkvd.transport.wire.kv import Item, check_event, parse_items
+from hkvd.transport.wire.kv import Item, check_event, checked_items, parse_items
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,4 +38,4 @@ class StepEvent(Message):
             raise ProtocolViolation("StepEvent.offers: a boundary state names exactly one block")
 
     def parsed(self) -> list[Item]:
-        return parse_items(self.offers, "StepEvent.offers")
+        return checked_items(self.offers)  # validated when decoded

@@ -49,6 +49,11 @@ def parse_items(raw: list[Any], where: str) -> list[Item]:
     return items
 
 
+def checked_items(raw: list[Any]) -> list[Item]:
+    """Items of a message whose ``validate`` already ran ``parse_items`` on ``raw``: no checks again."""
+    return [Item(it[0], it[1], it[2], it[3], it[4] if len(it) == 5 else b"") for it in raw]
+
+
 EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 
 
@@ -101,7 +106,7 @@ class Store(Message):
         check_event(self.wait_event, "Store.wait_event")
 
     def parsed(self) -> list[Item]:
-        return parse_items(self.items, "Store.items")
+        return checked_items(self.items)  # validated when decoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +122,7 @@ class Retrieve(Message):
         parse_items(self.items, "Retrieve.items")
 
     def parsed(self) -> list[Item]:
-        return parse_items(self.items, "Retrieve.items")
+        return checked_items(self.items)  # validated when decoded
 
 
 @dataclass(frozen=True, slots=True)
