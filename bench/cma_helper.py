@@ -1,9 +1,14 @@
 """Raw process_vm_readv / process_vm_writev reference, run as a child of the bench process.
 
 The child maps a pool of the same kind as the daemon's (``HugePagePool``, pre-faulted) and moves
-the bench process's engine pages with the bare syscall: iovecs built once, one iovec per page,
-IOV_MAX per call, nothing else timed. The daemon does the same copy behind a descriptor, so the
-ratio daemon / raw is what the daemon costs on top of the kernel's copy.
+the bench process's engine pages with the bare syscall: one iovec per page, IOV_MAX per call,
+iovecs built before the clock starts, nothing else timed. The daemon does the same copy behind a
+descriptor, so the ratio daemon / raw is what the daemon costs on top of the kernel's copy.
+
+Pool side, like the daemon: every repeat moves to or from the next unused stretch of the pool
+(a cursor that wraps), as each store of fresh keys lands in newly allocated pool pages. Copying
+into the same few MiB every time would keep them in the CPU's cache and TLB, which no daemon
+store enjoys: the reference would be measuring a different copy.
 
 ``read_par``/``write_par`` are the same copy cut by bytes into the parts the daemon's host copy
 engine uses for that size (``hkvd.daemon.cma.split_count``/``split_rows``: one part below 8 MiB),
@@ -37,13 +42,28 @@ from hkvd.daemon.cma import (
 from hkvd.daemon.pool import HugePagePool
 
 
-def _parallel_calls(pool: HugePagePool, pages: list[tuple[int, int]], parts: int) -> list[tuple]:
-    """One (local, remote, count, total) call per part; parts as the daemon cuts them."""
+class _Cursor:
+    """Where in the pool the next copy goes: the next stretch of ``nbytes``, wrapping at the end."""
+
+    def __init__(self, pool: HugePagePool) -> None:
+        self.pool = pool
+        self.off = 0
+
+    def take(self, nbytes: int) -> int:
+        if self.off + nbytes > self.pool.size:
+            self.off = 0
+        base = self.pool.base_addr + self.off
+        self.off += nbytes
+        return base
+
+
+def _parallel_calls(base: int, pages: list[tuple[int, int]], parts: int) -> list[tuple]:
+    """One (local, remote, count, total) call per part, the pool side from ``base``; parts as the daemon cuts them."""
     local: list[int] = []
     remote: list[int] = []
     off = 0
     for addr, n in pages:
-        local += (pool.base_addr + off, n)
+        local += (base + off, n)
         remote += (addr, n)
         off += n
     out = []
@@ -56,6 +76,22 @@ def _parallel_calls(pool: HugePagePool, pages: list[tuple[int, int]], parts: int
     return out
 
 
+def _calls(base: int, pages: list[tuple[int, int]]) -> list[tuple]:
+    """(local, remote, count, total) per IOV_MAX pages, the pool side from ``base``."""
+    calls = []
+    local_off = 0
+    for i in range(0, len(pages), IOV_MAX):
+        batch = pages[i:i + IOV_MAX]
+        local = (_Iovec * len(batch))()
+        remote = (_Iovec * len(batch))()
+        for j, (addr, n) in enumerate(batch):
+            local[j].iov_base, local[j].iov_len = base + local_off, n
+            remote[j].iov_base, remote[j].iov_len = addr, n
+            local_off += n
+        calls.append((local, remote, len(batch), sum(n for _, n in batch)))
+    return calls
+
+
 def main() -> int:
     init = json.loads(sys.stdin.readline())
     pid = int(init["pid"])
@@ -63,13 +99,17 @@ def main() -> int:
     rate = pool.prefault()
     parts = default_split_parts()
     threads = ThreadPoolExecutor(max_workers=max(1, parts - 1))
+    cursor = _Cursor(pool)
     print(json.dumps({"ready": True, "prefault_gbps": rate, "kind": pool.kind, "parts": parts}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         pages = [(int(a), int(n)) for a, n in req["pages"]]
         syscall = _libc.process_vm_readv if req["op"].startswith("read") else _libc.process_vm_writev
+        nbytes = sum(n for _, n in pages)
+        if nbytes > pool.size:
+            print(json.dumps({"error": f"{nbytes} bytes do not fit the helper's {pool.size}-byte pool"}), flush=True)
+            return 1
         if req["op"].endswith("_par"):
-            par = _parallel_calls(pool, pages, parts)
 
             def one(call: tuple, syscall=syscall) -> int:  # type: ignore[no-untyped-def]
                 lo, re, count, total = call
@@ -81,6 +121,7 @@ def main() -> int:
             times = []
             try:
                 for _ in range(int(req.get("repeats", 1))):
+                    par = _parallel_calls(cursor.take(nbytes), pages, parts)
                     t0 = time.perf_counter()
                     futs = [threads.submit(one, c) for c in par[1:]]
                     one(par[0])
@@ -92,19 +133,9 @@ def main() -> int:
                 return 1
             print(json.dumps({"times": times}), flush=True)
             continue
-        calls = []
-        local_off = 0
-        for i in range(0, len(pages), IOV_MAX):
-            batch = pages[i:i + IOV_MAX]
-            local = (_Iovec * len(batch))()
-            remote = (_Iovec * len(batch))()
-            for j, (addr, n) in enumerate(batch):
-                local[j].iov_base, local[j].iov_len = pool.base_addr + local_off, n
-                remote[j].iov_base, remote[j].iov_len = addr, n
-                local_off += n
-            calls.append((local, remote, len(batch), sum(n for _, n in batch)))
         times = []
         for _ in range(int(req.get("repeats", 1))):
+            calls = _calls(cursor.take(nbytes), pages)
             t0 = time.perf_counter()
             for local, remote, count, total in calls:
                 got = syscall(pid, local, count, remote, count, 0)

@@ -9,7 +9,8 @@ the daemon's kind. For every (page size, batch size) and every repeat, interleav
 - **store**: one Store descriptor of ``batch`` fresh chunks, submit to Done (the daemon reads the
   engine pages into its pool with process_vm_readv);
 - **raw read**: the helper's bare process_vm_readv of the same engine pages into its pool, one
-  syscall thread (the primitive);
+  syscall thread (the primitive); each repeat into the next unused stretch of its pool, as each
+  daemon store lands in newly allocated pool pages;
 - **raw read, parallel**: the same, cut into the parts the daemon's host copy engine cuts a copy
   of that size into (8 MiB and up: one part per usable CPU, at most 4), one thread each;
 - **memcpy**: numpy copies, page by page, of the same engine pages into a pre-faulted pool-kind
@@ -42,6 +43,7 @@ FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "bat
         "cap": 256 * MiB, "repeats": 9}
 QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 7}
 TARGET = 0.9
+HELPER_POOL = 256 * MiB
 TIMEOUT_S = 60.0
 
 
@@ -93,7 +95,9 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
     helper_parts = 1
     pools: dict[int, float] = {}
     _allow_any_ptracer()
-    helper = Helper(max_bytes, hugepages)
+    # The helper walks its pool as the daemon's stores walk theirs (see bench.cma_helper): a pool
+    # several times the CPU's last-level cache, so no repeat finds its pool pages still cached.
+    helper = Helper(max(2 * max_bytes, HELPER_POOL), hugepages)
     scratch_pool = HugePagePool(max_bytes, hugepages)  # type: ignore[arg-type]
     try:
         scratch_pool.prefault()
