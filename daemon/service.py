@@ -520,7 +520,7 @@ class KVService:
         conn.inflight += 1
         t0 = time.perf_counter()
         try:
-            if nbytes <= engine.inline_max_bytes and not wait_event:
+            if engine.inline_max_bytes and nbytes <= engine.inline_max_bytes and not wait_event:
                 result = engine.copy_ordered(attachment, segments, direction)
             else:
                 result = await self._threaded_copy(engine, attachment, segments, direction, wait_event)
