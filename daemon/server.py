@@ -164,7 +164,7 @@ class _Link(asyncio.Protocol):
             return
         self.server.connections[conn.conn_id] = conn
         self.server._links.add(self)
-        self._timer = asyncio.get_running_loop().call_later(self.cfg.io_timeout_s, self._timed_out, "Hello")
+        self._timer = asyncio.get_running_loop().call_later(self.cfg.io_timeout_s, self._timed_out, "sending Hello")
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -192,7 +192,9 @@ class _Link(asyncio.Protocol):
                     self._close()
 
     def eof_received(self) -> bool:
-        return False  # the client is done sending: close our side once the replies are out
+        """The client is done sending (it may still read): answer its running jobs, then close."""
+        self.closing = True
+        return bool(self.tasks)  # True keeps our side open until the last job answered (_job_done)
 
     def pause_writing(self) -> None:
         """The client is not reading its replies: read no more of its requests, and give it ``io_timeout_s``."""
@@ -281,6 +283,9 @@ class _Link(asyncio.Protocol):
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
+        if self.closing and not self.tasks and self.transport is not None:
+            self.transport.close()  # after EOF (or a close request): the last reply is out
+            return
         self._update_reading()
 
     # ---- output, flow, close -----------------------------------------------------------------

@@ -176,3 +176,24 @@ def test_engine_killed_mid_store_leaves_no_pins_or_leases(daemon):
 def test_sigterm_exits_zero_and_removes_the_socket(daemon):
     assert daemon.stop() == 0
     assert not os.path.exists(daemon.socket_path)
+
+
+def test_a_client_that_half_closes_still_gets_its_replies(daemon):
+    """EOF from the client ends its requests, not its replies: jobs in flight answer, then the daemon closes."""
+    import socket
+
+    eng = engine(daemon, shapes=[GroupShape("full", 1, 1 << 20)], num_blocks=24)  # 16 MiB: a threaded copy
+    keys = chunk_keys(prompt_tokens(32 * 8, seed=5), eng.chunk_size)
+    items = eng.items(0, keys, first_block=1)
+    eng.fill_random(0, [b for it in items for b in it.block_ids], seed=2)
+    req = eng.client.submit_store(items)
+    assert eng.client._sock is not None
+    eng.client._sock.shutdown(socket.SHUT_WR)
+    done = eng.client.wait([req], 30.0)[req]
+    assert done.ok and done.result["stored"] == len(items)
+    deadline = time.monotonic() + 10.0
+    while eng.client.connected and time.monotonic() < deadline:  # then the daemon closes its side
+        eng.client.poll(0.5)
+    assert not eng.client.connected
+    other = engine(daemon, shapes=[GroupShape("full", 1, 1 << 20)], num_blocks=24)
+    assert other.lookup(keys)[0] == len(keys)
