@@ -89,7 +89,7 @@ class Layout:
     @classmethod
     def of(cls, engine: EngineState) -> Layout:
         return cls(engine.fingerprint, engine.chunk_size, tuple(engine.rules),
-                   {g.group_id: g.kind for g in engine.groups.values()}, dict(engine.entry_bytes))
+                   dict(engine.kinds), dict(engine.entry_bytes))
 
 
 class LayoutBook:

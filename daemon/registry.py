@@ -48,17 +48,13 @@ class EngineState:
     groups: dict[int, GroupSpec]
     rules: list[GroupRule]
     entry_bytes: dict[int, int]
+    kinds: dict[int, str]  # group id -> kind ("full", "swa", "mamba")
     attachment: Attachment | None = None
     stats: dict[str, int] = field(default_factory=dict)
 
     @property
     def can_copy(self) -> bool:
         return self.attachment is not None
-
-    @property
-    def kinds(self) -> dict[int, str]:
-        """group id -> kind ("full", "sliding", "mamba")."""
-        return {r.group_id: r.kind for r in self.rules}
 
     def describe(self) -> dict[str, object]:
         return {
@@ -122,6 +118,7 @@ class Registry:
             fingerprint=fp, groups={g.group_id: g for g in spec.groups},
             rules=[GroupRule(g.group_id, g.kind, g.window_tokens) for g in spec.groups],  # type: ignore[arg-type]
             entry_bytes={g.group_id: layout.entry_bytes(g, chunk_size) for g in spec.groups},
+            kinds={g.group_id: g.kind for g in spec.groups},
             attachment=attachment,
         )
         self._engines[state.engine_id] = state

@@ -168,7 +168,7 @@ class KVService:
         if self.peers is not None:  # peers can serve its entries after it leaves
             self.peers.layouts.add(state)
         conn.snapshots = SnapshotOrdering(state.engine_id)
-        self.index.set_groups(state.fingerprint, {g.group_id: g.kind for g in state.groups.values()})
+        self.index.set_groups(state.fingerprint, state.kinds)
         self.metrics.inc("engines_registered")
         log.info("registered engine %d (pid %d, model %s, rank %d/%d, %s, %d groups, fingerprint %s)",
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
