@@ -11,6 +11,7 @@ import dataclasses
 import grp
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,24 +141,23 @@ class DaemonConfig:
 
 
 # Flag name (as in TOML, dashes or underscores) -> (field, converter)
-def _gb(v: Any) -> int:
-    try:
-        gb = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--l1-size-gb {v!r}: expected a number of GiB, e.g. 4 or 0.5") from None
-    if gb <= 0:
-        raise ConfigError(f"--l1-size-gb {v!r}: must be > 0")
-    return int(gb * GIB)
+def _gib(flag: str, example: str) -> Callable[[Any], int]:
+    """Converter for a size flag given in GiB (``flag`` and ``example`` name it in errors)."""
+
+    def convert(v: Any) -> int:
+        try:
+            gb = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag} {v!r}: expected a number of GiB, e.g. {example} or 0.5") from None
+        if gb <= 0:
+            raise ConfigError(f"{flag} {v!r}: must be > 0")
+        return int(gb * GIB)
+
+    return convert
 
 
-def _l2_gb(v: Any) -> int:
-    try:
-        gb = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--l2-size-gb {v!r}: expected a number of GiB, e.g. 100 or 0.5") from None
-    if gb <= 0:
-        raise ConfigError(f"--l2-size-gb {v!r}: must be > 0")
-    return int(gb * GIB)
+_gb = _gib("--l1-size-gb", "4")
+_l2_gb = _gib("--l2-size-gb", "100")
 
 
 TOML_KEYS: dict[str, tuple[str, Any]] = {
