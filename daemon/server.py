@@ -160,7 +160,7 @@ class _Link(asyncio.Protocol):
             log.warning("refused connection from uid %d (pid %d): not in the allowlist", uid, pid)
             self._send(kv.Error(0, PermissionDenied.code, f"uid {uid} may not use this hkvd; add it to "
                                 "allowed-uids in the daemon config"))
-            self._close()
+            self.close()
             return
         self.server.connections[conn.conn_id] = conn
         self.server._links.add(self)
@@ -174,7 +174,7 @@ class _Link(asyncio.Protocol):
         except FrameTooLarge as e:
             assert self.conn is not None
             self._send(kv.Error(0, e.code, e.message))
-            self._close()  # the stream cannot be resynchronised after a bad length
+            self.close()  # the stream cannot be resynchronised after a bad length
             return
         for body in frames:
             if self.closing:
@@ -189,7 +189,7 @@ class _Link(asyncio.Protocol):
                     assert self.conn is not None
                     log.warning("closing connection %d (pid %d): %d bad requests in a row", self.conn.conn_id,
                                 self.conn.pid, self.errors_in_a_row)
-                    self._close()
+                    self.close()
 
     def eof_received(self) -> bool:
         """The client is done sending (it may still read): answer its running jobs, then close."""
@@ -235,7 +235,7 @@ class _Link(asyncio.Protocol):
                                          f"{PROTOCOL_VERSION}; upgrade the older side")
         except KVError as e:
             self._send(kv.Error(0, e.code, e.message))
-            self._close()
+            self.close()
             return
         self.greeted = True
         self._cancel_timer()
@@ -320,9 +320,6 @@ class _Link(asyncio.Protocol):
             self._timer = None
 
     def close(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
         """Stop reading; close once the buffered replies (an error, usually) are written."""
         self.closing = True
         if self.transport is not None:
