@@ -10,12 +10,17 @@ the daemon's kind. For every (page size, batch size) and every repeat, interleav
   engine pages into its pool with process_vm_readv);
 - **raw read**: the helper's bare process_vm_readv of the same engine pages into its pool, one
   syscall thread (the primitive); each repeat into the next unused stretch of its pool, as each
-  daemon store lands in newly allocated pool pages;
+  daemon store lands in newly allocated pool pages (a helper per page size, its pool as large as
+  that page size's reads, so no stretch is written twice; see ``bench.cma_helper``);
 - **raw read, parallel**: the same, cut into the parts the daemon's host copy engine cuts a copy
-  of that size into (8 MiB and up: one part per usable CPU, at most 4), one thread each;
+  of that size into (8 MiB and up: half the usable CPUs, at most 4), one thread each; only where
+  the daemon splits (more than 3 CPUs), else it is the raw read;
 - **memcpy**: numpy copies, page by page, of the same engine pages into a pre-faulted pool-kind
   buffer in this process;
-- and the same three the other way (retrieve / raw process_vm_writev / memcpy back).
+- and the same three the other way (retrieve / raw process_vm_writev / memcpy back), the raw
+  write reading the stretch the last raw read filled, as each retrieve reads the last store's entries;
+- **ping**: the engine's descriptor round trip with no work (median of 50), which every store and
+  retrieve pays on top of its copy: ``+us`` minus ``ping us`` is what the daemon adds beyond it.
 
 Reported: medians of the repeats as GB/s, and the ratios daemon / raw, daemon / raw parallel and
 daemon / memcpy. Target (issue 7): >= 0.9 of the raw primitive at pages >= 2 MiB; the summary
@@ -34,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import Daemon, MiB, gbps, human_bytes, median, readline_timeout, stop_process
-from hkvd.daemon.cma import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc
+from hkvd.daemon.cma import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc, default_split_parts
 from hkvd.daemon.pool import HugePagePool
 from hkvd.shim.synthetic import GroupShape, SyntheticEngine
 from hkvd.transport.wire.kv import Item
@@ -43,7 +48,6 @@ FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "bat
         "cap": 256 * MiB, "repeats": 9}
 QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 7}
 TARGET = 0.9
-HELPER_POOL = 256 * MiB
 TIMEOUT_S = 60.0
 
 
@@ -92,37 +96,40 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
     repeats: int = cfg["repeats"]
     max_bytes = max(p * b for p in pages_list for b in batches if p * b <= cap)
     rows: list[dict[str, Any]] = []
-    helper_parts = 1
+    helper_parts = default_split_parts()  # the daemon's split; the helper child reports its own
     pools: dict[int, float] = {}
     _allow_any_ptracer()
-    # The helper walks its pool as the daemon's stores walk theirs (see bench.cma_helper): a pool
-    # several times the CPU's last-level cache, so no repeat finds its pool pages still cached.
-    helper = Helper(max(2 * max_bytes, HELPER_POOL), hugepages)
     scratch_pool = HugePagePool(max_bytes, hugepages)  # type: ignore[arg-type]
     try:
         scratch_pool.prefault()
         scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
-        helper_parts = int(helper.info.get("parts", 1))
         for page in pages_list:
             fits = [b for b in batches if page * b <= cap]
             if not fits:
                 continue
             # A daemon per page size, its pool holding every entry this page size stores (a warm-up
-            # and ``repeats`` fresh stores per batch): no store here pays for an eviction.
+            # and ``repeats`` fresh stores per batch): no store here pays for an eviction, and every
+            # store lands in pages not written since the pre-fault. The helper's pool holds as many
+            # raw reads, so its reads land in such pages too (see bench.cma_helper).
             stored = sum(fits) * page * (repeats + 1)
             pool_gb = pools[page] = round((stored * 1.1 + 64 * MiB) / (1 << 30), 3)
-            with Daemon("--chunk-size", "16", pool_gb=pool_gb, hugepages=hugepages) as daemon:
-                if not rows:
-                    kind = daemon.status().get("pool", {})
-                    log(f"  daemon pool {kind.get('kind', '?') if isinstance(kind, dict) else '?'}, helper pool "
-                        f"{helper.info.get('kind')}, scratch pool {scratch_pool.kind}, copy parts "
-                        f"{helper_parts} (daemon's default split for copies >= 8 MiB)")
-                rows += _run_page(daemon.socket_path, helper, scratch, page, fits, repeats, log)
+            helper = Helper(stored * (2 if helper_parts > 1 else 1) + page, hugepages)
+            try:
+                helper_parts = int(helper.info.get("parts", helper_parts))
+                with Daemon("--chunk-size", "16", pool_gb=pool_gb, hugepages=hugepages) as daemon:
+                    if not rows:
+                        kind = daemon.status().get("pool", {})
+                        log(f"  daemon pool {kind.get('kind', '?') if isinstance(kind, dict) else '?'}, helper "
+                            f"pool {helper.info.get('kind')}, scratch pool {scratch_pool.kind}, copy parts "
+                            f"{helper_parts} (daemon's default split for copies >= 8 MiB)")
+                    rows += _run_page(daemon.socket_path, helper, scratch, page, fits, repeats, log,
+                                      par=helper_parts > 1)
+            finally:
+                helper.close()
             _allow_any_ptracer()
     finally:
         del scratch
         scratch_pool.close()
-        helper.close()
     big = [r for r in rows if r["page_bytes"] >= 2 * MiB]
     summary = {
         "min_store_vs_raw_ge_2MiB": min((r["store_vs_raw"] for r in big), default=float("nan")),
@@ -144,7 +151,8 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
 
 
 def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, batches: list[int],
-              repeats: int, log: Any) -> list[dict[str, Any]]:
+              repeats: int, log: Any, *, par: bool = False) -> list[dict[str, Any]]:
+    """Rows for one page size; ``par``: also time the raw copies in the daemon's split parts."""
     nb = max(batches) + 1  # block 0 is the null block
     eng = SyntheticEngine(socket_path, [GroupShape("full", 1, page)], num_blocks=nb, tokens_per_block=16,
                           chunk_size=16, model=f"bench-{page}", timeout_s=TIMEOUT_S)
@@ -184,7 +192,8 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
             stored = items(_fresh_keys(batch))
             eng.store(stored)
             helper.run("read", pages)
-            helper.run("read_par", pages)
+            if par:
+                helper.run("read_par", pages)
             memcpy_to()
             expect = eng.buffer[page:(batch + 1) * page].copy()
             eng.buffer[page:(batch + 1) * page] = 0
@@ -194,9 +203,11 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
             if done.result.get("nbytes") != nbytes:
                 raise RuntimeError(f"retrieve moved {done.result.get('nbytes')} bytes, expected {nbytes}")
             helper.run("write", pages)
-            helper.run("write_par", pages)
+            if par:
+                helper.run("write_par", pages)
             memcpy_from()
             del expect
+            ping_s = median([eng.client.ping() for _ in range(50)])
 
             t: dict[str, list[float]] = {k: [] for k in ("store", "raw_read", "raw_read_par", "memcpy_to",
                                                          "retrieve", "raw_write", "raw_write_par", "memcpy_from")}
@@ -205,13 +216,17 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
                 t["store"].append(timed(eng.store, fresh))
                 stored = fresh
                 t["raw_read"] += helper.run("read", pages)
-                t["raw_read_par"] += helper.run("read_par", pages)
+                if par:
+                    t["raw_read_par"] += helper.run("read_par", pages)
                 t["memcpy_to"].append(memcpy_to())
             for _ in range(repeats):
                 t["retrieve"].append(timed(eng.retrieve, stored))
                 t["raw_write"] += helper.run("write", pages)
-                t["raw_write_par"] += helper.run("write_par", pages)
+                if par:
+                    t["raw_write_par"] += helper.run("write_par", pages)
                 t["memcpy_from"].append(memcpy_from())
+            if not par:  # the daemon does not split: its parallel reference is the raw copy itself
+                t["raw_read_par"], t["raw_write_par"] = t["raw_read"], t["raw_write"]
             g = {k: gbps(nbytes, median(v)) for k, v in t.items()}
             row = {
                 "page_bytes": page, "batch": batch, "request_bytes": nbytes, "repeats": repeats,
@@ -227,6 +242,7 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
                 # What one descriptor round trip adds to the kernel's copy, in microseconds.
                 "store_overhead_us": (median(t["store"]) - median(t["raw_read"])) * 1e6,
                 "retrieve_overhead_us": (median(t["retrieve"]) - median(t["raw_write"])) * 1e6,
+                "ping_us": ping_s * 1e6,  # the descriptor round trip alone: part of both overheads
                 "median_s": {k: median(v) for k, v in t.items()},
             }
             rows.append(row)
@@ -244,11 +260,12 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     par = result.get("summary", {}).get("split_parts", 1) > 1  # raw par == raw when the daemon does not split
     headers = ["page", "batch", "store GB/s", "raw readv GB/s", "store/raw", *(["store/raw par"] * par),
                "store/memcpy", "retrieve GB/s", "raw writev GB/s", "retrieve/raw", *(["retrieve/raw par"] * par),
-               "retrieve/memcpy", "store +us", "retrieve +us"]
+               "retrieve/memcpy", "store +us", "retrieve +us", "ping us"]
     rows = [[human_bytes(r["page_bytes"]), r["batch"], r["store_gbps"], r["raw_read_gbps"], r["store_vs_raw"],
              *([r["store_vs_raw_par"]] * par), r["store_vs_memcpy"], r["retrieve_gbps"], r["raw_write_gbps"],
              r["retrieve_vs_raw"], *([r["retrieve_vs_raw_par"]] * par), r["retrieve_vs_memcpy"],
-             r["store_overhead_us"], r["retrieve_overhead_us"]] for r in result["rows"]]
+             r["store_overhead_us"], r["retrieve_overhead_us"], r.get("ping_us", float("nan"))]
+            for r in result["rows"]]
     return headers, rows
 
 

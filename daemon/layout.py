@@ -217,6 +217,9 @@ def segments_for_entry(
     if have != need:
         raise ValueError(f"group {group.group_id}: extents hold {have} bytes, the entry has {need}")
 
+    if len(template) == 1 and len(extents) == 1:  # the common case: one run per block, one extent
+        return _one_run_one_extent(template[0], block_ids, extents[0][0])
+
     # Output as parallel lists; built into Segments at the end (cheaper than replacing frozen objects).
     regs: list[int] = []
     roffs: list[int] = []
@@ -246,3 +249,22 @@ def segments_for_entry(
                 ext_off += n
                 ext_left -= n
     return [Segment(r, ro, po, n) for r, ro, po, n in zip(regs, roffs, poffs, sizes, strict=True)]
+
+
+def _one_run_one_extent(run: tuple[int, int, int, int], block_ids: Sequence[int], pool_offset: int) -> list[Segment]:
+    """``segments_for_entry`` for one template run into one extent: the pool side is contiguous, so
+    blocks merge exactly when they are adjacent on the engine side too."""
+    region_id, base, stride, page = run
+    out: list[Segment] = []
+    start = end = -1  # engine-side bytes [start, end) of the open segment
+    seg_pool = pool_offset
+    for b in block_ids:
+        roff = base + b * stride
+        if roff != end:
+            if end >= 0:
+                out.append(Segment(region_id, start, seg_pool, end - start))
+                seg_pool += end - start
+            start = roff
+        end = roff + page
+    out.append(Segment(region_id, start, seg_pool, end - start))
+    return out

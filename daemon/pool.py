@@ -151,6 +151,7 @@ class SlabAllocator:
         self._free_superblocks: list[int] = list(range(self.num_superblocks))  # sorted == valid heap
         self._superblocks: list[_Superblock | None] = [None] * self.num_superblocks
         self._classes: dict[int, _SizeClass] = {}
+        self._plans: dict[int, tuple[int, int]] = {}  # nbytes -> plan(nbytes); engines use a few sizes
         self._used_bytes = 0
         self._reserved_bytes = 0
         self._allocations = 0
@@ -182,7 +183,12 @@ class SlabAllocator:
         """Take room for ``nbytes``; ``None`` when it does not fit now (evict and retry)."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
-        slot, k = self.plan(nbytes)
+        planned = self._plans.get(nbytes)
+        if planned is None:
+            if len(self._plans) >= 4096:  # sizes come from registered layouts: few, but keep it bounded
+                self._plans.clear()
+            planned = self._plans[nbytes] = self.plan(nbytes)
+        slot, k = planned
         with self._lock:
             cls = self._classes.get(slot)
             have = cls.free_slots if cls is not None else 0

@@ -40,12 +40,14 @@ def test_store_retrieve_rows_move_every_byte() -> None:
         scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
         with Daemon("--chunk-size", "16", pool_gb=0.0625, hugepages="off") as daemon:
             # _run_page raises unless each retrieve brings back exactly the stored bytes.
-            rows = store_retrieve._run_page(daemon.socket_path, helper, scratch, page, batches, 1, lambda *_: None)
+            rows = store_retrieve._run_page(daemon.socket_path, helper, scratch, page, batches, 1, lambda *_: None,
+                                            par=True)
         del scratch
     finally:
         scratch_pool.close()
         helper.close()
     assert [r["batch"] for r in rows] == batches
+    assert all(r["ping_us"] > 0 for r in rows)
     for r in rows:
         assert r["request_bytes"] == r["batch"] * page
         for k in ("store_gbps", "raw_read_gbps", "raw_read_par_gbps", "retrieve_gbps", "raw_write_gbps",
@@ -100,3 +102,16 @@ def test_plots_are_written(tmp_path: Path) -> None:
     for with_lmcache in (False, True):
         (path,) = control_plane.plot(plt, _cp_result(with_lmcache), tmp_path)
         assert Path(path).stat().st_size > 1000
+
+
+def test_cma_helper_reads_walk_fresh_pool_and_writes_read_the_last_read() -> None:
+    from bench.cma_helper import _Cursor
+
+    class Pool:
+        base_addr, size = 1 << 20, 100
+
+    c = _Cursor(Pool())  # type: ignore[arg-type]
+    assert [c.take(30), c.take(30), c.take(30)] == [Pool.base_addr, Pool.base_addr + 30, Pool.base_addr + 60]
+    assert c.written(30) == c.written(20) == Pool.base_addr + 60  # what the last read filled
+    assert c.written(40) == Pool.base_addr  # more than the last read: a fresh stretch (wrapped here)
+    assert c.take(10) == Pool.base_addr + 40
