@@ -23,8 +23,10 @@ the daemon's kind. For every (page size, batch size) and every repeat, interleav
   retrieve pays on top of its copy: ``+us`` minus ``ping us`` is what the daemon adds beyond it.
 
 Reported: medians of the repeats as GB/s, and the ratios daemon / raw, daemon / raw parallel and
-daemon / memcpy. Target (issue 7): >= 0.9 of the raw primitive at pages >= 2 MiB; the summary
-gives it against both raw references.
+daemon / memcpy; and the ratio of the best repeats (``*_best``: fastest store against fastest raw
+read), which leaves out what other tenants of a shared machine cost either side (on a 2-core VM
+the same copy ranges 15-90 ms within a minute). Target (issue 7): >= 0.9 of the raw primitive at
+pages >= 2 MiB; the summary gives it against both raw references, by medians and by best repeats.
 """
 
 from __future__ import annotations
@@ -140,13 +142,15 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
         "min_retrieve_vs_raw_par_ge_2MiB": min((r["retrieve_vs_raw_par"] for r in big), default=float("nan")),
         "rows_meeting_target_vs_raw_par_ge_2MiB": sum(
             r["store_vs_raw_par"] >= TARGET and r["retrieve_vs_raw_par"] >= TARGET for r in big),
+        "rows_meeting_target_best_ge_2MiB": sum(r["store_vs_raw_best"] >= TARGET
+                                                and r["retrieve_vs_raw_best"] >= TARGET for r in big),
         "rows_ge_2MiB": len(big),
         "target": TARGET,
         "split_parts": helper_parts,
     }
     log(f"  >= 2 MiB pages: {summary['rows_meeting_target_ge_2MiB']}/{len(big)} rows at >= {TARGET} of raw "
         f"(1 thread) both ways, {summary['rows_meeting_target_vs_raw_par_ge_2MiB']}/{len(big)} against raw in "
-        f"{helper_parts} parallel parts")
+        f"{helper_parts} parallel parts; {summary['rows_meeting_target_best_ge_2MiB']}/{len(big)} by best repeats")
     return {"config": {**cfg, "hugepages": hugepages, "pool_gb_by_page": pools}, "rows": rows, "summary": summary}
 
 
@@ -243,14 +247,18 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
                 "store_overhead_us": (median(t["store"]) - median(t["raw_read"])) * 1e6,
                 "retrieve_overhead_us": (median(t["retrieve"]) - median(t["raw_write"])) * 1e6,
                 "ping_us": ping_s * 1e6,  # the descriptor round trip alone: part of both overheads
+                "store_vs_raw_best": min(t["raw_read"]) / min(t["store"]),
+                "retrieve_vs_raw_best": min(t["raw_write"]) / min(t["retrieve"]),
                 "median_s": {k: median(v) for k, v in t.items()},
+                "best_s": {k: min(v) for k, v in t.items()},
             }
             rows.append(row)
             log(f"  {human_bytes(page):>7} x {batch:<3} store {row['store_gbps']:5.2f} GB/s "
                 f"({row['store_vs_raw']:.2f} raw, {row['store_vs_raw_par']:.2f} raw par, "
-                f"{row['store_vs_memcpy']:.2f} memcpy)  retrieve {row['retrieve_gbps']:5.2f} GB/s "
-                f"({row['retrieve_vs_raw']:.2f} raw, {row['retrieve_vs_raw_par']:.2f} raw par, "
-                f"{row['retrieve_vs_memcpy']:.2f} memcpy)")
+                f"{row['store_vs_memcpy']:.2f} memcpy, best {row['store_vs_raw_best']:.2f} raw)  "
+                f"retrieve {row['retrieve_gbps']:5.2f} GB/s ({row['retrieve_vs_raw']:.2f} raw, "
+                f"{row['retrieve_vs_raw_par']:.2f} raw par, {row['retrieve_vs_memcpy']:.2f} memcpy, "
+                f"best {row['retrieve_vs_raw_best']:.2f} raw)")
     finally:
         eng.close()
     return rows
@@ -258,13 +266,16 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     par = result.get("summary", {}).get("split_parts", 1) > 1  # raw par == raw when the daemon does not split
+    nan = float("nan")
     headers = ["page", "batch", "store GB/s", "raw readv GB/s", "store/raw", *(["store/raw par"] * par),
-               "store/memcpy", "retrieve GB/s", "raw writev GB/s", "retrieve/raw", *(["retrieve/raw par"] * par),
-               "retrieve/memcpy", "store +us", "retrieve +us", "ping us"]
+               "store/raw best", "store/memcpy", "retrieve GB/s", "raw writev GB/s", "retrieve/raw",
+               *(["retrieve/raw par"] * par), "retrieve/raw best", "retrieve/memcpy", "store +us", "retrieve +us",
+               "ping us"]
     rows = [[human_bytes(r["page_bytes"]), r["batch"], r["store_gbps"], r["raw_read_gbps"], r["store_vs_raw"],
-             *([r["store_vs_raw_par"]] * par), r["store_vs_memcpy"], r["retrieve_gbps"], r["raw_write_gbps"],
-             r["retrieve_vs_raw"], *([r["retrieve_vs_raw_par"]] * par), r["retrieve_vs_memcpy"],
-             r["store_overhead_us"], r["retrieve_overhead_us"], r.get("ping_us", float("nan"))]
+             *([r["store_vs_raw_par"]] * par), r.get("store_vs_raw_best", nan), r["store_vs_memcpy"],
+             r["retrieve_gbps"], r["raw_write_gbps"], r["retrieve_vs_raw"], *([r["retrieve_vs_raw_par"]] * par),
+             r.get("retrieve_vs_raw_best", nan), r["retrieve_vs_memcpy"], r["store_overhead_us"],
+             r["retrieve_overhead_us"], r.get("ping_us", nan)]
             for r in result["rows"]]
     return headers, rows
 
