@@ -17,7 +17,10 @@ set:
 - **bare**: the bare process authenticates like a peer, looks up the same keys (untimed) for the
   same remote extents, then times one NIXL READ of exactly those descriptors into memory of the
   pool's kind, registered once (``initialize_xfer`` + ``transfer`` + polling every 50 us), with its
-  agent configured as the daemon's.
+  agent configured as the daemon's. Each READ lands in the next unused stretch of that memory, as
+  each pull lands in newly allocated pool entries: writing into pages nothing wrote since the
+  pre-fault is slower than rewriting the same buffer (see ``bench.cma_helper``), and a reference
+  that reused one buffer would measure a different copy.
 
 Ratio = median over repetitions of pull GB/s / bare GB/s, each pair run back to back (target >= 0.9).
 Links are warmed before timing (connection, handshake and NIXL metadata exchange happen once per
@@ -90,6 +93,7 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
     pool.prefault()
     buf = np.frombuffer(pool.buffer, dtype=np.uint8)
     agent.register_memory([(pool.base_addr, pool.size, 0, "")], "DRAM")
+    cursor = [0]  # the next unused byte of the pool; a READ that would not fit starts over at 0
     peers: dict[str, str] = {}
 
     async def lookup(address: str, fp: bytes, keys: list[bytes]) -> tuple[Any, Any, FrameStream]:
@@ -111,12 +115,17 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
     async def one(address: str, fp: bytes, keys: list[bytes]) -> dict[str, Any]:
         welcome, reply, s = await lookup(address, fp, keys)
         entries = parse_entries(reply.entries)
-        descs, off = [], buf.ctypes.data
+        total = sum(e.nbytes for e in entries)
+        if cursor[0] + total > pool.size:
+            cursor[0] = 0
+        start = buf.ctypes.data + cursor[0]
+        descs, off = [], start
         for e in entries:
             descs.extend(pair_extents(e.extents, [(off, e.nbytes)]))
             off += e.nbytes
         descs = merge(descs)
-        nbytes = off - buf.ctypes.data
+        nbytes = off - start
+        cursor[0] += nbytes
         local = np.array([(d.local_addr, d.nbytes, 0) for d in descs], dtype=np.uint64)
         remote = np.array([(d.remote_addr, d.nbytes, 0) for d in descs], dtype=np.uint64)
         t0 = time.perf_counter()
@@ -131,7 +140,7 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
         await s.send(PeerRelease(2, reply.lease_id), 10)
         await s.aclose()
         return {"state": state, "nbytes": nbytes, "seconds": seconds, "descs": len(descs),
-                "hit_chunks": reply.hit_chunks, "head": bytes(buf[:64]).hex()}
+                "hit_chunks": reply.hit_chunks}
 
     conn.send({"ready": True})
     while True:
@@ -191,7 +200,8 @@ class Bare:
 def _bench_tls(tls: str, cases: list[tuple[int, int]], reps: int, hugepages: str, log: Any) -> list[dict[str, Any]]:
     env = {**BASE_ENV, "UCX_TLS": TLS[tls]}
     rows: list[dict[str, Any]] = []
-    bare = Bare(env, max(size for size, _ in cases), hugepages)
+    # Room for every READ of the largest case (a warm-up and ``reps``) without reusing a byte.
+    bare = Bare(env, (reps + 1) * max(size for size, _ in cases), hugepages)
     try:
         for size, entry in cases:
             rows.append(_bench_case(tls, env, size, entry, reps, hugepages, bare, log))
