@@ -115,3 +115,14 @@ def test_cma_helper_reads_walk_fresh_pool_and_writes_read_the_last_read() -> Non
     assert c.written(30) == c.written(20) == Pool.base_addr + 60  # what the last read filled
     assert c.written(40) == Pool.base_addr  # more than the last read: a fresh stretch (wrapped here)
     assert c.take(10) == Pool.base_addr + 40
+
+
+def test_store_retrieve_run_sizes_a_helper_per_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small pages store little: the helper's pool still has to be a valid pool (>= one superblock).
+    monkeypatch.setitem(store_retrieve.QUICK, "pages", [64 * KIB, 128 * KIB])
+    monkeypatch.setitem(store_retrieve.QUICK, "batches", [1, 2])
+    monkeypatch.setitem(store_retrieve.QUICK, "repeats", 1)
+    result = store_retrieve.run(quick=True, hugepages="off", log=lambda *_: None)
+    assert [(r["page_bytes"], r["batch"]) for r in result["rows"]] == [
+        (64 * KIB, 1), (64 * KIB, 2), (128 * KIB, 1), (128 * KIB, 2)]
+    assert all(r["store_vs_raw_best"] > 0 and r["retrieve_vs_raw_best"] > 0 for r in result["rows"])
