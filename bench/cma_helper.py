@@ -8,7 +8,7 @@ descriptor, so the ratio daemon / raw is what the daemon costs on top of the ker
 Pool side, like the daemon: every read (the store's direction) moves into the next unused
 stretch of the pool (a cursor that wraps only if the pool is too small), as each store of fresh
 keys lands in pool pages nothing has written since the pre-fault; the bench sizes the pool so it
-never wraps. Writing into pages written moments ago is 5-8% faster on a 2-core VM than into
+never wraps. Writing into pages written moments ago is 4-8% faster on a 2-core VM than into
 such pages (measured with 16-128 MiB copies), so a reference that recycled a small pool would be
 measuring a different copy. Every write (the retrieve's direction) reads the stretch the last
 read filled, as the daemon's retrieves read the entries its last store wrote.
