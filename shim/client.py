@@ -239,14 +239,16 @@ class DaemonClient:
             raise DaemonUnavailable(f"lost the connection to hkvd: {e}") from None
 
     def _send_bytes(self, data: bytes) -> None:
-        """Write all of ``data`` on the non-blocking socket, waiting at most ``timeout_s`` for room."""
+        """Write all of ``data`` on the non-blocking socket; fail once the daemon has taken none of it for
+        ``timeout_s`` (a daemon that keeps reading a large frame, however slowly, is not cut off)."""
         sock = self._sock
         assert sock is not None
         view = memoryview(data)
-        deadline = 0.0
+        deadline = 0.0  # set when the socket is full, cleared by any progress
         while view:
             try:
                 view = view[sock.send(view):]
+                deadline = 0.0
                 continue
             except BlockingIOError:
                 pass
