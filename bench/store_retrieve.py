@@ -50,7 +50,7 @@ FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "bat
         "cap": 256 * MiB, "repeats": 9}
 QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 7}
 TARGET = 0.9
-HELPER_POOL_MIN = 64 * MiB  # the smallest helper pool: two of the pool's 32 MiB superblocks
+MIN_POOL_BYTES = 64 * MiB  # the smallest helper or scratch pool: two of the pool's 32 MiB superblocks
 TIMEOUT_S = 60.0
 
 
@@ -102,7 +102,7 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
     helper_parts = default_split_parts()  # the daemon's split; the helper child reports its own
     pools: dict[int, float] = {}
     _allow_any_ptracer()
-    scratch_pool = HugePagePool(max(max_bytes, HELPER_POOL_MIN), hugepages)  # type: ignore[arg-type]
+    scratch_pool = HugePagePool(max(max_bytes, MIN_POOL_BYTES), hugepages)  # type: ignore[arg-type]
     try:
         scratch_pool.prefault()
         scratch = np.frombuffer(scratch_pool.buffer, dtype=np.int8)
@@ -116,7 +116,7 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
             # raw reads, so its reads land in such pages too (see bench.cma_helper).
             stored = sum(fits) * page * (repeats + 1)
             pool_gb = pools[page] = round((stored * 1.1 + 64 * MiB) / (1 << 30), 3)
-            helper = Helper(max(stored * (2 if helper_parts > 1 else 1) + page, HELPER_POOL_MIN), hugepages)
+            helper = Helper(max(stored * (2 if helper_parts > 1 else 1) + page, MIN_POOL_BYTES), hugepages)
             try:
                 helper_parts = int(helper.info.get("parts", helper_parts))
                 with Daemon("--chunk-size", "16", pool_gb=pool_gb, hugepages=hugepages) as daemon:

@@ -402,7 +402,7 @@ class KVService:
         try:
             if segments:
                 nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
-                                               sum(e.nbytes for e in entries), wait_event)).nbytes
+                                               wait_event)).nbytes
         except BaseException:
             for e in entries:
                 self.index.abandon_write(e)
@@ -448,8 +448,7 @@ class KVService:
         for e in entries:
             self.index.pin(e)
         try:
-            result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL,
-                                          sum(e.nbytes for e in entries))
+            result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
         finally:
             for e in entries:
                 self.index.unpin(e)
@@ -512,15 +511,16 @@ class KVService:
 
     # ---- copies --------------------------------------------------------------------------------
     async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
-                        direction: Direction, nbytes: int, wait_event: bytes = b"") -> CopyResult:
-        """Move ``segments`` (``nbytes`` in all): on a copy thread with a timeout, or on the loop
-        when the engine says a copy this small costs less than the hand-off (``inline_max_bytes``)."""
+                        direction: Direction, wait_event: bytes = b"") -> CopyResult:
+        """Move ``segments``: on a copy thread with a timeout, or on the loop when the engine says a
+        copy this small costs less than the hand-off (``inline_max_bytes``)."""
         assert attachment is not None
         engine = self.registry.copy_engine
         conn.inflight += 1
         t0 = time.perf_counter()
         try:
-            if engine.inline_max_bytes and nbytes <= engine.inline_max_bytes and not wait_event:
+            if (engine.inline_max_bytes and not wait_event
+                    and sum(s.nbytes for s in segments) <= engine.inline_max_bytes):
                 result = engine.copy_ordered(attachment, segments, direction)
             else:
                 result = await self._threaded_copy(engine, attachment, segments, direction, wait_event)

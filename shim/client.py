@@ -289,8 +289,7 @@ class DaemonClient:
             if left <= 0:
                 self._lost("handshake timed out")
                 raise DaemonUnavailable(f"hkvd at {self.socket_path} did not answer Hello within {timeout_s} s")
-            ready, _, _ = select.select([self._sock], [], [], left)
-            if not ready:
+            if not self._poller.poll(left * 1000.0):
                 continue
             try:
                 data = self._sock.recv(READ_BYTES)
