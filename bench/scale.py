@@ -8,6 +8,11 @@ probe (``is_ready``, the call the hit planner makes per chunk) for existing and 
 The reference for lookups is a plain ``dict`` membership test on the same keys in the same run:
 the ratio stays flat if the index adds O(1) work per probe.
 
+Collector pauses: the same build to 10^6 entries twice, once with CPython's collector as it is and
+once under the daemon's heap policy (``hkvd.daemon.heap``: freeze after start-up and every 10 000
+entries written); for each, the longest pause of the cyclic collector (the event loop stands still
+that long), the number of full collections and their total time.
+
 Pre-fault: ``HugePagePool.prefault`` GB/s against memset (numpy fill) GB/s on the same pool once
 faulted, in the same run.
 """
@@ -24,7 +29,9 @@ import numpy as np
 
 from bench.common import GiB, MiB, median
 from hkvd.daemon.eviction import LRUPolicy
+from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY, HeapPolicy
 from hkvd.daemon.index import Index
+from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.pool import PAGE, HugePagePool
 
 SIZES = (10_000, 100_000, 1_000_000)
@@ -114,6 +121,43 @@ def index_growth(sizes: tuple[int, ...] = SIZES, log: Any = print, trace_upto: i
     return rows
 
 
+def gc_pauses(top: int, log: Any = print) -> list[dict[str, Any]]:
+    """Grow an index to ``top`` entries with CPython's collector as it is, then under the daemon's
+    heap policy (its housekeeping tick stood in for by a check every 1 000 writes)."""
+    fp = os.urandom(16)
+    chunk_keys = [os.urandom(16) for _ in range(top)]
+    rows = []
+    for mode, every in (("python", 0), ("hkvd", DEFAULT_FREEZE_EVERY)):
+        pool = HugePagePool(top * ENTRY + 64 * MiB, "off")  # mapped, never faulted
+        metrics = Metrics()
+        heap = HeapPolicy(every, metrics)
+        gc.collect()
+        heap.install()
+        try:
+            index = Index(pool, LRUPolicy())
+            heap.start(index.writes)
+            t0 = time.perf_counter()
+            for start in range(0, top, 1000):
+                _fill(index, fp, chunk_keys, start, min(start + 1000, top))
+                heap.maybe_freeze(index.writes)
+            build = time.perf_counter() - t0
+        finally:
+            heap.uninstall()  # also unfreezes
+        row = {"mode": mode, "entries": top, "freeze_every": every, "longest_pause_ms": heap.max_pause_s * 1e3,
+               "full_collections": int(metrics.get("gc_collections", generation="2")),
+               "full_collection_s": metrics.get("gc_pause_seconds", generation="2"),
+               "gc_s": metrics.total("gc_pause_seconds"), "build_s": build, "freezes": heap.freezes}
+        rows.append(row)
+        how = f"freeze every {every} writes" if every else "as CPython ships"
+        log(f"  collector, {mode:6} ({how}): longest "
+            f"pause {row['longest_pause_ms']:.1f} ms, {row['full_collections']} full collections "
+            f"({row['full_collection_s']:.2f} s), all collections {row['gc_s']:.2f} s of a {build:.1f} s build")
+        del index
+        gc.collect()
+        pool.close()
+    return rows
+
+
 def prefault(size: int, hugepages: str, log: Any = print) -> dict[str, Any]:
     pool = HugePagePool(size, hugepages)  # type: ignore[arg-type]
     try:
@@ -138,14 +182,21 @@ def prefault(size: int, hugepages: str, log: Any = print) -> dict[str, Any]:
 def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any]:
     rows = index_growth(SIZES, log, trace_upto=100_000 if quick else 0)
     flat = rows[-1]["lookup_hit_ns"] / rows[0]["lookup_hit_ns"]
+    pauses = gc_pauses(max(SIZES), log)
+    by = {r["mode"]: r for r in pauses}
     pf = prefault((512 * MiB) if quick else (4 * GiB), hugepages, log)
-    return {"index": rows, "lookup_growth_1e6_vs_1e4": flat, "prefault": pf}
+    return {"index": rows, "lookup_growth_1e6_vs_1e4": flat, "gc": pauses,
+            "gc_longest_pause_hkvd_vs_python": by["hkvd"]["longest_pause_ms"] / by["python"]["longest_pause_ms"],
+            "prefault": pf}
 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     headers = ["entries", "B/entry", "lookup hit ns", "lookup miss ns", "dict probe ns", "hit / dict"]
     rows = [[f"{r['entries']:,}", r["bytes_per_entry"], r["lookup_hit_ns"], r["lookup_miss_ns"], r["dict_ref_ns"],
              r["hit_vs_dict"]] for r in result["index"]]
+    for g in result.get("gc", []):
+        rows.append([f"collector: {g['mode']}", "-", f"longest pause {g['longest_pause_ms']:.1f} ms",
+                     f"{g['full_collections']} full", f"all {g['gc_s']:.2f} s / build {g['build_s']:.1f} s", "-"])
     p = result["prefault"]
     rows.append([f"pre-fault {p['pool_bytes'] >> 20} MiB {p['kind']}", "-", f"{p['prefault_gbps']:.2f} GB/s",
                  "-", f"memset {p['memset_gbps']:.2f} GB/s", p["prefault_vs_memset"]])

@@ -37,6 +37,7 @@ from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
 from hkvd.daemon.disk_tier import DiskTier
 from hkvd.daemon.eviction import make_policy
+from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.notify import Notifier
@@ -48,7 +49,7 @@ from hkvd.daemon.service import KVService
 
 log = logging.getLogger("hkvd")
 
-LEASE_SWEEP_S = 1.0
+HOUSEKEEPING_S = 1.0
 STATUS_EVERY_S = 10.0
 RELOADABLE = ("log_level", "lease_ttl_s")
 
@@ -58,6 +59,7 @@ class Daemon:
                  reload_config: Callable[[], DaemonConfig] | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics()
+        self.heap = HeapPolicy(cfg.gc_freeze_every, self.metrics)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self.stopping = False
@@ -126,6 +128,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         self.notifier.status("starting")
         executor = ThreadPoolExecutor(max_workers=cfg.copy_threads, thread_name_prefix="hkvd-copy")
+        self.heap.install()
         try:
             await self._start_http()
             await self._run(executor)
@@ -135,6 +138,7 @@ class Daemon:
             raise
         finally:
             self.stopping = True
+            self.heap.uninstall()
             if self.http is not None:
                 await self.http.close()
             executor.shutdown(wait=True, cancel_futures=True)
@@ -168,6 +172,7 @@ class Daemon:
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine)
             self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk)
+            self.service.heap = self.heap
             self.server = Server(cfg, self.service)
             if peers_wanted(cfg):
                 from hkvd.daemon.peers import PeerService
@@ -184,7 +189,8 @@ class Daemon:
                      cfg.eviction_policy)
             self.notifier.ready(f"ready on {cfg.socket_path}; {self.pool.size >> 20} MiB "
                                 f"{self.pool.kind} pool")
-            background.append(tg.create_task(self._sweep_leases(index)))
+            self.heap.start(index.writes)
+            background.append(tg.create_task(self._housekeeping(index)))
             if self.notifier.enabled:
                 background.append(tg.create_task(self._report_status()))
             await self._stop.wait()
@@ -238,12 +244,14 @@ class Daemon:
             await asyncio.sleep(STATUS_EVERY_S)
             self.notifier.status(self.summary())
 
-    async def _sweep_leases(self, index: Index) -> None:
+    async def _housekeeping(self, index: Index) -> None:
+        """Every second: expire leases; freeze the heap when enough entries were written (daemon/heap.py)."""
         while True:
-            await asyncio.sleep(LEASE_SWEEP_S)
+            await asyncio.sleep(HOUSEKEEPING_S)
             expired = index.expire_leases()
             if expired:
                 self.metrics.inc("leases_expired", expired)
+            self.heap.maybe_freeze(index.writes)
 
     def reload(self) -> None:
         """SIGHUP: apply the reloadable keys of the re-read config; log the rest as needing a restart."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
+
 GIB = 1 << 30
 EVICTION_POLICIES = ("lru", "hybrid")
 HUGEPAGE_MODES = ("auto", "require", "off")
@@ -69,6 +71,7 @@ class DaemonConfig:
     peer_allow: tuple[str, ...] = ()  # addresses / CIDRs that may connect; empty: loopback only
     peer_timeout_s: float = 10.0  # connect, handshake, each control request
     peer_pull_timeout_s: float = 20.0  # a whole pull (also capped below the serving lease's TTL)
+    gc_freeze_every: int = DEFAULT_FREEZE_EVERY  # entries written between gc.freeze() calls (daemon/heap.py); 0 = off
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +106,9 @@ class DaemonConfig:
             raise ConfigError(f"--event-loop {self.event_loop!r}: choose one of {EVENT_LOOPS}")
         if not 1 <= self.copy_threads <= 64:
             raise ConfigError("--copy-threads must be between 1 and 64")
+        if self.gc_freeze_every < 0:
+            raise ConfigError(f"--gc-freeze-every {self.gc_freeze_every}: must be >= 0 (entries written between "
+                              "freezes of the heap; 0 leaves Python's collector as it is)")
         if self.mamba_checkpoint_interval < 1:
             raise ConfigError("--mamba-checkpoint-interval must be >= 1 (1 keeps every boundary state)")
         if not 1 << 12 <= self.max_frame_bytes <= 1 << 30:
@@ -188,6 +194,7 @@ TOML_KEYS: dict[str, tuple[str, Any]] = {
                                                  if str(x).strip())),
     "peer_timeout_s": ("peer_timeout_s", float),
     "peer_pull_timeout_s": ("peer_pull_timeout_s", float),
+    "gc_freeze_every": ("gc_freeze_every", int),
 }
 
 

@@ -53,6 +53,8 @@ HELP = {
     **COUNTERS,
     "l2_hits": "Entries read from the disk tier into the pool for a lookup, by group kind",
     "l2_read_failures": "Disk-tier reads not served (checksum, truncated, io, timeout, pool_full), by reason",
+    "gc_collections": "Cyclic garbage collections, by generation",
+    "gc_pause_seconds": "Seconds the event loop stood still in garbage collections, by generation",
 }
 # The disk tier's counters (status()["l2"]), exported as hkvd_l2_<name>_total.
 L2_COUNTERS = {

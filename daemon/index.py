@@ -90,6 +90,7 @@ class Index:
         self._orphans_dropped = 0
         self._orphans_marked = 0
         self.stores_dropped = 0
+        self.writes = 0  # entries begun since start (the heap policy freezes by it)
         self._groups: dict[bytes, Groups] = {}  # fingerprint -> (full-attention, Mamba) group ids
         self._chains = ChainTracker(lambda fp: self._groups.get(fp, _NO_GROUPS))
 
@@ -116,6 +117,7 @@ class Index:
         if key in self._entries:
             return None
         alloc = self._alloc_evicting(nbytes)
+        self.writes += 1
         entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent)
         self._entries[key] = entry
         return entry

@@ -101,6 +101,7 @@ class KVService:
         self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # disk reads in flight, by key
         self.shutting_down = False
         self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
+        self.heap: Any = None  # hkvd.daemon.heap.HeapPolicy, set by daemon/app.py
         self.copy_timeout_s = cfg.copy_timeout_s
 
     # ---- dispatch ------------------------------------------------------------------------------
@@ -584,5 +585,6 @@ class KVService:
             "rates": {"copy_gbps": {d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}},
             "l2": self.disk.stats() if self.disk is not None else None,
             "peer": self.peers.status() if self.peers is not None else None,
+            "heap": self.heap.status() if self.heap is not None else None,
             "shutting_down": self.shutting_down,
         }

@@ -30,6 +30,7 @@ def test_status_text_and_json(daemon, engine_proc):
         assert "100.0% of chunks (8 hit, 0 missed in 1 lookups)" in lines["hit"]
         assert "1 connected" in lines["engines"]
         assert "live-model rank 0/1" in text
+        assert "objects frozen in 1 freezes (every 10000 entries)" in lines["gc"]  # the start-up freeze
         assert all(len(line) <= 120 for line in text.splitlines())  # fits a terminal
 
         js = hkvd("status", "--socket", daemon.socket_path, "--json")
@@ -39,6 +40,7 @@ def test_status_text_and_json(daemon, engine_proc):
         assert s["counters"]["lookup_hit_chunks"] == 8
         assert [e["model"] for e in s["engines"]] == ["live-model"]
         assert s["shutting_down"] is False
+        assert s["heap"]["freezes"] == 1 and s["heap"]["frozen_objects"] > 10_000  # the imported modules, at least
     finally:
         eng.close()
 
