@@ -16,6 +16,9 @@ from collections.abc import Hashable, Iterator
 
 class EvictionPolicy(ABC):
     name: str = "abstract"
+    # Whether mark_orphan/unmark_orphan change the order: only then does the index keep the prefix
+    # chains that find orphans (daemon/chains.py; about 3 us per entry published, 4 us per drop).
+    uses_orphans: bool = False
 
     @abstractmethod
     def insert(self, key: Hashable) -> None: ...
@@ -79,6 +82,7 @@ class HybridAwarePolicy(LRUPolicy):
     """LRU, except that entries marked orphan (they cannot serve any hit any more) go first."""
 
     name = "hybrid"
+    uses_orphans = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -140,8 +140,9 @@ class Index:
 
     def _ready(self, entry: Entry) -> None:
         self.policy.insert(entry.key)
-        entry.tracked = True
-        self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
+        if self.policy.uses_orphans:
+            entry.tracked = True
+            self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
 
     def drop(self, entry: Entry) -> None:
         """Remove an entry now (failed copy, invalidated snapshot). Must not be pinned by a reader."""
