@@ -4,12 +4,14 @@ Role
     For ``Pull(req_id, peer, keys, max_chunks, release_lease)`` from an engine registered here:
     connect (or reuse a link) to the serving daemon, prove the token, agree on the engine's layout,
     ``PeerLookup`` + lease, allocate local entries (``Index.begin_write``), READ the leased pages
-    straight into them with the transport, check sizes, publish them (``finish_write``: READY),
+    straight into them with the transport (in batches of growing size: each batch's READ starts
+    as soon as its entries are allocated, so allocating the rest overlaps the copy), check sizes,
+    publish them all once every READ completed (``finish_write``: READY),
     release the remote lease, and answer with the hit the engine can now ``Retrieve`` locally (and
     a local lease on it).
 
 Correctness rules
-    - Nothing pulled is visible before its READ completed whole; a failed, timed-out or partial
+    - Nothing pulled is visible before all its READs completed whole; a failed, timed-out or partial
       pull abandons every entry it allocated and answers ``Error``: the engine recomputes.
     - The serving daemon's lease protects the pages being read. It lasts ``lease_ttl_s`` from the
       moment it was granted, which is after our request was sent, so a READ must complete within
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -83,6 +86,10 @@ LEASE_USE_FRACTION = 0.8
 # when their engine confirms them, one or two steps after the copy).
 LOOKUP_WAIT_S = 1.0
 SETTLE_POLL_S = 0.02
+# A pull READs its entries in batches that start as soon as they are allocated: the first is small
+# so the copy starts early, each next one twice as large up to the cap (fewer transfers to post).
+FIRST_BATCH_BYTES = 2 << 20
+MAX_BATCH_BYTES = 32 << 20
 
 
 class ReadResult(NamedTuple):
@@ -329,16 +336,23 @@ class PeerClient:
 
     async def _read(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
                     link: PeerLink, job_id: int, deadline: float, lease_deadline: float) -> ReadResult:
+        """Allocate the entries the peer leased to us and READ them, in batches: each batch's READ
+        starts as soon as its entries are allocated, so allocating the rest overlaps the transport's
+        copy. Entries are published only when every READ completed whole."""
         hit = reply.hit_chunks
         if hit > want:
             raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
         # Validated when the frame was decoded (PeerLookupReply.validate); only rebuilt here.
         entries = [RemoteEntry(g, c, n, [(a, m) for a, m in ext]) for g, c, n, ext in reply.entries]
         self._check_entries(engine, hit, entries, link.address)
+        if time.monotonic() >= deadline:
+            raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
         fp = engine.fingerprint
         base = self.pool.base_addr
-        begun: list[Entry] = []
+        reads: list[tuple[Transfer, list[Entry]]] = []
+        batch: list[Entry] = []
         descs: list[Desc] = []
+        batch_bytes, limit = 0, FIRST_BATCH_BYTES
         try:
             for e in entries:
                 key = (fp, e.group_id, keys[e.chunk_index])
@@ -348,36 +362,49 @@ class PeerClient:
                 le = self.index.begin_write(key, e.nbytes, engine.groups[e.group_id].kind, job_id, parent)
                 if le is None:
                     continue
-                begun.append(le)
+                batch.append(le)
+                batch_bytes += le.nbytes
                 descs.extend(pair_extents(e.extents, [(base + off, n) for off, n in le.alloc.extents]))
-        except BaseException:
-            for le in begun:
-                self.index.abandon_write(le)
-            raise
-        if not descs:
-            return ReadResult(0, 0, 0.0, 0)
-        descs = merge(descs)
-        transfer = self.transport.read(link.peer_name, descs)
-        want_bytes = sum(le.nbytes for le in begun)
-        try:
-            budget = deadline - time.monotonic()
-            if budget <= 0:
-                raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
-            moved = await transfer.wait(budget)
-            if transfer.finished_at > lease_deadline:
-                raise KVTimeout(f"the READ from {link.address} finished after the serving daemon's lease could "
-                                "have expired; its bytes are discarded (raise --lease-ttl-s on the serving daemon)")
-            if moved != want_bytes:
-                raise CopyFailedError(f"READ from {link.address} moved {moved} bytes, expected {want_bytes}")
+                if batch_bytes >= limit:
+                    reads.append((self.transport.read(link.peer_name, merge(descs)), batch))
+                    batch, descs, batch_bytes, limit = [], [], 0, min(2 * limit, MAX_BATCH_BYTES)
+            if batch:
+                reads.append((self.transport.read(link.peer_name, merge(descs)), batch))
+                batch = []
         except BaseException as e:
-            self._discard(transfer, begun, repr(e))
+            for le in batch:
+                self.index.abandon_write(le)
+            self._discard(reads, repr(e))
             raise
-        for le in begun:
-            self.index.finish_write(le, pending=False)
-        self.metrics.inc("peer_pulled_bytes", want_bytes)
-        self.metrics.observe_rate("peer_read", want_bytes, max(transfer.finished_at - transfer.started_at, 1e-9))
-        self.metrics.inc("peer_pulled_entries", len(begun))
-        return ReadResult(want_bytes, len(begun), transfer.finished_at - transfer.started_at, len(descs))
+        if not reads:
+            return ReadResult(0, 0, 0.0, 0)
+        try:
+            for transfer, begun in reads:
+                budget = deadline - time.monotonic()
+                if budget <= 0:
+                    raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
+                moved = await transfer.wait(budget)
+                if transfer.finished_at > lease_deadline:
+                    raise KVTimeout(f"the READ from {link.address} finished after the serving daemon's lease "
+                                    "could have expired; its bytes are discarded (raise --lease-ttl-s on the "
+                                    "serving daemon)")
+                if moved != sum(le.nbytes for le in begun):
+                    raise CopyFailedError(f"READ from {link.address} moved {moved} bytes, expected "
+                                          f"{sum(le.nbytes for le in begun)}")
+        except BaseException as e:
+            self._discard(reads, repr(e))
+            raise
+        pulled = 0
+        for _, begun in reads:
+            for le in begun:
+                self.index.finish_write(le, pending=False)
+            pulled += len(begun)
+        nbytes = sum(t.nbytes for t, _ in reads)
+        seconds = max(max(t.finished_at for t, _ in reads) - reads[0][0].started_at, 1e-9)
+        self.metrics.inc("peer_pulled_bytes", nbytes)
+        self.metrics.observe_rate("peer_read", nbytes, seconds)
+        self.metrics.inc("peer_pulled_entries", pulled)
+        return ReadResult(nbytes, pulled, seconds, sum(t.descs for t, _ in reads))
 
     def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
         need = {(r.group_id, c) for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size)}
@@ -390,27 +417,33 @@ class PeerClient:
                 raise ProtocolViolation(f"peer {address}: group {e.group_id} entry of {e.nbytes} bytes, this layout's "
                                         f"entries are {engine.entry_bytes[e.group_id]} bytes")
 
-    def _discard(self, transfer: Transfer, begun: list[Entry], why: str) -> None:
-        """Free the destination entries once the transport no longer writes into them."""
-        if transfer.settled.done():
-            for le in begun:
-                self.index.abandon_write(le)
+    def _discard(self, reads: list[tuple[Transfer, list[Entry]]], why: str) -> None:
+        """Free the destination entries of a pull's READs, each once the transport no longer writes
+        into them: at once for the settled ones, when it settles for each still running."""
+        running = [(t, begun) for t, begun in reads if not t.settled.done()]
+        for t, begun in reads:
+            if t.settled.done():
+                for le in begun:
+                    self.index.abandon_write(le)
+        if not running:
             return
-        transfer.abort(why)
-        self.quarantined += len(begun)
-        self.metrics.inc("peer_reads_quarantined")
-        log.warning("an abandoned READ from %s is still running; %d entries (%d bytes) stay out of use until it "
-                    "ends", transfer.peer, len(begun), transfer.nbytes)
+        entries = sum(len(begun) for _, begun in running)
+        self.quarantined += entries
+        self.metrics.inc("peer_reads_quarantined", len(running))
+        log.warning("%d abandoned READs from %s are still running; %d entries (%d bytes) stay out of use until "
+                    "they end", len(running), running[0][0].peer, entries, sum(t.nbytes for t, _ in running))
 
-        def release(f: asyncio.Future[int]) -> None:
+        def release(begun: list[Entry], f: asyncio.Future[int]) -> None:
             self.quarantined -= len(begun)
             for le in begun:
                 self.index.abandon_write(le)
             how = "failed" if f.cancelled() or f.exception() is not None else "completed late"
-            log.info("the abandoned READ from %s %s; its %d entries are free again (contents discarded)",
-                     transfer.peer, how, len(begun))
+            log.info("an abandoned READ from %s %s; its %d entries are free again (contents discarded)",
+                     running[0][0].peer, how, len(begun))
 
-        transfer.settled.add_done_callback(release)
+        for t, begun in running:
+            t.abort(why)
+            t.settled.add_done_callback(functools.partial(release, begun))
 
     # ---- local side ----------------------------------------------------------------------------
     def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> HitPlan:

@@ -1,6 +1,6 @@
 """A serving daemon that dies or stalls in the middle of a pull: the pull ends in an error within its
-timeout, nothing half-read ever becomes visible, and every local entry is freed (at once when the
-READ failed, after the READ ends when it had to be abandoned while running).
+timeout, nothing half-read ever becomes visible, and every local entry is freed (at once when its
+READ failed, after its READ ends when it had to be abandoned while running).
 
 The serving daemon is frozen with SIGSTOP once the READ is in flight: over TCP the READ is driven by
 the target's progress thread, so a stopped target holds it mid-way deterministically."""
@@ -59,7 +59,10 @@ def test_serving_daemon_killed_mid_read(pair_factory: Any, lib: Any) -> None:
     # Every entry the pull allocated is gone; nothing of it is visible.
     s = lib.wait_status(decode, lambda s: s["index"]["entries"] == 0, 20)
     assert s["index"]["writing"] == 0 and s["pool"]["used_bytes"] == 0 and s["peer"]["quarantined_entries"] == 0
-    assert s["peer"]["transport"]["reads_failed"] == 1
+    t = s["peer"]["transport"]
+    # The pull READs in batches; those still running when the peer died failed (one that completed
+    # before the kill was discarded with the rest: nothing was published).
+    assert t["reads_failed"] >= 1 and t["in_flight"] == 0
     assert consumer.lookup(keys) == (0, 0)
 
 
@@ -73,9 +76,10 @@ def test_stalled_serving_daemon_times_out_then_the_read_is_discarded(pair_factor
             pytest.fail("the 128 MiB READ finished before SIGSTOP; enlarge CHUNKS for this machine")
         c = consumer.client.wait([rid], 30)[rid]
         assert isinstance(c.error, KVTimeout), c.error
-        # The READ cannot be cancelled: its destination stays allocated, WRITING and invisible.
+        # A READ cannot be cancelled: the destination of each batch still running stays allocated,
+        # WRITING and invisible (a first batch that completed before SIGSTOP was freed at once).
         s = decode.status()
-        assert s["peer"]["quarantined_entries"] == CHUNKS and s["index"]["writing"] == CHUNKS
+        assert 0 < s["peer"]["quarantined_entries"] == s["index"]["writing"] <= CHUNKS
         assert s["index"]["ready"] == 0 and consumer.lookup(keys)[0] == 0
     finally:
         os.kill(prefill.proc.pid, signal.SIGCONT)
