@@ -79,7 +79,6 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
         PeerHello,
         PeerLookup,
         PeerRelease,
-        parse_entries,
     )
 
     # The agent is configured as the daemon's (progress thread on, the same poll timeout): with
@@ -114,7 +113,7 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
 
     async def one(address: str, fp: bytes, keys: list[bytes]) -> dict[str, Any]:
         welcome, reply, s = await lookup(address, fp, keys)
-        entries = parse_entries(reply.entries)
+        entries = reply.entries()
         total = sum(e.nbytes for e in entries)
         if cursor[0] + total > pool.size:
             cursor[0] = 0

@@ -342,8 +342,7 @@ class PeerClient:
         hit = reply.hit_chunks
         if hit > want:
             raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
-        # Validated when the frame was decoded (PeerLookupReply.validate); only rebuilt here.
-        entries = [RemoteEntry(g, c, n, [(a, m) for a, m in ext]) for g, c, n, ext in reply.entries]
+        entries = reply.entries()  # checked when the frame was decoded (PeerLookupReply.validate)
         self._check_entries(engine, hit, entries, link.address)
         if time.monotonic() >= deadline:
             raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")

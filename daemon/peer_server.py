@@ -56,7 +56,7 @@ from hkvd.transport.wire.peer import (
     PeerRelease,
     PeerWelcome,
     RemoteEntry,
-    entries_to_wire,
+    pack_entries,
 )
 
 if TYPE_CHECKING:
@@ -285,4 +285,4 @@ class PeerServer:
         self.metrics.inc("peer_lookups")
         self.metrics.inc("peer_served_chunks", plan.hit_chunks)
         self.metrics.inc("peer_served_bytes", sum(e.nbytes for e in entries))
-        return PeerLookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, entries_to_wire(entries))
+        return PeerLookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, *pack_entries(entries))

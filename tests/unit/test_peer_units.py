@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,8 +21,9 @@ from hkvd.daemon.peer_auth import (
 )
 from hkvd.daemon.peer_client import merge, pair_extents
 from hkvd.transport.base import Desc
+from hkvd.transport.codec import decode_body, encode
 from hkvd.transport.wire.errors import ProtocolViolation
-from hkvd.transport.wire.peer import PeerLookup, PeerLookupReply, Pull, parse_entries
+from hkvd.transport.wire.peer import PeerLookup, PeerLookupReply, Pull, RemoteEntry, pack_entries
 
 
 def _split(total: int, cuts: list[int], base: int) -> list[tuple[int, int]]:
@@ -102,17 +104,30 @@ def test_split_address() -> None:
             split_address(bad)
 
 
+def _reply(table: list[tuple[int, ...]], extents: list[tuple[int, int]]) -> list:
+    return [1, 1, 2, 30.0, np.array(table, dtype="<u8").tobytes(), np.array(extents, dtype="<u8").tobytes()]
+
+
 def test_peer_wire_checks() -> None:
-    ok = [[0, 1, 10, [[4096, 4], [8192, 6]]]]
-    assert parse_entries(ok)[0].extents == [(4096, 4), (8192, 6)]
-    for bad in ([[0, 1, 10, [[4096, 4]]]],          # extents hold fewer bytes than the entry
-                [[0, 1, 10, []]],                     # no extents
-                [[0, 1, 10, [[0, 10]]]],              # address 0
-                [[0, 1, 10, [[4096, -10]]]],          # negative length
-                [[0, True, 10, [[4096, 10]]]],        # bool is no integer
-                [[0, 1, 10]]):                        # short entry
-        with pytest.raises(ProtocolViolation):
-            PeerLookupReply.from_wire([1, 1, 2, 30.0, bad])
+    sent = [RemoteEntry(0, 1, 10, [(4096, 4), (8192, 6)]), RemoteEntry(2, 7, 3, [(1 << 40, 3)])]
+    msg = decode_body(encode(PeerLookupReply(5, 8, 2, 30.0, *pack_entries(sent)))[4:])
+    assert isinstance(msg, PeerLookupReply) and msg.entries() == sent
+    assert PeerLookupReply.from_wire(_reply([], [])).entries() == []  # a miss: no entries
+    for table, extents, why in (
+            ([(0, 1, 10, 1)], [(4096, 4)], "hold 4 bytes"),              # extents hold fewer bytes than the entry
+            ([(0, 1, 10, 0)], [], "1..1024 extents"),                   # no extents
+            ([(0, 1, 10, 1)], [(0, 10)], "0 < addr"),                   # address 0
+            ([(0, 1, 10, 1)], [(4096, 0)], "0 < len"),                  # empty extent
+            ([(0, 1, 10, 2)], [(4096, 10)], "name 2 extents"),          # fewer extents than the table says
+            ([(0, 1, 2**64 - 1, 1)], [(4096, 2**64 - 1)], "nbytes"),    # sums that would wrap around
+            ([(1 << 16, 1, 10, 1)], [(4096, 10)], "group_id"),
+            ([(0, 1, 10, 1)], [(4096, 2), (4102, 8)], "name 1 extents")):
+        with pytest.raises(ProtocolViolation, match=why):
+            PeerLookupReply.from_wire(_reply(table, extents))
+    with pytest.raises(ProtocolViolation, match="rows of 4"):
+        PeerLookupReply.from_wire([1, 1, 2, 30.0, b"x" * 31, b""])
+    with pytest.raises(ProtocolViolation, match="expected bytes"):
+        PeerLookupReply.from_wire([1, 1, 2, 30.0, [[0, 1, 10, [[4096, 10]]]], b""])  # protocol 1's nested lists
     key = b"k" * 16
     with pytest.raises(ProtocolViolation, match="16 bytes"):
         PeerLookup.from_wire([1, b"f" * 15, [key], 0, 0.0, 0])

@@ -23,12 +23,13 @@ Handshake (every step bounded by the daemon's peer timeout)
 
 Requests (after the handshake; ``req_id`` chosen by the client, echoed in the reply)
     ``PeerLookup(req_id, fingerprint, keys, max_chunks, wait_s, release_lease)`` ->
-    ``PeerLookupReply(req_id, hit_chunks, lease_id, lease_ttl_s, entries)``: the serving daemon
+    ``PeerLookupReply(req_id, hit_chunks, lease_id, lease_ttl_s, entry_table, entry_extents)``: the serving daemon
     applies the hybrid hit rule to ``keys`` (capped at ``max_chunks``), waiting up to ``wait_s`` for
     the hit to reach ``max_chunks`` (Mamba states become visible when their engine confirms them),
     leases the entries that hit needs, releases ``release_lease`` (the producer's hold, if any) and
-    lists each entry as ``[group_id, chunk_index, nbytes, [[addr, len], ...]]``: the entry's bytes in
-    order, at addresses of its registered pool.
+    lists each entry as a row ``group_id, chunk_index, nbytes, n`` of ``entry_table`` and its ``n``
+    extents ``addr, len`` in ``entry_extents`` (both packed little-endian uint64): the entry's bytes
+    in order, at addresses of its registered pool.
     ``PeerRelease(req_id, lease_id)``: no reply (like ``Release``); an unknown lease is ignored.
     Leases expire on their own after ``lease_ttl_s``; a pulling daemon finishes its READs before
     that or discards what it read.
@@ -43,12 +44,14 @@ Engine -> its own daemon
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+import numpy as np
 
 from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 from hkvd.transport.wire.errors import ProtocolViolation
 
-PEER_VERSION = 1
+PEER_VERSION = 2  # 2: PeerLookupReply carries packed entry arrays
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 FINGERPRINT_BYTES = 16
@@ -156,18 +159,26 @@ class PeerLookup(Message):
 
 @dataclass(frozen=True, slots=True)
 class PeerLookupReply(Message):
+    """The leased entries travel as two packed little-endian uint64 arrays (see ``pack_entries``):
+    checked in a few vectorised operations, where nested lists cost microseconds per entry."""
+
     TYPE = MsgType.PEER_LOOKUP_REPLY
     req_id: int
     hit_chunks: int
     lease_id: int
     lease_ttl_s: float
-    entries: list[Any]
+    entry_table: bytes
+    entry_extents: bytes
 
     def validate(self) -> None:
         check_u64(self.lease_id, "lease_id")
         if self.hit_chunks < 0:
             raise ProtocolViolation("PeerLookupReply.hit_chunks must be >= 0")
-        parse_entries(self.entries)
+        check_entries(self.entry_table, self.entry_extents)
+
+    def entries(self) -> list[RemoteEntry]:
+        """The entries, in the order the serving daemon listed them (already checked at decode)."""
+        return unpack_entries(self.entry_table, self.entry_extents)
 
 
 class RemoteEntry(NamedTuple):
@@ -179,37 +190,68 @@ class RemoteEntry(NamedTuple):
     extents: list[tuple[int, int]]
 
 
-def entries_to_wire(entries: list[RemoteEntry]) -> list[list[Any]]:
-    return [[e.group_id, e.chunk_index, e.nbytes, [[a, n] for a, n in e.extents]] for e in entries]
+_U64 = np.dtype("<u8")
+ENTRY_COLUMNS = 4  # group_id, chunk_index, nbytes, number of extents
+MAX_GROUP_ID = 1 << 16
+MAX_ENTRY_BYTES = 1 << 40  # far above any entry; keeps every sum below 2**64
+MAX_ADDRESS = 1 << 63
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def pack_entries(entries: list[RemoteEntry]) -> tuple[bytes, bytes]:
+    """``(entry_table, entry_extents)``: one row ``[group_id, chunk_index, nbytes, n]`` per entry,
+    then the ``n`` extents ``[addr, len]`` of every entry, in entry order, all little-endian uint64."""
+    table = [(e.group_id, e.chunk_index, e.nbytes, len(e.extents)) for e in entries]
+    extents = [x for e in entries for x in e.extents]
+    return (np.array(table, dtype=_U64).reshape(-1, ENTRY_COLUMNS).tobytes(),
+            np.array(extents, dtype=_U64).reshape(-1, 2).tobytes())
 
 
-def parse_entries(raw: list[Any]) -> list[RemoteEntry]:
-    """``[[group_id, chunk_index, nbytes, [[addr, len], ...]], ...]`` -> entries; the extents of an
-    entry are non-empty, positive and sum to its ``nbytes``."""
-    if len(raw) > MAX_ITEMS:
-        raise ProtocolViolation(f"PeerLookupReply: at most {MAX_ITEMS} entries, got {len(raw)}")
-    out = []
-    for i, e in enumerate(raw):
-        where = f"PeerLookupReply.entries[{i}]"
-        if not isinstance(e, list) or len(e) != 4 or not all(_int(x) for x in e[:3]) or not isinstance(e[3], list):
-            raise ProtocolViolation(f"{where}: an entry is [group_id, chunk_index, nbytes, [[addr, len], ...]]")
-        gid, chunk, nbytes, ext = e
-        if gid < 0 or chunk < 0 or nbytes <= 0 or not 0 < len(ext) <= MAX_EXTENTS_PER_ENTRY:
-            raise ProtocolViolation(f"{where}: group_id and chunk_index >= 0, nbytes > 0, "
-                                    f"1..{MAX_EXTENTS_PER_ENTRY} extents")
-        extents = []
-        for x in ext:
-            if not isinstance(x, list) or len(x) != 2 or not all(_int(v) for v in x) or x[0] <= 0 or x[1] <= 0:
-                raise ProtocolViolation(f"{where}: an extent is [addr > 0, len > 0]")
-            extents.append((x[0], x[1]))
-        if sum(n for _, n in extents) != nbytes:
-            raise ProtocolViolation(f"{where}: extents hold {sum(n for _, n in extents)} bytes, the entry "
-                                    f"has {nbytes}")
-        out.append(RemoteEntry(gid, chunk, nbytes, extents))
+def _arrays(table: bytes, extents: bytes) -> tuple[np.ndarray, np.ndarray]:
+    if len(table) % (8 * ENTRY_COLUMNS) or len(extents) % 16:
+        raise ProtocolViolation(f"PeerLookupReply: the entry table is rows of {ENTRY_COLUMNS} and the extents "
+                                "pairs of little-endian uint64")
+    return (np.frombuffer(table, dtype=_U64).reshape(-1, ENTRY_COLUMNS),
+            np.frombuffer(extents, dtype=_U64).reshape(-1, 2))
+
+
+def check_entries(table: bytes, extents: bytes) -> None:
+    """Every entry has a small group id, a chunk index within ``MAX_KEYS``, 1..``MAX_EXTENTS_PER_ENTRY``
+    extents at non-zero addresses with non-zero lengths, and those lengths sum to its ``nbytes``."""
+    rows, ext = _arrays(table, extents)
+    if len(rows) > MAX_ITEMS:
+        raise ProtocolViolation(f"PeerLookupReply: at most {MAX_ITEMS} entries, got {len(rows)}")
+    if not len(rows):
+        if len(ext):
+            raise ProtocolViolation("PeerLookupReply: extents without entries")
+        return
+    gid, chunk, nbytes, count = rows.T
+    bad = ((gid >= MAX_GROUP_ID) | (chunk >= MAX_KEYS) | (nbytes == 0) | (nbytes > MAX_ENTRY_BYTES)
+           | (count == 0) | (count > MAX_EXTENTS_PER_ENTRY))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ProtocolViolation(f"PeerLookupReply entry {i}: group_id < {MAX_GROUP_ID}, chunk_index < {MAX_KEYS}, "
+                                f"0 < nbytes <= {MAX_ENTRY_BYTES}, 1..{MAX_EXTENTS_PER_ENTRY} extents; got "
+                                f"{rows[i].tolist()}")
+    if int(count.sum()) != len(ext):
+        raise ProtocolViolation(f"PeerLookupReply: the entries name {int(count.sum())} extents, {len(ext)} were sent")
+    addr, length = ext.T
+    if ((addr == 0) | (addr >= MAX_ADDRESS) | (length == 0) | (length > MAX_ENTRY_BYTES)).any():
+        raise ProtocolViolation("PeerLookupReply: an extent is [0 < addr < 2**63, 0 < len <= nbytes]")
+    starts = np.cumsum(count) - count
+    sums = np.add.reduceat(length, starts.astype(np.intp))
+    if (sums != nbytes).any():
+        i = int(np.argmax(sums != nbytes))
+        raise ProtocolViolation(f"PeerLookupReply entry {i}: extents hold {int(sums[i])} bytes, the entry has "
+                                f"{int(nbytes[i])}")
+
+
+def unpack_entries(table: bytes, extents: bytes) -> list[RemoteEntry]:
+    rows, ext = _arrays(table, extents)
+    pairs = [(a, n) for a, n in ext.tolist()]
+    out, i = [], 0
+    for gid, chunk, nbytes, count in rows.tolist():
+        out.append(RemoteEntry(gid, chunk, nbytes, pairs[i:i + count]))
+        i += count
     return out
 
 
