@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # would find hkvd's cuda/ folder (tests/unit/test_packaging.py checks that it cannot).
 sys.path.insert(0, str(ROOT))
 try:
-    from bench import control_plane, store_retrieve, vllm_e2e
+    from bench import control_plane, scale, store_retrieve, vllm_e2e
     from bench.common import Daemon, md_table
 finally:
     sys.path.remove(str(ROOT))
@@ -126,3 +126,22 @@ def test_store_retrieve_run_sizes_a_helper_per_page_size(monkeypatch: pytest.Mon
     assert [(r["page_bytes"], r["batch"]) for r in result["rows"]] == [
         (64 * KIB, 1), (64 * KIB, 2), (128 * KIB, 1), (128 * KIB, 2)]
     assert all(r["store_vs_raw_best"] > 0 and r["retrieve_vs_raw_best"] > 0 for r in result["rows"])
+
+
+def test_scale_gc_pauses_compares_both_collectors_and_leaves_none_frozen() -> None:
+    import gc
+
+    callbacks = list(gc.callbacks)
+    rows = scale.gc_pauses(25_000, log=lambda *_: None)
+    assert [r["mode"] for r in rows] == ["python", "hkvd"]
+    py, hk = rows
+    assert py["freezes"] == 0 and py["freeze_every"] == 0
+    assert hk["freezes"] == 1 + 25_000 // hk["freeze_every"]  # start-up, then one per freeze_every writes
+    for r in rows:
+        assert r["entries"] == 25_000 and r["longest_pause_ms"] > 0 and r["gc_s"] >= r["full_collection_s"] >= 0
+    assert gc.get_freeze_count() == 0 and gc.callbacks == callbacks  # the bench process is as it was
+    headers, table = scale.table({"index": [], "gc": rows, "prefault": {"pool_bytes": 1 << 20, "kind": "plain",
+                                                                        "prefault_gbps": 1.0, "memset_gbps": 2.0,
+                                                                        "prefault_vs_memset": 0.5}})
+    assert [row[0] for row in table] == ["collector: python", "collector: hkvd", "pre-fault 1 MiB plain"]
+    assert all(len(row) == len(headers) for row in table)
