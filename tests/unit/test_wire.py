@@ -32,7 +32,8 @@ SAMPLES = [
     peer.PeerHello(1, "node", b"n" * 32), peer.PeerChallenge(1, "node", b"s" * 32, b"p" * 32),
     peer.PeerAuth(b"p" * 32, [b"f" * 16]), peer.PeerWelcome("agent", b"md", [b"f" * 16], 30.0),
     peer.PeerLookup(1, b"f" * 16, [KEY], 1, 0.5, 0),
-    peer.PeerLookupReply(1, 1, 2, 30.0, [[0, 0, 10, [[4096, 4], [8192, 6]]]]), peer.PeerRelease(2, 2),
+    peer.PeerLookupReply(1, 1, 2, 30.0, *peer.pack_entries([peer.RemoteEntry(0, 0, 10, [(4096, 4), (8192, 6)])])),
+    peer.PeerRelease(2, 2),
     peer.Pull(3, "10.0.0.5:7470", [KEY], 0, 0),
 ]
 
