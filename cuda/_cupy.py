@@ -8,6 +8,9 @@ error names the fix. Nothing here imports NVIDIA's ``cuda`` namespace directly (
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -22,10 +25,37 @@ class CupyMissing(ImportError):
     """CuPy is not installed (or fails to import): the CUDA path cannot run here."""
 
 
+def checkout_entries() -> list[str]:
+    """Entries of ``sys.path`` that are an hkvd checkout's root. There, the checkout's ``cuda/``
+    folder (installed as ``hkvd.cuda``) is found as a top-level ``cuda`` package and shadows
+    NVIDIA's ``cuda`` namespace, which CuPy imports. ``python -m ...`` run from the checkout's
+    root puts it there (as ``''`` or the path)."""
+    out = []
+    for entry in sys.path:
+        root = Path(entry or os.getcwd())
+        if (root / "cuda" / "_cupy.py").is_file() and (root / "daemon" / "cli.py").is_file():
+            out.append(entry)
+    return out
+
+
+def unshadow_nvidia_cuda() -> None:
+    """Drop hkvd checkouts from ``sys.path`` (``hkvd serve`` calls this before anything imports
+    CuPy; hkvd itself is imported through its installed package, never through those entries)."""
+    for entry in checkout_entries():
+        sys.path.remove(entry)
+
+
 def cupy() -> ModuleType:
     try:
         import cupy as cp
     except ImportError as e:  # includes a broken install (missing libcudart etc.)
+        shadow = sys.modules.get("cuda")
+        where = [str(p) for p in getattr(shadow, "__path__", [])]
+        if any((Path(p) / "_cupy.py").is_file() for p in where):
+            raise CupyMissing(f"CuPy failed to import ({e}) because NVIDIA's `cuda` package is shadowed by the "
+                              f"hkvd checkout's folder {where[0]}: its parent is on sys.path (python run from "
+                              "the checkout's root?). Run from another directory, use the `hkvd` command, or "
+                              "start Python with -P") from e
         raise CupyMissing(f"the CUDA path needs CuPy, which failed to import ({e}): {INSTALL_HINT}") from e
     return cp
 

@@ -259,6 +259,9 @@ def install_service(prefix: str, *, force: bool = False, out: Any = sys.stdout) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hkvd.cuda._cupy import unshadow_nvidia_cuda
+
+    unshadow_nvidia_cuda()  # `python -m hkvd.daemon` from a checkout's root must still find CuPy's `cuda`
     parser = argparse.ArgumentParser(prog="hkvd", description="hybrid KV-cache daemon for LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)

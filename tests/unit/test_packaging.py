@@ -30,3 +30,36 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "hkvd.daemon", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "serve" in out and "status" in out
+
+
+def test_python_m_from_the_checkout_root_does_not_shadow_nvidias_cuda():
+    """``python -m hkvd.daemon`` run from the checkout's root puts the root on sys.path, where ./cuda
+    would shadow NVIDIA's ``cuda`` (CuPy failed to import there, on a GPU node). The CLI drops it."""
+    probe = ("import importlib.util, sys; from hkvd.daemon.cli import main; "
+             "sys.argv = ['hkvd', '--help']; before = importlib.util.find_spec('cuda'); "
+             "import contextlib, io\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main()\n"
+             "after = importlib.util.find_spec('cuda')\n"
+             "where = lambda s: [str(x) for x in (s.submodule_search_locations or [])] if s else []\n"
+             "print(repr(where(before)), repr(where(after)))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    before, after = out.strip().split("] [")
+    assert str(REPO / "cuda") in before  # the shadow is real: '' (the cwd) leads sys.path here
+    assert str(REPO / "cuda") not in after
+
+
+def test_a_shadowed_cuda_gets_an_error_that_names_the_fix(monkeypatch):
+    import types
+
+    from hkvd.cuda import _cupy
+
+    fake = types.ModuleType("cuda")
+    fake.__path__ = [str(REPO / "cuda")]
+    monkeypatch.setitem(sys.modules, "cuda", fake)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as on a node where `import cupy` fails
+    try:
+        _cupy.cupy()
+    except _cupy.CupyMissing as e:
+        assert "shadowed by the hkvd checkout" in str(e) and "-P" in str(e)
+    else:
+        raise AssertionError("cupy() imported with cupy blocked")
