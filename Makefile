@@ -46,6 +46,7 @@ test-gpu: dev
 	$(PIP) -q -e '.[dev,gpu]' || true
 	HKVD_REQUIRE_GPU=1 $(BIN)/pytest -q -m gpu tests/gpu
 	$(BIN)/python bench/gpu_copy.py
+	$(BIN)/python bench/gpu_store_retrieve.py
 
 lint: dev
 	$(BIN)/ruff check daemon shim transport cuda tests bench

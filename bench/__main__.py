@@ -24,17 +24,14 @@ LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
 def _gpu(quick: bool) -> int:
-    """The GPU engine's store_retrieve lives in bench/gpu_copy.py where someone provides it."""
-    try:
-        mod = importlib.import_module("bench.gpu_copy")
-    except ImportError as e:
-        print(f"GPU store_retrieve bench not available ({e}); skipped")
-        return 0
-    main = getattr(mod, "main", None)
-    if main is None:
-        print("bench.gpu_copy has no main(argv); skipped")
-        return 0
-    return int(main(["--total-mib", "256", "--iters", "3"] if quick else []) or 0)
+    """The GPU engine's store_retrieve: the copy engine alone (bench/gpu_copy.py), then through a whole
+    ``hkvd serve --copy-engine cuda`` (bench/gpu_store_retrieve.py). Each exits 0 with the reason
+    where CuPy or a GPU is missing (1 with HKVD_REQUIRE_GPU=1)."""
+    from bench import gpu_copy, gpu_store_retrieve
+
+    rc = int(gpu_copy.main(["--total-mib", "256", "--iters", "3"] if quick else []) or 0)
+    quick_args = ["--page-kib", "2048,8192", "--batches", "1,64", "--reps", "3"]
+    return rc or int(gpu_store_retrieve.main(quick_args if quick else []) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
