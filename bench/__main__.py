@@ -30,7 +30,7 @@ def _gpu(quick: bool) -> int:
     from bench import gpu_copy, gpu_store_retrieve
 
     rc = int(gpu_copy.main(["--total-mib", "256", "--iters", "3"] if quick else []) or 0)
-    quick_args = ["--page-kib", "2048,8192", "--batches", "1,64", "--reps", "3"]
+    quick_args = ["--page-kib", "2048,8192", "--batches", "1,64", "--reps", "5"]
     return rc or int(gpu_store_retrieve.main(quick_args if quick else []) or 0)
 
 

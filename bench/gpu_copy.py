@@ -27,12 +27,19 @@ from collections.abc import Callable
 import numpy as np
 
 
-def _no_gpu(reason: str) -> None:
-    print(f"gpu_copy: {reason}; run it on a GPU node (make test-gpu)", file=sys.stderr)
-    sys.exit(1 if os.environ.get("HKVD_REQUIRE_GPU") == "1" else 0)
+def require_gpu(tool: str) -> None:
+    """Exit with the reason where CuPy or a device is missing: 0, or 1 with HKVD_REQUIRE_GPU=1 (so a
+    GPU job cannot pass by skipping). Shared by the GPU benches."""
+    from hkvd.cuda._cupy import cupy_available, device_count
+
+    reason = ("cupy is not installed (pip install -e '.[gpu]')" if not cupy_available()
+              else "no CUDA device" if device_count() == 0 else "")
+    if reason:
+        print(f"{tool}: {reason}; run it on a GPU node (make test-gpu)", file=sys.stderr)
+        sys.exit(1 if os.environ.get("HKVD_REQUIRE_GPU") == "1" else 0)
 
 
-def _time(fn: Callable[[], None], iters: int) -> float:
+def median_time(fn: Callable[[], None], iters: int) -> float:
     fn()  # warm-up (kernel load, first-touch of the mappings)
     times = []
     for _ in range(iters):
@@ -50,12 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from hkvd.cuda._cupy import cupy_available, device_count
-
-    if not cupy_available():
-        _no_gpu("cupy is not installed (pip install -e '.[gpu]')")
-    if device_count() == 0:
-        _no_gpu("no CUDA device")
+    require_gpu("gpu_copy")
 
     from hkvd.cuda._cupy import cupy
     from hkvd.cuda.copy import BatchCopier
@@ -87,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
 
             return run
 
-        base_store = total / _time(contiguous(gpu_base, host_base), args.iters) / 1e9
-        base_retr = total / _time(contiguous(host_base, gpu_base), args.iters) / 1e9
+        base_store = total / median_time(contiguous(gpu_base, host_base), args.iters) / 1e9
+        base_retr = total / median_time(contiguous(host_base, gpu_base), args.iters) / 1e9
         print(f"# {name}: pinned cudaMemcpy of one {args.total_mib} MiB buffer: "
               f"D2H {base_store:.1f} GB/s, H2D {base_retr:.1f} GB/s")
         header = ("page", "rows", "store kern", "store memcpy", "retr kern", "retr memcpy",
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             res = {}
             for label, d in (("store", desc), ("retr", back)):
                 for method in ("kernel", "memcpy"):
-                    t = _time(lambda d=d, m=method: copier.run(d, m), args.iters)
+                    t = median_time(lambda d=d, m=method: copier.run(d, m), args.iters)
                     res[(label, method)] = rows * page / t / 1e9
             sk, sm = res[("store", "kernel")], res[("store", "memcpy")]
             rk, rm = res[("retr", "kernel")], res[("retr", "memcpy")]

@@ -32,10 +32,16 @@ from typing import Any
 
 import numpy as np
 
+if __package__:
+    from bench.gpu_copy import median_time, require_gpu
+else:  # run as a script (also under python -P, where bench/ is not on sys.path): load it beside us
+    import importlib.util
 
-def _no_gpu(reason: str) -> None:
-    print(f"gpu_store_retrieve: {reason}; run it on a GPU node (make test-gpu)", file=sys.stderr)
-    sys.exit(1 if os.environ.get("HKVD_REQUIRE_GPU") == "1" else 0)
+    _spec = importlib.util.spec_from_file_location("gpu_copy", os.path.join(os.path.dirname(__file__), "gpu_copy.py"))
+    assert _spec is not None and _spec.loader is not None
+    _gpu_copy = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_gpu_copy)
+    median_time, require_gpu = _gpu_copy.median_time, _gpu_copy.require_gpu
 
 
 def _engine(conn: Any, nbytes: int) -> None:
@@ -49,15 +55,6 @@ def _engine(conn: Any, nbytes: int) -> None:
     r = export_tensor(1, t)
     conn.send((r.region_id, r.size, r.handle, r.device_uuid, r.offset))
     conn.recv()  # exit
-
-
-def _median_time(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _measure(client: Any, rt: Any, dev_ptr: int, host: int, page: int, top: int, batch: int, reps: int,
@@ -90,12 +87,9 @@ def _measure(client: Any, rt: Any, dev_ptr: int, host: int, page: int, top: int,
             raise RuntimeError(f"store failed: {c.error}")
         stored.append(keys)
 
-    raw_d2h()
-    store()  # warm-up (and a first store of the page size)
-    stored.clear()
-    t_raw_d2h = _median_time(raw_d2h, reps)
-    t_store = _median_time(store, reps)
-    t_raw_h2d = _median_time(raw_h2d, reps)
+    t_raw_d2h = median_time(raw_d2h, reps)  # each after one untimed warm-up call
+    t_store = median_time(store, reps)
+    t_raw_h2d = median_time(raw_h2d, reps)
     retrieves = []
     for keys in stored:
         (hit,) = client.wait([client.submit_lookup(keys)], 120).values()
@@ -125,12 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     pages = [int(x) << 10 for x in args.page_kib.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
 
-    from hkvd.cuda._cupy import cupy, cupy_available, device_count
-
-    if not cupy_available():
-        _no_gpu("cupy is not installed (pip install -e '.[gpu]')")
-    if device_count() == 0:
-        _no_gpu("no CUDA device")
+    require_gpu("gpu_store_retrieve")
+    from hkvd.cuda._cupy import cupy
     from hkvd.cuda.hostreg import PinnedRegistration
     from hkvd.daemon.copy_engine import Region
     from hkvd.daemon.layout import GroupSpec, View
