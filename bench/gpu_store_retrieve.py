@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             conn, child = ctx.Pipe()
             eng = ctx.Process(target=_engine, args=(child, nbytes), daemon=True)
             eng.start()
+            if not conn.poll(120):
+                raise RuntimeError("the engine process did not export its CUDA buffer within 120 s")
             rid, size, handle, uuid, offset = conn.recv()
             region = Region(rid, "cuda", size, handle=handle, device_uuid=uuid, offset=offset)
             sock = os.path.join(tmp, f"hkvd-{page}.sock")

@@ -25,17 +25,17 @@ class CupyMissing(ImportError):
     """CuPy is not installed (or fails to import): the CUDA path cannot run here."""
 
 
+def _is_checkout(root: Path) -> bool:
+    """``root`` is an hkvd checkout: its ``cuda/`` folder is ``hkvd.cuda``, not NVIDIA's ``cuda``."""
+    return (root / "cuda" / "_cupy.py").is_file() and (root / "daemon" / "cli.py").is_file()
+
+
 def checkout_entries() -> list[str]:
     """Entries of ``sys.path`` that are an hkvd checkout's root. There, the checkout's ``cuda/``
     folder (installed as ``hkvd.cuda``) is found as a top-level ``cuda`` package and shadows
     NVIDIA's ``cuda`` namespace, which CuPy imports. ``python -m ...`` run from the checkout's
     root puts it there (as ``''`` or the path)."""
-    out = []
-    for entry in sys.path:
-        root = Path(entry or os.getcwd())
-        if (root / "cuda" / "_cupy.py").is_file() and (root / "daemon" / "cli.py").is_file():
-            out.append(entry)
-    return out
+    return [entry for entry in sys.path if _is_checkout(Path(entry or os.getcwd()))]
 
 
 def unshadow_nvidia_cuda() -> None:
@@ -50,8 +50,8 @@ def cupy() -> ModuleType:
         import cupy as cp
     except ImportError as e:  # includes a broken install (missing libcudart etc.)
         shadow = sys.modules.get("cuda")
-        where = [str(p) for p in getattr(shadow, "__path__", [])]
-        if any((Path(p) / "_cupy.py").is_file() for p in where):
+        where = [str(p) for p in getattr(shadow, "__path__", []) if _is_checkout(Path(p).parent)]
+        if where:
             raise CupyMissing(f"CuPy failed to import ({e}) because NVIDIA's `cuda` package is shadowed by the "
                               f"hkvd checkout's folder {where[0]}: its parent is on sys.path (python run from "
                               "the checkout's root?). Run from another directory, use the `hkvd` command, or "

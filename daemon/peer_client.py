@@ -391,9 +391,9 @@ class PeerClient:
                     raise KVTimeout(f"the READ from {link.address} finished after the serving daemon's lease "
                                     "could have expired; its bytes are discarded (raise --lease-ttl-s on the "
                                     "serving daemon)")
-                if moved != sum(le.nbytes for le in begun):
-                    raise CopyFailedError(f"READ from {link.address} moved {moved} bytes, expected "
-                                          f"{sum(le.nbytes for le in begun)}")
+                expected = sum(le.nbytes for le in begun)
+                if moved != expected:
+                    raise CopyFailedError(f"READ from {link.address} moved {moved} bytes, expected {expected}")
         except BaseException as e:
             self._discard(reads, repr(e))
             raise
@@ -423,11 +423,13 @@ class PeerClient:
     def _discard(self, reads: list[tuple[Transfer, list[Entry]]], why: str) -> None:
         """Free the destination entries of a pull's READs, each once the transport no longer writes
         into them: at once for the settled ones, when it settles for each still running."""
-        running = [(t, begun) for t, begun in reads if not t.settled.done()]
+        running = []
         for t, begun in reads:
-            if t.settled.done():
-                for le in begun:
-                    self.index.abandon_write(le)
+            if not t.settled.done():
+                running.append((t, begun))
+                continue
+            for le in begun:
+                self.index.abandon_write(le)
         if not running:
             return
         entries = sum(len(begun) for _, begun in running)
