@@ -122,6 +122,65 @@ class Index:
         self._entries[key] = entry
         return entry
 
+    def begin_writes(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int) -> list[Entry | PoolFull | None]:
+        """``begin_write`` for many ``(key, nbytes, kind, parent)`` at once, in order.
+
+        Each answer is the new WRITING entry, ``None`` when the key already exists (or repeats
+        in ``wants``), or the ``PoolFull`` that ``begin_write`` would have raised for it. Room is
+        taken per entry size in one ``alloc_many`` first; only what that could not place evicts.
+        Once a size found no room, later entries of that size are refused without evicting
+        again (nothing was freed in between).
+        """
+        entries = self._entries
+        need: dict[int, int] = {}
+        for key, nbytes, _kind, _parent in wants:
+            if key not in entries:
+                need[nbytes] = need.get(nbytes, 0) + 1
+        bulk = {nbytes: self.pool.alloc_many(nbytes, n) for nbytes, n in need.items()}
+        used = dict.fromkeys(bulk, 0)
+        full: dict[int, PoolFull] = {}
+        out: list[Entry | PoolFull | None] = []
+        try:
+            for key, nbytes, kind, parent in wants:
+                if key in entries:
+                    out.append(None)
+                    continue
+                i = used.get(nbytes, 0)
+                got = bulk.get(nbytes, ())  # none when the key existed at the count, and was evicted since
+                if i < len(got):
+                    alloc = got[i]
+                    used[nbytes] = i + 1
+                elif nbytes in full:
+                    out.append(full[nbytes])
+                    continue
+                else:
+                    try:
+                        alloc = self._alloc_evicting(nbytes)
+                    except PoolFull as e:
+                        full[nbytes] = e
+                        out.append(e)
+                        continue
+                entry = Entry(key, alloc, nbytes, kind, EntryState.WRITING, 1, 0, job_id, parent)
+                entries[key] = entry
+                out.append(entry)
+                self.writes += 1
+        finally:
+            for nbytes, got in bulk.items():  # repeated keys (or an error) left these unused
+                for alloc in got[used[nbytes]:]:
+                    self.pool.free(alloc)
+        return out
+
+    def finish_writes(self, entries: list[Entry], *, pending: bool) -> None:
+        """``finish_write`` for each of ``entries``."""
+        state = EntryState.PENDING if pending else EntryState.READY
+        for entry in entries:
+            entry.pins -= 1
+            entry.state = state
+        if not pending:
+            ready = self._ready
+            for entry in entries:
+                ready(entry)
+
     def finish_write(self, entry: Entry, *, pending: bool) -> None:
         entry.pins -= 1
         entry.state = EntryState.PENDING if pending else EntryState.READY

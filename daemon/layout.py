@@ -187,16 +187,10 @@ def _block_template(group: GroupSpec) -> tuple[tuple[tuple[int, int, int, int], 
     return template, block
 
 
-def segments_for_entry(
+def _checked_template(
     group: GroupSpec, block_ids: Sequence[int], extents: Sequence[tuple[int, int]]
-) -> list[Segment]:
-    """Map an entry's pages (blocks, then views, then layers) onto pool ``extents`` in order.
-
-    Adjacent pieces are merged when both the engine side (same region, next byte) and the pool
-    side (next byte) are contiguous: a block-major engine with a one-extent entry collapses to
-    one segment per block run, and each segment is one iovec / one copy descriptor. The work
-    per entry is one step per (block, template run), not per page (see ``_block_template``).
-    """
+) -> tuple[tuple[tuple[int, int, int, int], ...], int]:
+    """The group's block template, once the entry's block ids and pool extents are checked."""
     if not block_ids:
         raise ValueError(f"group {group.group_id}: an entry needs at least one block id")
     if group.kind == "mamba" and len(block_ids) != 1:
@@ -216,7 +210,68 @@ def segments_for_entry(
         have += length
     if have != need:
         raise ValueError(f"group {group.group_id}: extents hold {have} bytes, the entry has {need}")
+    return template, block_bytes
 
+
+def segments_for_entries(
+    entries: Iterable[tuple[GroupSpec, Sequence[int], Sequence[tuple[int, int]]]],
+) -> list[Segment]:
+    """``segments_for_entry`` for each ``(group, block_ids, extents)`` in order, as one list.
+
+    Pieces merge across entries too, where both sides are contiguous: entries in consecutive
+    pool slots read from consecutive engine blocks become one segment (one iovec, one copy row).
+    """
+    out: list[Segment] = []
+    is_open = False  # the open segment: engine region ``reg`` bytes [start, end), pool bytes [pstart, pend)
+    reg = start = end = pstart = pend = 0
+    last: GroupSpec | None = None
+    run: tuple[int, int, int, int] | None = None  # the group's only template run, when it has one
+    block_bytes = num_blocks = 0
+    for group, block_ids, extents in entries:
+        if group is not last:
+            last = group
+            template, block_bytes = _block_template(group)
+            run = template[0] if len(template) == 1 and group.kind != "mamba" else None
+            num_blocks = group.num_blocks
+        # The fast path checks what ``_checked_template`` checks, inline: one run, one extent.
+        if (run is None or len(extents) != 1 or extents[0][0] < 0 or not block_ids
+                or extents[0][1] != len(block_ids) * block_bytes):
+            if is_open:
+                out.append(Segment(reg, start, pstart, end - start))
+                is_open = False
+            out.extend(segments_for_entry(group, block_ids, extents))  # checks, and raises with the reason
+            continue
+        region_id, base, stride, page = run
+        pool_off = extents[0][0]
+        for b in block_ids:
+            if not 0 < b < num_blocks:
+                group.validate_block_ids(block_ids)  # raises with the precise message
+            roff = base + b * stride
+            if is_open and roff == end and pool_off == pend and region_id == reg:
+                end += page
+                pend += page
+            else:
+                if is_open:
+                    out.append(Segment(reg, start, pstart, end - start))
+                is_open = True
+                reg, start, end, pstart, pend = region_id, roff, roff + page, pool_off, pool_off + page
+            pool_off += page
+    if is_open:
+        out.append(Segment(reg, start, pstart, end - start))
+    return out
+
+
+def segments_for_entry(
+    group: GroupSpec, block_ids: Sequence[int], extents: Sequence[tuple[int, int]]
+) -> list[Segment]:
+    """Map an entry's pages (blocks, then views, then layers) onto pool ``extents`` in order.
+
+    Adjacent pieces are merged when both the engine side (same region, next byte) and the pool
+    side (next byte) are contiguous: a block-major engine with a one-extent entry collapses to
+    one segment per block run, and each segment is one iovec / one copy descriptor. The work
+    per entry is one step per (block, template run), not per page (see ``_block_template``).
+    """
+    template, _ = _checked_template(group, block_ids, extents)
     if len(template) == 1 and len(extents) == 1:  # the common case: one run per block, one extent
         return _one_run_one_extent(template[0], block_ids, extents[0][0])
 

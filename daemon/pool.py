@@ -34,6 +34,7 @@ Threading
 Contracts
     - ``alloc`` returns ``None`` when the request does not fit *now*; the caller evicts and
       retries. It raises ``ValueError`` for nbytes <= 0 and never returns a partial allocation.
+      ``alloc_many(nbytes, count)`` returns as many whole allocations as fit now (0 to count).
     - The extents of an ``Allocation`` are disjoint from every other live allocation's, lie in
       ``[0, capacity)``, and their lengths sum to exactly ``nbytes`` (the logical entry bytes,
       mapped in order by ``hkvd.daemon.layout.segments_for_entry``).
@@ -181,6 +182,16 @@ class SlabAllocator:
 
     def alloc(self, nbytes: int) -> Allocation | None:
         """Take room for ``nbytes``; ``None`` when it does not fit now (evict and retry)."""
+        got = self.alloc_many(nbytes, 1)
+        return got[0] if got else None
+
+    def alloc_many(self, nbytes: int, count: int) -> list[Allocation]:
+        """Up to ``count`` allocations of ``nbytes`` each, as many as fit now, under one lock.
+
+        A store of many same-sized entries takes its room in one call (one plan lookup, one
+        lock); consecutive allocations of a class come from consecutive free slots where there
+        are some, so their pool bytes are often adjacent and their copies merge.
+        """
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         planned = self._plans.get(nbytes)
@@ -189,25 +200,32 @@ class SlabAllocator:
                 self._plans.clear()
             planned = self._plans[nbytes] = self.plan(nbytes)
         slot, k = planned
+        out: list[Allocation] = []
         with self._lock:
             cls = self._classes.get(slot)
-            have = cls.free_slots if cls is not None else 0
             per_sb = self.superblock_bytes // slot
-            if have + len(self._free_superblocks) * per_sb < k:
-                return None
+            have = cls.free_slots if cls is not None else 0
+            fit = min(count, (have + len(self._free_superblocks) * per_sb) // k)
+            if fit <= 0:
+                return out
             if cls is None:
                 cls = self._classes[slot] = _SizeClass(slot_bytes=slot, per_superblock=per_sb)
-            extents: list[Extent] = []
-            remaining = nbytes
-            for _ in range(k):
-                offset = self._take_slot(cls)
-                length = min(slot, remaining)
-                extents.append(Extent(offset, length))
-                remaining -= length
-            self._used_bytes += nbytes
-            self._reserved_bytes += k * slot
-            self._allocations += 1
-            return Allocation(extents=tuple(extents), nbytes=nbytes, slot_bytes=slot)
+            take = self._take_slot
+            for _ in range(fit):
+                if k == 1:
+                    extents: tuple[Extent, ...] = (Extent(take(cls), nbytes),)
+                else:
+                    parts: list[Extent] = []
+                    remaining = nbytes
+                    for _ in range(k):
+                        parts.append(Extent(take(cls), min(slot, remaining)))
+                        remaining -= slot
+                    extents = tuple(parts)
+                out.append(Allocation(extents, nbytes, slot))
+            self._used_bytes += fit * nbytes
+            self._reserved_bytes += fit * k * slot
+            self._allocations += fit
+        return out
 
     def _take_slot(self, cls: _SizeClass) -> int:
         if cls.partial:
@@ -464,6 +482,10 @@ class HugePagePool:
     def alloc(self, nbytes: int) -> Allocation | None:
         self._check_open()
         return self.allocator.alloc(nbytes)
+
+    def alloc_many(self, nbytes: int, count: int) -> list[Allocation]:
+        self._check_open()
+        return self.allocator.alloc_many(nbytes, count)
 
     def free(self, allocation: Allocation) -> None:
         self.allocator.free(allocation)

@@ -48,7 +48,9 @@ from hkvd.daemon.errors import (
 )
 from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
 from hkvd.daemon.index import Entry, EntryKey, EntryState, Index
+from hkvd.daemon.layout import GroupSpec
 from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.pool import Extent
 from hkvd.daemon.registry import EngineState, Registry
 from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
 from hkvd.transport.wire import Message, control, events, kv, peer
@@ -377,28 +379,31 @@ class KVService:
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                            pending: bool, wait_event: bytes = b"") -> tuple[int, dict[str, Any], list[Entry]]:
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
-        entries: list[Entry] = []
-        segments: list[Segment] = []
         skipped = dropped = thinned = 0
+        keep: list[tuple[Item, GroupSpec]] = []
         for it, g in zip(items, groups, strict=True):
             if g.kind == "mamba" and not mamba_checkpoint_keep(it.chunk_index, self.cfg.mamba_checkpoint_interval):
                 thinned += 1
                 self.metrics.inc("mamba_states_thinned")
                 self.metrics.inc("mamba_bytes_saved", engine.entry_bytes[g.group_id])
                 continue
-            try:
-                entry = self.index.begin_write(self._key(engine, it), engine.entry_bytes[g.group_id], g.kind,
-                                               job_id, it.parent)
-            except PoolFull:
+            keep.append((it, g))
+        fp, sizes = engine.fingerprint, engine.entry_bytes
+        begun = self.index.begin_writes([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
+                                         for it, g in keep], job_id)
+        entries: list[Entry] = []
+        placed: list[tuple[GroupSpec, list[int], tuple[Extent, ...]]] = []
+        for (it, g), got in zip(keep, begun, strict=True):
+            if got is None:
+                skipped += 1
+            elif isinstance(got, PoolFull):
                 dropped += 1
                 self.index.stores_dropped += 1
                 self.metrics.inc("stores_dropped", kind=g.kind)
-                continue
-            if entry is None:
-                skipped += 1
-                continue
-            entries.append(entry)
-            segments.extend(layout.segments_for_entry(g, it.block_ids, entry.alloc.extents))
+            else:
+                entries.append(got)
+                placed.append((g, it.block_ids, got.alloc.extents))
+        segments = layout.segments_for_entries(placed)
         nbytes = 0
         try:
             if segments:
@@ -413,8 +418,7 @@ class KVService:
                 self.index.abandon_write(e)
             conn.aborted.discard(job_id)
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
-        for e in entries:
-            self.index.finish_write(e, pending=pending)
+        self.index.finish_writes(entries, pending=pending)
         if not pending:
             self._to_disk(entries)
         self._count_bytes("stored_bytes", entries)
@@ -443,9 +447,8 @@ class KVService:
                 raise NotFound(f"group {it.group_id} chunk {it.chunk_index} is not in the cache (evicted, "
                                "or never stored); recompute it")
             entries.append(e)
-        segments: list[Segment] = []
-        for it, g, e in zip(items, groups, entries, strict=True):
-            segments.extend(layout.segments_for_entry(g, it.block_ids, e.alloc.extents))
+        segments = layout.segments_for_entries(
+            [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
         for e in entries:
             self.index.pin(e)
         try:

@@ -1,4 +1,4 @@
-"""Layout arithmetic: segments_for_entry against a byte-by-byte reference on random views."""
+"""Layout arithmetic: segments_for_entry(ies) against a byte-by-byte reference on random views."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hkvd.daemon.layout import (
     View,
     blocks_per_entry,
     entry_bytes,
+    segments_for_entries,
     segments_for_entry,
 )
 
@@ -128,6 +129,71 @@ def test_segments_match_reference(
             and a.region_offset + a.nbytes == b.region_offset
             and a.pool_offset + a.nbytes == b.pool_offset
         )
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[tuple[GroupSpec, dict[int, int], list[int], list[tuple[int, int]]]]:
+    """Entries for one call: a few random cases, each followed by entries of its own group whose
+    blocks and pool slots are often adjacent to the previous entry's (or just not)."""
+    out = []
+    for group, regions, block_ids, extents in draw(st.lists(cases(), min_size=1, max_size=3)):
+        out.append((group, regions, block_ids, extents))
+        pos = extents[-1][0] + extents[-1][1]
+        last = block_ids[-1]
+        for _ in range(draw(st.integers(0, 3))):
+            n = 1 if group.kind == "mamba" else len(block_ids)
+            nxt = last + 1 if draw(st.booleans()) and last + n < group.num_blocks else None
+            ids = list(range(nxt, nxt + n)) if nxt else draw(
+                st.lists(st.integers(1, group.num_blocks - 1), min_size=n, max_size=n))
+            pos += draw(st.sampled_from([0, 0, 64, draw(st.integers(1, 50))]))  # adjacent pool slots, or a gap
+            out.append((group, regions, ids, [(pos, n * group.block_bytes)]))
+            pos += n * group.block_bytes
+            last = ids[-1]
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches(), st.booleans())
+def test_segments_for_entries_match_reference(
+    batch: list[tuple[GroupSpec, dict[int, int], list[int], list[tuple[int, int]]]], packed: bool,
+) -> None:
+    """A batch maps exactly the bytes of each entry in order, merged at most (across entries too)."""
+    if packed:  # every entry in one extent, back to back in the pool
+        pos, repacked = 0, []
+        for group, regions, block_ids, _ in batch:
+            n = len(block_ids) * group.block_bytes
+            repacked.append((group, regions, block_ids, [(pos, n)]))
+            pos += n
+        batch = repacked
+    segs = segments_for_entries([(g, b, e) for g, _, b, e in batch])
+    engine, pool = expand(segs)
+    assert engine == [x for g, _, b, _ in batch for x in reference_bytes(g, b)]
+    assert pool == [x for _, _, _, e in batch for x in pool_bytes(e)]
+    for a, b in itertools.pairwise(segs):
+        assert not (
+            a.region_id == b.region_id
+            and a.region_offset + a.nbytes == b.region_offset
+            and a.pool_offset + a.nbytes == b.pool_offset
+        )
+
+
+def test_segments_for_entries_merges_consecutive_entries_and_checks_each() -> None:
+    g = bl_group(num_blocks=8)
+    n = g.block_bytes
+    # Blocks 2, 3, 4 in consecutive pool slots: one segment; block 6 breaks the engine side.
+    segs = segments_for_entries([(g, [2], [(0, n)]), (g, [3], [(n, n)]), (g, [4], [(2 * n, n)]),
+                                 (g, [6], [(3 * n, n)])])
+    assert segs == [Segment(0, 2 * n, 0, 3 * n), Segment(0, 6 * n, 3 * n, n)]
+    with pytest.raises(ValueError, match="null block"):
+        segments_for_entries([(g, [2], [(0, n)]), (g, [0], [(n, n)])])
+    with pytest.raises(ValueError, match="outside"):
+        segments_for_entries([(g, [8], [(0, n)])])
+    with pytest.raises(ValueError, match="extents hold"):
+        segments_for_entries([(g, [2], [(0, n)]), (g, [3], [(n, n - 1)])])
+    with pytest.raises(ValueError, match="at least one"):
+        segments_for_entries([(g, [], [])])
+    with pytest.raises(ValueError, match="exactly one"):
+        segments_for_entries([(replace(g, kind="mamba"), [1, 2], [(0, 2 * n)])])
 
 
 @settings(max_examples=200, deadline=None)

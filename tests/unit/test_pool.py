@@ -87,6 +87,39 @@ def test_allocator_invariants_under_random_alloc_free(sequence: list[tuple[bool,
     assert end.used_bytes == end.reserved_bytes == 0
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(sizes, st.integers(1, 40), st.integers(0, 10**6)), min_size=1, max_size=30))
+def test_alloc_many_takes_as_many_as_fit(sequence: list[tuple[int, int, int]]) -> None:
+    """``alloc_many`` keeps every invariant of ``alloc`` and stops exactly where ``alloc`` would."""
+    a = SlabAllocator(CAPACITY, SB)
+    live: list[Allocation] = []
+    for nbytes, count, pick in sequence:
+        got = a.alloc_many(nbytes, count)
+        assert len(got) <= count and all(al.nbytes == nbytes for al in got)
+        live += got
+        check_invariants(a, live)
+        if len(got) < count:  # it stopped because the next one does not fit
+            before = a.statistics()
+            assert a.alloc(nbytes) is None and a.statistics() == before
+        if live and pick % 3 == 0:  # free some, so later calls reuse holes
+            for _ in range(1 + pick % 5):
+                if live:
+                    a.free(live.pop(pick % len(live)))
+            check_invariants(a, live)
+    for al in live:
+        a.free(al)
+    assert a.statistics().superblocks_free == a.statistics().superblocks_total
+
+
+def test_alloc_many_packs_a_fresh_class_back_to_back() -> None:
+    a = SlabAllocator(CAPACITY, SB)
+    got = a.alloc_many(PAGE, 5)
+    assert [al.extents[0].pool_offset for al in got] == [i * PAGE for i in range(5)]
+    assert a.alloc_many(PAGE, 0) == []
+    with pytest.raises(ValueError):
+        a.alloc_many(0, 3)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 4 * SB))
 def test_plan_fills_every_slot(nbytes: int) -> None:
