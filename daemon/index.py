@@ -230,6 +230,16 @@ class Index:
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
 
+    def pin_many(self, entries: list[Entry]) -> None:
+        touch = self.policy.touch
+        for entry in entries:
+            entry.pins += 1
+            touch(entry.key)
+
+    def unpin_many(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            entry.pins -= 1
+
     # ---- leases --------------------------------------------------------------------------------
     def lease(self, keys: Iterable[EntryKey], owner: int, ttl_s: float) -> int:
         held = []

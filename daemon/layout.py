@@ -236,10 +236,17 @@ def segments_for_entries(
         # The fast path checks what ``_checked_template`` checks, inline: one run, one extent.
         if (run is None or len(extents) != 1 or extents[0][0] < 0 or not block_ids
                 or extents[0][1] != len(block_ids) * block_bytes):
-            if is_open:
-                out.append(Segment(reg, start, pstart, end - start))
-                is_open = False
-            out.extend(segments_for_entry(group, block_ids, extents))  # checks, and raises with the reason
+            for seg in segments_for_entry(group, block_ids, extents):  # checks, and raises with the reason
+                if (is_open and seg.region_offset == end and seg.pool_offset == pend
+                        and seg.region_id == reg):
+                    end += seg.nbytes
+                    pend += seg.nbytes
+                else:
+                    if is_open:
+                        out.append(Segment(reg, start, pstart, end - start))
+                    is_open = True
+                    reg, start, pstart = seg.region_id, seg.region_offset, seg.pool_offset
+                    end, pend = start + seg.nbytes, pstart + seg.nbytes
             continue
         region_id, base, stride, page = run
         pool_off = extents[0][0]

@@ -186,9 +186,6 @@ class KVService:
                                 "retrieves go through the worker connection")
         return conn.engine
 
-    def _key(self, engine: EngineState, item: Item) -> EntryKey:
-        return (engine.fingerprint, item.group_id, item.key)
-
     # ---- lookup --------------------------------------------------------------------------------
     def _lookup(self, conn: Conn, msg: kv.Lookup) -> Coroutine[Any, Any, None] | None:
         """Answer from the pool now, or return the coroutine that first reads from disk what the hit needs."""
@@ -440,22 +437,21 @@ class KVService:
         if msg.lease_id:
             self.index.check_lease(msg.lease_id)
         entries: list[Entry] = []
+        get, fp, ready = self.index.get, engine.fingerprint, EntryState.READY
         for it in items:
-            e = self.index.get(self._key(engine, it))
-            if e is None or e.state.value != "ready":
+            e = get((fp, it.group_id, it.key))
+            if e is None or e.state is not ready:
                 self.metrics.inc("retrieve_misses")
                 raise NotFound(f"group {it.group_id} chunk {it.chunk_index} is not in the cache (evicted, "
                                "or never stored); recompute it")
             entries.append(e)
         segments = layout.segments_for_entries(
             [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
-        for e in entries:
-            self.index.pin(e)
+        self.index.pin_many(entries)
         try:
             result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
         finally:
-            for e in entries:
-                self.index.unpin(e)
+            self.index.unpin_many(entries)
             if msg.lease_id:
                 self.index.release(msg.lease_id)
         self._count_bytes("retrieved_bytes", entries)

@@ -87,3 +87,27 @@ def test_chunk_keys_are_a_stable_rolling_prefix_hash():
     b = chunk_keys([1, *toks[1:]], 256)
     assert all(x != y for x, y in zip(a, b, strict=True))  # a change early changes every later key
     assert chunk_keys(toks, 256) == a
+
+
+@pytest.mark.parametrize("item", [
+    [True, 0, KEY, [1]],            # group_id a bool
+    [0, 0.0, KEY, [1]],             # chunk_index a float
+    [0, -1, KEY, [1]],              # negative chunk_index
+    [0, 0, KEY[:8], [1]],           # short key
+    [0, 0, KEY, []],                # no blocks
+    [0, 0, KEY, [False]],           # the one block a bool
+    [0, 0, KEY, [1, 2.5]],          # a float among blocks
+    [0, 1, KEY, [1], b"p"],         # short parent
+    [0, 0, KEY, [1], KEY],          # chunk 0 with a parent
+    [0, 0, KEY],                    # too short
+    (0, 0, KEY, [1]),               # not a list
+], ids=str)
+@pytest.mark.parametrize("cls", [kv.Store, kv.Retrieve])
+def test_bad_items_are_refused_when_decoded(cls, item):
+    msg = kv.Store(1, [item]) if cls is kv.Store else kv.Retrieve(1, 2, [item])
+    with pytest.raises(ProtocolViolation):
+        msg.validate()
+    good = [0, 1, KEY, [1, 2], KEY]
+    ok = kv.Store(1, [good]) if cls is kv.Store else kv.Retrieve(1, 2, [good])
+    ok.validate()
+    assert ok.parsed()[0] == kv.Item(0, 1, KEY, [1, 2], KEY)

@@ -25,32 +25,42 @@ class Item(NamedTuple):
     parent: bytes = b""  # key of the previous chunk; b"" for chunk 0 or when the client omits it
 
 
-def parse_items(raw: list[Any], where: str) -> list[Item]:
-    if len(raw) > MAX_ITEMS:
-        raise ProtocolViolation(f"{where}: at most {MAX_ITEMS} items per message, got {len(raw)}")
-    items = []
+def check_items(raw: list[Any], where: str) -> None:
+    """Raise ``ProtocolViolation`` naming the first bad item of ``raw``; build nothing.
+
+    ``type(x) is int`` is exact for msgpack's output: it excludes bools (true/false) and floats.
+    """
+    if type(raw) is not list or len(raw) > MAX_ITEMS:
+        got = f"{len(raw)} items" if isinstance(raw, list) else type(raw).__name__
+        raise ProtocolViolation(f"{where}: a list of at most {MAX_ITEMS} items, got {got}")
     for i, it in enumerate(raw):
-        if not isinstance(it, list) or len(it) not in (4, 5):
+        if type(it) is not list or not 4 <= len(it) <= 5:
             raise ProtocolViolation(f"{where}[{i}]: an item is [group_id, chunk_index, key, block_ids] "
                                     "or [group_id, chunk_index, key, block_ids, parent_key]")
-        gid, idx, key, blocks = it[:4]
-        parent = it[4] if len(it) == 5 else b""
-        if not (isinstance(gid, int) and isinstance(idx, int)) or isinstance(gid, bool) or idx < 0:
+        gid, idx, key, blocks = it[0], it[1], it[2], it[3]
+        if type(gid) is not int or type(idx) is not int or idx < 0:
             raise ProtocolViolation(f"{where}[{i}]: group_id and chunk_index must be integers >= 0")
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        if type(key) is not bytes or len(key) != KEY_BYTES:
             raise ProtocolViolation(f"{where}[{i}]: key must be {KEY_BYTES} bytes")
-        if (not isinstance(blocks, list) or not blocks or len(blocks) > MAX_BLOCKS_PER_ITEM
-                or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
+        if (type(blocks) is not list or not blocks or len(blocks) > MAX_BLOCKS_PER_ITEM
+                or (len(blocks) == 1 and type(blocks[0]) is not int)
+                or (len(blocks) > 1 and not all(type(b) is int for b in blocks))):
             raise ProtocolViolation(f"{where}[{i}]: block_ids must be 1..{MAX_BLOCKS_PER_ITEM} integers")
-        if not isinstance(parent, bytes) or len(parent) not in (0, KEY_BYTES) or (parent and idx == 0):
-            raise ProtocolViolation(f"{where}[{i}]: parent_key must be {KEY_BYTES} bytes (the key of chunk "
-                                    "chunk_index - 1), or empty; chunk 0 has no parent")
-        items.append(Item(gid, idx, key, list(blocks), parent))
-    return items
+        if len(it) == 5:
+            parent = it[4]
+            if type(parent) is not bytes or len(parent) not in (0, KEY_BYTES) or (parent and idx == 0):
+                raise ProtocolViolation(f"{where}[{i}]: parent_key must be {KEY_BYTES} bytes (the key of chunk "
+                                        "chunk_index - 1), or empty; chunk 0 has no parent")
+
+
+def parse_items(raw: list[Any], where: str) -> list[Item]:
+    """``check_items``, then the items."""
+    check_items(raw, where)
+    return checked_items(raw)
 
 
 def checked_items(raw: list[Any]) -> list[Item]:
-    """Items of a message whose ``validate`` already ran ``parse_items`` on ``raw``: no checks again."""
+    """Items of a message whose ``validate`` already ran ``check_items`` on ``raw``: no checks again."""
     return [Item(it[0], it[1], it[2], it[3], it[4] if len(it) == 5 else b"") for it in raw]
 
 
@@ -102,7 +112,7 @@ class Store(Message):
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
-        parse_items(self.items, "Store.items")
+        check_items(self.items, "Store.items")
         check_event(self.wait_event, "Store.wait_event")
 
     def parsed(self) -> list[Item]:
@@ -119,7 +129,7 @@ class Retrieve(Message):
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_u64(self.lease_id, "lease_id")
-        parse_items(self.items, "Retrieve.items")
+        check_items(self.items, "Retrieve.items")
 
     def parsed(self) -> list[Item]:
         return checked_items(self.items)  # validated when decoded
