@@ -54,7 +54,10 @@ def _make(model_dir: Any, socket: str, *, batched: int = 32, mamba_mode: str = "
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True, mamba_cache_mode=mamba_mode),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HkvdConnector", kv_connector_module_path="hkvd.shim.connector", kv_role="kv_both",
-            kv_connector_extra_config={"socket_path": socket, "reconnect_interval_s": 0.2, **(extra or {})}),
+            # The traces pin which step schedules what: wait for each lookup's answer (poll returns
+            # when it arrives) rather than 2 ms, after which vLLM defers the request a step (CI saw it).
+            kv_connector_extra_config={"socket_path": socket, "reconnect_interval_s": 0.2, "lookup_wait_s": 1.0,
+                                       **(extra or {})}),
         device_config=DeviceConfig("cpu"),
     )
     vcfg.cache_config.num_gpu_blocks = NUM_BLOCKS
