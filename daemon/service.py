@@ -400,9 +400,9 @@ class KVService:
             else:
                 entries.append(got)
                 placed.append((g, it.block_ids, got.alloc.extents))
-        segments = layout.segments_for_entries(placed)
         nbytes = 0
-        try:
+        try:  # from here on, any failure gives back every entry begun above
+            segments = layout.segments_for_entries(placed)
             if segments:
                 nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
                                                wait_event)).nbytes
