@@ -3,10 +3,10 @@
 Role
     For ``Pull(req_id, peer, keys, max_chunks, release_lease)`` from an engine registered here:
     connect (or reuse a link) to the serving daemon, prove the token, agree on the engine's layout,
-    ``PeerLookup`` + lease, allocate local entries (``Index.begin_write``), READ the leased pages
+    ``PeerLookup`` + lease, allocate local entries (``Index.begin_writes``), READ the leased pages
     straight into them with the transport (in two batches: the first quarter's READ starts as soon
     as its entries are allocated, so allocating the rest overlaps the copy), check sizes,
-    publish them all once every READ completed (``finish_write``: READY),
+    publish them all once every READ completed (``finish_writes``: READY),
     release the remote lease, and answer with the hit the engine can now ``Retrieve`` locally (and
     a local lease on it).
 
@@ -48,11 +48,13 @@ from hkvd.daemon.errors import (
     KVError,
     KVTimeout,
     PermissionDenied,
+    PoolFull,
     ProtocolViolation,
     UnsupportedVersion,
     error_from_wire,
 )
 from hkvd.daemon.hybrid import HitPlan, plan_hit, required_chunks
+from hkvd.daemon.index import Entry
 from hkvd.daemon.peer_auth import check_proof, client_proof, server_proof, split_address
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.base import Desc
@@ -73,7 +75,7 @@ from hkvd.transport.wire.peer import (
 
 if TYPE_CHECKING:
     from hkvd.daemon.config import DaemonConfig
-    from hkvd.daemon.index import Entry, Index
+    from hkvd.daemon.index import Index
     from hkvd.daemon.metrics import Metrics
     from hkvd.daemon.pool import HugePagePool
     from hkvd.daemon.registry import EngineState
@@ -195,6 +197,48 @@ def merge(descs: list[Desc]) -> list[Desc]:
         else:
             out.append(d)
     return out
+
+
+def begin_entries(index: Index, base: int, fp: bytes, kinds: dict[int, str], keys: list[bytes],
+                  part: list[RemoteEntry], job_id: int) -> tuple[list[Entry], list[Desc]]:
+    """Begin local entries for ``part`` (an engine's, of layout ``fp``, group kinds ``kinds``, chunk
+    keys ``keys``) in one ``Index.begin_writes`` and pair their extents (at pool address ``base``)
+    with the peer's, merged where both sides continue.
+
+    Entries present here already (READY, or written by another job: ``_settle`` waits for those)
+    are skipped. No room for one of them: every entry begun here is given back and the
+    ``PoolFull`` raised.
+    """
+    got = index.begin_writes(
+        [((fp, e.group_id, keys[e.chunk_index]), e.nbytes, kinds[e.group_id],
+          keys[e.chunk_index - 1] if e.chunk_index else b"") for e in part], job_id)
+    begun = [le for le in got if isinstance(le, Entry)]
+    descs: list[Desc] = []
+    try:
+        for e, le in zip(part, got, strict=True):
+            if isinstance(le, PoolFull):
+                raise le
+            if le is None:
+                continue
+            local, remote = le.alloc.extents, e.extents
+            if len(local) == 1 and len(remote) == 1 and local[0][1] == remote[0][1]:
+                # The common case, one extent each side: no pairing, and merged with the last
+                # piece where both sides continue it.
+                r_addr, n = remote[0]
+                l_addr = base + local[0][0]
+                last = descs[-1] if descs else None
+                if (last is not None and last.remote_addr + last.nbytes == r_addr
+                        and last.local_addr + last.nbytes == l_addr):
+                    descs[-1] = Desc(last.remote_addr, last.local_addr, last.nbytes + n)
+                else:
+                    descs.append(Desc(r_addr, l_addr, n))
+            else:
+                descs.extend(pair_extents(remote, [(base + off, n) for off, n in local]))
+    except BaseException:
+        for le in begun:
+            index.abandon_write(le)
+        raise
+    return begun, descs
 
 
 class PeerClient:
@@ -349,34 +393,21 @@ class PeerClient:
         self._check_entries(engine, hit, entries, link.address)
         if time.monotonic() >= deadline:
             raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
-        fp = engine.fingerprint
-        base = self.pool.base_addr
         reads: list[tuple[Transfer, list[Entry]]] = []
-        batch: list[Entry] = []
-        descs: list[Desc] = []
-        batch_bytes = 0
         limit = max(sum(e.nbytes for e in entries) // FIRST_BATCH_SHARE, FIRST_BATCH_MIN_BYTES)
+        cut, acc = len(entries), 0
+        for i, e in enumerate(entries):
+            acc += e.nbytes
+            if acc >= limit:
+                cut = i + 1
+                break
         try:
-            for e in entries:
-                key = (fp, e.group_id, keys[e.chunk_index])
-                if self.index.get(key) is not None:
-                    continue  # READY here already, or being written by another job (checked in _settle)
-                parent = keys[e.chunk_index - 1] if e.chunk_index else b""
-                le = self.index.begin_write(key, e.nbytes, engine.groups[e.group_id].kind, job_id, parent)
-                if le is None:
-                    continue
-                batch.append(le)
-                batch_bytes += le.nbytes
-                descs.extend(pair_extents(e.extents, [(base + off, n) for off, n in le.alloc.extents]))
-                if batch_bytes >= limit:
-                    reads.append((self.transport.read(link.peer_name, merge(descs)), batch))
-                    batch, descs, batch_bytes, limit = [], [], 0, 1 << 62  # the rest in one READ
-            if batch:
-                reads.append((self.transport.read(link.peer_name, merge(descs)), batch))
-                batch = []
+            for part in (entries[:cut], entries[cut:]):  # the rest is allocated while the first is READ
+                begun, descs = begin_entries(self.index, self.pool.base_addr, engine.fingerprint, engine.kinds, keys,
+                                             part, job_id)
+                if begun:
+                    reads.append((self.transport.read(link.peer_name, merge(descs)), begun))
         except BaseException as e:
-            for le in batch:
-                self.index.abandon_write(le)
             self._discard(reads, repr(e))
             raise
         if not reads:
@@ -399,8 +430,7 @@ class PeerClient:
             raise
         pulled = 0
         for _, begun in reads:
-            for le in begun:
-                self.index.finish_write(le, pending=False)
+            self.index.finish_writes(begun, pending=False)
             pulled += len(begun)
         nbytes = sum(t.nbytes for t, _ in reads)
         seconds = max(max(t.finished_at for t, _ in reads) - reads[0][0].started_at, 1e-9)

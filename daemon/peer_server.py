@@ -55,8 +55,7 @@ from hkvd.transport.wire.peer import (
     PeerLookupReply,
     PeerRelease,
     PeerWelcome,
-    RemoteEntry,
-    pack_entries,
+    pack_table,
 )
 
 if TYPE_CHECKING:
@@ -268,21 +267,26 @@ class PeerServer:
             if plan.hit_chunks >= want or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(WAIT_POLL_S)
-        entries: list[RemoteEntry] = []
-        lease_id = 0
+        table: list[tuple[int, int, int, int]] = []
+        extents: list[tuple[int, int]] = []
+        lease_id = served = 0
         if plan.hit_chunks:
             needed = [(gid, c) for gid, chunks in sorted(plan.needed.items()) for c in chunks]
             lease_id = self.index.lease([(fp, gid, keys[c]) for gid, c in needed], session.owner,
                                         self.cfg.lease_ttl_s)
-            base = self.pool.base_addr
+            base, get = self.pool.base_addr, self.index.get
             for gid, c in needed:
-                e = self.index.get((fp, gid, keys[c]))
+                e = get((fp, gid, keys[c]))
                 assert e is not None  # present() saw it READY in this same loop tick
-                entries.append(RemoteEntry(gid, c, e.nbytes, [(base + off, n) for off, n in e.alloc.extents]))
+                ext = e.alloc.extents
+                table.append((gid, c, e.nbytes, len(ext)))
+                extents.extend([(base + off, n) for off, n in ext])
+                served += e.nbytes
         if msg.release_lease and self.index.release(msg.release_lease):
             self.metrics.inc("peer_hold_leases_released")
         session.lookups += 1
         self.metrics.inc("peer_lookups")
         self.metrics.inc("peer_served_chunks", plan.hit_chunks)
-        self.metrics.inc("peer_served_bytes", sum(e.nbytes for e in entries))
-        return PeerLookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, *pack_entries(entries))
+        self.metrics.inc("peer_served_bytes", served)
+        return PeerLookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s,
+                               *pack_table(table, extents))

@@ -7,9 +7,12 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hkvd.daemon.errors import PoolFull
+from hkvd.daemon.eviction import make_policy
+from hkvd.daemon.index import EntryState, Index
 from hkvd.daemon.peer_auth import (
     PeerConfigError,
     allowed,
@@ -19,7 +22,8 @@ from hkvd.daemon.peer_auth import (
     server_proof,
     split_address,
 )
-from hkvd.daemon.peer_client import merge, pair_extents
+from hkvd.daemon.peer_client import begin_entries, merge, pair_extents
+from hkvd.daemon.pool import PAGE, HugePagePool
 from hkvd.transport.base import Desc
 from hkvd.transport.codec import decode_body, encode
 from hkvd.transport.wire.errors import ProtocolViolation
@@ -49,6 +53,83 @@ def test_pair_extents_maps_every_byte_in_order(total: int, rcuts: list[int], lcu
 
     assert [d.remote_addr + i for d in descs for i in range(d.nbytes)] == flat(remote)
     assert [d.local_addr + i for d in descs for i in range(d.nbytes)] == flat(local)
+
+
+FP = b"f" * 16
+KINDS = {0: "full", 1: "mamba"}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = HugePagePool(256 << 20, "off")  # 8 superblocks: room for every size class the cases use
+    yield p
+    p.close()
+
+
+def _remote(n: int, pages: list[int], cuts: list[list[int]], contiguous: bool) -> list[RemoteEntry]:
+    """``n`` serving-side entries of ``pages[i] * PAGE`` bytes: back to back in the peer's pool when
+    ``contiguous`` (and whole), else scattered and cut at ``cuts[i]``."""
+    out, addr = [], 1 << 40
+    for i in range(n):
+        nbytes = pages[i % len(pages)] * PAGE
+        extents = [(addr, nbytes)] if contiguous else _split(nbytes, cuts[i % len(cuts)], addr)
+        out.append(RemoteEntry(i % 2, i, nbytes, extents))
+        addr = extents[-1][0] + extents[-1][1] + (0 if contiguous else 4096)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 24), pages=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       cuts=st.lists(st.lists(st.integers(0, 3 * PAGE), max_size=3), min_size=1, max_size=3),
+       contiguous=st.booleans(), present=st.sets(st.integers(0, 23), max_size=6))
+def test_begin_entries_maps_every_new_entry_byte_for_byte(pool, n, pages, cuts, contiguous, present) -> None:
+    index = Index(pool, make_policy("lru"))
+    used = pool.statistics().used_bytes
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    part = _remote(n, pages, cuts, contiguous)
+    for i in sorted(present):
+        if i < n:  # already here: skipped, not written again
+            e = index.begin_write((FP, part[i].group_id, keys[i]), part[i].nbytes, KINDS[part[i].group_id], 1)
+            assert e is not None
+            index.finish_write(e, pending=False)
+    begun, descs = begin_entries(index, pool.base_addr, FP, KINDS, keys, part, 7)
+    new = [e for i, e in enumerate(part) if i not in present]
+    assert [le.key for le in begun] == [(FP, e.group_id, keys[e.chunk_index]) for e in new]
+    assert all(le.state is EntryState.WRITING for le in begun)
+    reference = merge([d for e, le in zip(new, begun, strict=True) for d in pair_extents(
+        e.extents, [(pool.base_addr + off, ln) for off, ln in le.alloc.extents])])
+    assert merge(descs) == reference
+
+    def runs(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:  # in order, contiguous ones joined
+        out: list[tuple[int, int]] = []
+        for a, ln in extents:
+            if out and out[-1][0] + out[-1][1] == a:
+                out[-1] = (out[-1][0], out[-1][1] + ln)
+            else:
+                out.append((a, ln))
+        return out
+
+    # Both sides in the same order with equal piece sizes: byte k of the new entries' remote bytes
+    # lands on byte k of their local extents.
+    assert runs([(d.remote_addr, d.nbytes) for d in descs]) == runs([x for e in new for x in e.extents])
+    assert runs([(d.local_addr, d.nbytes) for d in descs]) == runs(
+        [(pool.base_addr + off, ln) for le in begun for off, ln in le.alloc.extents])
+    for le in begun:
+        index.abandon_write(le)
+    for i in sorted(present):
+        if i < n:
+            index.drop(index.get((FP, part[i].group_id, keys[i])))
+    assert pool.statistics().used_bytes == used
+
+
+def test_begin_entries_gives_everything_back_when_one_does_not_fit(pool) -> None:
+    index = Index(pool, make_policy("lru"))
+    free = pool.statistics().free_bytes
+    part = [RemoteEntry(0, i, 4 << 20, [((1 << 40) + i * (4 << 20), 4 << 20)]) for i in range(80)]  # 320 MiB
+    keys = [i.to_bytes(16, "little") for i in range(80)]
+    with pytest.raises(PoolFull):
+        begin_entries(index, pool.base_addr, FP, KINDS, keys, part, 7)
+    assert len(index) == 0 and pool.statistics().free_bytes == free
 
 
 def test_pair_extents_merges_contiguous_pieces_and_refuses_size_mismatch() -> None:

@@ -200,8 +200,12 @@ MAX_ADDRESS = 1 << 63
 def pack_entries(entries: list[RemoteEntry]) -> tuple[bytes, bytes]:
     """``(entry_table, entry_extents)``: one row ``[group_id, chunk_index, nbytes, n]`` per entry,
     then the ``n`` extents ``[addr, len]`` of every entry, in entry order, all little-endian uint64."""
-    table = [(e.group_id, e.chunk_index, e.nbytes, len(e.extents)) for e in entries]
-    extents = [x for e in entries for x in e.extents]
+    return pack_table([(e.group_id, e.chunk_index, e.nbytes, len(e.extents)) for e in entries],
+                      [x for e in entries for x in e.extents])
+
+
+def pack_table(table: list[tuple[int, int, int, int]], extents: list[tuple[int, int]]) -> tuple[bytes, bytes]:
+    """``pack_entries`` from its rows and its extents (in entry order), for a caller that has them."""
     return (np.array(table, dtype=_U64).reshape(-1, ENTRY_COLUMNS).tobytes(),
             np.array(extents, dtype=_U64).reshape(-1, 2).tobytes())
 
