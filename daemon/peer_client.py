@@ -54,7 +54,7 @@ from hkvd.daemon.errors import (
     error_from_wire,
 )
 from hkvd.daemon.hybrid import HitPlan, plan_hit, required_chunks
-from hkvd.daemon.index import Entry
+from hkvd.daemon.index import Entry, EntryState
 from hkvd.daemon.peer_auth import check_proof, client_proof, server_proof, split_address
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.base import Desc
@@ -203,7 +203,7 @@ def begin_entries(index: Index, base: int, fp: bytes, kinds: dict[int, str], key
                   part: list[RemoteEntry], job_id: int) -> tuple[list[Entry], list[Desc]]:
     """Begin local entries for ``part`` (an engine's, of layout ``fp``, group kinds ``kinds``, chunk
     keys ``keys``) in one ``Index.begin_writes`` and pair their extents (at pool address ``base``)
-    with the peer's, merged where both sides continue.
+    with the peer's (the caller merges pieces contiguous on both sides: ``merge``).
 
     Entries present here already (READY, or written by another job: ``_settle`` waits for those)
     are skipped. No room for one of them: every entry begun here is given back and the
@@ -222,16 +222,7 @@ def begin_entries(index: Index, base: int, fp: bytes, kinds: dict[int, str], key
                 continue
             local, remote = le.alloc.extents, e.extents
             if len(local) == 1 and len(remote) == 1 and local[0][1] == remote[0][1]:
-                # The common case, one extent each side: no pairing, and merged with the last
-                # piece where both sides continue it.
-                r_addr, n = remote[0]
-                l_addr = base + local[0][0]
-                last = descs[-1] if descs else None
-                if (last is not None and last.remote_addr + last.nbytes == r_addr
-                        and last.local_addr + last.nbytes == l_addr):
-                    descs[-1] = Desc(last.remote_addr, last.local_addr, last.nbytes + n)
-                else:
-                    descs.append(Desc(r_addr, l_addr, n))
+                descs.append(Desc(remote[0][0], base + local[0][0], local[0][1]))  # one extent each side
             else:
                 descs.extend(pair_extents(remote, [(base + off, n) for off, n in local]))
     except BaseException:
@@ -497,7 +488,7 @@ class PeerClient:
                 return plan
             fp = engine.fingerprint
             busy = any(
-                (e := self.index.get((fp, r.group_id, keys[c]))) is not None and e.state.value != "ready"
+                (e := self.index.get((fp, r.group_id, keys[c]))) is not None and e.state is not EntryState.READY
                 for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size))
             if not busy:
                 return plan
