@@ -12,7 +12,7 @@ Role
       checksummed, before it replies (``KVService._promote``).
     - catalog: key -> file, in memory, rebuilt at start-up from every file's header.
 
-File format (version 1): one file per entry, ``<dir>/<kk>/<fingerprint>-<group>-<key>.hkv`` (kk: the
+File format (version 2): one file per entry, ``<dir>/<kk>/<fingerprint>-<group>-<key>.hkv`` (kk: the
 chunk key's first byte in hex, 256 subdirectories). An 80-byte little-endian header: magic
 ``HKVDL2\\r\\n``, u16 format version, u8 kind (0 full, 1 swa, 2 mamba), u8 reserved (0), u32 group
 id, u64 payload bytes, u32 CRC-32 of the payload, 16-byte layout fingerprint, 16-byte chunk key,
@@ -74,7 +74,9 @@ log = logging.getLogger("hkvd.disk")
 EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in daemon/index.py
 
 MAGIC = b"HKVDL2\r\n"
-VERSION = 1
+# 2: chunk keys carry the request's extra keys and fingerprints the engine identity (version-1 files
+# were written under token-only keys: skipped, counted and left in place, never served).
+VERSION = 2
 KINDS = ("full", "swa", "mamba")
 KEY_BYTES = 16
 _HEAD = struct.Struct("<8sHBBIQI16s16s16s")

@@ -48,6 +48,7 @@ COUNTERS: dict[str, str] = {
     "engines_registered": "Engine registrations",
     "lookup_hit_entries": "Entries the served hits load, by group kind",
     "lookup_miss_entries": "Entries whose absence cut a lookup's hit short, by group kind",
+    "uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
 }
 HELP = {
     **COUNTERS,

@@ -24,13 +24,13 @@ from hkvd.daemon.validation import validate_hybrid
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: the engine identity (weights, dtypes, backend, TP/PP)
 SUPPORTED_REGION_KINDS = ("host",)
 
 
 def fingerprint(spec: EngineSpec, chunk_size: int) -> bytes:
     fmt = [
-        FINGERPRINT_VERSION, spec.model, spec.world_size, spec.rank, spec.layout_tag, chunk_size,
+        FINGERPRINT_VERSION, spec.model, spec.identity, spec.world_size, spec.rank, spec.layout_tag, chunk_size,
         [[g.group_id, g.kind, g.tokens_per_block, g.window_tokens, g.dtype,
           [[v.num_layers, v.page_bytes] for v in g.views]] for g in spec.groups],
     ]

@@ -133,6 +133,9 @@ class KVService:
                 conn.send(control.Pong(msg.req_id))
             case kv.Release():
                 self.index.release(msg.lease_id)
+            case kv.Uncacheable():
+                self._engine(conn, copy=False)
+                self.metrics.inc("uncacheable_requests", reason=msg.reason)
             case peer.Pull():
                 self._pull(conn, msg)
             case kv.Abort():
@@ -363,7 +366,10 @@ class KVService:
                 self.index.pin(e)
 
     def _by_kind(self, name: str) -> dict[str, float]:
-        return {dict(labels).get("kind", ""): v for labels, v in self.metrics.counters.get(name, {}).items()}
+        return self._by_label(name, "kind")
+
+    def _by_label(self, name: str, label: str) -> dict[str, float]:
+        return {dict(labels).get(label, ""): v for labels, v in self.metrics.counters.get(name, {}).items()}
 
     # ---- store ---------------------------------------------------------------------------------
     async def _store(self, conn: Conn, msg: kv.Store) -> None:
@@ -581,6 +587,7 @@ class KVService:
                       "stores_dropped": idx.stores_dropped, "by_kind": idx.by_kind},
             "counters": {name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
             "by_kind": {name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits")},
+            "uncacheable_requests": self._by_label("uncacheable_requests", "reason"),
             "rates": {"copy_gbps": {d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}},
             "l2": self.disk.stats() if self.disk is not None else None,
             "peer": self.peers.status() if self.peers is not None else None,

@@ -167,6 +167,12 @@ class DaemonClient:
             self._require()
             self._send(kv.Release(lease_id))
 
+    def uncacheable(self, reason: str) -> None:
+        """Tell the daemon a request was not cached because it could not be keyed (counted by reason)."""
+        with self._lock:
+            self._require()
+            self._send(kv.Uncacheable(reason))
+
     def abort(self, req_id: int) -> None:
         """Ask the daemon to drop job ``req_id``; its completion (Done or Error) still arrives."""
         with self._lock:

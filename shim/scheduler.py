@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.shim import pd
+from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
 from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
 from hkvd.shim.spec import DaemonLink, GroupInfo, ShimConfig, build_engine_spec, group_infos, validate_vllm
 
@@ -78,6 +79,8 @@ class _Req:
     pull: Any = None  # pd.PullSpec until the load job that carries it is planned
     pulling: bool = False  # a pull + load is in flight: the blocks stay until the worker reports it
     keys: list[bytes] = field(default_factory=list)  # chunk keys over the prompt's full chunks
+    request: Any = None  # vLLM's Request: its extra keys (LoRA, images, cache_salt) join the chunk keys
+    uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
 
 
 class SchedulerSide:
@@ -101,7 +104,9 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
         self._step = 0
-        self.stats = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0, "offer_items": 0}
+        self._identity = ChunkIdentity()
+        self.stats = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0, "offer_items": 0,
+                      "uncacheable": 0}
         self._connect(startup=True)
 
     # ---- link ----------------------------------------------------------------------------------
@@ -136,11 +141,30 @@ class SchedulerSide:
         return self._connect() if not self.link.up else self.link.client
 
     def _keys(self, st: _Req) -> list[bytes]:
-        if not st.keys and self.chunk_size:
+        """The prompt's chunk keys, extra keys mixed in; [] for a request that cannot be keyed (never cached)."""
+        if not st.keys and self.chunk_size and not st.uncacheable:
             from hkvd.transport.keys import chunk_keys
 
-            st.keys = chunk_keys(st.tokens, self.chunk_size)
+            n = len(st.tokens) // self.chunk_size
+            try:
+                extras = self._identity.extras(st.request, self.chunk_size, n) if st.request is not None else None
+            except Uncacheable as e:
+                self._note_uncacheable(st, e)
+                return []
+            st.keys = chunk_keys(st.tokens, self.chunk_size, extras=extras)
         return st.keys
+
+    def _note_uncacheable(self, st: _Req, exc: Uncacheable) -> None:
+        st.uncacheable = exc.reason
+        self.stats["uncacheable"] += 1
+        self._identity.note(str(getattr(st.request, "request_id", "?")), exc)
+        client = self.link.client
+        if client is None:
+            return
+        try:
+            client.uncacheable(exc.reason)
+        except Exception as e:
+            self.link.lost(e)
 
     def _pump(self, timeout_s: float = 0.0) -> None:
         """Read completions; lookups are the only requests this connection makes."""
@@ -212,8 +236,8 @@ class SchedulerSide:
 
     # ---- vLLM hooks ----------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        tokens = list(request.prompt_token_ids or [])
-        st = _Req(tokens=tokens, num_tokens=len(tokens))
+        tokens = prompt_tokens(request)
+        st = _Req(tokens=tokens, num_tokens=len(tokens), request=request)
         self._reqs[request.request_id] = st
         if tokens:
             self._submit_lookup(request.request_id, st)

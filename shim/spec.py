@@ -269,6 +269,7 @@ def _worker_rank() -> int:
 def build_engine_spec(
     vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig, *, regions: list[Any], layer_addr: LayerAddr | None,
 ) -> Any:
+    from hkvd.shim.identity import engine_identity
     from hkvd.transport.wire.control import EngineSpec
 
     par = vllm_config.parallel_config
@@ -284,6 +285,7 @@ def build_engine_spec(
         mamba_cache_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none")),
         regions=regions,
         groups=build_groups(kv_cache_config, layer_addr),
+        identity=engine_identity(vllm_config),
     )
 
 

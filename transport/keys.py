@@ -1,10 +1,14 @@
-"""Chunk keys: a rolling hash over token ids in ``chunk_size`` steps.
+"""Chunk keys: a rolling hash over token ids and the request's extra keys, in ``chunk_size`` steps.
 
-key(i) = blake2b-128(key(i-1) || tokens of chunk i as little-endian uint32), key(-1) = 16 zero bytes.
-Only full chunks get a key. The same prefix gives the same keys in every process and on every
-node, which is what lets a fresh engine (or a peer daemon) hit what another one stored. The layout
-fingerprint is *not* mixed in here: the daemon prefixes every index key with the engine's
-fingerprint, so keys stay comparable across layouts only where that is safe (never).
+key(i) = blake2b-128(key(i-1) || tokens of chunk i as little-endian uint32 || extra(i)), key(-1) = 16
+zero bytes. ``extra(i)`` is the canonical encoding of whatever else changes the KV of chunk i's token
+range (the LoRA adapter, images overlapping the chunk, the tenant's ``cache_salt``, prompt embeddings;
+``hkvd.shim.identity`` builds it from vLLM's own per-range extra keys), or nothing. A chunk's token
+bytes have a fixed length (the chunk size, part of the engine fingerprint), so appending the extra
+bytes is unambiguous. Only full chunks get a key. The same prefix with the same extras gives the same
+keys in every process and on every node, which is what lets a fresh engine (or a peer daemon) hit what
+another one stored. The layout fingerprint is *not* mixed in here: the daemon prefixes every index key
+with the engine's fingerprint, so keys stay comparable across layouts only where that is safe (never).
 """
 
 from __future__ import annotations
@@ -18,18 +22,24 @@ KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
 
 
-def chunk_keys(token_ids: Sequence[int], chunk_size: int, *, parent: bytes = ROOT_KEY) -> list[bytes]:
+def chunk_keys(token_ids: Sequence[int], chunk_size: int, *, parent: bytes = ROOT_KEY,
+               extras: Sequence[bytes] | None = None) -> list[bytes]:
+    """Keys of the full chunks of ``token_ids``; ``extras[i]`` (b"" for none) is mixed into chunk i."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     n_full = len(token_ids) // chunk_size
     if n_full == 0:
         return []
+    if extras is not None and len(extras) < n_full:
+        raise ValueError(f"extras cover {len(extras)} chunks, the tokens {n_full}")
     tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4")
     keys = []
     prev = parent
     for i in range(n_full):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
         h.update(tokens[i * chunk_size:(i + 1) * chunk_size].tobytes())
+        if extras is not None and extras[i]:
+            h.update(extras[i])
         prev = h.digest()
         keys.append(prev)
     return keys

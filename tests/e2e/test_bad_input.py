@@ -134,3 +134,20 @@ def test_a_client_that_never_reads_its_replies_is_cut_off_without_slowing_others
         pass
     assert len(got) < len(encode(control.Pong(7))) * 400_000  # cut off: not every request was answered
     assert "no progress reading its replies" in d.log_path.read_text()
+
+
+def test_uncacheable_requests_are_counted_by_reason_and_bad_reasons_refused(daemon):
+    eng = SyntheticEngine(daemon.socket_path, [GroupShape("full", 1, 4096)])
+    eng.client.uncacheable("unknown_extra_key_x")
+    eng.client.uncacheable("unknown_extra_key_x")
+    eng.client.uncacheable("extra_keys_failed")
+    assert eng.client.status()["uncacheable_requests"] == {"unknown_extra_key_x": 2, "extra_keys_failed": 1}
+    s = raw_conn(daemon.socket_path)
+    s.sendall(encode(kv.Uncacheable("x")))  # before registering: not an engine's request
+    (err,) = read_msgs(s, 1)
+    assert err.code == ErrorCode.NOT_REGISTERED
+    s.sendall(frame([29, "Bad Reason!"]))
+    (err,) = read_msgs(s, 1)
+    assert err.code == ErrorCode.PROTOCOL_VIOLATION
+    assert eng.client.status()["uncacheable_requests"] == {"unknown_extra_key_x": 2, "extra_keys_failed": 1}
+    eng.close()

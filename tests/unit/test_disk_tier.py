@@ -246,3 +246,23 @@ def test_write_checksum_is_crc32_of_the_payload_in_pool_order(tmp_path):
         assert raw[HEADER_BYTES:] == data[0] and h.checksum == zlib.crc32(data[0]) and h.key == key(0)
 
     asyncio.run(run())
+
+
+async def test_version_1_files_of_token_only_keys_are_never_served(tmp_path):
+    # Format 1 keyed chunks by their tokens alone (a LoRA, salt or image request could match another's).
+    assert VERSION >= 2
+    pool = Pool(4)
+    tier = new_tier(tmp_path, pool)
+    await write_entries(tier, pool, 2)
+    tier.close(5.0)
+    old = tmp_path / relative_path(key(0))
+    raw = bytearray(old.read_bytes())
+    raw[8:10] = struct.pack("<H", 1)
+    raw[76:80] = struct.pack("<I", zlib.crc32(bytes(raw[:76])))  # a well-formed version-1 header
+    old.write_bytes(bytes(raw))
+
+    again = new_tier(tmp_path, Pool(4))
+    assert key(0) not in again and key(1) in again
+    assert again.scan.corrupt == {"version": 1}
+    assert old.exists()  # left for the hkvd version that wrote it
+    again.close(5.0)

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 
 from hkvd.transport.wire.errors import ProtocolViolation, UnknownMessage
 
-PROTOCOL_VERSION = 1
+# 2: EngineSpec.identity, Uncacheable, chunk keys with extra keys (LoRA, images, cache_salt).
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 # Bounds on list fields: far above real use (a 1M-token prompt in 256-token chunks is 4096 keys),
 # low enough that one frame cannot make the daemon do unbounded work.
@@ -47,6 +48,7 @@ class MsgType(enum.IntEnum):
     ABORT_ACK = 26
     ERROR = 27
     RELEASE = 28
+    UNCACHEABLE = 29
     # events
     STEP_EVENT = 40
     # peer (transport/wire/peer.py): daemon <-> daemon, and the engine's Pull

@@ -20,6 +20,7 @@ REGION_KINDS = ("host", "cuda")
 MAX_REGIONS = 256
 MAX_GROUPS = 256
 MAX_VIEWS = 4096
+MAX_IDENTITY = 256
 
 
 def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -45,12 +46,16 @@ class EngineSpec:
     mamba_cache_mode: str
     regions: list[Region] = field(default_factory=list)
     groups: list[GroupSpec] = field(default_factory=list)
+    # Digest of what changes the entries' bytes beyond the layout (weights, dtypes, backend, TP/PP:
+    # hkvd.shim.identity.engine_identity); part of the daemon's fingerprint. "" for synthetic engines.
+    identity: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "model": self.model, "world_size": self.world_size, "rank": self.rank,
             "layout_tag": self.layout_tag, "chunk_size": self.chunk_size, "block_size": self.block_size,
             "max_num_batched_tokens": self.max_num_batched_tokens, "mamba_cache_mode": self.mamba_cache_mode,
+            "identity": self.identity,
             "regions": [
                 {"region_id": r.region_id, "kind": r.kind, "size": r.size, "addr": r.addr,
                  "handle": r.handle, "device_uuid": r.device_uuid, "offset": r.offset}
@@ -111,6 +116,7 @@ class EngineSpec:
             chunk_size=_get(d, "chunk_size", int, w), block_size=_get(d, "block_size", int, w),
             max_num_batched_tokens=_get(d, "max_num_batched_tokens", int, w),
             mamba_cache_mode=_get(d, "mamba_cache_mode", str, w), regions=regions, groups=groups,
+            identity=_get(d, "identity", str, w),
         )
         spec.validate_shape()
         return spec
@@ -134,6 +140,8 @@ class EngineSpec:
             raise ProtocolViolation("group ids must be unique")
         if not self.groups:
             raise ProtocolViolation("an engine must register at least one KV-cache group")
+        if len(self.identity) > MAX_IDENTITY:
+            raise ProtocolViolation(f"identity: at most {MAX_IDENTITY} characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,3 +167,20 @@ class Error(Message):
 class Release(Message):
     TYPE = MsgType.RELEASE
     lease_id: int
+
+
+UNCACHEABLE_REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+MAX_REASON = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Uncacheable(Message):
+    """The scheduler met a request it cannot key safely: never cached; counted by reason. No reply."""
+
+    TYPE = MsgType.UNCACHEABLE
+    reason: str
+
+    def validate(self) -> None:
+        if not self.reason or len(self.reason) > MAX_REASON or not set(self.reason) <= UNCACHEABLE_REASON_CHARS:
+            raise ProtocolViolation(f"Uncacheable.reason must be 1-{MAX_REASON} characters of [a-z0-9_], "
+                                    f"got {self.reason[:80]!r}")

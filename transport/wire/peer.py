@@ -51,7 +51,7 @@ import numpy as np
 from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 from hkvd.transport.wire.errors import ProtocolViolation
 
-PEER_VERSION = 2  # 2: PeerLookupReply carries packed entry arrays
+PEER_VERSION = 3  # 2: PeerLookupReply carries packed entry arrays; 3: keys with extra keys, engine identity
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 FINGERPRINT_BYTES = 16

@@ -1,0 +1,259 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cache identity: what besides the token ids decides the bytes of a chunk, and of an engine's entries.
+
+Two questions decide whether an entry may be served:
+
+- **Same engine format and weights?** ``engine_identity(vllm_config)`` digests everything that changes
+  the bytes an engine writes for given tokens and is not already in the registered layout: the model's
+  revision, its ``config.json``, a sample of its weight files (safetensors headers plus spread-out
+  byte samples of every weight file, never a full read), the model and KV-cache dtypes, quantization,
+  the attention backend setting, the platform and the TP/PP shape. The daemon mixes it into the
+  engine's layout fingerprint, so new weights under the same path never see old entries (disk tier
+  and peers included), while two engines of the same model and format still share.
+- **Same prompt?** ``ChunkIdentity.extras`` turns vLLM's own per-range extra keys
+  (``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys``: the LoRA adapter, the multimodal
+  items overlapping the range with their offsets, the ``cache_salt`` in the first range, prompt-embedding
+  digests) into one canonical byte string per chunk, which ``hkvd.transport.keys.chunk_keys`` mixes
+  into the rolling key. vLLM's block hashes are not used: their seed is random per process. LoRA
+  adapters are also keyed by a digest of their files, so re-pointing or rewriting an adapter under
+  the same name and path never serves the old adapter's KV.
+
+A request whose extra keys hkvd cannot encode safely (a tag or a value type it does not know) raises
+``Uncacheable``: the scheduler side then neither looks it up nor stores it, counts it and logs the
+reason once. It is never cached under a token-only key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+logger = logging.getLogger("hkvd.shim")
+
+# The tags of vLLM 0.32's extra keys. Any other tag is a kind of identity hkvd does not know yet.
+KNOWN_TAGS = ("lora", "mm", "cache_salt", "prompt_embeds")
+EXTRA_FORMAT = b"hkvd-extra-1"
+_DIGEST = 16
+# Per weight file: this many evenly spaced samples of SAMPLE_BYTES, plus the last SAMPLE_BYTES.
+SAMPLES = 16
+SAMPLE_BYTES = 4096
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_INDEX_SUFFIX = ".index.json"
+
+
+class Uncacheable(Exception):
+    """A request hkvd cannot key safely; ``reason`` is a short label for counters and logs."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# --------------------------------------------------------------------------- per-chunk extras
+
+
+def encode_extra(extra: tuple[Any, ...] | None, lora_digest: str = "") -> bytes:
+    """The canonical bytes of one range's extra keys (b"" for none); raise ``Uncacheable`` if unknown."""
+    if not extra:
+        return b""
+    parts: list[list[Any]] = []
+    for key in extra:
+        if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
+            raise Uncacheable("unknown_extra_key", f"extra key {key!r} is not a tagged tuple")
+        tag = key[0]
+        if tag not in KNOWN_TAGS:
+            raise Uncacheable(f"unknown_extra_key_{_label(tag)}",
+                              f"vLLM keys this request with a {tag!r} extra key, which this hkvd does not know")
+        values = list(key)
+        for v in values:
+            if not isinstance(v, (str, bytes)) and (type(v) is not int):
+                raise Uncacheable(f"extra_key_type_{_label(type(v).__name__)}",
+                                  f"a {tag!r} extra key holds a {type(v).__name__}, which has no canonical encoding")
+        if tag == "lora":
+            values.append(lora_digest)
+        parts.append(values)
+    return EXTRA_FORMAT + msgpack.packb(parts, use_bin_type=True)
+
+
+def _label(text: str) -> str:
+    """``text`` as a counter label: lower-case ASCII letters, digits and ``_`` (the wire's rule)."""
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in text.lower())[:32]
+
+
+def prompt_tokens(request: Any) -> list[int]:
+    """The prompt's token ids as vLLM hashes them (placeholders 0 where prompt embeddings stand)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        n = int(request.num_prompt_tokens)
+        return list(request.all_token_ids[:n])
+    return list(request.prompt_token_ids or [])
+
+
+class ChunkIdentity:
+    """Per-request extra bytes for each full chunk, from vLLM's own per-range extra keys."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def extras(self, request: Any, chunk_size: int, n_chunks: int) -> list[bytes] | None:
+        """One entry per chunk (b"" where vLLM has no extra keys); None when the request has none at all."""
+        if not _may_have_extras(request):
+            return None
+        try:
+            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+        except ImportError as e:  # a vLLM without the function: its identity rules are unknown to us
+            raise Uncacheable("no_extra_key_function", f"vLLM has no generate_block_hash_extra_keys ({e})") from e
+        lora = getattr(request, "lora_request", None)
+        lora_digest = adapter_digest(str(getattr(lora, "lora_path", "") or "")) if lora else ""
+        out = []
+        mm_idx = 0
+        for i in range(n_chunks):
+            try:
+                extra, mm_idx = generate_block_hash_extra_keys(request, i * chunk_size, (i + 1) * chunk_size, mm_idx)
+            except Exception as e:
+                raise Uncacheable("extra_keys_failed", f"{type(e).__name__}: {e}") from e
+            out.append(encode_extra(extra, lora_digest))
+        return out
+
+    def note(self, request_id: str, exc: Uncacheable) -> None:
+        """Log an uncacheable request: once per reason at WARNING, then at DEBUG."""
+        if exc.reason in self._warned:
+            logger.debug("hkvd: request %s is not cached (%s)", request_id, exc)
+            return
+        self._warned.add(exc.reason)
+        logger.warning("hkvd: request %s is not cached and never will be served from hkvd: %s (logged once per "
+                       "reason; counted as uncacheable_requests{reason=%s} in hkvd status)", request_id, exc.detail,
+                       exc.reason)
+
+
+def _may_have_extras(request: Any) -> bool:
+    return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
+                or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None)
+
+
+# --------------------------------------------------------------------------- engine identity
+
+
+def engine_identity(vllm_config: Any) -> str:
+    """Hex digest of what changes an engine's KV bytes beyond the registered layout (see module doc)."""
+    model_cfg = vllm_config.model_config
+    cache = vllm_config.cache_config
+    par = vllm_config.parallel_config
+    attn = getattr(vllm_config, "attention_config", None)
+    model_dir = _model_dir(model_cfg)
+    facts = {
+        "revision": str(getattr(model_cfg, "revision", None) or ""),
+        "config": _config_digest(model_cfg, model_dir),
+        "weights": files_digest(str(model_dir)) if model_dir is not None else _unresolved(str(model_cfg.model)),
+        "dtype": str(getattr(model_cfg, "dtype", "")),
+        "quantization": str(getattr(model_cfg, "quantization", None) or ""),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "")),
+        "mamba_cache_dtype": str(getattr(cache, "mamba_cache_dtype", "")),
+        "mamba_ssm_cache_dtype": str(getattr(cache, "mamba_ssm_cache_dtype", "")),
+        "attention_backend": str(getattr(attn, "backend", None) or os.environ.get("VLLM_ATTENTION_BACKEND", "auto")),
+        "attention_backend_per_kind": sorted((str(k), str(v)) for k, v in
+                                             (getattr(attn, "backend_per_kind", None) or {}).items()),
+        "platform": _platform(),
+        "tp": int(getattr(par, "tensor_parallel_size", 1)),
+        "pp": int(getattr(par, "pipeline_parallel_size", 1)),
+    }
+    blob = json.dumps(facts, sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=_DIGEST).hexdigest()
+
+
+def _platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "unknown"
+    name = str(current_platform.device_type)
+    try:
+        cap = current_platform.get_device_capability()
+    except Exception:  # no device visible in this process (CPU, or a scheduler without one)
+        cap = None
+    return f"{name}/{cap.major}.{cap.minor}" if cap is not None and hasattr(cap, "major") else name
+
+
+def _model_dir(model_cfg: Any) -> Path | None:
+    path = Path(str(model_cfg.model))
+    if path.is_dir():
+        return path
+    try:  # a hub id: the snapshot vLLM loaded, if it is in the local cache
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model_cfg.model), revision=getattr(model_cfg, "revision", None),
+                                      local_files_only=True))
+    except Exception:
+        return None
+
+
+def _config_digest(model_cfg: Any, model_dir: Path | None) -> str:
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        return hashlib.blake2b((model_dir / "config.json").read_bytes(), digest_size=_DIGEST).hexdigest()
+    hf = getattr(model_cfg, "hf_config", None)
+    text = hf.to_json_string(use_diff=False) if hf is not None else ""
+    return hashlib.blake2b(text.encode(), digest_size=_DIGEST).hexdigest()
+
+
+@functools.cache
+def _unresolved(model: str) -> str:
+    logger.warning("hkvd: the files of model %s are not on this machine's disk; its cache entries are identified "
+                   "by name, revision and config only, so serve new weights under a new name or revision", model)
+    return "unresolved"
+
+
+@functools.cache
+def adapter_digest(path: str) -> str:
+    """Digest of a LoRA adapter's files ("" when the path is not a local folder: name and path only)."""
+    return files_digest(path) if path and Path(path).is_dir() else ""
+
+
+@functools.cache
+def files_digest(folder: str) -> str:
+    """Digest of a model or adapter folder's config and weight files without reading them whole.
+
+    Every ``*.json`` config or index file is hashed whole; every weight file contributes its name, its
+    size, its safetensors header (names, dtypes, shapes, offsets) and ``SAMPLES`` evenly spaced
+    ``SAMPLE_BYTES`` samples of its data plus its last bytes. Retrained or re-quantized weights change
+    every sample; only an edit confined to a few unsampled bytes could go unseen.
+    """
+    root = Path(folder)
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    for p in sorted(root.iterdir()):
+        if not p.is_file():
+            continue
+        name = p.name
+        if name.endswith(_INDEX_SUFFIX) or name in ("config.json", "adapter_config.json"):
+            h.update(b"json\0" + name.encode() + b"\0" + p.read_bytes())
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            h.update(b"weights\0" + name.encode() + b"\0")
+            _sample_file(p, h)
+    return h.hexdigest()
+
+
+def _sample_file(path: Path, h: Any) -> None:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        start = 0
+        if path.suffix == ".safetensors" and size >= 8:
+            n = int.from_bytes(f.read(8), "little")
+            if 0 < n <= size - 8:
+                h.update(f.read(n))
+                start = 8 + n
+        span = size - start
+        if span <= 0:
+            return
+        step = max(span // SAMPLES, 1)
+        for off in range(start, size, step):
+            f.seek(off)
+            h.update(f.read(SAMPLE_BYTES))
+        f.seek(max(start, size - SAMPLE_BYTES))
+        h.update(f.read(SAMPLE_BYTES))
