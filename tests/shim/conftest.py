@@ -36,24 +36,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # HKVD_TEST_MODELS=DIR keeps the built models between runs; unset, they go to a temp dir
+    # (Path("") would be the current directory).
+    env_root = os.environ.get("HKVD_TEST_MODELS")
+    return Path(env_root) if env_root else tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_lib():  # type: ignore[no-untyped-def]
+    """The tiny_models module (builders of random-weight models and adapters)."""
     sys.path.insert(0, str(HERE))
     try:
         import tiny_models
     finally:
         sys.path.remove(str(HERE))
-    # HKVD_TEST_MODELS=DIR keeps the built models between runs; unset, they go to a temp dir
-    # (Path("") would be the current directory).
-    env_root = os.environ.get("HKVD_TEST_MODELS")
-    root = Path(env_root) if env_root else tmp_path_factory.mktemp("models")
-    return {k: tiny_models.build(k, root) for k in ("qwen3_next", "gemma3")}
+    return tiny_models
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_lib, models_root: Path) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    return {k: tiny_lib.build(k, models_root) for k in ("qwen3_next", "gemma3")}
 
 
 class Daemon:
     """A real ``hkvd serve`` process on a private socket; ``restart()`` keeps the socket path."""
 
-    def __init__(self, workdir: Path, chunk_size: int) -> None:
+    def __init__(self, workdir: Path, chunk_size: int, args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
+        self.args = list(args)  # more `hkvd serve` flags (--l2-path DIR, ...)
         self.socket = str(workdir / "hkvd.sock")
         self.chunk_size = chunk_size
         self.proc: subprocess.Popen[bytes] | None = None
@@ -65,7 +76,8 @@ class Daemon:
         # HKVD_TEST_SERVE: run another entry point (a development wrapper) instead of the CLI.
         entry = os.environ.get("HKVD_TEST_SERVE")
         cmd = [sys.executable, entry] if entry else [sys.executable, "-m", "hkvd.daemon"]
-        cmd += ["serve", "--socket", self.socket, "--chunk-size", str(self.chunk_size), "--l1-size-gb", "0.25"]
+        cmd += ["serve", "--socket", self.socket, "--chunk-size", str(self.chunk_size), "--l1-size-gb", "0.25",
+                *self.args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket):
@@ -96,8 +108,8 @@ class Daemon:
 def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     made: list[Daemon] = []
 
-    def make(chunk_size: int = 128) -> Daemon:
-        d = Daemon(tmp_path_factory.mktemp("hkvd"), chunk_size)
+    def make(chunk_size: int = 128, *args: str) -> Daemon:
+        d = Daemon(tmp_path_factory.mktemp("hkvd"), chunk_size, args)
         d.start()
         made.append(d)
         return d

@@ -9,6 +9,11 @@ an empty vLLM prefix cache):
 Before every prompt the script calls ``llm.reset_prefix_cache()``: vLLM's local cache is
 emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from hkvd.
 Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...]}``.
+
+A prompt is a list of token ids, or a map: ``{"ids": [...]}`` or ``{"text": "..."}``, plus any of
+``"salt"`` (vLLM's ``cache_salt``), ``"lora": [name, int_id, path]`` and ``"image": {"seed", "size"}``
+(a random RGB image, the same for the same seed). ``"llm"`` in the arguments passes more
+``LLM(...)`` keyword arguments (``enable_lora``, ``limit_mm_per_prompt``, ...).
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ def main() -> None:
         kw["mamba_cache_mode"] = args["mamba_cache_mode"]
     if args.get("retention") is not None:
         kw["prefix_cache_retention_interval"] = args["retention"]
+    kw.update(args.get("llm", {}))
+    kw.setdefault("max_model_len", 1024)
     llm = LLM(
-        model=args["model"], enforce_eager=True, dtype="bfloat16", max_model_len=1024,
+        model=args["model"], enforce_eager=True, dtype="bfloat16",
         enable_prefix_caching=True, max_num_batched_tokens=args.get("max_num_batched_tokens", 128),
         seed=0, **kw,
         kv_transfer_config={
@@ -53,19 +60,45 @@ def main() -> None:
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
         },
     )
-    sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=1)
+    sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=1,
+                        ignore_eos=bool(args.get("ignore_eos", False)))
     results = []
-    for i, ids in enumerate(args["prompts"]):
+    for i, spec in enumerate(args["prompts"]):
         if i in args.get("pause_before", []):
             # The test restarts the daemon here, while this engine lives on.
             _handshake(args["sync_dir"], i)
         llm.reset_prefix_cache()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        prompt, lora = _prompt(spec, TokensPrompt)
+        out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
         comp = out.outputs[0]
         lps = [float(d[t].logprob) for t, d in zip(comp.token_ids, comp.logprobs or [], strict=False)]
         results.append({"tokens": list(comp.token_ids), "logprobs": lps,
                         "num_cached_tokens": int(out.num_cached_tokens or 0)})
     print("HKVD_RESULT " + json.dumps({"results": results}), flush=True)
+
+
+def _prompt(spec, tokens_prompt):  # type: ignore[no-untyped-def]
+    """(vLLM prompt, LoRARequest or None) for one prompt of the arguments (see the module doc)."""
+    if isinstance(spec, list):
+        return tokens_prompt(prompt_token_ids=spec), None
+    prompt = tokens_prompt(prompt_token_ids=spec["ids"]) if "ids" in spec else {"prompt": spec["text"]}
+    if spec.get("salt"):
+        prompt["cache_salt"] = spec["salt"]
+    if spec.get("image"):
+        import numpy as np
+        from PIL import Image
+
+        img = spec["image"]
+        rng = np.random.default_rng(img["seed"])
+        pixels = rng.integers(0, 256, (img["size"], img["size"], 3), dtype=np.uint8)
+        prompt["multi_modal_data"] = {"image": Image.fromarray(pixels)}
+    lora = None
+    if spec.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        name, int_id, path = spec["lora"]
+        lora = LoRARequest(name, int_id, path)
+    return prompt, lora
 
 
 if __name__ == "__main__":

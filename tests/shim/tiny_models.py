@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tiny random-weight hybrid models for the shim's tests, built offline.
+"""Tiny random-weight models and LoRA adapters for the shim's tests, built offline.
 
 Role
     vLLM needs a model directory (config.json, weights, tokenizer) to start an engine. The
-    shim's tests must not download anything, so this module builds two tiny hybrids with
+    shim's tests must not download anything, so this module builds tiny models with
     ``transformers`` + ``tokenizers`` from fixed seeds:
 
     - ``qwen3_next``: 3 Gated-DeltaNet layers + 1 full-attention layer. Linear head dim 128
@@ -11,14 +11,29 @@ Role
       so vLLM's hybrid block-size alignment picks block 128 (with 2 KV heads x 32 it picks
       1152 and no prompt of a few hundred tokens ever hits).
     - ``gemma3``: 3 sliding-window layers (window 192) + 1 full-attention layer, head dim 32.
+    - ``idefics3``: a vision-language model (``Idefics3ForConditionalGeneration``) whose image
+      processor needs no torchvision. Vision tower: 1 layer, hidden 128, 64x64 images in 4x4
+      patches, pixel shuffle 2, so one image is ``IDEFICS3_IMAGE_SEQ_LEN`` (64) ``<image>``
+      tokens plus 3 wrapper tokens. Text model: Llama, 3 sliding-window layers (window 192) +
+      1 full-attention layer, head dim 32; vLLM 0.32 CPU makes 4 KV-cache groups (3 sliding
+      window, 1 full), block 128. Random images change the greedy tokens.
 
-    Both are ~1-3 MB. The same seed gives the same bytes, so a cold run and a warm run in two
+    ``build_lora`` writes a random PEFT LoRA adapter (rank 8, ``q_proj`` + ``v_proj`` of the
+    text layers) for any of them by hand with ``safetensors``; ``B`` is not zero, so the
+    adapter changes the outputs, and different seeds give different adapters.
+
+    Models are ~1-3 MB. The same seed gives the same bytes, so a cold run and a warm run in two
     processes load identical weights.
 
 Usage
     ``build(kind, root) -> Path`` builds once (a ``.complete`` marker makes it idempotent and
-    safe against a half-written directory) and returns the model directory. Run as a script to
-    build both: ``python tests/shim/tiny_models.py /tmp/hkvd-models``.
+    safe against a half-written directory) and returns the model directory.
+    ``build_lora(base_kind, name, seed, root) -> Path`` does the same for an adapter (under
+    ``root/lora/<base_kind>/<name>``). Run as a script to build the models:
+    ``python tests/shim/tiny_models.py /tmp/hkvd-models``.
+
+    Image prompts for ``idefics3`` hold one ``IDEFICS3_IMAGE_TOKEN`` per image, e.g.
+    ``{"prompt": "<image>the quick brown fox", "multi_modal_data": {"image": pil_image}}``.
 """
 
 from __future__ import annotations
@@ -31,6 +46,32 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SEED = 1234
 DEFAULT_ROOT = Path("/tmp/hkvd-models")
+KINDS = ("qwen3_next", "gemma3", "idefics3")
+
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_TARGETS = ("q_proj", "v_proj")
+# Std of the random A and B entries: B @ A * alpha / r is then about as large as the base
+# q/v weights (std 0.02), enough to flip greedy tokens of the random base model.
+LORA_INIT_STD = 0.1
+
+IDEFICS3_IMAGE_TOKEN = "<image>"
+IDEFICS3_IMAGE_SIZE = 64
+IDEFICS3_PATCH_SIZE = 4
+IDEFICS3_SCALE_FACTOR = 2
+IDEFICS3_IMAGE_SEQ_LEN = (IDEFICS3_IMAGE_SIZE // IDEFICS3_PATCH_SIZE) ** 2 // IDEFICS3_SCALE_FACTOR**2
+# Weight init std. The default 0.02 gives greedy loops that barely depend on the image (two
+# images differed in the first token only); 0.1 makes different images give different
+# continuations. The model then emits EOS early: generate with ``ignore_eos=True``.
+IDEFICS3_INIT_STD = 0.1
+# Tokens Idefics3Processor looks up; all must be single tokens in the vocabulary.
+_IDEFICS3_SPECIAL = [
+    "<fake_token_around_image>",
+    IDEFICS3_IMAGE_TOKEN,
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+]
 
 # Words for the tokenizer's training corpus; the corpus only shapes the BPE merges. Tests feed
 # token ids directly (TokensPrompt), so the exact merges do not matter beyond determinism.
@@ -42,7 +83,9 @@ _WORDS = [
 ]
 
 
-def _build_tokenizer(out: Path) -> None:
+def _build_tokenizer(out: Path, extra_special: tuple[str, ...] | list[str] = ()):  # type: ignore[no-untyped-def]
+    """Train the BPE tokenizer, save it to ``out`` and return it (``extra_special`` become
+    single-token special tokens after the four base ones)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +96,7 @@ def _build_tokenizer(out: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -62,10 +105,11 @@ def _build_tokenizer(out: Path) -> None:
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     fast.save_pretrained(out)
+    return fast
 
 
-def _config(kind: str):  # type: ignore[no-untyped-def]
-    common = {
+def _common() -> dict:
+    return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 128,
         "intermediate_size": 256,
@@ -75,6 +119,10 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
         "pad_token_id": 3,
         "tie_word_embeddings": False,
     }
+
+
+def _config(kind: str):  # type: ignore[no-untyped-def]
+    common = _common()
     if kind == "qwen3_next":
         from transformers import Qwen3NextConfig
 
@@ -109,11 +157,67 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
             head_dim=32,
             sliding_window=192,
         )
-    raise ValueError(f"unknown tiny model kind {kind!r}; use 'qwen3_next' or 'gemma3'")
+    raise ValueError(f"unknown tiny model kind {kind!r}; use one of {KINDS}")
+
+
+def _idefics3_config(image_token_id: int):  # type: ignore[no-untyped-def]
+    from transformers import Idefics3Config, Idefics3VisionConfig, LlamaConfig
+
+    text = LlamaConfig(
+        **_common(),
+        num_hidden_layers=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        initializer_range=IDEFICS3_INIT_STD,
+    )
+    vision = Idefics3VisionConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=IDEFICS3_IMAGE_SIZE,
+        patch_size=IDEFICS3_PATCH_SIZE,
+        initializer_range=IDEFICS3_INIT_STD,
+    )
+    return Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image_token_id,
+        scale_factor=IDEFICS3_SCALE_FACTOR,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        initializer_range=IDEFICS3_INIT_STD,
+    )
+
+
+def _save_idefics3(out: Path) -> None:
+    import torch
+    from transformers import Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _build_tokenizer(out, _IDEFICS3_SPECIAL)
+    image_token_id = tokenizer.convert_tokens_to_ids(IDEFICS3_IMAGE_TOKEN)
+    torch.manual_seed(SEED)
+    model = Idefics3ForConditionalGeneration._from_config(_idefics3_config(image_token_id), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    # No splitting: every image is resized to one 64x64 tile, so it always costs the same
+    # number of tokens whatever its size.
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": IDEFICS3_IMAGE_SIZE},
+        max_image_size={"longest_edge": IDEFICS3_IMAGE_SIZE},
+    )
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=IDEFICS3_IMAGE_SEQ_LEN)
+    processor.save_pretrained(out)
 
 
 def build(kind: str, root: Path = DEFAULT_ROOT) -> Path:
-    """Build (once) and return the directory of the tiny model ``kind``."""
+    """Build (once) and return the directory of the tiny model ``kind`` (one of ``KINDS``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; use one of {KINDS}")
     out = Path(root) / kind
     marker = out / ".complete"
     if marker.exists():
@@ -122,11 +226,14 @@ def build(kind: str, root: Path = DEFAULT_ROOT) -> Path:
     from transformers import AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(SEED)
-    cfg = _config(kind)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    _build_tokenizer(out)
+    if kind == "idefics3":
+        _save_idefics3(out)
+    else:
+        torch.manual_seed(SEED)
+        cfg = _config(kind)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(out)
+        _build_tokenizer(out)
     # vLLM reads generation_config.json when present; make greedy decoding the only behaviour.
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3})
@@ -135,7 +242,72 @@ def build(kind: str, root: Path = DEFAULT_ROOT) -> Path:
     return out
 
 
+def _lora_targets(base: Path) -> dict[str, tuple[int, int]]:
+    """Base weight name prefix -> (out_features, in_features) for every LoRA target of the
+    text model (vision-tower projections are left alone)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, int]] = {}
+    for path in sorted(base.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                module, _, leaf = key.rpartition(".")
+                if leaf != "weight" or "vision" in key or module.rpartition(".")[2] not in LORA_TARGETS:
+                    continue
+                out_f, in_f = f.get_slice(key).get_shape()
+                shapes[module] = (out_f, in_f)
+    if not shapes:
+        raise ValueError(f"no {LORA_TARGETS} weights in {base}")
+    return shapes
+
+
+def build_lora(base_kind: str, name: str, seed: int, root: Path = DEFAULT_ROOT) -> Path:
+    """Build (once) and return a random PEFT LoRA adapter for ``build(base_kind, root)``.
+
+    Rank ``LORA_RANK`` on ``LORA_TARGETS``; A and B are drawn from ``seed`` (B is not zero).
+    Rebuilding an existing ``name`` with another seed is an error.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    base = build(base_kind, root)
+    out = Path(root) / "lora" / base_kind / name
+    marker = out / ".complete"
+    stamp = f"seed={seed}\n"
+    if marker.exists():
+        if marker.read_text() != stamp:
+            raise ValueError(f"LoRA {out} exists with {marker.read_text().strip()}, not seed={seed}")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out_f, in_f) in sorted(_lora_targets(base).items()):
+        a = torch.randn(LORA_RANK, in_f, generator=gen) * LORA_INIT_STD
+        b = torch.randn(out_f, LORA_RANK, generator=gen) * LORA_INIT_STD
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(torch.bfloat16).contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(torch.bfloat16).contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    marker.write_text(stamp)
+    return out
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_ROOT
-    for k in ("qwen3_next", "gemma3"):
+    for k in KINDS:
         print(build(k, root))
