@@ -18,7 +18,7 @@ Keys
 from __future__ import annotations
 
 import enum
-import itertools
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,6 +58,14 @@ class Lease:
     keys: list[EntryKey]
     expires_at: float
     owner: int  # connection id
+    # Retrieves it serves before it ends by itself: one per rank of a tensor-parallel engine, each
+    # loading its own rank's entries (a release or the TTL ends it sooner).
+    uses: int = 1
+
+    def uncovered(self, keys: Iterable[EntryKey]) -> EntryKey | None:
+        """The first of ``keys`` this lease does not hold, or None."""
+        held = set(self.keys)
+        return next((k for k in keys if k not in held), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +93,6 @@ class Index:
         self.clock = clock
         self._entries: dict[EntryKey, Entry] = {}
         self._leases: dict[int, Lease] = {}
-        self._lease_ids = itertools.count(1)
         self._evictions = 0
         self._orphans_dropped = 0
         self._orphans_marked = 0
@@ -241,7 +248,8 @@ class Index:
             entry.pins -= 1
 
     # ---- leases --------------------------------------------------------------------------------
-    def lease(self, keys: Iterable[EntryKey], owner: int, ttl_s: float) -> int:
+    def lease(self, keys: Iterable[EntryKey], owner: int, ttl_s: float, uses: int = 1) -> int:
+        """Hold the READY ones of ``keys`` against eviction for ``ttl_s`` or ``uses`` retrieves (``use_lease``)."""
         held = []
         for k in keys:
             e = self._entries.get(k)
@@ -249,9 +257,25 @@ class Index:
                 e.leases += 1
                 self.policy.touch(k)
                 held.append(k)
-        lease_id = next(self._lease_ids)
-        self._leases[lease_id] = Lease(lease_id, held, self.clock() + ttl_s, owner)
+        lease_id = self._new_lease_id()
+        self._leases[lease_id] = Lease(lease_id, held, self.clock() + ttl_s, owner, uses)
         return lease_id
+
+    def _new_lease_id(self) -> int:
+        """A random non-zero 63-bit id: a neighbour cannot guess another engine's lease."""
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
+
+    def use_lease(self, lease_id: int) -> None:
+        """One retrieve served from the lease: it ends after its last use."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        lease.uses -= 1
+        if lease.uses <= 0:
+            self.release(lease_id)
 
     def check_lease(self, lease_id: int) -> Lease:
         lease = self._leases.get(lease_id)

@@ -9,6 +9,7 @@ strides.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ class EngineState:
     rules: list[GroupRule]
     entry_bytes: dict[int, int]
     kinds: dict[int, str]  # group id -> kind ("full", "swa", "mamba")
+    # The fingerprint of each rank of this engine's world (this one's at its own rank): a lookup
+    # hits only what every rank holds, and leases every rank's entries.
+    rank_fingerprints: tuple[bytes, ...] = ()
     attachment: Attachment | None = None
     stats: dict[str, int] = field(default_factory=dict)
 
@@ -113,12 +117,16 @@ class Registry:
                     f"{self.copy_engine.name} copy engine; start hkvd serve with the matching engine")
         attachment = self.copy_engine.attach(pid, list(spec.regions)) if spec.regions else None
         fp = fingerprint(spec, chunk_size)
+        # Tensor-parallel ranks split heads evenly, so every rank's entries have this rank's format.
+        rank_fps = tuple(fp if r == spec.rank else fingerprint(dataclasses.replace(spec, rank=r), chunk_size)
+                         for r in range(spec.world_size))
         state = EngineState(
             engine_id=next(self._ids), conn_id=conn_id, pid=pid, spec=spec, chunk_size=chunk_size,
             fingerprint=fp, groups={g.group_id: g for g in spec.groups},
             rules=[GroupRule(g.group_id, g.kind, g.window_tokens) for g in spec.groups],  # type: ignore[arg-type]
             entry_bytes={g.group_id: layout.entry_bytes(g, chunk_size) for g in spec.groups},
             kinds={g.group_id: g.kind for g in spec.groups},
+            rank_fingerprints=rank_fps,
             attachment=attachment,
         )
         self._engines[state.engine_id] = state

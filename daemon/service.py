@@ -40,6 +40,7 @@ from hkvd.daemon.errors import (
     KVTimeout,
     NotFound,
     NotRegistered,
+    OutOfRange,
     PermissionDenied,
     PoolFull,
     ProtocolViolation,
@@ -205,27 +206,31 @@ class KVService:
         self._answer_lookup(conn, engine, msg, plan, missing)
 
     def _plan_lookup(self, engine: EngineState, keys: list[bytes]) -> tuple[HitPlan, dict[str, int]]:
-        """The best hit the pool can serve, and the entries it lacks by kind."""
-        fp = engine.fingerprint
+        """The best hit the pool can serve to every rank, and the entries it lacks by kind."""
+        fps = engine.rank_fingerprints
         kinds = engine.kinds
+        is_ready = self.index.is_ready
         missing: dict[str, int] = {}
 
         def present(group_id: int, chunk: int) -> bool:  # the pool only: what a retrieve can be served from
-            if self.index.is_ready((fp, group_id, keys[chunk])):
+            key = keys[chunk]
+            lacking = sum(not is_ready((fp, group_id, key)) for fp in fps)
+            if not lacking:
                 return True
             kind = kinds[group_id]
-            missing[kind] = missing.get(kind, 0) + 1
+            missing[kind] = missing.get(kind, 0) + lacking
             return False
 
         return plan_hit(engine.rules, len(keys), engine.chunk_size, present), missing
 
     def _answer_lookup(self, conn: Conn, engine: EngineState, msg: kv.Lookup, plan: HitPlan,
                        missing: dict[str, int]) -> None:
-        keys, fp, kinds = msg.keys, engine.fingerprint, engine.kinds
+        keys, fps, kinds = msg.keys, engine.rank_fingerprints, engine.kinds
         lease_id = 0
         if msg.lease and plan.hit_chunks > 0:
-            lease_keys = [(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks]
-            lease_id = self.index.lease(lease_keys, conn.conn_id, self.cfg.lease_ttl_s)
+            # Every rank's entries, under one lease that serves one retrieve per rank.
+            lease_keys = [(fp, gid, keys[c]) for fp in fps for gid, chunks in plan.needed.items() for c in chunks]
+            lease_id = self.index.lease(lease_keys, conn.conn_id, self.cfg.lease_ttl_s, uses=len(fps))
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
         self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
@@ -248,17 +253,19 @@ class KVService:
         """
         disk = self.disk
         assert disk is not None
-        fp = engine.fingerprint
+        fps = engine.rank_fingerprints
         failed: set[EntryKey] = set()
 
-        def present(group_id: int, chunk: int) -> bool:
-            k = (fp, group_id, keys[chunk])
+        def on_hand(k: EntryKey) -> bool:
             return self.index.is_ready(k) or (k not in failed and k in disk)
+
+        def present(group_id: int, chunk: int) -> bool:
+            return all(on_hand((fp, group_id, keys[chunk])) for fp in fps)
 
         promoted = False
         for _ in range(PROMOTE_ROUNDS):
             plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
-            wanted = [k for gid, chunks in plan.needed.items() for c in chunks
+            wanted = [k for fp in fps for gid, chunks in plan.needed.items() for c in chunks
                       if not self.index.is_ready(k := (fp, gid, keys[c]))]
             if not wanted:
                 break
@@ -440,10 +447,14 @@ class KVService:
         engine = self._engine(conn, copy=True)
         items = msg.parsed()
         groups = [engine.check_item(it) for it in items]
-        if msg.lease_id:
-            self.index.check_lease(msg.lease_id)
-        entries: list[Entry] = []
         get, fp, ready = self.index.get, engine.fingerprint, EntryState.READY
+        if msg.lease_id:
+            lease = self.index.check_lease(msg.lease_id)
+            if (k := lease.uncovered((fp, it.group_id, it.key) for it in items)) is not None:
+                raise OutOfRange(f"lease {msg.lease_id} does not cover group {k[1]} chunk key {k[2].hex()[:12]} of "
+                                 f"engine {engine.engine_id} (rank {engine.spec.rank}); it was granted for other "
+                                 "entries: look the prefix up again")
+        entries: list[Entry] = []
         for it in items:
             e = get((fp, it.group_id, it.key))
             if e is None or e.state is not ready:
@@ -459,7 +470,7 @@ class KVService:
         finally:
             self.index.unpin_many(entries)
             if msg.lease_id:
-                self.index.release(msg.lease_id)
+                self.index.use_lease(msg.lease_id)
         self._count_bytes("retrieved_bytes", entries)
         info: dict[str, Any] = {"entries": len(entries)}
         if result.done_event:  # the engine's stream waits on it before a forward reads the blocks

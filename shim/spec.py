@@ -226,6 +226,13 @@ def validate_vllm(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> No
             "hkvd: this model has Mamba/GDN layers; hkvd stores their states only in vLLM's align "
             "mode. Start vLLM with --enable-prefix-caching --mamba-cache-mode align."
         )
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if pp > 1:
+        raise ValueError(
+            f"hkvd: pipeline_parallel_size={pp} is not supported (each stage holds other layers, and hkvd "
+            "keys entries per tensor-parallel rank only). Serve with pipeline_parallel_size=1 (tensor "
+            "parallelism is supported), or remove the hkvd kv_transfer_config."
+        )
     block = int(cache.block_size)
     if cfg.chunk_size and cfg.chunk_size % block:
         raise ValueError(

@@ -47,7 +47,7 @@ class SyntheticEngine:
     def __init__(self, socket_path: str, shapes: Sequence[GroupShape], *, num_blocks: int = 64,
                  tokens_per_block: int = 16, chunk_size: int = 0, model: str = "synthetic",
                  layout_tag: str = "host/LBHNC", timeout_s: float = 10.0, aliased: bool = False,
-                 mamba_cache_mode: str = "align") -> None:
+                 mamba_cache_mode: str = "align", world_size: int = 1, rank: int = 0) -> None:
         self.shapes = list(shapes)
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
@@ -75,7 +75,7 @@ class SyntheticEngine:
         self.client.connect()
         allow_ptracer(self.client.daemon_pid)
         region = Region(0, "host", self.buffer.nbytes, addr=self.buffer.ctypes.data)
-        self.spec = EngineSpec(model, 1, 0, layout_tag, chunk_size, tokens_per_block, 8192, mamba_cache_mode,
+        self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192, mamba_cache_mode,
                                [region], self.groups)
         ack = self.client.register(self.spec)
         self.chunk_size = ack.chunk_size

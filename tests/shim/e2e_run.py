@@ -38,6 +38,8 @@ def _handshake(sync_dir: str, i: int) -> None:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    if args.get("omp_bind"):  # per-rank CPU binding for tensor-parallel runs ("0|1")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args["omp_bind"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams

@@ -21,6 +21,7 @@ MAX_REGIONS = 256
 MAX_GROUPS = 256
 MAX_VIEWS = 4096
 MAX_IDENTITY = 256
+MAX_WORLD_SIZE = 256
 
 
 def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -123,8 +124,9 @@ class EngineSpec:
 
     def validate_shape(self) -> None:
         """Value checks that need no daemon state (bounds against regions happen in the registry)."""
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ProtocolViolation(f"rank {self.rank} is outside world_size {self.world_size}")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE or not 0 <= self.rank < self.world_size:
+            raise ProtocolViolation(f"rank {self.rank} is outside world_size {self.world_size} "
+                                    f"(at most {MAX_WORLD_SIZE} ranks)")
         if self.chunk_size < 0 or self.block_size < 0 or self.max_num_batched_tokens < 0:
             raise ProtocolViolation("chunk_size, block_size and max_num_batched_tokens must be >= 0")
         ids = [r.region_id for r in self.regions]
