@@ -75,8 +75,8 @@ class SyntheticEngine:
         self.client.connect()
         allow_ptracer(self.client.daemon_pid)
         region = Region(0, "host", self.buffer.nbytes, addr=self.buffer.ctypes.data)
-        self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192, mamba_cache_mode,
-                               [region], self.groups)
+        self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192,
+                               mamba_cache_mode, [region], self.groups)
         ack = self.client.register(self.spec)
         self.chunk_size = ack.chunk_size
         self.fingerprint = ack.fingerprint
