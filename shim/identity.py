@@ -7,7 +7,7 @@ Two questions decide whether an entry may be served:
   the bytes an engine writes for given tokens and is not already in the registered layout: the model's
   revision, its ``config.json``, a sample of its weight files (safetensors headers plus spread-out
   byte samples of every weight file, never a full read), the model and KV-cache dtypes, quantization,
-  the attention backend setting, the platform and the TP/PP shape. The daemon mixes it into the
+  the attention backend setting, the device type and the TP/PP shape. The daemon mixes it into the
   engine's layout fingerprint, so new weights under the same path never see old entries (disk tier
   and peers included), while two engines of the same model and format still share.
 - **Same prompt?** ``ChunkIdentity.extras`` turns vLLM's own per-range extra keys
@@ -169,16 +169,13 @@ def engine_identity(vllm_config: Any) -> str:
 
 
 def _platform() -> str:
+    """The device type. Not the device's capability: the scheduler process may see no device, and both
+    halves of the connector must compute the same identity (the page format is in the layout already)."""
     try:
         from vllm.platforms import current_platform
     except ImportError:
         return "unknown"
-    name = str(current_platform.device_type)
-    try:
-        cap = current_platform.get_device_capability()
-    except Exception:  # no device visible in this process (CPU, or a scheduler without one)
-        cap = None
-    return f"{name}/{cap.major}.{cap.minor}" if cap is not None and hasattr(cap, "major") else name
+    return str(current_platform.device_type)
 
 
 def _model_dir(model_cfg: Any) -> Path | None:
