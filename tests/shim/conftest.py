@@ -7,6 +7,7 @@ Every test here needs vLLM (``make vllm``); without it the whole folder skips wi
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -43,15 +44,25 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(env_root) if env_root else tmp_path_factory.mktemp("models")
 
 
+def _local_module(name: str):  # type: ignore[no-untyped-def]
+    """Import a helper module of this folder (pytest's importlib mode puts no test folder on sys.path)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(HERE))
+
+
 @pytest.fixture(scope="session")
 def tiny_lib():  # type: ignore[no-untyped-def]
     """The tiny_models module (builders of random-weight models and adapters)."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import tiny_models
-    finally:
-        sys.path.remove(str(HERE))
-    return tiny_models
+    return _local_module("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def outputs():  # type: ignore[no-untyped-def]
+    """The outputs module: ``hits(run)``, ``compare(ref, got, what)``, ``LOGPROB_TOL``."""
+    return _local_module("outputs")
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 128
-LOGPROB_TOL = 0.02  # nats, as tests/shim/test_e2e_vllm.py: a restored state may differ by a bf16 ulp
 
 
 def _seq(n: int, mul: int, add: int) -> list[int]:
@@ -66,14 +65,7 @@ class FaultyDaemon(DaemonProcess):
         return self
 
 
-def _compare(ref: dict, got: dict, what: str) -> float:
-    assert got["tokens"] == ref["tokens"], f"{what}: wrong output {got['tokens']} vs reference {ref['tokens']}"
-    delta = max((abs(x - y) for x, y in zip(ref["logprobs"], got["logprobs"], strict=True)), default=0.0)
-    assert delta <= LOGPROB_TOL, f"{what}: logprob delta {delta:.5f} > {LOGPROB_TOL}"
-    return delta
-
-
-def test_engine_survives_daemon_kill9_and_hits_resume(tiny_models, engine_runner, tmp_path: Path) -> None:
+def test_engine_survives_daemon_kill9_and_hits_resume(tiny_models, outputs, engine_runner, tmp_path: Path) -> None:
     sock = str(tmp_path / "hkvd.sock")
     daemons: list[FaultyDaemon] = []
 
@@ -141,7 +133,7 @@ def test_engine_survives_daemon_kill9_and_hits_resume(tiny_models, engine_runner
     assert hits[0] == 0 and hits[1] == 0, why
     ref = {0: out[0], 1: out[1]}  # by prompt: P1 -> 0, P3 -> 1
     which = [0 if p is P1 else 1 for p in prompts]
-    deltas = [_compare(ref[w], r, f"prompt {i}") for i, (w, r) in enumerate(zip(which, out, strict=True))]
+    deltas = [outputs.compare(ref[w], r, f"prompt {i}") for i, (w, r) in enumerate(zip(which, out, strict=True))]
     # While a daemon is dead or empty nothing can hit; after the last restart hits resume.
     assert hits[3] == 0 and hits[4] == 0 and hits[5] == 0 and hits[6] == 0 and hits[7] == 0, why
     assert hits[10] == 0 and hits[11] == 512 and hits[12] == 0 and hits[13] == 896, why

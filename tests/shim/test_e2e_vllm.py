@@ -5,10 +5,9 @@ Each engine runs in its own process (tests/shim/e2e_run.py), so a warm run start
 empty vLLM prefix cache, and the script resets vLLM's local cache before every prompt:
 ``num_cached_tokens > 0`` can only come from hkvd.
 
-What is compared: greedy tokens strictly; logprobs within ``LOGPROB_TOL``. Runs use the same
-``VLLM_CPU_OMP_THREADS_BIND`` and ``max_num_batched_tokens`` (one block per step). With
-random weights a restored state may still differ from a recomputed one by one bf16 ulp
-(0.0039 nats at these magnitudes), so the tolerance is a few ulps, not zero.
+What is compared (tests/shim/outputs.py): greedy tokens strictly; logprobs within ``LOGPROB_TOL``.
+Runs use the same ``VLLM_CPU_OMP_THREADS_BIND`` and ``max_num_batched_tokens`` (one block per
+step).
 
 Costs ~40 s per engine on 2 cores (import + startup dominate); 6 engines in all (~4 min).
 """
@@ -21,7 +20,6 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-LOGPROB_TOL = 0.02  # nats; ~5 bf16 ulps at |logprob| ~ 5.5
 BLOCK = 128  # vLLM's block size for both tiny models on CPU (aligned to the GDN state page)
 
 
@@ -36,18 +34,7 @@ P3 = ALT[:900]  # long: 7 full chunks; intermediate Mamba boundaries need retent
 P4 = ALT[:300] + OTHER[:100]  # shares 2 chunks with P3: needs P3's state at 256
 
 
-def _compare(a: dict, b: dict, what: str) -> float:
-    assert a["tokens"] == b["tokens"], f"{what}: greedy tokens differ: {a['tokens']} vs {b['tokens']}"
-    delta = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)), default=0.0)
-    assert delta <= LOGPROB_TOL, f"{what}: logprob delta {delta:.5f} > {LOGPROB_TOL}"
-    return delta
-
-
-def _hits(res: dict) -> list[int]:
-    return [r["num_cached_tokens"] for r in res["results"]]
-
-
-def test_qwen3_next_cold_warm_restart(tiny_models, daemon_factory, engine_runner, tmp_path: Path) -> None:
+def test_qwen3_next_cold_warm_restart(tiny_models, outputs, daemon_factory, engine_runner, tmp_path: Path) -> None:
     d = daemon_factory(chunk_size=BLOCK)
     common = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": BLOCK,
               "retention": BLOCK}
@@ -56,10 +43,10 @@ def test_qwen3_next_cold_warm_restart(tiny_models, daemon_factory, engine_runner
     cold = engine_runner({**common, "prompts": prompts})
     # P2 already hits P1's chunks [0, 3) in the cold engine; P4 hits P3's intermediate state at
     # 256 tokens, which exists only because retention offered the boundary.
-    assert _hits(cold) == [0, 384, 0, 256], cold["log"][-3000:]
+    assert outputs.hits(cold) == [0, 384, 0, 256], cold["log"][-3000:]
 
     warm = engine_runner({**common, "prompts": prompts})
-    assert _hits(warm) == [512, 512, 896, 384], warm["log"][-3000:]
+    assert outputs.hits(warm) == [512, 512, 896, 384], warm["log"][-3000:]
 
     # Fresh daemon (empty): no hits, recomputed. Mid-run restart: the live engine reconnects,
     # registers again, recomputes the prompt after the restart and hits on the next one.
@@ -68,30 +55,30 @@ def test_qwen3_next_cold_warm_restart(tiny_models, daemon_factory, engine_runner
         {**common, "prompts": [P1, P1, P1, P1, P3], "pause_before": [2], "sync_dir": str(tmp_path)},
         on_pause=lambda i: d.restart(),
     )
-    assert _hits(restarted) == [0, 512, 0, 512, 0], restarted["log"][-3000:]
+    assert outputs.hits(restarted) == [0, 512, 0, 512, 0], restarted["log"][-3000:]
     assert restarted["log"].count("unavailable") <= 2, "one warning per side per outage, not a storm"
 
     deltas = {}
     for i, name in enumerate(["P1", "P2", "P3", "P4"]):
-        deltas[f"warm {name}"] = _compare(cold["results"][i], warm["results"][i], f"warm {name}")
+        deltas[f"warm {name}"] = outputs.compare(cold["results"][i], warm["results"][i], f"warm {name}")
     baseline_p1 = restarted["results"][0]  # computed with nothing cached
     for i in range(4):
-        deltas[f"restart run {i}"] = _compare(baseline_p1, restarted["results"][i], f"P1 run {i}")
-    deltas["cold vs recomputed P1"] = _compare(baseline_p1, cold["results"][0], "cold P1")
-    deltas["cold vs recomputed P3"] = _compare(restarted["results"][4], cold["results"][2], "P3")
+        deltas[f"restart run {i}"] = outputs.compare(baseline_p1, restarted["results"][i], f"P1 run {i}")
+    deltas["cold vs recomputed P1"] = outputs.compare(baseline_p1, cold["results"][0], "cold P1")
+    deltas["cold vs recomputed P3"] = outputs.compare(restarted["results"][4], cold["results"][2], "P3")
     print("logprob deltas:", {k: round(v, 5) for k, v in deltas.items()})
 
 
-def test_gemma3_sliding_window_cold_warm(tiny_models, daemon_factory, engine_runner) -> None:
+def test_gemma3_sliding_window_cold_warm(tiny_models, outputs, daemon_factory, engine_runner) -> None:
     d = daemon_factory(chunk_size=BLOCK)
     common = {"model": str(tiny_models["gemma3"]), "socket": d.socket, "max_num_batched_tokens": BLOCK}
     prompts = [P1, P3]
     cold = engine_runner({**common, "prompts": prompts})
-    assert _hits(cold) == [0, 0], cold["log"][-3000:]
+    assert outputs.hits(cold) == [0, 0], cold["log"][-3000:]
     warm = engine_runner({**common, "prompts": prompts})
     # Window 192 < the hit: the sliding-window group is served from the chunks in its window.
-    assert _hits(warm) == [512, 896], warm["log"][-3000:]
-    deltas = [_compare(c, w, f"gemma3 prompt {i}") for i, (c, w) in
+    assert outputs.hits(warm) == [512, 896], warm["log"][-3000:]
+    deltas = [outputs.compare(c, w, f"gemma3 prompt {i}") for i, (c, w) in
               enumerate(zip(cold["results"], warm["results"], strict=True))]
     print("gemma3 logprob deltas:", [round(x, 5) for x in deltas])
 

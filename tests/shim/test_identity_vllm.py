@@ -23,7 +23,6 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 BLOCK = 128
-LOGPROB_TOL = 0.02  # nats, as in test_e2e_vllm.py
 
 
 def _seq(n: int, mul: int, add: int) -> list[int]:
@@ -34,17 +33,10 @@ P1 = _seq(601, 7, 3)  # 4 full chunks + tail: a 512-token hit
 P3 = _seq(900, 13, 1)  # 7 full chunks: an 896-token hit
 
 
-def _hits(res: dict) -> list[int]:
-    return [r["num_cached_tokens"] for r in res["results"]]
 
 
-def _same(a: dict, b: dict, what: str) -> None:
-    assert a["tokens"] == b["tokens"], f"{what}: greedy tokens differ: {a['tokens']} vs {b['tokens']}"
-    delta = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)), default=0.0)
-    assert delta <= LOGPROB_TOL, f"{what}: logprob delta {delta:.5f} > {LOGPROB_TOL}"
-
-
-def test_lora_adapters_and_cache_salts_never_share_kv(tiny_lib, models_root, daemon_factory, engine_runner) -> None:
+def test_lora_adapters_and_cache_salts_never_share_kv(tiny_lib, outputs, models_root, daemon_factory,
+                                                      engine_runner) -> None:
     base = tiny_lib.build("gemma3", models_root)
     a = str(tiny_lib.build_lora("gemma3", "lora_a", 11, models_root))
     b = str(tiny_lib.build_lora("gemma3", "lora_b", 22, models_root))
@@ -54,7 +46,7 @@ def test_lora_adapters_and_cache_salts_never_share_kv(tiny_lib, models_root, dae
     lora_a, lora_b = ["lora_a", 1, a], ["lora_b", 2, b]
 
     cold = engine_runner({**common, "prompts": [{"ids": P1, "lora": lora_a}, {"ids": P3, "salt": "tenant-a"}]})
-    assert _hits(cold) == [0, 0], cold["log"][-3000:]
+    assert outputs.hits(cold) == [0, 0], cold["log"][-3000:]
 
     warm = engine_runner({**common, "prompts": [
         {"ids": P1, "lora": lora_b},  # another adapter: no hit
@@ -64,12 +56,12 @@ def test_lora_adapters_and_cache_salts_never_share_kv(tiny_lib, models_root, dae
         {"ids": P3},  # no salt: no hit
         {"ids": P3, "salt": "tenant-a"},  # the same tenant: hits
     ]})
-    assert _hits(warm) == [0, 0, 512, 0, 0, 896], warm["log"][-3000:]
+    assert outputs.hits(warm) == [0, 0, 512, 0, 0, 896], warm["log"][-3000:]
     r = warm["results"]
     # The identities really compute different tokens, so wrong KV would have shown.
     assert r[0]["tokens"] != cold["results"][0]["tokens"] != r[1]["tokens"]
-    _same(cold["results"][0], r[2], "adapter A, cold vs warm")
-    _same(cold["results"][1], r[5], "tenant a, cold vs warm")
+    outputs.compare(cold["results"][0], r[2], "adapter A, cold vs warm")
+    outputs.compare(cold["results"][1], r[5], "tenant a, cold vs warm")
 
 
 def _rewrite_weights(model_dir: Path, seed: int) -> None:
@@ -85,28 +77,29 @@ def _rewrite_weights(model_dir: Path, seed: int) -> None:
         save_file(new, str(f), metadata={"format": "pt"})
 
 
-def test_new_weights_at_the_same_path_get_nothing_from_the_disk_tier(tiny_lib, models_root, daemon_factory,
-                                                                     engine_runner, tmp_path: Path) -> None:
+def test_new_weights_at_the_same_path_get_nothing_from_the_disk_tier(tiny_lib, outputs, models_root,
+                                                                     daemon_factory, engine_runner,
+                                                                     tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_lib.build("gemma3", models_root), model)
     d = daemon_factory(BLOCK, "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "1")
     common = {"model": str(model), "socket": d.socket, "max_num_batched_tokens": BLOCK}
 
     cold = engine_runner({**common, "prompts": [P1]})
-    assert _hits(cold) == [0], cold["log"][-3000:]
+    assert outputs.hits(cold) == [0], cold["log"][-3000:]
     d.restart()  # empty pool; the disk tier still has the entries
     again = engine_runner({**common, "prompts": [P1]})
-    assert _hits(again) == [512], again["log"][-3000:]  # served from disk: the path works
-    _same(cold["results"][0], again["results"][0], "same weights after a restart")
+    assert outputs.hits(again) == [512], again["log"][-3000:]  # served from disk: the path works
+    outputs.compare(cold["results"][0], again["results"][0], "same weights after a restart")
 
     d.restart()
     _rewrite_weights(model, seed=99)
     new = engine_runner({**common, "prompts": [P1]})
-    assert _hits(new) == [0], new["log"][-3000:]
+    assert outputs.hits(new) == [0], new["log"][-3000:]
     assert new["results"][0]["tokens"] != cold["results"][0]["tokens"]  # the weights really changed
 
 
-def test_images_never_share_kv(tiny_lib, models_root, daemon_factory, engine_runner) -> None:
+def test_images_never_share_kv(tiny_lib, outputs, models_root, daemon_factory, engine_runner) -> None:
     model = tiny_lib.build("idefics3", models_root)
     d = daemon_factory(BLOCK)
     common = {"model": str(model), "socket": d.socket, "max_num_batched_tokens": BLOCK, "ignore_eos": True,
@@ -119,10 +112,10 @@ def test_images_never_share_kv(tiny_lib, models_root, daemon_factory, engine_run
     img2 = {"text": text, "image": {"seed": 2, "size": size}}
 
     cold = engine_runner({**common, "prompts": [img1]})
-    assert _hits(cold) == [0], cold["log"][-3000:]
+    assert outputs.hits(cold) == [0], cold["log"][-3000:]
     warm = engine_runner({**common, "prompts": [img2, img1]})
-    other, same = _hits(warm)
+    other, same = outputs.hits(warm)
     assert other == 0, warm["log"][-3000:]  # another image: no chunk is shared
     assert same >= 2 * BLOCK and same % BLOCK == 0, warm["log"][-3000:]
     assert warm["results"][0]["tokens"] != cold["results"][0]["tokens"]  # the images really differ
-    _same(cold["results"][0], warm["results"][1], "the same image, cold vs warm")
+    outputs.compare(cold["results"][0], warm["results"][1], "the same image, cold vs warm")
