@@ -99,6 +99,7 @@ class Index:
         self.stores_dropped = 0
         self.writes = 0  # entries begun since start (the heap policy freezes by it)
         self._groups: dict[bytes, Groups] = {}  # fingerprint -> (full-attention, Mamba) group ids
+        self._siblings: dict[bytes, tuple[bytes, ...]] = {}  # fingerprint -> the other ranks' fingerprints
         self._chains = ChainTracker(lambda fp: self._groups.get(fp, _NO_GROUPS))
 
     # ---- queries -------------------------------------------------------------------------------
@@ -335,14 +336,24 @@ class Index:
         # of its prefix): once that chunk is gone the state can never be part of a hit, so it goes
         # now. Other orphans (descendants, attention chunks left without a state) were marked by
         # the chain tracker in ``drop`` and go first under the hybrid policy.
-        fp, _gid, ck = e.key
+        # The other tensor-parallel ranks' shards of the same chunk serve no hit without this one.
+        fp, gid, ck = e.key
+        siblings = self._siblings.get(fp, ())
+        for sib in siblings:
+            if (other := self._entries.get((sib, gid, ck))) is not None:
+                self._drop_useless(other)
         if e.kind in ("full", "swa"):
-            for other in list(self._orphan_candidates(fp, ck)):
-                if self._evictable(other):
-                    self.drop(other)
-                    self._orphans_dropped += 1
-                else:
-                    self.policy.mark_orphan(other.key)
+            for f in (fp, *siblings):
+                for other in list(self._orphan_candidates(f, ck)):
+                    self._drop_useless(other)
+
+    def _drop_useless(self, e: Entry) -> None:
+        """An entry no hit can use any more: dropped now, or marked an orphan while it is pinned or leased."""
+        if self._evictable(e):
+            self.drop(e)
+            self._orphans_dropped += 1
+        else:
+            self.policy.mark_orphan(e.key)
 
     def _orphan_candidates(self, fp: bytes, chunk_key: bytes) -> Iterable[Entry]:
         for gid in self._groups.get(fp, _NO_GROUPS)[1]:
@@ -354,6 +365,13 @@ class Index:
         """The group kinds of a layout (from registration): orphan rules depend on them."""
         self._groups[fingerprint] = (frozenset(g for g, k in kinds.items() if k == "full"),
                                      frozenset(g for g, k in kinds.items() if k == "mamba"))
+
+    def set_ranks(self, fingerprints: tuple[bytes, ...]) -> None:
+        """The fingerprints of one engine world's ranks (from registration): an evicted entry takes the
+        same chunk's entries of the other ranks with it."""
+        if len(fingerprints) > 1:
+            for fp in fingerprints:
+                self._siblings[fp] = tuple(f for f in fingerprints if f != fp)
 
     # ---- stats ---------------------------------------------------------------------------------
     def statistics(self) -> IndexStats:

@@ -175,7 +175,9 @@ class KVService:
         if self.peers is not None:  # peers can serve its entries after it leaves
             self.peers.layouts.add(state)
         conn.snapshots = SnapshotOrdering(state.engine_id)
-        self.index.set_groups(state.fingerprint, state.kinds)
+        for fp in state.rank_fingerprints:  # every rank's entries have this rank's format
+            self.index.set_groups(fp, state.kinds)
+        self.index.set_ranks(state.rank_fingerprints)
         self.metrics.inc("engines_registered")
         log.info("registered engine %d (pid %d, model %s, rank %d/%d, %s, %d groups, fingerprint %s)",
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
