@@ -197,7 +197,7 @@ class PeerServer:
                 "layout mismatch: the serving daemon has no engine with the layout "
                 f"{', '.join(fp.hex()[:12] for fp in auth.fingerprints) or '(none)'} (it serves "
                 f"{', '.join(fp.hex()[:12] for fp in mine) or 'none yet'}); prefill and decode must run the same "
-                "model, chunk size, tensor-parallel rank and KV format")
+                "model, chunk size, tensor-parallel size and rank, and KV format")
         session.fingerprints = set(common)
         await stream.send(PeerWelcome(self.agent, self.agent_metadata, common, self.cfg.lease_ttl_s), timeout)
 

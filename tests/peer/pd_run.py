@@ -20,6 +20,8 @@ import sys
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    if args.get("omp_bind"):  # per-rank CPU binding for tensor-parallel runs ("0|1")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args["omp_bind"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -29,6 +31,7 @@ def main() -> None:
     llm = LLM(
         model=args["model"], enforce_eager=True, dtype="bfloat16", max_model_len=1024,
         enable_prefix_caching=True, max_num_batched_tokens=args.get("max_num_batched_tokens", 128), seed=0,
+        **args.get("llm", {}),
         kv_transfer_config={
             "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector", "kv_role": role,
             "kv_connector_extra_config": {"socket_path": args["socket"], **args.get("extra", {})},

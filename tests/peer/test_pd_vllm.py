@@ -42,13 +42,13 @@ def _vllm_missing() -> str | None:
     return None
 
 
-def _model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _model(tmp_path_factory: pytest.TempPathFactory, kind: str = "qwen3_next") -> Path:
     spec = importlib.util.spec_from_file_location("hkvd_tiny_models", HERE.parent / "shim" / "tiny_models.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     root = Path(os.environ.get("HKVD_TEST_MODELS", "")) or tmp_path_factory.mktemp("models")
-    return Path(mod.build("qwen3_next", root))
+    return Path(mod.build(kind, root))
 
 
 def _run(args: dict[str, Any], timeout_s: float = 400) -> dict[str, Any]:
@@ -125,6 +125,49 @@ def test_prefill_decode_pair_matches_a_single_engine(tmp_path: Path, tmp_path_fa
         assert dec["log"].count("not loaded") == 1 and "cannot reach the peer hkvd" in dec["log"]
         p = prefill.status()
         assert p["index"]["leases"] == 0  # the producer's hold leases went with the pulls
+    finally:
+        single.stop()
+        for d in (prefill, decode):
+            d.stop()
+
+
+def test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size(tmp_path: Path, tmp_path_factory: Any,
+                                                                           lib: Any) -> None:
+    """TP=2 prefill to TP=2 decode (Gemma3: two worker processes on each side): each decode rank's daemon
+    pull fetches that rank's shards, and the output equals a TP=2 single engine's. A TP=1 decode engine
+    gets nothing (a layout mismatch: the ranks' shards are other entries) and recomputes."""
+    why = _vllm_missing()
+    if why:
+        pytest.skip(why)
+    model = str(_model(tmp_path_factory, "gemma3"))
+    prefill, decode = lib.start_pair(tmp_path, chunk_size=BLOCK, pool_gb="0.5")
+    single = lib.PeerDaemon(tmp_path, "single", ["--l1-size-gb", "0.25", "--chunk-size", str(BLOCK)])
+    single.env.pop("HKVD_PEER_TOKEN", None)
+    single.start(60)
+    prompts = PROMPTS[:2]
+    n = [(len(p) - 1) // BLOCK for p in prompts]
+    tp2 = {"model": model, "prompts": prompts, "max_num_batched_tokens": BLOCK, "omp_bind": "0|1",
+           "llm": {"tensor_parallel_size": 2}}
+    try:
+        prod = _run({**tp2, "role": "kv_producer", "socket": prefill.socket_path}, timeout_s=600)
+        params = [r["params"] for r in prod["results"]]
+        assert [p["hkvd_chunks"] for p in params] == n, params
+        dec = _run({**tp2, "role": "kv_consumer", "socket": decode.socket_path, "params": params}, timeout_s=600)
+        ref = _run({**tp2, "role": "kv_both", "socket": single.socket_path}, timeout_s=600)
+        for i, (d, r) in enumerate(zip(dec["results"], ref["results"], strict=True)):
+            assert d["tokens"] == r["tokens"], f"prompt {i}: decode {d['tokens']} vs single engine {r['tokens']}"
+            delta = max((abs(a - b) for a, b in zip(d["logprobs"], r["logprobs"], strict=True)), default=0.0)
+            assert delta <= LOGPROB_TOL, f"prompt {i}: logprob delta {delta:.5f}"
+            assert d["num_cached_tokens"] == n[i] * BLOCK, (i, d["num_cached_tokens"], _hkvd_lines(dec["log"]))
+        c = decode.status()["counters"]
+        assert c["peer_pulls"] == 2 * len(prompts)  # one pull per rank per request
+        assert c["retrieved_bytes"] == c["peer_pulled_bytes"] > 0
+
+        # Another TP size: its shards are other entries, so the serving daemon refuses the layout.
+        one = _run({"model": model, "prompts": prompts, "max_num_batched_tokens": BLOCK, "role": "kv_consumer",
+                    "socket": decode.socket_path, "params": params})
+        assert [r["num_cached_tokens"] for r in one["results"]] == [0, 0], _hkvd_lines(one["log"])
+        assert "layout mismatch" in one["log"] and "tensor-parallel size" in one["log"], _hkvd_lines(one["log"])
     finally:
         single.stop()
         for d in (prefill, decode):
