@@ -10,6 +10,8 @@ Role
       (vLLM's CPU GDN kernel refuses 32: "Unexpected head dim size, 32"), 4 KV heads x 128,
       so vLLM's hybrid block-size alignment picks block 128 (with 2 KV heads x 32 it picks
       1152 and no prompt of a few hundred tokens ever hits).
+    - ``qwen3_next_tp2``: the same with 2 linear key heads and 4 value heads, so both kinds of heads
+      split over two tensor-parallel ranks (vLLM then aligns the block size to 256).
     - ``gemma3``: 3 sliding-window layers (window 192) + 1 full-attention layer, head dim 32.
     - ``idefics3``: a vision-language model (``Idefics3ForConditionalGeneration``) whose image
       processor needs no torchvision. Vision tower: 1 layer, hidden 128, 64x64 images in 4x4
@@ -46,7 +48,7 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SEED = 1234
 DEFAULT_ROOT = Path("/tmp/hkvd-models")
-KINDS = ("qwen3_next", "gemma3", "idefics3")
+KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2")
 
 LORA_RANK = 8
 LORA_ALPHA = 16
@@ -123,9 +125,11 @@ def _common() -> dict:
 
 def _config(kind: str):  # type: ignore[no-untyped-def]
     common = _common()
-    if kind == "qwen3_next":
+    if kind in ("qwen3_next", "qwen3_next_tp2"):
         from transformers import Qwen3NextConfig
 
+        # qwen3_next_tp2: twice the linear-attention heads, so they split over two tensor-parallel ranks.
+        linear = 2 if kind == "qwen3_next_tp2" else 1
         return Qwen3NextConfig(
             **common,
             num_hidden_layers=4,
@@ -133,8 +137,8 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
             num_attention_heads=8,
             num_key_value_heads=4,
             head_dim=128,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
+            linear_num_key_heads=linear,
+            linear_num_value_heads=2 * linear,
             linear_key_head_dim=128,
             linear_value_head_dim=128,
             linear_conv_kernel_dim=4,
