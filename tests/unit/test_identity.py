@@ -147,3 +147,28 @@ def test_weights_digest_follows_the_bytes_not_the_path(tmp_path: Path):
 def _safetensors(data: bytes) -> bytes:
     header = json.dumps({"w": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}}).encode()
     return len(header).to_bytes(8, "little") + header + data
+
+
+def test_data_parallel_replicas_share_and_tensor_parallel_sizes_do_not(tmp_path: Path):
+    """DP replicas are separate engines of one format: the same identity and world, so they share entries."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+
+    from hkvd.shim.identity import engine_identity
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    (tmp_path / "model.safetensors").write_bytes(_safetensors(bytes(64)))
+
+    def cfg(par: ParallelConfig) -> SimpleNamespace:
+        model = SimpleNamespace(model=str(tmp_path), revision=None, dtype="bfloat16", quantization=None)
+        cache = SimpleNamespace(cache_dtype="auto", mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto")
+        return SimpleNamespace(model_config=model, cache_config=cache, parallel_config=par, attention_config=None)
+
+    dp0 = ParallelConfig(data_parallel_size=2, data_parallel_rank=0)
+    dp1 = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    tp2 = ParallelConfig(tensor_parallel_size=2)
+    assert dp0.world_size == dp1.world_size == 1  # the rank/world the shim registers
+    assert engine_identity(cfg(dp0)) == engine_identity(cfg(dp1))
+    assert engine_identity(cfg(tp2)) != engine_identity(cfg(dp0))
