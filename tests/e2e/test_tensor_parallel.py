@@ -65,6 +65,26 @@ def test_a_rank_that_never_stored_makes_no_hit(daemon):
     r0.close()
 
 
+def test_a_rank_cut_off_mid_store_never_leaves_a_one_rank_chunk_visible(daemon):
+    r0, r1 = ranks(daemon)
+    keys = chunk_keys(prompt_tokens(r0.chunk_size * 4, seed=12), r0.chunk_size)
+    store(r0, keys, [0, 1, 2, 3], seed=1)
+    store(r1, keys, [0, 1], seed=2)
+    late = r1.items(0, keys, first_block=1, chunks=[2, 3]) + r1.items(1, keys, first_block=1, chunks=[2, 3])
+    r1.client.submit_store(late)
+    r1.close()  # its connection goes while that store may still be running
+    hit, lease = r0.lookup(keys)
+    assert hit in (2, 4)  # what rank 1 finished, never rank 0's chunks alone
+    again = SyntheticEngine(daemon.socket_path, SHAPES, world_size=2, rank=1)  # rank 1 restarted
+    items = again.items(0, keys, first_block=1, chunks=list(range(hit))) + again.items(1, keys, first_block=1,
+                                                                                       chunks=[hit - 1])
+    again.retrieve(items, lease)  # every chunk of the hit is there for rank 1, byte-exact
+    assert all(again.block_bytes(it.group_id, b) == r1.block_bytes(it.group_id, b)
+               for it in items for b in it.block_ids)
+    for r in (r0, again):
+        r.close()
+
+
 def test_a_lease_serves_only_the_entries_it_was_granted_for(daemon):
     r0, r1 = ranks(daemon)
     keys = chunk_keys(prompt_tokens(r0.chunk_size * 3, seed=5), r0.chunk_size)

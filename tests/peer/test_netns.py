@@ -141,3 +141,36 @@ def test_link_down_mid_pull(netns_pair: Any, lib: Any) -> None:
                         poll_s=0.1)
     assert s["pool"]["used_bytes"] == 0
     _pull_and_check(consumer, producer, prefill.peer_address, keys)
+
+
+def test_tensor_parallel_pull_across_a_veth_pair(netns_pair: Any) -> None:
+    """TP=2 on both sides: each decode rank pulls its own rank's shards over the veth, and one lookup lease
+    then serves both ranks' retrieves, byte-exact against the prefill rank of the same number."""
+    prefill, decode, _ = netns_pair
+    chunks = 4
+    producers = []
+    for rank in range(2):
+        eng = SyntheticEngine(prefill.socket_path, BIG, num_blocks=2 * chunks + 2, timeout_s=60, world_size=2,
+                              rank=rank)
+        eng.buffer[:] = np.random.default_rng(100 + rank).integers(-128, 128, eng.buffer.size, dtype=np.int8)
+        producers.append(eng)
+    keys = chunk_keys(prompt_tokens(32 * chunks, seed=11), producers[0].chunk_size)
+    for eng in producers:
+        eng.store(eng.items(0, keys, first_block=1))
+    consumers = [SyntheticEngine(decode.socket_path, BIG, num_blocks=2 * chunks + 2, timeout_s=60, world_size=2,
+                                 rank=rank) for rank in range(2)]
+    for eng in consumers:
+        rid = eng.client.submit_pull(prefill.peer_address, keys)
+        c = eng.client.wait([rid], 60)[rid]
+        assert c.ok, c.error
+        assert c.result["hit_chunks"] == chunks
+    hit, lease = consumers[0].lookup(keys)
+    assert hit == chunks
+    for eng, producer in zip(consumers, producers, strict=True):
+        items = eng.items(0, keys, first_block=1)
+        eng.retrieve(items, lease)
+        for it in items:
+            for b in it.block_ids:
+                assert eng.block_bytes(0, b) == producer.block_bytes(0, b)
+    for eng in (*producers, *consumers):
+        eng.close()
