@@ -55,6 +55,9 @@ PR_SET_PTRACER = 0x59616D61  # "Yama"
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 
+_ADDRESS_SPACE = 1 << 64  # an iovec's address wraps past it: never probe or copy there
+
+
 class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
@@ -158,6 +161,9 @@ class HostCopyEngine(CopyEngine):
                 raise RegistrationError(f"region id {r.region_id} is registered twice")
             if r.size <= 0 or r.addr <= 0:
                 raise RegistrationError(f"region {r.region_id}: bad addr {r.addr:#x} or size {r.size}")
+            if r.addr + r.size > _ADDRESS_SPACE:
+                raise RegistrationError(f"region {r.region_id}: [{r.addr:#x}, +{r.size}) ends past the 64-bit "
+                                        "address space; register the buffer's real address and size")
             by_id[r.region_id] = r
         probe = ctypes.create_string_buffer(1)
         local = (_Iovec * 1)(_Iovec(ctypes.addressof(probe), 1))

@@ -40,6 +40,10 @@ COPY_ENGINES = ("host", "cuda")
 EVENT_LOOPS = ("uvloop", "asyncio")
 
 
+# Addresses that mean "every interface" to bind(), and nothing a peer can connect to.
+_UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "")
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
     socket_path: str = field(default_factory=default_socket_path)
@@ -121,9 +125,17 @@ class DaemonConfig:
 
             try:
                 if self.peer_listen:
-                    split_address(self.peer_listen, "--peer-listen")
+                    host, port = split_address(self.peer_listen, "--peer-listen")
+                    if not self.peer_advertise and host in _UNSPECIFIED_HOSTS:
+                        raise ConfigError(
+                            f"--peer-listen {self.peer_listen} listens on every address, but decode engines "
+                            f"cannot connect to {host}; also set --peer-advertise HOST:{port} with this node's "
+                            "address on the decode nodes' network")
                 if self.peer_advertise:
-                    split_address(self.peer_advertise, "--peer-advertise")
+                    host, _ = split_address(self.peer_advertise, "--peer-advertise")
+                    if host in _UNSPECIFIED_HOSTS:
+                        raise ConfigError(f"--peer-advertise {self.peer_advertise}: decode engines cannot connect "
+                                          f"to {host}; advertise this node's address on their network")
                 parse_allow(self.peer_allow)
             except PeerConfigError as e:
                 raise ConfigError(str(e)) from None

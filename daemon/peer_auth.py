@@ -40,7 +40,8 @@ class PeerConfigError(ValueError):
 def read_token(token: str, token_file: str) -> bytes:
     """The shared token from ``--peer-token-file`` (first), ``--peer-token``, or ``$HKVD_PEER_TOKEN``.
 
-    Returns b"" when none is set. A token file readable by other users is refused (like ssh keys).
+    Returns b"" when none is set. A token file its group or other users may read or write is refused
+    (like ssh keys).
     """
     if token_file:
         try:
@@ -49,9 +50,9 @@ def read_token(token: str, token_file: str) -> bytes:
                 value = f.read().strip()
         except OSError as e:
             raise PeerConfigError(f"--peer-token-file {token_file}: {e.strerror or e}") from None
-        if st.st_mode & stat.S_IROTH:
-            raise PeerConfigError(f"--peer-token-file {token_file} is readable by every user; "
-                                  f"`chmod 600 {token_file}`")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise PeerConfigError(f"--peer-token-file {token_file} is open to its group or to other users (mode "
+                                  f"{stat.S_IMODE(st.st_mode):04o}); `chmod 600 {token_file}`")
     else:
         value = (token or os.environ.get(TOKEN_ENV, "")).strip().encode()
     if value and len(value) < MIN_TOKEN_BYTES:

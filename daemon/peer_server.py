@@ -179,7 +179,14 @@ class PeerServer:
         nonce = os.urandom(NONCE_BYTES)
         await stream.send(PeerChallenge(PEER_VERSION, self.node, nonce, server_proof(self.token, hello.nonce, nonce)),
                           timeout)
-        auth = await stream.recv(timeout)
+        try:
+            auth = await stream.recv(timeout)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            # The client checks our proof first and hangs up when its token differs: say so here too.
+            self.metrics.inc("peer_refused", why="token")
+            log.warning("peer %s (%s) hung up after our challenge: most likely its peer token differs from ours; "
+                        "give both daemons the same --peer-token-file", session.address, session.node)
+            raise
         if not isinstance(auth, PeerAuth):
             raise ProtocolViolation(f"expected PeerAuth, got {type(auth).__name__}")
         if not check_proof(client_proof(self.token, hello.nonce, nonce), auth.proof):

@@ -97,19 +97,17 @@ class Registry:
 
     def register(self, spec: EngineSpec, pid: int, conn_id: int) -> EngineState:
         chunk_size = spec.chunk_size or self.default_chunk_size
+        # Every group's format first (a scheduler's registration has no regions to check it against).
+        region_sizes = {r.region_id: r.size for r in spec.regions} if spec.regions else None
+        for g in spec.groups:
+            try:
+                g.validate(region_sizes)
+            except ValueError as e:
+                raise RegistrationError(str(e)) from None  # the message names the group
         validate_hybrid(chunk_size=chunk_size, block_size=spec.block_size or min(
                             g.tokens_per_block for g in spec.groups),
                         max_num_batched_tokens=spec.max_num_batched_tokens,
                         mamba_cache_mode=spec.mamba_cache_mode, groups=spec.groups)
-        region_sizes = {r.region_id: r.size for r in spec.regions}
-        for g in spec.groups:
-            if g.num_blocks <= 1:
-                raise RegistrationError(f"group {g.group_id}: num_blocks must be > 1 (block 0 is the null block)")
-            if spec.regions:
-                try:
-                    g.validate(region_sizes)
-                except ValueError as e:
-                    raise RegistrationError(f"group {g.group_id}: {e}") from None
         for r in spec.regions:
             if r.kind not in (*SUPPORTED_REGION_KINDS, self.copy_engine_kind()):
                 raise RegistrationError(

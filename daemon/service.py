@@ -578,6 +578,7 @@ class KVService:
         released = self.index.release_owner(conn.conn_id)
         if conn.snapshots is not None:
             self._drop_jobs(conn, conn.snapshots.on_disconnect())
+            conn.snapshots = None  # a later Abort or re-registration must not reach the closed ordering
         for job in list(conn.pending):
             self._drop_jobs(conn, [job])
         if conn.engine is not None:

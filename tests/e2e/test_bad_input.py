@@ -151,3 +151,56 @@ def test_uncacheable_requests_are_counted_by_reason_and_bad_reasons_refused(daem
     assert err.code == ErrorCode.PROTOCOL_VIOLATION
     assert eng.client.status()["uncacheable_requests"] == {"unknown_extra_key_x": 2, "extra_keys_failed": 1}
     eng.close()
+
+
+def test_abort_after_unregister_is_answered_not_an_internal_error(daemon):
+    eng = SyntheticEngine(daemon.socket_path, [GroupShape("full", 1, 4096)])
+    eng.client.send_raw(encode(control.Unregister(91)))
+    eng.client.abort(92)  # the snapshot ordering of the engine is gone; the abort is still answered
+    st = eng.client.status()  # the connection keeps serving
+    assert st["counters"].get("internal_errors", 0) == 0
+    assert st["engines"] == []
+    eng.close()
+
+
+def test_a_region_that_wraps_the_address_space_is_refused(daemon):
+    import numpy as np
+
+    from hkvd.daemon.copy_engine import Region
+    from hkvd.daemon.layout import GroupSpec, View
+    from hkvd.shim.client import DaemonClient
+    from hkvd.transport.wire.control import EngineSpec
+    from hkvd.transport.wire.errors import RegistrationError
+
+    buf = np.zeros(4096, dtype=np.int8)
+    huge = Region(0, "host", (1 << 64) - 1, addr=buf.ctypes.data)  # its end wraps to just below the start
+    spec = EngineSpec("m", 1, 0, "t", 32, 16, 8192, "align", [huge],
+                      [GroupSpec(0, "full", 16, 0, 16, "bfloat16", (View(0, 0, 1, 16 * 4096, 4096, 4096),))])
+    with DaemonClient(daemon.socket_path, client_name="t", role="worker") as c, \
+            pytest.raises(RegistrationError, match="64-bit address space"):
+        c.register(spec)
+    assert daemon.status()["counters"].get("internal_errors", 0) == 0
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_a_sliding_window_of_zero_is_a_registration_error_on_either_side(daemon, role):
+    import numpy as np
+
+    from hkvd.daemon.copy_engine import Region
+    from hkvd.daemon.layout import GroupSpec, View
+    from hkvd.shim.client import DaemonClient
+    from hkvd.transport.wire.control import EngineSpec
+    from hkvd.transport.wire.errors import RegistrationError
+
+    buf = np.zeros(2 * 16 * 4096, dtype=np.int8)
+    views = (View(0, 0, 1, 16 * 4096, 4096, 4096),), (View(0, 16 * 4096, 1, 16 * 4096, 4096, 4096),)
+    regions = [Region(0, "host", buf.nbytes, addr=buf.ctypes.data)] if role == "worker" else []
+    spec = EngineSpec("m", 1, 0, "t", 32, 16, 8192, "align", regions,
+                      [GroupSpec(0, "full", 16, 0, 16, "bfloat16", views[0]),
+                       GroupSpec(1, "swa", 16, 0, 16, "bfloat16", views[1])])
+    with DaemonClient(daemon.socket_path, client_name="t", role=role) as c, \
+            pytest.raises(RegistrationError) as e:
+        c.register(spec)
+    assert "group 1: an swa group needs window_tokens > 0" in str(e.value)
+    assert "group 1: group 1" not in str(e.value)
+    assert daemon.status()["counters"].get("internal_errors", 0) == 0

@@ -113,6 +113,9 @@ def test_wrong_token_gets_nothing(pair_factory: Any) -> None:
     # The decode daemon checks the serving daemon's proof first and refuses to go on.
     c = _pull(decode.socket_path, prefill.peer_address, keys)
     assert isinstance(c.error, PermissionDenied) and "peer token" in c.error.message
+    # The serving side sees the hang-up after its challenge, and says why it most likely happened.
+    lib.wait_status(prefill, lambda s: s["counters"].get("peer_refused", 0) >= 1, 10)
+    assert "hung up after our challenge" in prefill.log()
     # An attacker that answers the challenge with a guess gets PERMISSION and a closed link.
     raw = Raw(prefill.peer_address)
     _hello(raw)
@@ -122,7 +125,7 @@ def test_wrong_token_gets_nothing(pair_factory: Any) -> None:
     assert raw.recv() is None  # closed
     assert b"agent" not in raw.received and not any(isinstance(m, PeerWelcome) for m in [err])
     raw.close()
-    s = lib.wait_status(prefill, lambda s: s["counters"].get("peer_refused", 0) >= 1, 10)
+    s = lib.wait_status(prefill, lambda s: s["counters"].get("peer_refused", 0) >= 2, 10)
     assert s["index"]["leases"] == 0
     assert decode.status()["index"]["entries"] == 0
 

@@ -159,9 +159,12 @@ def test_tokens(tmp_path, monkeypatch) -> None:
     f.write_text("  " + "y" * 32 + "\n")
     f.chmod(0o600)
     assert read_token("", str(f)) == b"y" * 32  # the file wins, whitespace stripped
-    f.chmod(0o604)
-    with pytest.raises(PeerConfigError, match="chmod 600"):
-        read_token("", str(f))
+    for mode in (0o604, 0o640, 0o620, 0o602, 0o610):  # any access for the group or other users
+        f.chmod(mode)
+        with pytest.raises(PeerConfigError, match="chmod 600"):
+            read_token("", str(f))
+    f.chmod(0o400)
+    assert read_token("", str(f)) == b"y" * 32
     with pytest.raises(PeerConfigError, match="at least 16"):
         read_token("short", "")
     with pytest.raises(PeerConfigError, match="No such file"):
@@ -218,3 +221,15 @@ def test_peer_wire_checks() -> None:
         Pull.from_wire([1, "h:1", [], 0, 0])
     with pytest.raises(ProtocolViolation, match="HOST:PORT"):
         Pull.from_wire([1, "", [key], 0, 0])
+
+
+def test_an_unspecified_listen_address_needs_an_advertised_one() -> None:
+    from hkvd.daemon.config import ConfigError, DaemonConfig
+
+    for listen in ("0.0.0.0:7470", "[::]:7470"):
+        with pytest.raises(ConfigError, match="--peer-advertise HOST:7470"):
+            DaemonConfig(peer_listen=listen).validate()
+        DaemonConfig(peer_listen=listen, peer_advertise="10.0.0.5:7470").validate()
+    with pytest.raises(ConfigError, match="cannot connect to 0.0.0.0"):
+        DaemonConfig(peer_listen="10.0.0.5:7470", peer_advertise="0.0.0.0:7470").validate()
+    DaemonConfig(peer_listen="127.0.0.1:7470").validate()
