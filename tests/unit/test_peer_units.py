@@ -230,6 +230,6 @@ def test_an_unspecified_listen_address_needs_an_advertised_one() -> None:
         with pytest.raises(ConfigError, match="--peer-advertise HOST:7470"):
             DaemonConfig(peer_listen=listen).validate()
         DaemonConfig(peer_listen=listen, peer_advertise="10.0.0.5:7470").validate()
-    with pytest.raises(ConfigError, match="cannot connect to 0.0.0.0"):
+    with pytest.raises(ConfigError, match=r"cannot connect to 0\.0\.0\.0"):
         DaemonConfig(peer_listen="10.0.0.5:7470", peer_advertise="0.0.0.0:7470").validate()
     DaemonConfig(peer_listen="127.0.0.1:7470").validate()
