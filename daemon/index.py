@@ -287,10 +287,12 @@ class Index:
                                "--lease-ttl-s seconds)")
         return lease
 
-    def release(self, lease_id: int) -> bool:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
+    def release(self, lease_id: int, owner: int | None = None) -> bool:
+        """End a lease; with ``owner``, only if that connection took it (False otherwise)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or (owner is not None and lease.owner != owner):
             return False
+        del self._leases[lease_id]
         for k in lease.keys:
             e = self._entries.get(k)
             if e is not None:

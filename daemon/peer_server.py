@@ -248,8 +248,9 @@ class PeerServer:
         match msg:
             case PeerLookup():
                 return await self._lookup(session, msg)
-            case PeerRelease():
-                self.index.release(msg.lease_id)
+            case PeerRelease():  # only a lease this link's own lookups took
+                if not self.index.release(msg.lease_id, owner=session.owner):
+                    self.metrics.inc("peer_release_refused")
                 return None
             case _:
                 raise ProtocolViolation(f"{type(msg).__name__} is not a request a peer may send")

@@ -23,7 +23,15 @@ from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import Message, MsgType, kv
 from hkvd.transport.wire.errors import ErrorCode, PermissionDenied
-from hkvd.transport.wire.peer import PEER_VERSION, PeerAuth, PeerChallenge, PeerHello, PeerLookup, PeerWelcome
+from hkvd.transport.wire.peer import (
+    PEER_VERSION,
+    PeerAuth,
+    PeerChallenge,
+    PeerHello,
+    PeerLookup,
+    PeerRelease,
+    PeerWelcome,
+)
 
 PEERLIB = Path(__file__).resolve().parents[1] / "peer" / "peerlib.py"
 
@@ -246,6 +254,30 @@ def test_bad_input_is_refused_and_the_daemon_keeps_serving(pair_factory: Any) ->
     # and a real pull still works
     c = _pull(decode.socket_path, prefill.peer_address, keys)
     assert c.ok and c.result["hit_chunks"] == 4
+
+
+def test_a_peer_releases_only_the_leases_its_own_link_took(pair_factory: Any) -> None:
+    prefill, _decode, keys, fp = _serving(pair_factory)
+    token = lib.TOKEN.encode()
+    links = []
+    for nonce in (b"a" * 32, b"b" * 32):
+        raw = Raw(prefill.peer_address)
+        ch = _hello(raw, nonce)
+        raw.send(PeerAuth(client_proof(token, nonce, ch.nonce), [fp]))
+        assert isinstance(raw.recv(), PeerWelcome)
+        links.append(raw)
+    victim, other = links
+    victim.send(PeerLookup(1, fp, keys, 0, 0.0, 0))
+    reply = victim.recv()
+    assert reply is not None and reply.hit_chunks == 4 and reply.lease_id
+    other.send(PeerRelease(2, reply.lease_id))  # another link, even one that knows the id
+    s = lib.wait_status(prefill, lambda s: s["counters"].get("peer_release_refused", 0) >= 1, 10)
+    assert s["index"]["leases"] == 1  # the victim's lease holds
+    victim.send(PeerRelease(3, reply.lease_id))
+    s = lib.wait_status(prefill, lambda s: s["index"]["leases"] == 0, 10)
+    assert s["index"]["leases"] == 0
+    for raw in links:
+        raw.close()
 
 
 @pytest.mark.parametrize(("content", "mode", "why"), [
