@@ -22,7 +22,8 @@ rather than blake2b (~0.7 GB/s): it guards against torn writes and bit rot, not 
 directory is the daemon's own, mode 0700).
 
 Durability (fsync policy)
-    A file is written as ``<name>.tmp`` and renamed over ``<name>``: a scan or a read never sees a
+    A file is written under an unpredictable ``<name>.<random>.hkv.tmp`` (created with ``O_EXCL |
+    O_NOFOLLOW``) and renamed over ``<name>``: a scan or a read never sees a
     half-written file under its final name. Nothing is fsynced: this is a cache. A restart of the
     daemon reads back everything that was renamed (the page cache outlives the process); a clean
     reboot syncs file systems; after a power loss, a file whose data never reached the disk fails
@@ -56,6 +57,8 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -150,6 +153,19 @@ def relative_path(key: EntryKey) -> str:
     return f"{ck[:1].hex()}/{fp.hex()}-{gid}-{ck.hex()}{SUFFIX}"
 
 
+def _check_private(path: Path) -> None:
+    """Refuse a directory another user owns or may write to: they could plant files or links in it."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise DiskTierError(errno.ENOTDIR, f"--l2-path: {path} is not a directory (a symbolic link?); point "
+                                           "--l2-path at a real directory of the daemon's own")
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DiskTierError(errno.EPERM, f"--l2-path: {path} is owned by uid {st.st_uid} with mode "
+                                         f"{stat.S_IMODE(st.st_mode):04o}; the disk tier needs a directory that "
+                                         f"only the daemon's user (uid {os.geteuid()}) may write: `chown "
+                                         f"{os.geteuid()} {path} && chmod 700 {path}`, or choose another one")
+
+
 def _write_all(fd: int, data: memoryview | bytes) -> None:
     view = memoryview(data)
     while view:
@@ -241,11 +257,15 @@ class DiskTier:
         """Create or check the directory, then scan it into the catalog. Raises ``DiskTierError``."""
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _check_private(self.root)
             for shard in SHARDS:
                 (self.root / shard).mkdir(mode=0o700, exist_ok=True)
+                _check_private(self.root / shard)
             probe = self.root / f".probe-{os.getpid()}{TMP_SUFFIX}"
             probe.write_bytes(b"hkvd")
             probe.unlink()
+        except DiskTierError:
+            raise
         except OSError as e:
             raise DiskTierError(e.errno or errno.EIO,
                                 f"--l2-path {self.root}: cannot use it as the disk tier ({e.strerror or e}); "
@@ -423,13 +443,14 @@ class DiskTier:
         t0 = time.perf_counter()
         rel = relative_path(job.key)
         final = str(self.root / rel)
-        tmp = final[: -len(SUFFIX)] + TMP_SUFFIX
+        # An unpredictable name, created exclusively and never through a link planted in the directory.
+        tmp = f"{final[: -len(SUFFIX)]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
         size = HEADER_BYTES + job.nbytes
         with self._lock:
             if job.key in self._catalog:
                 return
             self._evict_to(self.cap_bytes - size)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.lseek(fd, HEADER_BYTES, os.SEEK_SET)
             crc = 0

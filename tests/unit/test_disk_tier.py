@@ -266,3 +266,40 @@ async def test_version_1_files_of_token_only_keys_are_never_served(tmp_path):
     assert again.scan.corrupt == {"version": 1}
     assert old.exists()  # left for the hkvd version that wrote it
     again.close(5.0)
+
+
+def test_a_directory_others_may_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # like a directory under /tmp
+    with pytest.raises(DiskTierError, match="chmod 700"):
+        DiskTier(str(shared), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
+    assert not (shared / "00").exists()  # refused before anything was created in it
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(foreign, 65534, 65534)  # another user's directory
+        with pytest.raises(DiskTierError, match="owned by uid 65534"):
+            DiskTier(str(foreign), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    with pytest.raises(DiskTierError, match="not a directory"):
+        DiskTier(str(link), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
+
+
+async def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"secret")
+    victim.chmod(0o600)
+    root = tmp_path / "l2"
+    pool = Pool(4)
+    tier = new_tier(root, pool)
+    # The names a writer used to pick: <name>.hkv.tmp, next to the final file.
+    for i in range(2):
+        final = root / relative_path(key(i))
+        (final.parent / (final.name[: -len(".hkv")] + ".hkv.tmp")).symlink_to(victim)
+    await write_entries(tier, pool, 2)
+    assert tier.stats()["writes"] == 2
+    assert victim.read_bytes() == b"secret"
+    tier.close(5.0)
