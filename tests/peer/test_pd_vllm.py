@@ -47,7 +47,8 @@ def _model(tmp_path_factory: pytest.TempPathFactory, kind: str = "qwen3_next") -
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    root = Path(os.environ.get("HKVD_TEST_MODELS", "")) or tmp_path_factory.mktemp("models")
+    env_root = os.environ.get("HKVD_TEST_MODELS")  # Path("") would be the current directory
+    root = Path(env_root) if env_root else tmp_path_factory.mktemp("models")
     return Path(mod.build(kind, root))
 
 
