@@ -200,10 +200,13 @@ class Index:
         entry.pins -= 1
         self.drop(entry)
 
-    def confirm(self, entry: Entry) -> None:
-        if entry.state is EntryState.PENDING:
-            entry.state = EntryState.READY
-            self._ready(entry)
+    def confirm(self, entry: Entry) -> bool:
+        """A pending state is confirmed: it becomes servable. False if it was dropped meanwhile."""
+        if entry.state is not EntryState.PENDING or self._entries.get(entry.key) is not entry:
+            return False
+        entry.state = EntryState.READY
+        self._ready(entry)
+        return True
 
     def _ready(self, entry: Entry) -> None:
         self.policy.insert(entry.key)
@@ -350,8 +353,9 @@ class Index:
                     self._drop_useless(other)
 
     def _drop_useless(self, e: Entry) -> None:
-        """An entry no hit can use any more: dropped now, or marked an orphan while it is pinned or leased."""
-        if self._evictable(e):
+        """An entry no hit can use any more: dropped now (a pending state too: its confirmation would only
+        make it servable for no hit), or marked an orphan while it is pinned or leased."""
+        if self._evictable(e) or (e.state is EntryState.PENDING and e.pins == 0):
             self.drop(e)
             self._orphans_dropped += 1
         else:

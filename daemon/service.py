@@ -491,8 +491,8 @@ class KVService:
         decision = conn.snapshots.on_step_event(msg.seq, msg.step, msg.req_id, offers, list(msg.confirms))
         for job in decision.visible:
             for e in conn.pending.pop(job, []):
-                self.index.confirm(e)
-                self._to_disk([e])
+                if self.index.confirm(e):  # not if it was dropped meanwhile: its pages may hold another entry
+                    self._to_disk([e])
         self._drop_jobs(conn, list(decision.invalidated))
         self.metrics.inc("step_events", outcome=decision.outcome.value)
         if decision.outcome is StepOutcome.GAP:

@@ -1,5 +1,6 @@
 """Tensor-parallel siblings in the index: evicting one rank's entry of a chunk takes the other ranks'
-entries of that chunk (and the Mamba states at its boundary) with it, since no hit can use them alone."""
+entries of that chunk (and the Mamba states at its boundary) with it, since no hit can use them alone.
+A Mamba state still pending confirmation goes with its chunk too."""
 
 from __future__ import annotations
 
@@ -69,3 +70,21 @@ def test_without_ranks_other_layouts_are_untouched(pool):
     chunk = _fill(index)  # R0 and R1 are two unrelated layouts here
     _write(index, (OTHER, 0, b"n" * 16), "full")
     assert index.get(chunk[0]) is None and index.get(chunk[1]) is not None
+
+
+def test_a_pending_state_goes_with_its_evicted_chunk_and_is_never_confirmed_after(pool):
+    index = Index(pool, make_policy("hybrid"))
+    index.set_groups(R0, {0: "full", 1: "mamba"})
+    attn = index.begin_write((R0, 0, CHUNK), ENTRY, "full", 1)
+    state = index.begin_write((R0, 1, CHUNK), ENTRY, "mamba", 2)
+    assert attn is not None and state is not None
+    index.finish_write(attn, pending=False)
+    index.finish_write(state, pending=True)  # copied, not yet confirmed by its engine
+    for i in range(14):
+        _write(index, (OTHER, 0, i.to_bytes(16, "little")), "full")
+    free_before = pool.statistics().free_bytes
+    _write(index, (OTHER, 0, b"n" * 16), "full")  # evicts the attention chunk, the oldest READY entry
+    assert index.get((R0, 0, CHUNK)) is None and index.get((R0, 1, CHUNK)) is None
+    assert pool.statistics().free_bytes == free_before + ENTRY  # both freed, one taken by the new entry
+    assert not index.confirm(state)  # a late confirmation changes nothing
+    assert index.get((R0, 1, CHUNK)) is None
