@@ -7,11 +7,13 @@ Lifecycle of a connection
     (``KVService.disconnect``).
 
 Threading and flow
-    Each connection is an ``asyncio.Protocol`` on the daemon's loop. Frames are served in the
-    callback that received them: a request that needs no wait (ping, status, release, abort,
-    register, a lookup the pool answers) is answered before the next frame is read, with no task
-    and no extra loop turn. Requests that wait (store, retrieve, step event, a lookup that reads
-    the disk tier) run as tasks of the connection. Backpressure both ways: at
+    Each connection is an ``asyncio.Protocol`` on the daemon's loop. Frames are served in order, at
+    most ``FRAMES_PER_TURN`` per loop turn (a burst waits in the connection's backlog, and nothing
+    more is read meanwhile, so other clients are served in between): a request that needs no wait
+    (ping, status, release, abort, register, a lookup the pool answers) is answered before the next
+    frame, with no task. While a client leaves its replies unread, none of its queued frames is
+    served. Requests that wait (store, retrieve, step event, a lookup that reads the disk tier) run
+    as tasks of the connection. Backpressure both ways: at
     ``MAX_TASKS_PER_CONN`` running tasks, or while the transport's write buffer is over its high
     mark (a client that does not read its replies), the connection stops reading; a client whose
     replies stay unread for ``io_timeout_s`` is disconnected.
@@ -26,6 +28,7 @@ Errors
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import grp
 import itertools
@@ -55,6 +58,8 @@ log = logging.getLogger("hkvd.server")
 
 MAX_CONSECUTIVE_ERRORS = 32
 MAX_TASKS_PER_CONN = 1024  # waiting requests per connection before it stops reading more
+# Frames of one connection served per loop turn; the rest wait for a later turn (other clients go first).
+FRAMES_PER_TURN = 64
 # Error replies logged at warning (the daemon or the machine is in trouble); the rest at info.
 _LOUD_CODES = {"TIMEOUT", "COPY_FAILED", "INTERNAL", "POOL_FULL"}
 
@@ -148,6 +153,9 @@ class _Link(asyncio.Protocol):
         self.closing = False
         self._read_paused = False
         self._write_paused = False
+        self._backlog: collections.deque[bytes] = collections.deque()  # frames read, not yet served
+        self._turn_scheduled = False  # a later loop turn serves more of the backlog
+        self._eof = False
         self._timer: asyncio.TimerHandle | None = None  # Hello deadline, then the unread-replies deadline
         self._closer: asyncio.Task[None] | None = None
 
@@ -176,25 +184,50 @@ class _Link(asyncio.Protocol):
             self._send(kv.Error(0, e.code, e.message))
             self.close()  # the stream cannot be resynchronised after a bad length
             return
-        for body in frames:
-            if self.closing:
-                return
-            if not self.greeted:
-                self._hello(body)
-            elif self._dispatch(body):
-                self.errors_in_a_row = 0
-            else:
-                self.errors_in_a_row += 1
-                if self.errors_in_a_row >= MAX_CONSECUTIVE_ERRORS:
-                    assert self.conn is not None
-                    log.warning("closing connection %d (pid %d): %d bad requests in a row", self.conn.conn_id,
-                                self.conn.pid, self.errors_in_a_row)
-                    self.close()
+        self._backlog.extend(frames)
+        self._serve_backlog()
+
+    def _serve_backlog(self) -> None:
+        """Serve queued frames in order: at most ``FRAMES_PER_TURN`` per loop turn, so one client's burst
+        never holds the loop, and none while its replies go unread (its writes are paused)."""
+        self._turn_scheduled = False
+        served = 0
+        while self._backlog and not self.closing and not self._write_paused:
+            if served == FRAMES_PER_TURN:
+                self._turn_scheduled = True
+                asyncio.get_running_loop().call_soon(self._serve_backlog)
+                break
+            served += 1
+            self._serve(self._backlog.popleft())
+        if self._eof and not self._backlog and not self.closing:
+            self._finish_eof()
+        self._update_reading()
+
+    def _serve(self, body: bytes) -> None:
+        if not self.greeted:
+            self._hello(body)
+        elif self._dispatch(body):
+            self.errors_in_a_row = 0
+        else:
+            self.errors_in_a_row += 1
+            if self.errors_in_a_row >= MAX_CONSECUTIVE_ERRORS:
+                assert self.conn is not None
+                log.warning("closing connection %d (pid %d): %d bad requests in a row", self.conn.conn_id,
+                            self.conn.pid, self.errors_in_a_row)
+                self.close()
 
     def eof_received(self) -> bool:
-        """The client is done sending (it may still read): answer its running jobs, then close."""
-        self.closing = True
+        """The client is done sending (it may still read): serve what it sent, answer its jobs, then close."""
+        self._eof = True
+        if self._backlog:
+            return True  # _serve_backlog finishes the EOF once the last queued frame is served
+        self._finish_eof()
         return bool(self.tasks)  # True keeps our side open until the last job answered (_job_done)
+
+    def _finish_eof(self) -> None:
+        self.closing = True
+        if not self.tasks and self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
 
     def pause_writing(self) -> None:
         """The client is not reading its replies: read no more of its requests, and give it ``io_timeout_s``."""
@@ -207,6 +240,9 @@ class _Link(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._cancel_timer()
+        if self._backlog and not self._turn_scheduled:  # frames held back while the replies went unread
+            self._turn_scheduled = True
+            asyncio.get_running_loop().call_soon(self._serve_backlog)
         self._update_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -298,7 +334,8 @@ class _Link(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
-        pause = self._write_paused or len(self.tasks) >= MAX_TASKS_PER_CONN
+        # Queued frames count too: nothing more is read (and buffered) until they are served.
+        pause = self._write_paused or len(self.tasks) >= MAX_TASKS_PER_CONN or bool(self._backlog)
         if pause and not self._read_paused:
             t.pause_reading()
         elif not pause and self._read_paused:

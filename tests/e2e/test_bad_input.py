@@ -204,3 +204,29 @@ def test_a_sliding_window_of_zero_is_a_registration_error_on_either_side(daemon,
     assert "group 1: an swa group needs window_tokens > 0" in str(e.value)
     assert "group 1: group 1" not in str(e.value)
     assert daemon.status()["counters"].get("internal_errors", 0) == 0
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_burst_of_requests_with_unread_replies_is_not_served_ahead(daemon_factory):
+    """One write of 40,000 Status requests whose replies are never read: the daemon serves what fits
+    before its writes pause, holds the rest unserved, and serves another client meanwhile. Serving the
+    whole burst would buffer every reply (tens of MB) in the daemon."""
+    d = daemon_factory("--l1-size-gb", "0.125", "--io-timeout-s", "5")
+    with DaemonClient(d.socket_path, client_name="bystander", role="tool", timeout_s=10.0) as other:
+        reply = len(encode(control.StatusReply(1, other.status())))
+        before = _rss_bytes(d.proc.pid)
+        flooder = raw_conn(d.socket_path)
+        burst = b"".join(encode(control.Status(i)) for i in range(40_000))
+        flooder.sendall(burst)  # about 240 KB: the socket buffers take it whole
+        for _ in range(20):
+            assert other.ping() < 10.0
+        grown = _rss_bytes(d.proc.pid) - before
+        assert grown < 40_000 * reply // 4, (grown, reply)  # far from every reply buffered
+        assert other.status()["counters"].get("internal_errors", 0) == 0
+    flooder.close()
