@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -207,7 +208,7 @@ def test_a_sliding_window_of_zero_is_a_registration_error_on_either_side(daemon,
 
 
 def _rss_bytes(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
