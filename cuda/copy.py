@@ -62,6 +62,7 @@ from hkvd.cuda.descriptors import (
 from hkvd.cuda.events import IpcEventRing, OpenedEvents, wait_event_host
 from hkvd.cuda.hostreg import PinnedRegistration, PoolLike
 from hkvd.cuda.ipc import REGISTRY, check_region_fields, match_device, visible_device_uuids
+from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError, KVError, RegistrationError
 
@@ -297,7 +298,9 @@ class CudaCopyEngine(CopyEngine):
 
     # -- attach / detach (event loop) -------------------------------------------------------
 
-    def attach(self, pid: int, regions: list[Region]) -> Attachment:
+    def attach(self, pid: int | ClientProcess, regions: list[Region]) -> Attachment:
+        # IPC handles name device memory, not the process: the pid is kept for messages only.
+        pid = pid if isinstance(pid, int) else pid.pid
         if self._closed:
             raise RegistrationError("the CUDA copy engine is closed")
         by_id: dict[int, Region] = {}

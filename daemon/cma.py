@@ -27,7 +27,12 @@ Cost per copy
 
 Contracts
     - Only regions of kind "host" are accepted; attach proves access by reading the first and
-      last byte of each region, and fails with ``RegistrationError`` carrying the fix.
+      last byte of each region, and fails with ``RegistrationError`` carrying the fix. Its words do
+      not depend on why a byte was unreadable, so registration cannot map another process.
+    - The engine process is pinned (``hkvd.daemon.client_process``): attach opens its address
+      space, and every copy checks before and after moving bytes that the address space is still
+      there. An engine that exec'd or exited since it registered gets ``PermissionDenied``; bytes
+      read across such a change are reported as failed, so they are never stored.
     - ``copy`` checks every segment against its region and the pool before moving any byte
       (defence in depth: the caller has already checked), loops on short transfers, and raises
       ``CopyFailedError`` if any byte could not be moved. It returns the bytes moved.
@@ -45,8 +50,9 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
+from hkvd.daemon.client_process import ClientProcess, PinnedMemory
 from hkvd.daemon.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError, RegistrationError
 
@@ -149,7 +155,18 @@ class HostCopyEngine(CopyEngine):
         self._splitter: ThreadPoolExecutor | None = None  # made on the first split copy
         self._splitter_lock = threading.Lock()
 
-    def attach(self, pid: int, regions: list[Region]) -> Attachment:
+    def attach(self, pid: int | ClientProcess, regions: list[Region]) -> Attachment:
+        """Pin the process (a bare pid is pinned as it is now) and prove access to every region."""
+        if isinstance(pid, ClientProcess):
+            return self._attach(pid, regions, {})
+        process = ClientProcess.open(pid)
+        try:
+            return self._attach(process, regions, {"owned": process})
+        except BaseException:
+            process.close()
+            raise
+
+    def _attach(self, process: ClientProcess, regions: list[Region], state: dict[str, Any]) -> Attachment:
         by_id: dict[int, Region] = {}
         for r in regions:
             if r.kind != "host":
@@ -165,25 +182,31 @@ class HostCopyEngine(CopyEngine):
                 raise RegistrationError(f"region {r.region_id}: [{r.addr:#x}, +{r.size}) ends past the 64-bit "
                                         "address space; register the buffer's real address and size")
             by_id[r.region_id] = r
+        process.check()  # the connected program, unchanged, before anything is read from it
         probe = ctypes.create_string_buffer(1)
         local = (_Iovec * 1)(_Iovec(ctypes.addressof(probe), 1))
         for r in by_id.values():
             for addr in (r.addr, r.addr + r.size - 1):
                 remote = (_Iovec * 1)(_Iovec(addr, 1))
-                if _libc.process_vm_readv(pid, local, 1, remote, 1, 0) == 1:
+                if _libc.process_vm_readv(process.pid, local, 1, remote, 1, 0) == 1:
                     continue
                 err = ctypes.get_errno()
                 if err in (errno.EPERM, errno.ESRCH):
-                    raise RegistrationError(_refused_message(pid, err))
+                    raise RegistrationError(_refused_message(process.pid, err))
+                # The same words whatever the cause: the reply must not map the process for a prober.
                 raise RegistrationError(
-                    f"region {r.region_id}: cannot read byte {addr:#x} of process {pid} "
-                    f"({os.strerror(err)}): the region [{r.addr:#x}, +{r.size}) is not mapped there"
-                )
-        return Attachment(pid=pid, regions=by_id)
+                    f"region {r.region_id} is not readable memory of the registering process {process.pid}; "
+                    "register only buffers this process allocated, with their real address and size")
+        memory = process.pin_memory()
+        memory.probe = next(iter(by_id.values())).addr
+        memory.check()  # the pinned address space is the one the probes just read
+        return Attachment(pid=process.pid, regions=by_id, state={**state, "memory": memory})
 
     def detach(self, attachment: Attachment) -> None:
-        # CMA opens nothing per engine; kept for the interface (idempotent by construction).
-        return None
+        # The connection owns its process's pin; a pid attached bare owns its own (idempotent).
+        owned: ClientProcess | None = attachment.state.pop("owned", None)
+        if owned is not None:
+            owned.close()
 
     def close(self) -> None:
         with self._splitter_lock:
@@ -222,6 +245,16 @@ class HostCopyEngine(CopyEngine):
 
     def copy(self, attachment: Attachment, segments: list[Segment], direction: Direction) -> int:
         local, remote, total = self._iovecs(attachment, segments)
+        memory: PinnedMemory | None = attachment.state.get("memory")
+        if memory is not None:  # still the program that registered? (exec and exit end its address space)
+            memory.check()
+        moved = self._copy(attachment, local, remote, total, direction)
+        if memory is not None:
+            memory.check()  # an exec during the copy: the caller drops what was read
+        return moved
+
+    def _copy(self, attachment: Attachment, local: list[int], remote: list[int], total: int,
+              direction: Direction) -> int:
         # TO_POOL reads the engine (remote) into the pool (local); FROM_POOL writes it back.
         syscall: _Syscall = (
             _libc.process_vm_readv if direction is Direction.TO_POOL else _libc.process_vm_writev

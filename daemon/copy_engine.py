@@ -32,7 +32,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from hkvd.daemon.client_process import ClientProcess
 
 
 class Direction(enum.Enum):
@@ -87,8 +90,8 @@ class CopyEngine(ABC):
     inline_max_bytes: int = 0  # copies up to this size run on the event loop (see the module docstring)
 
     @abstractmethod
-    def attach(self, pid: int, regions: list[Region]) -> Attachment:
-        """Open or verify access to the regions of the engine process ``pid``.
+    def attach(self, pid: int | ClientProcess, regions: list[Region]) -> Attachment:
+        """Open or verify access to the regions of the engine process ``pid`` (pinned, or a bare pid).
 
         Raises ``RegistrationError`` (with the fix in its message) when access is refused.
         """

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from hkvd.daemon import layout
+from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.copy_engine import Attachment, CopyEngine
 from hkvd.daemon.errors import OutOfRange, RegistrationError
 from hkvd.daemon.hybrid import GroupRule
@@ -95,7 +96,8 @@ class Registry:
         self._engines: dict[int, EngineState] = {}
         self._ids = itertools.count(1)
 
-    def register(self, spec: EngineSpec, pid: int, conn_id: int) -> EngineState:
+    def register(self, spec: EngineSpec, process: ClientProcess | int, conn_id: int) -> EngineState:
+        pid = process if isinstance(process, int) else process.pid
         chunk_size = spec.chunk_size or self.default_chunk_size
         # Every group's format first (a scheduler's registration has no regions to check it against).
         region_sizes = {r.region_id: r.size for r in spec.regions} if spec.regions else None
@@ -113,7 +115,7 @@ class Registry:
                 raise RegistrationError(
                     f"region {r.region_id} is {r.kind!r} memory, but this daemon runs the "
                     f"{self.copy_engine.name} copy engine; start hkvd serve with the matching engine")
-        attachment = self.copy_engine.attach(pid, list(spec.regions)) if spec.regions else None
+        attachment = self.copy_engine.attach(process, list(spec.regions)) if spec.regions else None
         fp = fingerprint(spec, chunk_size)
         # Tensor-parallel ranks split heads evenly, so every rank's entries have this rank's format.
         rank_fps = tuple(fp if r == spec.rank else fingerprint(dataclasses.replace(spec, rank=r), chunk_size)

@@ -41,6 +41,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, cast
 
+from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.errors import (
     FrameTooLarge,
@@ -168,6 +169,12 @@ class _Link(asyncio.Protocol):
             log.warning("refused connection from uid %d (pid %d): not in the allowlist", uid, pid)
             self._send(kv.Error(0, PermissionDenied.code, f"uid {uid} may not use this hkvd; add it to "
                                 "allowed-uids in the daemon config"))
+            self.close()
+            return
+        try:  # the process itself, pinned: see hkvd.daemon.client_process
+            conn.process = ClientProcess.from_socket(self.transport.get_extra_info("socket"))
+        except KVError as e:  # gone already, or not the process the kernel reported
+            self._send(kv.Error(0, e.code, e.message))
             self.close()
             return
         self.server.connections[conn.conn_id] = conn

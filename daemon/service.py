@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.daemon import layout
+from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
 from hkvd.daemon.disk_tier import DiskTier, Stored
@@ -71,6 +72,7 @@ class Conn:
     pid: int
     uid: int
     send: Callable[[Message], None]
+    process: ClientProcess | None = None  # pinned at accept (None only in tests that drive the service directly)
     role: str = ""
     engine: EngineState | None = None
     snapshots: SnapshotOrdering | None = None
@@ -170,7 +172,7 @@ class KVService:
         spec = msg.engine_spec()
         if spec.regions and conn.role == "scheduler":
             raise RegistrationError("a scheduler connection registers without regions (lookup only)")
-        state = self.registry.register(spec, conn.pid, conn.conn_id)
+        state = self.registry.register(spec, conn.process or conn.pid, conn.conn_id)
         conn.engine = state
         if self.peers is not None:  # peers can serve its entries after it leaves
             self.peers.layouts.add(state)
@@ -586,6 +588,9 @@ class KVService:
             log.info("engine %d (pid %d) disconnected; released %d leases", conn.engine.engine_id, conn.pid,
                      released)
             conn.engine = None
+        if conn.process is not None:
+            conn.process.close()
+            conn.process = None
 
     def status(self) -> dict[str, Any]:
         pool = self.index.pool.statistics()
