@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import grp
 import json
 import logging
+import os
+import pwd
 import re
 import shutil
 import sys
@@ -232,17 +235,37 @@ def _hkvd_command() -> str:
     return found or f"{sys.executable} -m hkvd.daemon"
 
 
-def install_service(prefix: str, *, force: bool = False, out: Any = sys.stdout) -> int:
+def _service_user(name: str | None) -> tuple[str, str] | str:
+    """(user, group) the unit runs as, or the reason it cannot: the engines' user, never root."""
+    name = name or os.environ.get("SUDO_USER")
+    if not name:
+        return "name the user your vLLM engines run as: hkvd install-service --user NAME"
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        return f"no user {name!r} on this machine; create it (useradd --system {name}) or name another"
+    if pw.pw_uid == 0:
+        return ("hkvd does not run as root: as root it could copy any process's memory. Run the engines "
+                "as an unprivileged user and pass it: hkvd install-service --user NAME")
+    return name, grp.getgrgid(pw.pw_gid).gr_name
+
+
+def install_service(prefix: str, *, user: str | None = None, force: bool = False, out: Any = sys.stdout) -> int:
     """Put the unit in <prefix>/etc/systemd/system, example config in <prefix>/etc/hkvd (kept if present)."""
     unit_src, conf_src = PACKAGING / "hkvd.service", PACKAGING / "hkvd.toml"
     if not unit_src.exists() or not conf_src.exists():
         print(f"hkvd install-service: {PACKAGING} is missing; install from a source checkout",
               file=sys.stderr)
         return 1
+    who = _service_user(user)
+    if isinstance(who, str):
+        print(f"hkvd install-service: {who}", file=sys.stderr)
+        return 2
     root = Path(prefix)
     unit_dst = root / "etc/systemd/system/hkvd.service"
     conf_dst = root / "etc/hkvd/hkvd.toml"
-    unit = unit_src.read_text().replace("/usr/local/bin/hkvd", _hkvd_command())
+    unit = (unit_src.read_text().replace("/usr/local/bin/hkvd", _hkvd_command())
+            .replace("@USER@", who[0]).replace("@GROUP@", who[1]))
     unit_dst.parent.mkdir(parents=True, exist_ok=True)
     unit_dst.write_text(unit)
     unit_dst.chmod(0o644)
@@ -271,12 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--timeout-s", type=float, default=5.0)
     ins = sub.add_parser("install-service", help="install the systemd unit and /etc/hkvd/hkvd.toml")
     ins.add_argument("--prefix", default="/", help="root to install under (default /)")
+    ins.add_argument("--user", help="the user the engines run as; hkvd runs as it (default: $SUDO_USER; "
+                     "never root)")
     ins.add_argument("--force", action="store_true", help="overwrite an existing hkvd.toml")
     args = parser.parse_args(argv)
     if args.cmd == "status":
         return _status(args)
     if args.cmd == "install-service":
-        return install_service(args.prefix, force=args.force)
+        return install_service(args.prefix, user=args.user, force=args.force)
     try:
         cfg = build_config(args)
     except ConfigError as e:
@@ -305,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             print("hkvd serve: warning: --peer-token is visible to every user in ps; prefer --peer-token-file",
                   file=sys.stderr)
     setup_logging(cfg.log_level)
+    if os.geteuid() == 0:
+        logging.getLogger("hkvd").warning(
+            "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "
+            "run it as the user the engines run as (hkvd install-service --user NAME)")
     from hkvd.daemon.copy_engine import CopyEngineUnavailable, check_copy_engine
     from hkvd.daemon.errors import KVError, PoolError
 

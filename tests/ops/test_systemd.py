@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -98,13 +100,16 @@ def test_example_config_is_valid():
 
 
 def test_install_service_into_a_prefix(tmp_path):
-    run = [sys.executable, "-m", "hkvd.daemon", "install-service", "--prefix", str(tmp_path)]
+    run = [sys.executable, "-m", "hkvd.daemon", "install-service", "--prefix", str(tmp_path), "--user", "nobody"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True).stdout
     unit = tmp_path / "etc/systemd/system/hkvd.service"
     conf = tmp_path / "etc/hkvd/hkvd.toml"
     assert unit.exists() and conf.exists()
     assert "systemctl daemon-reload" in out
-    exec_start = _unit(unit)["ExecStart"][0]
+    u = _unit(unit)
+    assert u["User"] == ["nobody"] and u["Group"] == [grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name]
+    assert u["CapabilityBoundingSet"] == [""]  # no capability at all: no CAP_SYS_PTRACE
+    exec_start = u["ExecStart"][0]
     assert "/usr/local/bin/hkvd" not in exec_start and "serve --config /etc/hkvd/hkvd.toml" in exec_start
     conf.write_text("log-level = 'debug'\n")
     out = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True).stdout
@@ -114,3 +119,12 @@ def test_install_service_into_a_prefix(tmp_path):
     verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
                             timeout=60, check=False)
     assert verify.returncode == 0, verify.stderr
+
+
+@pytest.mark.parametrize("user, why", [("root", "does not run as root"), ("no-such-user-hkvd", "no user")])
+def test_install_service_refuses_root_and_unknown_users(tmp_path, user, why):
+    run = [sys.executable, "-m", "hkvd.daemon", "install-service", "--prefix", str(tmp_path), "--user", user]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=60, check=False,
+                         env={k: v for k, v in os.environ.items() if k != "SUDO_USER"})
+    assert out.returncode == 2 and why in out.stderr, out.stderr
+    assert not (tmp_path / "etc/systemd/system/hkvd.service").exists()
