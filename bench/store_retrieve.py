@@ -50,7 +50,7 @@ FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "bat
         "cap": 256 * MiB, "repeats": 9}
 QUICK = {"pages": [64 << 10, 1 * MiB, 2 * MiB, 8 * MiB], "batches": [1, 8, 32], "cap": 64 * MiB, "repeats": 7}
 TARGET = 0.9
-MIN_POOL_BYTES = 64 * MiB  # the smallest helper or scratch pool: two of the pool's 32 MiB superblocks
+MIN_POOL_BYTES = 64 * MiB  # the smallest helper or scratch pool (32 superblocks of 2 MiB)
 TIMEOUT_S = 60.0
 
 

@@ -161,8 +161,9 @@ class Daemon:
             if self.notifier.watchdog_interval_s:
                 background.append(tg.create_task(self._watchdog()))
             self.pool = HugePagePool(cfg.l1_size_bytes, cfg.hugepages,  # type: ignore[arg-type]
-                                     progress=self._progress(), superblock_bytes=cfg.superblock_bytes)
-            log.info("pool: %d MiB of %s memory", self.pool.size >> 20, self.pool.kind)
+                                     progress=self._progress(), superblock_bytes=cfg.superblock_bytes or None)
+            log.info("pool: %d MiB of %s memory, %d MiB superblocks", self.pool.size >> 20, self.pool.kind,
+                     self.pool.allocator.superblock_bytes >> 20)
             gbps = await loop.run_in_executor(executor, self.pool.prefault)
             log.info("pool pre-faulted at %.1f GB/s", gbps)
             self.metrics.inc("prefault_gbps", gbps)
@@ -170,7 +171,7 @@ class Daemon:
                 await self._open_disk(loop)
             copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=cfg.copy_timeout_s)
             index = Index(self.pool, make_policy(cfg.eviction_policy))
-            registry = Registry(cfg.chunk_size, copy_engine)
+            registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool)
             self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk)
             self.service.heap = self.heap
             self.server = Server(cfg, self.service)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
+from hkvd.daemon.pool import MIN_SUPERBLOCK_BYTES
 
 GIB = 1 << 30
 EVICTION_POLICIES = ("lru", "hybrid")
@@ -63,7 +64,7 @@ class DaemonConfig:
     mamba_checkpoint_interval: int = 1
     shutdown_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
-    superblock_bytes: int = 32 << 20
+    superblock_bytes: int = 0  # 0: derived from the pool size (daemon/pool.py); else a multiple of 2 MiB
     metrics_port: int = 0  # 0 = no metrics endpoint
     l2_path: str = ""  # empty: no disk tier
     l2_size_bytes: int = 0  # the disk tier's cap; required with l2_path
@@ -91,9 +92,15 @@ class DaemonConfig:
         if self.chunk_size <= 0 or self.chunk_size % 16:
             raise ConfigError(f"--chunk-size {self.chunk_size}: must be a positive multiple of 16 tokens; "
                               "use the vLLM block size N the engine logs (or a multiple of it)")
-        if self.l1_size_bytes < self.superblock_bytes:
+        if self.superblock_bytes < 0 or self.superblock_bytes % MIN_SUPERBLOCK_BYTES:
+            raise ConfigError(f"superblock_bytes {self.superblock_bytes}: must be 0 (derived from --l1-size-gb) "
+                              "or a multiple of 2 MiB")
+        smallest_pool = self.superblock_bytes or MIN_SUPERBLOCK_BYTES
+        if self.l1_size_bytes < smallest_pool:
             raise ConfigError(f"--l1-size-gb {self.l1_size_bytes / GIB:g}: the pool must hold at least one "
-                              f"{self.superblock_bytes >> 20} MiB superblock; use --l1-size-gb 0.0625 or more")
+                              f"{smallest_pool >> 20} MiB superblock; use --l1-size-gb {smallest_pool / GIB!r} "
+                              "or more (an engine whose one chunk needs more is refused at registration, with "
+                              "the size it needs)")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(f"--eviction-policy {self.eviction_policy!r}: choose one of {EVICTION_POLICIES}")
         if self.hugepages not in HUGEPAGE_MODES:

@@ -3,8 +3,9 @@
 Role
     Owns every entry's life: WRITING (a store copy is filling it) -> PENDING (a Mamba state copied
     but not yet confirmed by its engine) -> READY (visible to lookups) -> gone. Allocation evicts
-    through the configured policy; an entry is never evicted or reused while a copy pins it or a
-    lease holds it.
+    through the configured policy, passing over entries whose freeing would make no room for it
+    (another size class, in a superblock that stays in use; see ``_alloc_evicting``); an entry is
+    never evicted or reused while a copy pins it or a lease holds it.
 
 Threading
     Event-loop only. Copies run on threads but only touch pool bytes; every state change comes
@@ -85,6 +86,14 @@ class IndexStats:
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Noted:
+    """Evictable entries seen holding slots in one superblock during one eviction walk."""
+
+    entries: dict[EntryKey, Entry]
+    slots: int = 0  # slots they hold there; may run ahead of the live ones (recounted before use)
+
+
 class Index:
     def __init__(self, pool: HugePagePool, policy: EvictionPolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -141,8 +150,12 @@ class Index:
         """
         entries = self._entries
         need: dict[int, int] = {}
+        # A repeated key takes room once: bulk room left unused (given back only at the end) would
+        # hold superblocks that eviction for the later sizes cannot free.
+        counted: set[EntryKey] = set()
         for key, nbytes, _kind, _parent in wants:
-            if key not in entries:
+            if key not in entries and key not in counted:
+                counted.add(key)
                 need[nbytes] = need.get(nbytes, 0) + 1
         bulk = {nbytes: self.pool.alloc_many(nbytes, n) for nbytes, n in need.items()}
         used = dict.fromkeys(bulk, 0)
@@ -320,19 +333,62 @@ class Index:
         return e.state is EntryState.READY and e.pins == 0 and e.leases == 0
 
     def _alloc_evicting(self, nbytes: int) -> Allocation:
-        alloc = self.pool.alloc(nbytes)
+        """Room for ``nbytes``, evicting in policy order only entries whose freeing makes room.
+
+        Freeing an entry of another size class gives the pool nothing until its superblock is
+        empty, so such entries are only noted per superblock; once every live slot of a superblock
+        belongs to noted (evictable) entries, they all go and the superblock is free for any class.
+        Entries of the needed class go at once (their slots are what the allocation takes). So
+        this evicts a subset of what plain policy order would up to the same candidate, and fails
+        only where evicting every evictable entry would too (but for a pending Mamba state that
+        such a sweep would drop with its chunk: here it keeps its superblock in use).
+        """
+        pool = self.pool
+        alloc = pool.alloc(nbytes)
         if alloc is not None:
             return alloc
+        allocator = pool.allocator
+        slot = allocator.plan(nbytes)[0]
+        noted: dict[int, _Noted] = {}  # superblock -> evictable entries seen holding slots in it
         for key in self.policy.candidates():
             e = self._entries.get(key)
             if e is None or not self._evictable(e):
                 continue
-            self._evict(e)
-            alloc = self.pool.alloc(nbytes)
+            if e.alloc.slot_bytes == slot:
+                self._evict(e)
+            elif not self._evict_if_emptied(e, noted):
+                continue
+            alloc = pool.alloc(nbytes)
             if alloc is not None:
                 return alloc
-        raise PoolFull(f"no room for a {nbytes}-byte entry: every entry is pinned or leased; raise "
-                       "--l1-size-gb or lower the number of in-flight requests")
+        raise PoolFull(f"no room for a {nbytes}-byte entry: every entry is pinned or leased, or shares its "
+                       "superblock with one that is; raise --l1-size-gb or lower the number of in-flight requests")
+
+    def _evict_if_emptied(self, e: Entry, noted: dict[int, _Noted]) -> bool:
+        """Note ``e`` in its superblocks; evict the noted entries of one it would leave empty (True)."""
+        allocator = self.pool.allocator
+        for ext in e.alloc.extents:
+            sb = allocator.superblock_of(ext.pool_offset)
+            held = noted.get(sb)
+            if held is None:
+                held = noted[sb] = _Noted({})
+            held.entries[e.key] = e
+            held.slots += 1
+            if held.slots < allocator.live_slots(sb):
+                continue
+            # The count can run ahead: a noted entry evicted since (from another superblock) or
+            # dropped as an orphan frees nothing here now. Recount the live ones before evicting.
+            live = [x for x in held.entries.values() if self._entries.get(x.key) is x and self._evictable(x)]
+            held.entries = {x.key: x for x in live}
+            held.slots = sum(allocator.superblock_of(xe.pool_offset) == sb for x in live for xe in x.alloc.extents)
+            if held.slots < allocator.live_slots(sb):
+                continue
+            del noted[sb]
+            for x in live:
+                if self._entries.get(x.key) is x:  # an earlier eviction here may have dropped it as an orphan
+                    self._evict(x)
+            return True
+        return False
 
     def _evict(self, e: Entry) -> None:
         self.drop(e)

@@ -15,15 +15,34 @@ Role
       - ``plain``: 4 KiB pages (``hugepages="off"``, or THP disabled for shmem).
 
 Allocator
-    The pool is cut into fixed superblocks (default 32 MiB, a multiple of 2 MiB so a superblock
-    never shares a huge page with another). A superblock is either free (global min-heap, so
+    The pool is cut into fixed superblocks. A superblock is either free (global min-heap, so
     the low end of the pool is reused first) or owned by exactly one size class and cut into
     equal slots. An allocation of ``nbytes`` takes ``k`` slots of one class, where the slot is
     ``ceil(nbytes / k)`` rounded up to 4 KiB; ``k > 1`` splits entries larger than a superblock
-    and also entries that would waste a large tail of one (see ``plan``). When the last slot
-    of a superblock is freed the superblock returns to the global free list, so a class can
+    and also entries that would waste a large tail of one (see ``plan_slots``). When the last
+    slot of a superblock is freed the superblock returns to the global free list, so a class can
     never hoard memory another class needs: fragmentation is bounded by the live entries, not
     by history. ``alloc`` is O(k + log S), ``free`` O(k + log S) for S superblocks.
+
+    Superblock size (``superblock_bytes_for``): 1/64 of the pool, rounded down to a power of
+    two and clamped to [2 MiB, 32 MiB]: 2 MiB up to a 256 MiB pool (32 superblocks in a 64 MiB
+    one), 16 MiB for the default 1 GiB, 32 MiB from 2 GiB on. Always a multiple of 2 MiB, so a
+    superblock never shares a huge page with another. A fixed 32 MiB made a 64 MiB pool two
+    superblocks: four entry sizes need four, and one hybrid chunk did not fit.
+
+Overhead bound (what "fits by bytes" means)
+    - Slot rounding: for entries of 32 KiB or more (every KV entry of a real model), a class's
+      slots carry payload on at least 7/8 of each superblock they take (``_TARGET_DENSITY``;
+      checked for every superblock size above). Smaller entries pay the 4 KiB page rounding.
+    - Stranding: a class's free slots serve that class only. A pool filled without frees has at
+      most one superblock with free slots per class, so with C entry sizes it holds at least
+      ``7/8 * (capacity - C * superblock_bytes)`` bytes of entries: for a 64 MiB pool and four
+      sizes, 49 MiB; for 1 GiB and four sizes, 840 MiB. After frees, a class refills its own
+      holes before it takes a free superblock, and the index's eviction (daemon/index.py)
+      evicts only entries whose freeing makes room: entries of the size class it needs, or every
+      entry of a superblock at once.
+    - ``superblocks_needed`` / ``smallest_pool_bytes`` give the exact room an empty pool needs
+      for a set of entries at once; registration refuses an engine whose one chunk does not fit.
 
 Threading
     The allocator is guarded by one ``threading.Lock`` (uncontended: ~50 ns), so the loop can
@@ -50,7 +69,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -58,7 +77,11 @@ from hkvd.daemon.errors import PoolError
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024
-DEFAULT_SUPERBLOCK_BYTES = 32 * 1024 * 1024
+# Superblock size bounds (see ``superblock_bytes_for``): a huge page at least, 32 MiB at most (a
+# 32 MiB superblock already holds 8+ slots of every entry up to 4 MiB), about 1/64 of the pool.
+MIN_SUPERBLOCK_BYTES = HUGE_PAGE
+MAX_SUPERBLOCK_BYTES = 32 * 1024 * 1024
+_SUPERBLOCKS_PER_POOL = 64
 # Not exported by Python 3.11's mmap module; Linux >= 5.14. Faults the range in for writing
 # without touching the bytes, in-kernel: ~10x faster than a Python-driven touch loop.
 MADV_POPULATE_WRITE = 23
@@ -116,6 +139,67 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def superblock_bytes_for(pool_bytes: int) -> int:
+    """The superblock size of a ``pool_bytes`` pool: ~1/64 of it, a power of two in [2 MiB, 32 MiB]."""
+    target = max(pool_bytes // _SUPERBLOCKS_PER_POOL, 1)
+    return min(max(1 << (target.bit_length() - 1), MIN_SUPERBLOCK_BYTES), MAX_SUPERBLOCK_BYTES)
+
+
+def plan_slots(nbytes: int, superblock_bytes: int) -> tuple[int, int]:
+    """Return (slot_bytes, k): an entry of ``nbytes`` takes k slots of that class. Pure: same size,
+    same class. Every slot carries payload: (k - 1) * slot_bytes < nbytes <= k * slot_bytes."""
+    sb = superblock_bytes
+    k_min = -(-nbytes // sb)
+    best: tuple[float, int, int] | None = None
+    for k in range(k_min, k_min + _MAX_EXTRA_SPLITS):
+        # ceil(n/k) <= sb for k >= k_min, and sb is a PAGE multiple, so slot <= sb.
+        slot = _round_up(-(-nbytes // k), PAGE)
+        if (k - 1) * slot >= nbytes:
+            break  # page rounding left the last slot empty; larger k only gets worse
+        density = (sb // slot) * nbytes / k / sb
+        if density >= _TARGET_DENSITY:
+            return slot, k
+        if best is None or density > best[0]:
+            best = (density, slot, k)
+    assert best is not None
+    return best[1], best[2]
+
+
+def superblocks_needed(sizes: Iterable[int], superblock_bytes: int) -> int:
+    """How many superblocks an empty allocator takes to hold one entry of each of ``sizes`` at once:
+    per size class, its slots over the slots a superblock holds, rounded up."""
+    slots: dict[int, int] = {}
+    for nbytes in sizes:
+        slot, k = plan_slots(nbytes, superblock_bytes)
+        slots[slot] = slots.get(slot, 0) + k
+    return sum(-(-n // (superblock_bytes // slot)) for slot, n in slots.items())
+
+
+def smallest_pool_bytes(sizes: Sequence[int], superblock_bytes: int | None = None, above: int = 0) -> int:
+    """The smallest pool size over ``above`` (a 2 MiB multiple) that holds one entry of each of
+    ``sizes`` at once, with superblocks derived from the pool size (``superblock_bytes=None``, as
+    ``HugePagePool`` does) or fixed.
+
+    The superblock size grows with the pool in steps, and a larger superblock can strand more,
+    so this checks each step's range of pool sizes rather than assuming bigger always fits.
+    """
+    floor = _round_up(above + 1, HUGE_PAGE)
+    if superblock_bytes:
+        return max(floor, superblocks_needed(sizes, superblock_bytes) * superblock_bytes)
+    best = 0
+    sb = MIN_SUPERBLOCK_BYTES
+    while sb <= MAX_SUPERBLOCK_BYTES:
+        # Pools whose superblock is sb: [64 sb, 128 sb), from the smallest pool at the floor and
+        # without end at the cap (superblock_bytes_for).
+        lo = MIN_SUPERBLOCK_BYTES if sb == MIN_SUPERBLOCK_BYTES else _SUPERBLOCKS_PER_POOL * sb
+        hi = None if sb == MAX_SUPERBLOCK_BYTES else 2 * _SUPERBLOCKS_PER_POOL * sb
+        size = max(floor, lo, superblocks_needed(sizes, sb) * sb)
+        if (hi is None or size < hi) and (not best or size < best):
+            best = size
+        sb *= 2
+    return best
+
+
 @dataclass(slots=True)
 class _SizeClass:
     slot_bytes: int
@@ -140,7 +224,9 @@ class _Superblock:
 class SlabAllocator:
     """Superblock/size-class allocator over ``[0, capacity)`` offsets. See the module docstring."""
 
-    def __init__(self, capacity: int, superblock_bytes: int = DEFAULT_SUPERBLOCK_BYTES) -> None:
+    def __init__(self, capacity: int, superblock_bytes: int | None = None) -> None:
+        if superblock_bytes is None:
+            superblock_bytes = superblock_bytes_for(capacity)
         if superblock_bytes <= 0 or superblock_bytes % PAGE:
             raise ValueError(f"superblock_bytes must be a positive multiple of 4096, got {superblock_bytes}")
         if capacity < superblock_bytes:
@@ -160,23 +246,22 @@ class SlabAllocator:
     # -- planning ------------------------------------------------------------------------------
 
     def plan(self, nbytes: int) -> tuple[int, int]:
-        """Return (slot_bytes, k): ``alloc(nbytes)`` takes k slots of that class. Pure: same size,
-        same class. Every slot carries payload: (k - 1) * slot_bytes < nbytes <= k * slot_bytes."""
-        sb = self.superblock_bytes
-        k_min = -(-nbytes // sb)
-        best: tuple[float, int, int] | None = None
-        for k in range(k_min, k_min + _MAX_EXTRA_SPLITS):
-            # ceil(n/k) <= sb for k >= k_min, and sb is a PAGE multiple, so slot <= sb.
-            slot = _round_up(-(-nbytes // k), PAGE)
-            if (k - 1) * slot >= nbytes:
-                break  # page rounding left the last slot empty; larger k only gets worse
-            density = (sb // slot) * nbytes / k / sb
-            if density >= _TARGET_DENSITY:
-                return slot, k
-            if best is None or density > best[0]:
-                best = (density, slot, k)
-        assert best is not None
-        return best[1], best[2]
+        """Return (slot_bytes, k): ``alloc(nbytes)`` takes k slots of that class (``plan_slots``)."""
+        return plan_slots(nbytes, self.superblock_bytes)
+
+    def holds(self, sizes: Iterable[int]) -> bool:
+        """Whether this allocator, empty, holds one entry of each of ``sizes`` at once."""
+        return superblocks_needed(sizes, self.superblock_bytes) <= self.num_superblocks
+
+    def superblock_of(self, pool_offset: int) -> int:
+        """The index of the superblock that holds ``pool_offset``."""
+        return pool_offset // self.superblock_bytes
+
+    def live_slots(self, superblock: int) -> int:
+        """Slots handed out in ``superblock`` (0 when it is free): it is free again once they are.
+        Read without the lock: a hint for the eviction walk, which then retries ``alloc``."""
+        block = self._superblocks[superblock]
+        return 0 if block is None else block.used
 
     # -- alloc / free -------------------------------------------------------------------------
 
@@ -355,7 +440,8 @@ class HugePagePool:
     """The daemon's shared pool. See the module docstring.
 
     ``size_bytes`` is rounded up to the page size of the backing; the allocator uses the whole
-    superblocks that fit in it.
+    superblocks that fit in it. ``superblock_bytes=None`` derives the superblock size from the
+    mapped size (``superblock_bytes_for``); ``superblocks_auto`` says which it was.
     """
 
     def __init__(
@@ -363,14 +449,16 @@ class HugePagePool:
         size_bytes: int,
         hugepages: HugePagesMode = "auto",
         progress: ProgressFn | None = None,
-        superblock_bytes: int = DEFAULT_SUPERBLOCK_BYTES,
+        superblock_bytes: int | None = None,
     ) -> None:
         if hugepages not in ("auto", "require", "off"):
             raise ValueError(f"hugepages must be 'auto', 'require' or 'off', got {hugepages!r}")
-        if superblock_bytes <= 0 or superblock_bytes % HUGE_PAGE:
+        smallest = MIN_SUPERBLOCK_BYTES if superblock_bytes is None else superblock_bytes
+        if smallest <= 0 or smallest % HUGE_PAGE:
             raise PoolError(f"superblock size must be a positive multiple of 2 MiB, got {superblock_bytes}")
-        if size_bytes < superblock_bytes:
-            raise PoolError(f"pool size {size_bytes} is smaller than one superblock ({superblock_bytes})")
+        if size_bytes < smallest:
+            raise PoolError(f"pool size {size_bytes} is smaller than one superblock ({smallest})")
+        self.superblocks_auto = superblock_bytes is None
         self.progress = progress
         self._closed = False
         self.kind: str
@@ -380,7 +468,7 @@ class HugePagePool:
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mmap)
         self.base_addr: int = ctypes.addressof(self._anchor)
         self.buffer: memoryview = memoryview(self._mmap)
-        self.allocator = SlabAllocator(self.size, superblock_bytes)
+        self.allocator = SlabAllocator(self.size, superblock_bytes or superblock_bytes_for(self.size))
 
     def _map(self, size_bytes: int, hugepages: HugePagesMode) -> tuple[int, int, mmap.mmap]:
         if hugepages != "off":

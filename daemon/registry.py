@@ -4,7 +4,8 @@ An engine rank registers once per connection. A worker connection registers regi
 a scheduler connection registers the same spec without regions and can only look up. Both get the
 same fingerprint, because the fingerprint hashes the *format* of entries (identity, chunk size,
 group kinds, block sizes, dtypes, per-view layer counts and page bytes), never addresses or
-strides.
+strides. Registration is refused (``RegistrationError`` naming the smallest ``--l1-size-gb`` that
+works) when the pool cannot hold one chunk of the engine: every group's entry, for every rank.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from hkvd.daemon.copy_engine import Attachment, CopyEngine
 from hkvd.daemon.errors import OutOfRange, RegistrationError
 from hkvd.daemon.hybrid import GroupRule
 from hkvd.daemon.layout import GroupSpec
+from hkvd.daemon.pool import HugePagePool, smallest_pool_bytes, superblocks_needed
 from hkvd.daemon.validation import validate_hybrid
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
 FINGERPRINT_VERSION = 2  # 2: the engine identity (weights, dtypes, backend, TP/PP)
 SUPPORTED_REGION_KINDS = ("host",)
+MIB = 1 << 20
+GIB = 1 << 30
 
 
 def fingerprint(spec: EngineSpec, chunk_size: int) -> bytes:
@@ -90,9 +94,10 @@ class EngineState:
 
 
 class Registry:
-    def __init__(self, default_chunk_size: int, copy_engine: CopyEngine) -> None:
+    def __init__(self, default_chunk_size: int, copy_engine: CopyEngine, pool: HugePagePool | None = None) -> None:
         self.default_chunk_size = default_chunk_size
         self.copy_engine = copy_engine
+        self.pool = pool  # registrations whose one chunk it cannot hold are refused; None: not checked
         self._engines: dict[int, EngineState] = {}
         self._ids = itertools.count(1)
 
@@ -110,6 +115,7 @@ class Registry:
                             g.tokens_per_block for g in spec.groups),
                         max_num_batched_tokens=spec.max_num_batched_tokens,
                         mamba_cache_mode=spec.mamba_cache_mode, groups=spec.groups)
+        self._check_pool_holds_chunk(spec, chunk_size)
         for r in spec.regions:
             if r.kind not in (*SUPPORTED_REGION_KINDS, self.copy_engine_kind()):
                 raise RegistrationError(
@@ -131,6 +137,28 @@ class Registry:
         )
         self._engines[state.engine_id] = state
         return state
+
+    def _check_pool_holds_chunk(self, spec: EngineSpec, chunk_size: int) -> None:
+        """Refuse an engine whose one chunk (every group's entry, for every rank) the pool cannot hold.
+
+        A store begins every group's entry of a chunk at once, and a hit needs every rank's: with
+        less room, every store of this engine would end in PoolFull and no lookup could ever hit.
+        """
+        pool = self.pool
+        if pool is None:
+            return
+        sizes = [layout.entry_bytes(g, chunk_size) for g in spec.groups] * spec.world_size
+        if pool.allocator.holds(sizes):
+            return
+        fixed = None if pool.superblocks_auto else pool.allocator.superblock_bytes
+        need = smallest_pool_bytes(sizes, fixed, above=pool.size)
+        sb = pool.allocator.superblock_bytes
+        raise RegistrationError(
+            f"the {pool.size / MIB:g} MiB pool cannot hold one chunk of this engine: {chunk_size} tokens are "
+            f"{len(sizes)} entries ({len(spec.groups)} groups x {spec.world_size} ranks, {sum(sizes) / MIB:.1f} MiB) "
+            f"that take {superblocks_needed(sizes, sb)} superblocks of {sb / MIB:g} MiB, and the pool has "
+            f"{pool.allocator.num_superblocks}; restart hkvd serve with --l1-size-gb {need / GIB!r} or more "
+            "(the smallest pool that holds one chunk), or use a smaller --chunk-size")
 
     def copy_engine_kind(self) -> str:
         return "cuda" if self.copy_engine.name == "cuda" else "host"

@@ -32,7 +32,7 @@ KIB = 1024
 def test_store_retrieve_rows_move_every_byte() -> None:
     page, batches = 64 * KIB, [1, 4]
     store_retrieve._allow_any_ptracer()
-    pool_bytes = 32 << 20  # one superblock, the smallest pool
+    pool_bytes = 32 << 20  # a small pool: 16 superblocks of 2 MiB
     helper = store_retrieve.Helper(pool_bytes, "off")
     scratch_pool = HugePagePool(pool_bytes, "off")
     try:
@@ -118,7 +118,7 @@ def test_cma_helper_reads_walk_fresh_pool_and_writes_read_the_last_read() -> Non
 
 
 def test_store_retrieve_run_sizes_a_helper_per_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Small pages store little: the helper's pool still has to be a valid pool (>= one superblock).
+    # Small pages store little: the helper's pool still has to be a valid pool (>= one 2 MiB superblock).
     monkeypatch.setitem(store_retrieve.QUICK, "pages", [64 * KIB, 128 * KIB])
     monkeypatch.setitem(store_retrieve.QUICK, "batches", [1, 2])
     monkeypatch.setitem(store_retrieve.QUICK, "repeats", 1)

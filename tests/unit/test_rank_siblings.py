@@ -18,7 +18,7 @@ CHUNK = b"c" * 16
 
 @pytest.fixture
 def pool():
-    p = HugePagePool(2 * SB, "off")
+    p = HugePagePool(2 * SB, "off", superblock_bytes=SB)
     yield p
     p.close()
 
