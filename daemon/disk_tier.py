@@ -12,14 +12,19 @@ Role
       checksummed, before it replies (``KVService._promote``).
     - catalog: key -> file, in memory, rebuilt at start-up from every file's header.
 
-File format (version 2): one file per entry, ``<dir>/<kk>/<fingerprint>-<group>-<key>.hkv`` (kk: the
-chunk key's first byte in hex, 256 subdirectories). An 80-byte little-endian header: magic
+File format (version 3): one file per entry, ``<dir>/<kk>/<fingerprint>-<group>-<key>.hkv`` (kk: the
+chunk key's first byte in hex, 256 subdirectories). A 92-byte little-endian header: magic
 ``HKVDL2\\r\\n``, u16 format version, u8 kind (0 full, 1 swa, 2 mamba), u8 reserved (0), u32 group
 id, u64 payload bytes, u32 CRC-32 of the payload, 16-byte layout fingerprint, 16-byte chunk key,
-16-byte parent chunk key (zeros: unknown), u32 CRC-32 of the 76 header bytes before it; then the
-payload: the entry's bytes in pool order. CRC-32 (zlib, ~4 GB/s on one core here, GIL released)
-rather than blake2b (~0.7 GB/s): it guards against torn writes and bit rot, not tampering (the
-directory is the daemon's own, mode 0700).
+16-byte parent chunk key (zeros: unknown), then a 16-byte MAC of the 76 header bytes before it
+(keyed blake2b); then the payload: the entry's bytes in pool order.
+
+The MAC's key is the directory's secret, ``<dir>/hkvd.key`` (32 random bytes, mode 0600, made on
+first use). A file this directory's daemon did not write (planted, or copied from another node's
+tier) fails it and is deleted, never served; since the MAC covers the payload's CRC, its bytes are
+bound too, as far as CRC-32 binds them. CRC-32 (zlib, ~4 GB/s on one core here, GIL released)
+rather than a keyed hash of the payload (blake2b ~0.7 GB/s): whoever can rewrite a file in the
+directory is the daemon's own user, who can read the key as well.
 
 Durability (fsync policy)
     A file is written under an unpredictable ``<name>.<random>.hkv.tmp`` (created with ``O_EXCL |
@@ -30,7 +35,7 @@ Durability (fsync policy)
     its size check at start-up or its payload CRC at read, and is a miss.
 
 Checks
-    At start-up each ``*.hkv`` file's header is read. A bad magic, a header CRC mismatch, a name
+    At start-up each ``*.hkv`` file's header is read. A bad magic, a header MAC mismatch, a name
     that does not match the header, or a size other than header + payload: the file is skipped,
     logged, counted (``corrupt[reason]``) and deleted. An unknown format version is skipped,
     logged and counted but left in place (another hkvd version owns it). Leftover ``*.tmp`` files
@@ -55,6 +60,8 @@ import asyncio
 import collections
 import contextlib
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -79,12 +86,15 @@ EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in
 MAGIC = b"HKVDL2\r\n"
 # 2: chunk keys carry the request's extra keys and fingerprints the engine identity (version-1 files
 # were written under token-only keys: skipped, counted and left in place, never served).
-VERSION = 2
+# 3: the header ends in a MAC under the directory's key instead of a CRC-32.
+VERSION = 3
 KINDS = ("full", "swa", "mamba")
 KEY_BYTES = 16
 _HEAD = struct.Struct("<8sHBBIQI16s16s16s")
-_CRC = struct.Struct("<I")
-HEADER_BYTES = _HEAD.size + _CRC.size  # 80
+MAC_BYTES = 16
+HEADER_BYTES = _HEAD.size + MAC_BYTES  # 92
+KEY_FILE = "hkvd.key"
+SECRET_BYTES = 32
 SUFFIX = ".hkv"
 TMP_SUFFIX = ".hkv.tmp"
 SHARDS = [f"{i:02x}" for i in range(256)]
@@ -120,18 +130,22 @@ class Header:
     def key(self) -> EntryKey:
         return (self.fingerprint, self.group_id, self.chunk_key)
 
-    def pack(self) -> bytes:
+    def pack(self, secret: bytes) -> bytes:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if len(self.fingerprint) != 16 or len(self.chunk_key) != KEY_BYTES or len(self.parent) not in (0, KEY_BYTES):
             raise ValueError("fingerprint, chunk key and parent key are 16 bytes (parent may be empty)")
         head = _HEAD.pack(MAGIC, VERSION, KINDS.index(self.kind), 0, self.group_id, self.nbytes, self.checksum,
                           self.fingerprint, self.chunk_key, self.parent or bytes(KEY_BYTES))
-        return head + _CRC.pack(zlib.crc32(head))
+        return head + _mac(head, secret)
 
 
-def unpack_header(raw: bytes) -> Header:
-    """Parse and check a header; raises ``FormatError`` (reason: truncated, magic, version, header)."""
+def _mac(head: bytes, secret: bytes) -> bytes:
+    return hashlib.blake2b(head, digest_size=MAC_BYTES, key=secret, person=b"hkvd-l2-header").digest()
+
+
+def unpack_header(raw: bytes, secret: bytes) -> Header:
+    """Parse and check a header; raises ``FormatError`` (reason: truncated, magic, version, mac, header)."""
     if len(raw) < HEADER_BYTES:
         raise FormatError("truncated", f"{len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
     head = raw[:_HEAD.size]
@@ -140,9 +154,9 @@ def unpack_header(raw: bytes) -> Header:
         raise FormatError("magic", f"not an hkvd disk-tier file (magic {magic!r})")
     if version != VERSION:
         raise FormatError("version", f"format version {version}; this hkvd reads version {VERSION}")
-    (crc,) = _CRC.unpack(raw[_HEAD.size:HEADER_BYTES])
-    if crc != zlib.crc32(head):
-        raise FormatError("header", "header checksum mismatch")
+    if not hmac.compare_digest(raw[_HEAD.size:HEADER_BYTES], _mac(head, secret)):
+        raise FormatError("mac", "the header's MAC does not match this directory's key (a file this daemon did "
+                                 "not write, or a damaged header)")
     if kind >= len(KINDS):
         raise FormatError("header", f"unknown entry kind {kind}")
     return Header(fp, gid, key, KINDS[kind], nbytes, checksum, b"" if parent == bytes(KEY_BYTES) else parent)
@@ -164,6 +178,41 @@ def _check_private(path: Path) -> None:
                                          f"{stat.S_IMODE(st.st_mode):04o}; the disk tier needs a directory that "
                                          f"only the daemon's user (uid {os.geteuid()}) may write: `chown "
                                          f"{os.geteuid()} {path} && chmod 700 {path}`, or choose another one")
+
+
+def load_secret(root: Path) -> bytes:
+    """The directory's MAC key: read ``<root>/hkvd.key``, or make it. Raises ``DiskTierError`` if it is unsafe."""
+    path = root / KEY_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        tmp = root / f"{KEY_FILE}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, secrets.token_bytes(SECRET_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)  # a key is whole or absent: two starts racing end with one of theirs
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise DiskTierError(e.errno or errno.EIO, f"--l2-path: cannot open the directory's key {path} ({e.strerror}); "
+                                                  f"it must be a regular file: remove it (the tier's files are then "
+                                                  "dropped at start) and restart") from None
+    try:
+        st = os.fstat(fd)
+        secret = os.read(fd, SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+        raise DiskTierError(errno.EPERM, f"--l2-path: the key {path} is owned by uid {st.st_uid} with mode "
+                                         f"{stat.S_IMODE(st.st_mode):04o}; it must be the daemon's (uid "
+                                         f"{os.geteuid()}) and private: `chown {os.geteuid()} {path} && chmod 600 "
+                                         f"{path}`, or remove it (the tier's files are then dropped at start)")
+    if len(secret) != SECRET_BYTES:
+        raise DiskTierError(errno.EINVAL, f"--l2-path: the key {path} holds {len(secret)} bytes, not "
+                                          f"{SECRET_BYTES}; remove it (the tier's files are then dropped at start)")
+    return secret
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:
@@ -227,6 +276,7 @@ class DiskTier:
         self.queue_bytes = queue_bytes
         self.queue_entries = queue_entries
         self.read_threads = read_threads
+        self.secret = b""  # the directory's MAC key, read by ``open``
         self.readers = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="hkvd-l2-read")
         self._catalog: collections.OrderedDict[EntryKey, Stored] = collections.OrderedDict()
         self._catalog_bytes = 0
@@ -264,6 +314,7 @@ class DiskTier:
             probe = self.root / f".probe-{os.getpid()}{TMP_SUFFIX}"
             probe.write_bytes(b"hkvd")
             probe.unlink()
+            self.secret = load_secret(self.root)
         except DiskTierError:
             raise
         except OSError as e:
@@ -303,8 +354,11 @@ class DiskTier:
                         continue
                     try:
                         st = de.stat(follow_symlinks=False)
-                        with open(de.path, "rb", buffering=0) as f:
-                            header = unpack_header(f.read(HEADER_BYTES))
+                        fd = os.open(de.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        try:
+                            header = unpack_header(os.read(fd, HEADER_BYTES), self.secret)
+                        finally:
+                            os.close(fd)
                         if f"{shard}/{de.name}" != relative_path(header.key):
                             raise FormatError("name", "file name does not match the key in its header")
                         if st.st_size != HEADER_BYTES + header.nbytes:
@@ -459,7 +513,7 @@ class DiskTier:
                     crc = zlib.crc32(mv, crc)
                     _write_all(fd, mv)
             fp, gid, ck = job.key
-            header = Header(fp, gid, ck, job.kind, job.nbytes, crc, job.parent).pack()
+            header = Header(fp, gid, ck, job.kind, job.nbytes, crc, job.parent).pack(self.secret)
             if os.pwrite(fd, header, 0) != HEADER_BYTES:
                 raise OSError(errno.EIO, "short header write")
         except BaseException:
@@ -519,10 +573,10 @@ class DiskTier:
 
     def _read(self, key: EntryKey, stored: Stored, extents: Sequence[Extent]) -> None:
         t0 = time.perf_counter()
-        fd = os.open(stored.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(stored.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             raw = os.read(fd, HEADER_BYTES)
-            header = unpack_header(raw)
+            header = unpack_header(raw, self.secret)
             if header.key != key or header.nbytes != stored.nbytes:
                 raise FormatError("header", "the header names another entry than the catalog")
             crc = 0

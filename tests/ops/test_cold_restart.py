@@ -108,7 +108,7 @@ def test_cold_restart_serves_what_was_stored_byte_exact(daemon_factory, tmp_path
     assert d1.stop() == 0
     assert "0 not flushed" in d1.log()
     # 25 attention chunks + 15 hybrid chunks x (1 attention + 3 Mamba states) on disk
-    assert sum(len(f) for _, _, f in os.walk(l2)) == 25 + 15 * 4
+    assert sum(n.endswith(".hkv") for _, _, f in os.walk(l2) for n in f) == 25 + 15 * 4
 
     port = web.free_port()
     d2 = daemon_factory(*L2_ARGS, "--l2-path", l2, "--metrics-port", str(port), name="second")

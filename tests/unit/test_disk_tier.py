@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -25,6 +26,7 @@ from hkvd.daemon.pool import Extent
 
 FP = bytes(range(16))
 ENTRY = 8192
+SECRET = b"s" * 32
 
 
 def header(**kw: object) -> Header:
@@ -36,32 +38,32 @@ def header(**kw: object) -> Header:
 
 def test_header_round_trip():
     h = header()
-    raw = h.pack()
-    assert len(raw) == HEADER_BYTES == 80
+    raw = h.pack(SECRET)
+    assert len(raw) == HEADER_BYTES == 92
     assert raw.startswith(MAGIC)
-    assert unpack_header(raw) == h
-    assert unpack_header(header(parent=b"", kind="full").pack()).parent == b""
+    assert unpack_header(raw, SECRET) == h
+    assert unpack_header(header(parent=b"", kind="full").pack(SECRET), SECRET).parent == b""
 
 
 @pytest.mark.parametrize(("mangle", "reason"), [
     (lambda raw: b"NOTHKVD!" + raw[8:], "magic"),
     (lambda raw: raw[:8] + struct.pack("<H", VERSION + 1) + raw[10:], "version"),
-    (lambda raw: raw[:40] + bytes([raw[40] ^ 1]) + raw[41:], "header"),  # a flipped bit in the fingerprint
+    (lambda raw: raw[:40] + bytes([raw[40] ^ 1]) + raw[41:], "mac"),  # a flipped bit in the fingerprint
     (lambda raw: raw[:50], "truncated"),
     (lambda raw: b"", "truncated"),
 ])
 def test_bad_headers_are_refused_with_a_reason(mangle, reason):
     with pytest.raises(FormatError) as ei:
-        unpack_header(mangle(header().pack()))
+        unpack_header(mangle(header().pack(SECRET)), SECRET)
     assert ei.value.reason == reason
 
 
-def test_version_check_comes_before_the_header_crc():
-    # A future version may change the layout after the version field: its CRC means nothing to us.
-    raw = bytearray(header().pack())
+def test_version_check_comes_before_the_header_mac():
+    # A future version may change the layout after the version field: its MAC means nothing to us.
+    raw = bytearray(header().pack(SECRET))
     raw[8:10] = struct.pack("<H", 7)
     with pytest.raises(FormatError, match="format version 7") as ei:
-        unpack_header(bytes(raw))
+        unpack_header(bytes(raw), SECRET)
     assert ei.value.reason == "version"
 
 
@@ -194,7 +196,7 @@ async def test_size_cap_evicts_the_least_recently_used_files(tmp_path):
     st = tier.stats()
     assert st["entries"] == 3 and st["bytes"] == 3 * per_file and st["evictions"] == 2
     assert [key(i) in tier for i in range(5)] == [False, False, True, True, True]
-    assert sum(len(files) for _, _, files in os.walk(tmp_path)) == 3
+    assert sum(f.endswith(".hkv") for _, _, files in os.walk(tmp_path) for f in files) == 3
     tier.close(5.0)
     # A smaller cap at the next start evicts the oldest at once.
     os.utime(tmp_path / relative_path(key(3)), ns=(1, 1))
@@ -242,7 +244,7 @@ def test_write_checksum_is_crc32_of_the_payload_in_pool_order(tmp_path):
         data = await write_entries(tier, pool, 1)
         tier.close(5.0)
         raw = (tmp_path / relative_path(key(0))).read_bytes()
-        h = unpack_header(raw[:HEADER_BYTES])
+        h = unpack_header(raw[:HEADER_BYTES], tier.secret)
         assert raw[HEADER_BYTES:] == data[0] and h.checksum == zlib.crc32(data[0]) and h.key == key(0)
 
     asyncio.run(run())
@@ -303,3 +305,45 @@ async def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_p
     assert tier.stats()["writes"] == 2
     assert victim.read_bytes() == b"secret"
     tier.close(5.0)
+
+
+async def test_files_this_directory_did_not_write_are_never_served(tmp_path):
+    pool = Pool(4)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    tier = new_tier(theirs, pool)
+    await write_entries(tier, pool, 2)  # well-formed files, good CRCs, another directory's key
+    tier.close(5.0)
+    new_tier(mine, Pool(4)).close(5.0)
+    for i in range(2):
+        dst = mine / relative_path(key(i))
+        dst.write_bytes((theirs / relative_path(key(i))).read_bytes())  # planted under the right names
+    forged = mine / relative_path(key(2))  # and one forged with a guessed key
+    forged.write_bytes(header(chunk_key=key(2)[2], group_id=key(2)[1], kind="full", checksum=zlib.crc32(b"x" * ENTRY),
+                              parent=b"").pack(b"\0" * 32) + b"x" * ENTRY)
+    again = new_tier(mine, Pool(4))
+    assert len(again) == 0 and again.scan.corrupt == {"mac": 3}
+    assert not any(f.endswith(".hkv") for _, _, files in os.walk(mine) for f in files)  # deleted
+    again.close(5.0)
+
+
+def test_the_directory_key_must_be_the_daemons_and_private(tmp_path):
+    root = tmp_path / "l2"
+    DiskTier(str(root), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
+    key_file = root / "hkvd.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_bytes()) == 32
+    secret = key_file.read_bytes()
+    key_file.chmod(0o644)
+    with pytest.raises(DiskTierError, match="chmod 600"):
+        DiskTier(str(root), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
+    key_file.unlink()
+    elsewhere = tmp_path / "elsewhere.key"
+    elsewhere.write_bytes(secret)
+    elsewhere.chmod(0o600)
+    key_file.symlink_to(elsewhere)
+    with pytest.raises(DiskTierError, match="regular file"):
+        DiskTier(str(root), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
+    key_file.unlink()
+    key_file.write_bytes(b"short")
+    key_file.chmod(0o600)
+    with pytest.raises(DiskTierError, match="5 bytes"):
+        DiskTier(str(root), 1 << 20, bytearray(4096), queue_bytes=1 << 20).open()
