@@ -10,9 +10,9 @@ works) when the pool cannot hold one chunk of the engine: every group's entry, f
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -35,12 +35,29 @@ GIB = 1 << 30
 
 
 def fingerprint(spec: EngineSpec, chunk_size: int) -> bytes:
-    fmt = [
-        FINGERPRINT_VERSION, spec.model, spec.identity, spec.world_size, spec.rank, spec.layout_tag, chunk_size,
-        [[g.group_id, g.kind, g.tokens_per_block, g.window_tokens, g.dtype,
-          [[v.num_layers, v.page_bytes] for v in g.views]] for g in spec.groups],
-    ]
-    return hashlib.blake2b(msgpack.packb(fmt, use_bin_type=True), digest_size=16).digest()
+    """The format of ``spec``'s entries at its own rank (see the module docstring)."""
+    return rank_fingerprints(spec, chunk_size, [spec.rank])[0]
+
+
+def rank_fingerprints(spec: EngineSpec, chunk_size: int, ranks: Iterable[int]) -> tuple[bytes, ...]:
+    """The fingerprint of ``spec`` at each rank of ``ranks``: the msgpack of one list, hashed.
+
+    The list's parts other than the rank are packed once, so a 256-rank world costs one pack of
+    the groups and 256 hashes, not 256 packs.
+    """
+    pack = msgpack.Packer(use_bin_type=True).pack
+    head = b"\x98" + b"".join(pack(x) for x in (FINGERPRINT_VERSION, spec.model, spec.identity, spec.world_size))
+    tail = b"".join(pack(x) for x in (spec.layout_tag, chunk_size, [
+        [g.group_id, g.kind, g.tokens_per_block, g.window_tokens, g.dtype,
+         [[v.num_layers, v.page_bytes] for v in g.views]] for g in spec.groups]))
+    start = hashlib.blake2b(head, digest_size=16)
+    out = []
+    for rank in ranks:
+        h = start.copy()
+        h.update(pack(rank))
+        h.update(tail)
+        out.append(h.digest())
+    return tuple(out)
 
 
 @dataclass(slots=True)
@@ -122,10 +139,9 @@ class Registry:
                     f"region {r.region_id} is {r.kind!r} memory, but this daemon runs the "
                     f"{self.copy_engine.name} copy engine; start hkvd serve with the matching engine")
         attachment = self.copy_engine.attach(process, list(spec.regions)) if spec.regions else None
-        fp = fingerprint(spec, chunk_size)
         # Tensor-parallel ranks split heads evenly, so every rank's entries have this rank's format.
-        rank_fps = tuple(fp if r == spec.rank else fingerprint(dataclasses.replace(spec, rank=r), chunk_size)
-                         for r in range(spec.world_size))
+        rank_fps = rank_fingerprints(spec, chunk_size, range(spec.world_size))
+        fp = rank_fps[spec.rank]
         state = EngineState(
             engine_id=next(self._ids), conn_id=conn_id, pid=pid, spec=spec, chunk_size=chunk_size,
             fingerprint=fp, groups={g.group_id: g for g in spec.groups},

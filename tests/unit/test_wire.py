@@ -112,3 +112,29 @@ def test_bad_items_are_refused_when_decoded(cls, item):
     ok = kv.Store(1, [good]) if cls is kv.Store else kv.Retrieve(1, 2, [good])
     ok.validate()
     assert ok.parsed()[0] == kv.Item(0, 1, KEY, [1, 2], KEY)
+
+
+def _spec_wire(groups: int, views: int) -> dict:
+    from hkvd.daemon.layout import GroupSpec, View
+
+    gs = [GroupSpec(i, "full", 16, 0, 16, "bfloat16", tuple(View(0, 0, 1, 4096, 4096, 4096) for _ in range(views)))
+          for i in range(groups)]
+    return control.EngineSpec("m", 1, 0, "t", 32, 16, 8192, "align", [], gs).to_wire()
+
+
+def test_a_register_with_more_views_than_any_model_is_refused():
+    # 256 groups of 4096 views made a 13.7 MiB frame that held the loop for seconds.
+    assert len(control.EngineSpec.from_wire(_spec_wire(4, 4096)).groups) == 4  # 16384: at the limit
+    with pytest.raises(ProtocolViolation, match="at most 16384 views in all groups"):
+        control.EngineSpec.from_wire(_spec_wire(5, 4096))
+
+
+def test_rank_fingerprints_are_each_ranks_own():
+    import dataclasses
+
+    from hkvd.daemon.registry import fingerprint, rank_fingerprints
+
+    spec = control.EngineSpec.from_wire({**_spec_wire(3, 5), "world_size": 4, "rank": 2})
+    fps = rank_fingerprints(spec, 64, range(4))
+    assert fps == tuple(fingerprint(dataclasses.replace(spec, rank=r), 64) for r in range(4))
+    assert len(set(fps)) == 4 and fps[2] == fingerprint(spec, 64)

@@ -20,6 +20,9 @@ REGION_KINDS = ("host", "cuda")
 MAX_REGIONS = 256
 MAX_GROUPS = 256
 MAX_VIEWS = 4096
+# Views of all groups together: one per layer tensor of a group; real models have hundreds. Bounds a
+# Register frame (~200 KB) and the work it costs the daemon's loop (tens of milliseconds).
+MAX_TOTAL_VIEWS = 16384
 MAX_IDENTITY = 256
 MAX_WORLD_SIZE = 256
 
@@ -90,6 +93,7 @@ class EngineSpec:
                 offset=_get(r, "offset", int, rw),
             ))
         groups = []
+        total_views = 0
         for i, g in enumerate(groups_raw):
             gw = f"{w}.groups[{i}]"
             if not isinstance(g, dict):
@@ -97,6 +101,10 @@ class EngineSpec:
             views_raw = _get(g, "views", list, gw)
             if len(views_raw) > MAX_VIEWS:
                 raise ProtocolViolation(f"{gw}: at most {MAX_VIEWS} views")
+            total_views += len(views_raw)
+            if total_views > MAX_TOTAL_VIEWS:
+                raise ProtocolViolation(f"{w}: at most {MAX_TOTAL_VIEWS} views in all groups together (one per "
+                                        "layer tensor of a group); register each KV-cache tensor once")
             views = []
             for j, v in enumerate(views_raw):
                 if (not isinstance(v, list) or len(v) != 6
