@@ -231,3 +231,25 @@ def test_a_burst_of_requests_with_unread_replies_is_not_served_ahead(daemon_fact
         assert grown < 40_000 * reply // 4, (grown, reply)  # far from every reply buffered
         assert other.status()["counters"].get("internal_errors", 0) == 0
     flooder.close()
+
+
+def test_a_register_with_a_million_views_is_refused_and_others_keep_serving(daemon):
+    from hkvd.transport.wire.control import MAX_TOTAL_VIEWS
+
+    view = [0, 0, 1, 4096, 4096, 4096]
+    group = {"group_id": 0, "kind": "full", "tokens_per_block": 16, "window_tokens": 0, "num_blocks": 16,
+             "dtype": "bfloat16", "views": [view] * 4096}
+    spec = {"model": "m", "world_size": 1, "rank": 0, "layout_tag": "t", "chunk_size": 32, "block_size": 16,
+            "max_num_batched_tokens": 8192, "mamba_cache_mode": "align", "regions": [], "identity": "",
+            "groups": [{**group, "group_id": i} for i in range(256)]}  # 256 x 4096 views: a 13.7 MB frame
+    frame = encode(control.Register(7, spec))
+    assert len(frame) > 13 << 20 and MAX_TOTAL_VIEWS < 256 * 4096
+    s = raw_conn(daemon.socket_path)
+    s.sendall(frame)
+    with DaemonClient(daemon.socket_path, client_name="other", role="tool") as other:
+        assert other.ping() >= 0  # another client is served meanwhile
+    reply = read_msgs(s, 1)[0]
+    assert isinstance(reply, kv.Error) and reply.code == ErrorCode.PROTOCOL_VIOLATION
+    assert f"at most {MAX_TOTAL_VIEWS} views in all groups" in reply.message
+    s.close()
+    assert daemon.status()["counters"].get("internal_errors", 0) == 0 and daemon.status()["engines"] == []
