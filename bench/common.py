@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.launcher import DaemonProcess, stop_process
+from hkvd.shim.testing.launcher import DaemonProcess, stop_process
 
 KiB = 1 << 10
 MiB = 1 << 20

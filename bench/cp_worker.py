@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
 

@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     require_gpu("gpu_store_retrieve")
     from hkvd.cuda._cupy import cupy
     from hkvd.cuda.hostreg import PinnedRegistration
-    from hkvd.daemon.copy_engine import Region
-    from hkvd.daemon.layout import GroupSpec, View
     from hkvd.shim.client import DaemonClient
+    from hkvd.transport.copy_engine import Region
+    from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire.control import EngineSpec
 
     cp = cupy()

@@ -217,8 +217,8 @@ def _bench_case(tls: str, env: dict[str, str], size: int, entry: int, reps: int,
 
     import numpy as np
 
-    from hkvd.daemon.launcher import DaemonProcess
-    from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+    from hkvd.shim.testing.launcher import DaemonProcess
+    from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
     from hkvd.transport.keys import chunk_keys
 
     with tempfile.TemporaryDirectory(prefix="hkvd-peer-bench-") as tmp:

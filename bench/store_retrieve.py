@@ -41,9 +41,10 @@ from typing import Any
 import numpy as np
 
 from bench.common import Daemon, MiB, gbps, human_bytes, median, readline_timeout, stop_process
-from hkvd.daemon.cma import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc, default_split_parts
+from hkvd.daemon.cma import default_split_parts
 from hkvd.daemon.pool import HugePagePool
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+from hkvd.shim.ptrace import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine
 from hkvd.transport.wire.kv import Item
 
 FULL = {"pages": [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB], "batches": [1, 8, 64],

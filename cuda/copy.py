@@ -1,7 +1,7 @@
 """CUDA copy engine: batched gather/scatter between IPC-opened GPU memory and the pinned pool.
 
 Role
-    ``CudaCopyEngine`` implements ``hkvd.daemon.copy_engine.CopyEngine`` for regions of kind
+    ``CudaCopyEngine`` implements ``hkvd.transport.copy_engine.CopyEngine`` for regions of kind
     "cuda". ``attach`` matches the engine's GPU by UUID and opens its IPC handles once per
     process (``hkvd.cuda.ipc``); ``copy`` turns segments into ``(src, dst, nbytes)``
     descriptors (``hkvd.cuda.descriptors``) and moves them on the daemon's own stream, by
@@ -62,9 +62,8 @@ from hkvd.cuda.descriptors import (
 from hkvd.cuda.events import IpcEventRing, OpenedEvents, wait_event_host
 from hkvd.cuda.hostreg import PinnedRegistration, PoolLike
 from hkvd.cuda.ipc import REGISTRY, check_region_fields, match_device, visible_device_uuids
-from hkvd.daemon.client_process import ClientProcess
-from hkvd.daemon.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Region, Segment
-from hkvd.daemon.errors import CopyFailedError, KVError, RegistrationError
+from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, EngineProcess, Region, Segment
+from hkvd.transport.errors import CopyFailedError, KVError, RegistrationError
 
 METHODS = ("kernel", "memcpy")
 # bench/gpu_copy.py prints both paths' GB/s per page size next to pinned cudaMemcpy. On an H100
@@ -298,7 +297,7 @@ class CudaCopyEngine(CopyEngine):
 
     # -- attach / detach (event loop) -------------------------------------------------------
 
-    def attach(self, pid: int | ClientProcess, regions: list[Region]) -> Attachment:
+    def attach(self, pid: int | EngineProcess, regions: list[Region]) -> Attachment:
         # IPC handles name device memory, not the process: the pid is kept for messages only.
         pid = pid if isinstance(pid, int) else pid.pid
         if self._closed:

@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hkvd.daemon.copy_engine import Direction, Segment
-from hkvd.daemon.errors import CopyFailedError
+from hkvd.transport.copy_engine import Direction, Segment
+from hkvd.transport.errors import CopyFailedError
 
 # One kernel block copies at most this many bytes of one segment per grid-stride step. 64 KiB
 # = 256 threads x 16 B x 16 iterations: small enough that an 8 MiB page is spread over 128

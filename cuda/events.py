@@ -35,7 +35,7 @@ import time
 
 from hkvd.cuda._cupy import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, cupy, runtime, status_of
 from hkvd.cuda.ipc import IPC_HANDLE_BYTES
-from hkvd.daemon.errors import KVTimeout
+from hkvd.transport.errors import KVTimeout
 
 logger = logging.getLogger(__name__)
 

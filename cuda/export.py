@@ -39,8 +39,8 @@ from typing import Any
 
 from hkvd.cuda._cupy import cupy, runtime
 from hkvd.cuda.ipc import IPC_HANDLE_BYTES, device_uuid
-from hkvd.daemon.copy_engine import Region
-from hkvd.daemon.errors import RegistrationError
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.errors import RegistrationError
 
 # cuda.h CUpointer_attribute values.
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9

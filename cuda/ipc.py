@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hkvd.cuda._cupy import cupy, runtime
-from hkvd.daemon.errors import RegistrationError
+from hkvd.transport.errors import RegistrationError
 
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) and sizeof(cudaIpcEventHandle_t)
 logger = logging.getLogger(__name__)

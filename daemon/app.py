@@ -2,8 +2,12 @@
 
 Start-up
     The health endpoint (``--metrics-port``) and the systemd watchdog start first, so both answer
-    while the pool pre-faults and the disk tier (``--l2-path``) is scanned; ``READY=1`` (and
-    ``/healthz`` 200) follow only once both are done and the control socket accepts.
+    while the pool's first slice pre-faults and the disk tier (``--l2-path``) is scanned;
+    ``READY=1`` (and ``/healthz`` 200) follow once both are done and the control socket accepts.
+    The rest of the pool is faulted in behind serving by ``--prefault-threads`` threads, each
+    superblock handed to the allocator once faulted (daemon/prefault.py); ``STATUS=`` reports the
+    faulted share every second until it is all in. Before ready, every second with progress sends
+    ``EXTEND_TIMEOUT_USEC`` so systemd's start timeout never kills a start that is progressing.
 
 Shutdown sequence (SIGTERM or SIGINT)
     0. tell systemd ``STOPPING=1``; ``/healthz`` turns 503;
@@ -36,6 +40,7 @@ from typing import Any
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
 from hkvd.daemon.disk_tier import DiskTier
+from hkvd.daemon.errors import PoolError
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.index import Index
@@ -43,6 +48,7 @@ from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.notify import Notifier
 from hkvd.daemon.peers import peers_wanted
 from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.prefault import Prefaulter, default_threads, first_slice_bytes
 from hkvd.daemon.registry import Registry
 from hkvd.daemon.server import Server
 from hkvd.daemon.service import KVService
@@ -51,6 +57,10 @@ log = logging.getLogger("hkvd")
 
 HOUSEKEEPING_S = 1.0
 STATUS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 1.0
+# Each report of start-up progress moves systemd's start deadline to this far ahead: a start that
+# progresses is never killed, whatever the pool size; one stuck this long is (TimeoutStartSec rules).
+EXTEND_TIMEOUT_S = 60.0
 RELOADABLE = ("log_level", "lease_ttl_s")
 
 
@@ -83,19 +93,6 @@ class Daemon:
         if not self.ready.is_set():
             return False, "starting: pre-faulting the pool" if self.server is None else "starting"
         return True, "ok"
-
-    def _progress(self) -> Callable[[int, int], None]:
-        last = [0.0]
-
-        def report(done: int, total: int) -> None:  # runs on a copy thread
-            now = time.monotonic()
-            if now - last[0] >= 1.0 or done == total:
-                last[0] = now
-                log.info("pre-faulting pool: %d / %d MiB (%.0f%%)", done >> 20, total >> 20,
-                         100 * done / total)
-                self.notifier.status(f"pre-faulting pool: {done >> 20} / {total >> 20} MiB")
-
-        return report
 
     def summary(self) -> str:
         """One line for STATUS=: engines, pool occupancy, chunk hit rate."""
@@ -161,12 +158,15 @@ class Daemon:
             if self.notifier.watchdog_interval_s:
                 background.append(tg.create_task(self._watchdog()))
             self.pool = HugePagePool(cfg.l1_size_bytes, cfg.hugepages,  # type: ignore[arg-type]
-                                     progress=self._progress(), superblock_bytes=cfg.superblock_bytes or None)
-            log.info("pool: %d MiB of %s memory, %d MiB superblocks", self.pool.size >> 20, self.pool.kind,
-                     self.pool.allocator.superblock_bytes >> 20)
-            gbps = await loop.run_in_executor(executor, self.pool.prefault)
-            log.info("pool pre-faulted at %.1f GB/s", gbps)
-            self.metrics.inc("prefault_gbps", gbps)
+                                     superblock_bytes=cfg.superblock_bytes or None, faulted_only=True,
+                                     numa_node=cfg.numa_node if cfg.numa_node >= 0 else None)
+            prefault = self.pool.start_prefault(cfg.prefault_threads or default_threads())
+            first = first_slice_bytes(prefault.total_bytes, self.pool.allocator.superblock_bytes)
+            log.info("pool: %d MiB of %s memory%s, %d MiB superblocks; pre-faulting on %d threads, serving after "
+                     "the first %d MiB", self.pool.size >> 20, self.pool.kind,
+                     f" on NUMA node {cfg.numa_node}" if cfg.numa_node >= 0 else "",
+                     self.pool.allocator.superblock_bytes >> 20, prefault.threads, first >> 20)
+            await self._first_slice(prefault, first)
             if cfg.l2_path:
                 await self._open_disk(loop)
             copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=cfg.copy_timeout_s)
@@ -189,8 +189,9 @@ class Daemon:
             log.info("hkvd ready on %s (chunk size %d tokens, eviction %s)", cfg.socket_path, cfg.chunk_size,
                      cfg.eviction_policy)
             self.notifier.ready(f"ready on {cfg.socket_path}; {self.pool.size >> 20} MiB "
-                                f"{self.pool.kind} pool")
+                                f"{self.pool.backing().kind} pool, {self._faulted_share(prefault)}")
             self.heap.start(index.writes)
+            background.append(tg.create_task(self._finish_prefault(prefault)))
             background.append(tg.create_task(self._housekeeping(index)))
             if self.notifier.enabled:
                 background.append(tg.create_task(self._report_status()))
@@ -201,17 +202,67 @@ class Daemon:
             for task in background:
                 task.cancel()
 
+    @staticmethod
+    def _faulted_share(prefault: Prefaulter) -> str:
+        p = prefault.progress()
+        share = p.faulted_bytes / p.total_bytes
+        return f"{p.faulted_bytes >> 20} / {p.total_bytes >> 20} MiB pre-faulted ({share:.0%})"
+
+    async def _first_slice(self, prefault: Prefaulter, first: int) -> None:
+        """Wait until ``first`` bytes of the pool are faulted in (the rest follows while serving).
+
+        Each second with progress tells systemd STATUS= and EXTEND_TIMEOUT_USEC=, so however slow the
+        machine, a start that makes progress is never killed by TimeoutStartSec and a stuck one is,
+        EXTEND_TIMEOUT_S after its last progress. A populate error here fails the start.
+        """
+        assert self.pool is not None
+        reported = 0
+        self.notifier.extend(EXTEND_TIMEOUT_S, f"pre-faulting the first {first >> 20} MiB of the pool")
+        while True:
+            p = await asyncio.to_thread(prefault.wait_for, first, PROGRESS_EVERY_S)
+            if p.error:
+                raise PoolError(p.error)
+            if p.faulted_bytes >= first:
+                break
+            if p.faulted_bytes > reported:
+                reported = p.faulted_bytes
+                self.notifier.extend(EXTEND_TIMEOUT_S, f"pre-faulting the first {first >> 20} MiB of the pool: "
+                                     f"{self._faulted_share(prefault)}")
+        self.pool.backing(refresh=True)  # what the kernel gave the first slice: status reports it
+        log.info("pool: first %d MiB faulted in %.2f s (%s pages); serving while the rest follows",
+                 p.faulted_bytes >> 20, p.elapsed_s, self.pool.backing().kind)
+
+    async def _finish_prefault(self, prefault: Prefaulter) -> None:
+        """While serving: STATUS= pre-fault progress every second; when done, the rate and the backing."""
+        assert self.pool is not None
+        logged = time.monotonic()
+        while not (p := await asyncio.to_thread(prefault.wait_for, prefault.total_bytes, PROGRESS_EVERY_S)).done:
+            self.notifier.status(f"{self.summary()}; {self._faulted_share(prefault)}")
+            if time.monotonic() - logged >= STATUS_EVERY_S:
+                logged = time.monotonic()
+                log.info("pre-faulting pool: %s", self._faulted_share(prefault))
+        if p.error:
+            self.metrics.inc("prefault_errors")
+            log.error("%s", p.error)
+        else:
+            self.metrics.inc("prefault_gbps", p.gbps)
+        backing = await asyncio.to_thread(self.pool.backing, True)
+        log.info("pool pre-faulted: %d MiB in %.1f s (%.2f GB/s, %d threads); backed by %s pages of %d KiB "
+                 "(%d MiB huge)", p.faulted_bytes >> 20, p.elapsed_s, p.gbps, p.threads, backing.kind,
+                 backing.page_size >> 10, backing.huge_bytes >> 20)
+        self.notifier.status(self.summary())
+
     async def _open_disk(self, loop: asyncio.AbstractEventLoop) -> None:
         """Scan ``--l2-path`` into the catalog (on a thread; progress in the log and STATUS=)."""
         assert self.pool is not None
         cfg = self.cfg
-        self.disk = DiskTier(cfg.l2_path, cfg.l2_size_bytes, self.pool.buffer,
+        self.disk = DiskTier(cfg.l2_path, cfg.l2_size_bytes, self.pool.buffer, budget_s=cfg.io_timeout_s,
                              queue_bytes=max(cfg.l1_size_bytes // 8, 1 << 20))
 
-        def progress(files: int, nbytes: float) -> None:  # runs on the scan thread
-            self.notifier.status(f"scanning disk tier: {files} files, {nbytes / (1 << 30):.1f} GiB")
+        def progress(files: int, nbytes: float) -> None:  # runs on the scan thread; each call is progress
+            self.notifier.extend(EXTEND_TIMEOUT_S, f"scanning disk tier: {files} files, {nbytes / (1 << 30):.1f} GiB")
 
-        self.notifier.status(f"scanning disk tier {cfg.l2_path}")
+        self.notifier.extend(EXTEND_TIMEOUT_S, f"scanning disk tier {cfg.l2_path}")
         await loop.run_in_executor(self.disk.readers, self.disk.open, progress)
         self.disk.start(loop)
 

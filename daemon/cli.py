@@ -11,12 +11,18 @@ import os
 import pwd
 import re
 import shutil
+import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.config import GIB, TOML_KEYS, ConfigError, DaemonConfig, default_socket_path, load_toml
+from hkvd.daemon.config import GIB, TOML_KEYS, ConfigError, DaemonConfig, load_toml
+from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_body, encode
+from hkvd.transport.paths import default_socket_path
+from hkvd.transport.wire import PROTOCOL_VERSION, control, kv
+from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 
 
 def _serve_parser(sub: Any) -> None:
@@ -28,6 +34,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--l1-size-gb", help="pool size in GiB (default 1)")
     p.add_argument("--eviction-policy", help="lru (default) or hybrid (orphan-aware LRU)")
     p.add_argument("--hugepages", help="auto (default), require or off")
+    p.add_argument("--prefault-threads", type=int, help="threads faulting the pool in behind serving "
+                   "(default 0: min(cores, 8))")
+    p.add_argument("--numa-node", type=int, help="bind the pool to this NUMA node, the GPUs' (default: unbound)")
     p.add_argument("--log-level", help="debug, info (default), warning or error")
     p.add_argument("--lease-ttl-s", type=float, help="lookup lease lifetime in seconds (default 30)")
     p.add_argument("--socket-group", help="group owning the 0660 socket (default: the daemon's)")
@@ -44,6 +53,17 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--l2-path", help="disk tier directory: entries are written behind and served after a "
                    "restart (default off)")
     p.add_argument("--l2-size-gb", help="disk tier cap in GiB (required with --l2-path)")
+    p.add_argument("--cluster", help="mooncake://MASTER_HOST:PORT: share entries with every node of a Mooncake "
+                   "Store cluster (default off; needs hkvd[cluster])")
+    p.add_argument("--cluster-segment-gb", help="memory this node contributes to the cluster, GiB (default 1)")
+    p.add_argument("--cluster-protocol", help="tcp (default) or rdma")
+    p.add_argument("--cluster-devices", help="RDMA device names for --cluster-protocol rdma, e.g. mlx5_0")
+    p.add_argument("--cluster-local-host", help="the address other nodes reach this one at (default: the one "
+                   "this host reaches the master from)")
+    p.add_argument("--cluster-replicas", type=int, help="copies of each value on distinct nodes (default 1; 2 "
+                   "survives a node leaving)")
+    p.add_argument("--cluster-lookup-timeout-ms", type=float, help="how long one lookup waits on the cluster "
+                   "(default 200)")
     p.add_argument("--peer-listen", help="HOST:PORT where peer daemons (decode nodes) pull leased entries "
                    "(default off; needs a peer token and NIXL)")
     p.add_argument("--peer-advertise", help="HOST:PORT engines hand to decode engines (default --peer-listen)")
@@ -72,20 +92,40 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
     return DaemonConfig(**values)
 
 
-def _status(args: argparse.Namespace) -> int:
-    from hkvd.shim.client import DaemonClient
-    from hkvd.transport.wire.errors import KVError
+def query_status(socket_path: str, timeout_s: float) -> dict[str, Any]:
+    """Hello, then Status, on one blocking connection: what ``hkvd status`` shows. Raises ``KVError``."""
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(socket_path)
+            sock.sendall(encode(control.Hello(PROTOCOL_VERSION, "hkvd-status", "tool")) + encode(control.Status(1)))
+        except OSError as e:
+            raise DaemonUnavailable(f"cannot reach hkvd at {socket_path}: {e.strerror or e}; is `hkvd serve` "
+                                    "running with the same --socket?") from None
+        decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(1 << 20)
+            except OSError as e:
+                raise DaemonUnavailable(f"hkvd at {socket_path} did not answer: {e.strerror or e}") from None
+            if not data:
+                raise DaemonUnavailable(f"hkvd at {socket_path} closed the connection before answering")
+            for body in decoder.feed(data):
+                match decode_body(body):
+                    case control.StatusReply(status=status):
+                        return status
+                    case kv.Error(code=code, message=message):
+                        raise error_from_wire(code, message)
+    raise KVTimeout(f"hkvd at {socket_path} did not answer within {timeout_s:g} s; raise --timeout-s")
 
-    client = DaemonClient(args.socket or default_socket_path(), client_name="hkvd-status", role="tool",
-                          timeout_s=args.timeout_s)
+
+def _status(args: argparse.Namespace) -> int:
     try:
-        client.connect()
-        status = client.status()
+        status = query_status(args.socket or default_socket_path(), args.timeout_s)
     except KVError as e:
         print(f"hkvd status: {e}", file=sys.stderr)
         return 1
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(status, indent=2, default=str))
     else:
@@ -111,7 +151,7 @@ def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"state     {'SHUTTING DOWN' if s.get('shutting_down') else 'serving'}",
         f"pool      {_bytes(pool['used_bytes'])} / {_bytes(pool['total_bytes'])} used ({used:.0%}), "
-        f"{pool['kind']} pages",
+        f"{_pages(pool)}",
         f"entries   {idx['ready']} ready ({kinds}), {idx['pending']} pending, {idx['writing']} writing",
         f"evicted   {idx['evictions']} entries, {idx['stores_dropped']} stores dropped (pool full)",
         f"hit rate  {rate} of chunks ({hits} hit, {misses} missed in {int(c.get('lookups', 0))} lookups)",
@@ -129,6 +169,20 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  #{e['engine_id']:<3} {e['role']:9} pid {e['pid']:<7} {e['model']} rank {e['rank']}/"
                      f"{e['world_size']} chunk {e['chunk_size']} [{groups}]")
     return "\n".join(lines)
+
+
+def _pages(pool: dict[str, Any]) -> str:
+    """'thp pages (2.0 MiB), 40% faulted (pre-faulting on 8 threads)': the kernel's backing, the faulted share."""
+    text = f"{pool['kind']} pages"
+    if "page_size" in pool:  # older daemons report the kind only
+        text += f" ({_bytes(pool['page_size'])})"
+    pf = pool.get("prefault")
+    if pf:
+        share = pool["faulted_bytes"] / max(pool["total_bytes"], 1)
+        state = f"failed: {pf['error']}" if pf["error"] else (
+            "pre-faulted" if pf["done"] else f"pre-faulting on {pf['threads']} threads")
+        text += f", {share:.0%} faulted ({state})"
+    return text
 
 
 def _status_extra(s: dict[str, Any]) -> list[str]:
@@ -335,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "
             "run it as the user the engines run as (hkvd install-service --user NAME)")
     from hkvd.daemon.copy_engine import CopyEngineUnavailable, check_copy_engine
-    from hkvd.daemon.errors import KVError, PoolError
+    from hkvd.daemon.errors import PoolError
 
     try:
         check_copy_engine(cfg.copy_engine)

@@ -4,8 +4,8 @@ Role
     Moves bytes between a CPU engine's registered host regions (virtual addresses in the engine
     process) and the daemon's pool, with one syscall per up to 1024 segments and no copy
     through a socket or a staging buffer: the kernel copies page to page, ~7-14 GB/s per thread
-    into a prefaulted pool. ``allow_ptracer`` is the engine-side half: the shim calls it so a
-    Yama-restricted kernel lets the daemon attach.
+    into a prefaulted pool. ``hkvd.shim.ptrace.allow_ptracer`` is the engine-side half: the shim
+    calls it so a Yama-restricted kernel lets the daemon attach.
 
 Threading
     ``attach``/``detach`` are quick (two 1-byte reads per region) and run on the loop. ``copy``
@@ -18,7 +18,6 @@ Threading
     the engine's private ``hkvd-cma-split`` threads the others, and ``copy`` returns once all
     have finished, failed or not (their pages are pinned until then). The engine keeps no
     per-copy state between calls; ``close`` stops the split threads.
-    This module never imports asyncio (the shim imports ``allow_ptracer``).
 
 Cost per copy
     One pass over the segments checks them and builds two flat lists (base, length, base, ...);
@@ -53,12 +52,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from hkvd.daemon.client_process import ClientProcess, PinnedMemory
-from hkvd.daemon.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError, RegistrationError
+from hkvd.transport.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
 
 IOV_MAX = 1024  # Linux UIO_MAXIOV: more iovecs per call is EINVAL
-PR_SET_PTRACER = 0x59616D61  # "Yama"
-PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 
 _ADDRESS_SPACE = 1 << 64  # an iovec's address wraps past it: never probe or copy there
@@ -85,26 +82,10 @@ def _load_libc() -> ctypes.CDLL:
             ctypes.c_ulong,
         ]
         fn.restype = ctypes.c_ssize_t
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    libc.prctl.restype = ctypes.c_int
     return libc
 
 
 _libc = _load_libc()
-
-
-def allow_ptracer(daemon_pid: int) -> bool:
-    """Let ``daemon_pid`` attach to this process (Yama ``PR_SET_PTRACER``).
-
-    Called by the engine (shim) before registering host regions. Returns False where the kernel
-    has no Yama (EINVAL): then ordinary same-user rules apply and nothing needs allowing.
-    """
-    if _libc.prctl(PR_SET_PTRACER, daemon_pid, 0, 0, 0) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err == errno.EINVAL:
-        return False
-    raise OSError(err, f"prctl(PR_SET_PTRACER, {daemon_pid}): {os.strerror(err)}")
 
 
 def _refused_message(pid: int, err: int) -> str:
@@ -113,7 +94,7 @@ def _refused_message(pid: int, err: int) -> str:
     return (
         f"CMA refused: the daemon (pid {os.getpid()}) may not read engine process {pid} "
         f"({os.strerror(err)}). Fix: the engine must call "
-        f"hkvd.daemon.cma.allow_ptracer({os.getpid()}) (prctl PR_SET_PTRACER) before registering, "
+        f"hkvd.shim.ptrace.allow_ptracer({os.getpid()}) (prctl PR_SET_PTRACER) before registering, "
         "or run the daemon as the same user with kernel.yama.ptrace_scope <= 1 "
         "(sysctl -w kernel.yama.ptrace_scope=1), or give the daemon CAP_SYS_PTRACE"
     )

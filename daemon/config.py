@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import grp
-import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
 from hkvd.daemon.pool import MIN_SUPERBLOCK_BYTES
+from hkvd.transport.paths import default_socket_path
 
 GIB = 1 << 30
 EVICTION_POLICIES = ("lru", "hybrid")
@@ -29,16 +28,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the fix."""
 
 
-def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/hkvd/hkvd.sock``; ``/run/hkvd/hkvd.sock`` as root or without XDG_RUNTIME_DIR."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if os.geteuid() != 0 and xdg:
-        return str(Path(xdg) / "hkvd" / "hkvd.sock")
-    return "/run/hkvd/hkvd.sock"
-
-
 COPY_ENGINES = ("host", "cuda")
 EVENT_LOOPS = ("uvloop", "asyncio")
+CLUSTER_PROTOCOLS = ("tcp", "rdma")
 
 
 # Addresses that mean "every interface" to bind(), and nothing a peer can connect to.
@@ -65,9 +57,19 @@ class DaemonConfig:
     shutdown_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
     superblock_bytes: int = 0  # 0: derived from the pool size (daemon/pool.py); else a multiple of 2 MiB
+    prefault_threads: int = 0  # 0: min(cores, 8) (daemon/prefault.py)
+    numa_node: int = -1  # -1: no binding; else mbind the pool to this node (daemon/backing.py)
     metrics_port: int = 0  # 0 = no metrics endpoint
     l2_path: str = ""  # empty: no disk tier
     l2_size_bytes: int = 0  # the disk tier's cap; required with l2_path
+    # Cluster tier (daemon/cluster_tier.py): entries shared by every node through Mooncake Store.
+    cluster: str = ""  # mooncake://MASTER_HOST:PORT; empty: no cluster tier
+    cluster_segment_bytes: int = GIB  # memory this node contributes to the cluster
+    cluster_protocol: str = "tcp"  # tcp or rdma
+    cluster_devices: str = ""  # RDMA device names (cluster_protocol rdma), e.g. "mlx5_0,mlx5_1"
+    cluster_local_host: str = ""  # the address other nodes reach this one at; empty: the route to the master
+    cluster_replicas: int = 1  # copies of each value on distinct nodes (2: survives one node leaving)
+    cluster_lookup_timeout_ms: float = 200.0  # one lookup's wait on the cluster (existence check + reads)
     # Peer links (daemon/peers.py): serve leased entries to decode daemons, pull from prefill ones.
     peer_listen: str = ""  # HOST:PORT for peer daemons; empty: serve no peers
     peer_advertise: str = ""  # HOST:PORT engines hand to decode engines; default: peer_listen
@@ -101,6 +103,10 @@ class DaemonConfig:
                               f"{smallest_pool >> 20} MiB superblock; use --l1-size-gb {smallest_pool / GIB!r} "
                               "or more (an engine whose one chunk needs more is refused at registration, with "
                               "the size it needs)")
+        if not 0 <= self.prefault_threads <= 256:
+            raise ConfigError(f"--prefault-threads {self.prefault_threads}: must be 0 (min(cores, 8)) to 256")
+        if self.numa_node < -1:
+            raise ConfigError(f"--numa-node {self.numa_node}: a node number (0, 1, ...); leave it unset for no binding")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(f"--eviction-policy {self.eviction_policy!r}: choose one of {EVICTION_POLICIES}")
         if self.hugepages not in HUGEPAGE_MODES:
@@ -151,6 +157,16 @@ class DaemonConfig:
         if self.l2_path and self.l2_size_bytes <= 0:
             raise ConfigError(f"--l2-path {self.l2_path}: also set --l2-size-gb, the most disk the tier may use "
                               "(e.g. --l2-size-gb 100)")
+        if self.cluster and not self.cluster.startswith("mooncake://"):
+            raise ConfigError(f"--cluster {self.cluster!r}: expected mooncake://MASTER_HOST:PORT (the "
+                              "mooncake_master's port)")
+        if self.cluster_protocol not in CLUSTER_PROTOCOLS:
+            raise ConfigError(f"--cluster-protocol {self.cluster_protocol!r}: choose one of {CLUSTER_PROTOCOLS}")
+        if not 1 <= self.cluster_replicas <= 8:
+            raise ConfigError(f"--cluster-replicas {self.cluster_replicas}: must be 1 to 8 (copies on distinct nodes)")
+        if self.cluster_lookup_timeout_ms <= 0:
+            raise ConfigError(f"--cluster-lookup-timeout-ms {self.cluster_lookup_timeout_ms:g}: must be > 0 (e.g. "
+                              "200: how long a lookup waits on the cluster)")
         if self.l2_size_bytes and not self.l2_path:
             raise ConfigError("--l2-size-gb needs --l2-path DIR (the disk tier's directory); set it, or drop "
                               "--l2-size-gb")
@@ -183,6 +199,7 @@ def _gib(flag: str, example: str) -> Callable[[Any], int]:
 
 _gb = _gib("--l1-size-gb", "4")
 _l2_gb = _gib("--l2-size-gb", "100")
+_cluster_gb = _gib("--cluster-segment-gb", "4")
 
 
 TOML_KEYS: dict[str, tuple[str, Any]] = {
@@ -191,6 +208,8 @@ TOML_KEYS: dict[str, tuple[str, Any]] = {
     "l1_size_gb": ("l1_size_bytes", _gb),
     "eviction_policy": ("eviction_policy", lambda v: str(v).lower()),
     "hugepages": ("hugepages", str),
+    "prefault_threads": ("prefault_threads", int),
+    "numa_node": ("numa_node", int),
     "log_level": ("log_level", lambda v: str(v).lower()),
     "lease_ttl_s": ("lease_ttl_s", float),
     "socket_mode": ("socket_mode", lambda v: int(str(v), 8)),
@@ -205,6 +224,13 @@ TOML_KEYS: dict[str, tuple[str, Any]] = {
     "metrics_port": ("metrics_port", int),
     "l2_path": ("l2_path", str),
     "l2_size_gb": ("l2_size_bytes", _l2_gb),
+    "cluster": ("cluster", str),
+    "cluster_segment_gb": ("cluster_segment_bytes", _cluster_gb),
+    "cluster_protocol": ("cluster_protocol", lambda v: str(v).lower()),
+    "cluster_devices": ("cluster_devices", str),
+    "cluster_local_host": ("cluster_local_host", str),
+    "cluster_replicas": ("cluster_replicas", int),
+    "cluster_lookup_timeout_ms": ("cluster_lookup_timeout_ms", float),
     "peer_listen": ("peer_listen", str),
     "peer_advertise": ("peer_advertise", str),
     "peer_token": ("peer_token", str),

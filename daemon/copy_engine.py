@@ -1,121 +1,16 @@
-"""The copy-engine interface: the one place that knows *how* bytes move.
+"""Which copy engine the daemon runs: ``hkvd serve --copy-engine host|cuda``.
 
 Role
-    The daemon decides *what* to copy (index, leases, step ordering, peers). A copy engine
-    only moves bytes between an engine's registered memory and the daemon's pool. The host
-    engine (``hkvd.daemon.cma``) uses process_vm_readv/writev; the CUDA engine
-    (``hkvd.cuda.copy``) uses IPC handles and batched copies on its own stream. Nothing else
-    in the daemon may know which one is in use.
-
-Threading model
-    ``attach``/``detach`` run on the event loop and must be quick. ``copy`` is blocking and
-    runs on the daemon's copy thread pool, except a copy of at most ``inline_max_bytes``
-    (0 unless the engine sets it): that one runs on the loop, because handing it to a thread and
-    back costs more loop time than the copy itself (a few tens of microseconds of kernel copy
-    against two thread wake-ups). Engines whose copies can block on a device never set it.
-
-Contracts
-    - A ``Segment`` addresses bytes by (region id, offset inside that region) on the engine
-      side and by an offset inside the pool on the daemon side. Bounds are checked by the
-      caller against the registered region sizes *before* a segment reaches an engine; an
-      engine still refuses segments that leave a region (defence in depth).
-    - ``copy`` either moves every byte or raises a ``KVError``; a partial copy is an error.
-    - ``detach`` is idempotent and releases everything ``attach`` opened (IPC handles).
-    - ``copy_ordered`` adds event ordering where the engine has events (CUDA): wait for the
-      engine's ``wait_event`` before reading, and return the handle of an event recorded after
-      writing. Engines without events refuse a ``wait_event`` (the shim would be asking for an
-      ordering nobody provides) and return ``done_event=b""``.
+    Checks that the named engine can run here (before the pool is pre-faulted) and builds it. The
+    interface every engine implements, and the types it moves bytes with, are in
+    ``hkvd.transport.copy_engine``; nothing else in the daemon knows which engine is in use.
 """
 
 from __future__ import annotations
 
-import enum
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
-if TYPE_CHECKING:
-    from hkvd.daemon.client_process import ClientProcess
-
-
-class Direction(enum.Enum):
-    TO_POOL = "store"  # engine blocks -> pool pages
-    FROM_POOL = "retrieve"  # pool pages -> engine blocks
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """One backing allocation of an engine, as registered.
-
-    kind "host": ``addr`` is a virtual address in the engine process (pid from SO_PEERCRED).
-    kind "cuda": ``handle`` is a cudaIpcMemHandle (64 bytes), ``device_uuid`` the GPU's UUID,
-    ``offset`` the tensor's offset inside the IPC allocation.
-    """
-
-    region_id: int
-    kind: str
-    size: int
-    addr: int = 0
-    handle: bytes = b""
-    device_uuid: str = ""
-    offset: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    region_id: int
-    region_offset: int
-    pool_offset: int
-    nbytes: int
-
-
-class CopyResult(NamedTuple):
-    nbytes: int
-    done_event: bytes = b""  # IPC handle of an event recorded after the copy; b"" if the engine has none
-
-
-@dataclass(slots=True)
-class Attachment:
-    """What an engine opened for one registered engine; opaque to the rest of the daemon."""
-
-    pid: int
-    regions: dict[int, Region]
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-class CopyEngine(ABC):
-    """Moves bytes between registered engine memory and the pool. See the module docstring."""
-
-    name: str = "abstract"
-    inline_max_bytes: int = 0  # copies up to this size run on the event loop (see the module docstring)
-
-    @abstractmethod
-    def attach(self, pid: int | ClientProcess, regions: list[Region]) -> Attachment:
-        """Open or verify access to the regions of the engine process ``pid`` (pinned, or a bare pid).
-
-        Raises ``RegistrationError`` (with the fix in its message) when access is refused.
-        """
-
-    @abstractmethod
-    def detach(self, attachment: Attachment) -> None:
-        """Release what ``attach`` opened. Idempotent."""
-
-    @abstractmethod
-    def copy(self, attachment: Attachment, segments: list[Segment], direction: Direction) -> int:
-        """Move every segment; return the bytes moved. Blocking; runs on a copy thread."""
-
-    def copy_ordered(self, attachment: Attachment, segments: list[Segment], direction: Direction, *,
-                     wait_event: bytes | None = None) -> CopyResult:
-        """``copy`` ordered after ``wait_event`` (see the module docstring). Blocking."""
-        if wait_event:
-            from hkvd.transport.wire.errors import ProtocolViolation  # wire imports this module
-
-            raise ProtocolViolation(f"the {self.name} copy engine has no GPU events; send stores without "
-                                    "wait_event (host KV caches are final when the step returns)")
-        return CopyResult(self.copy(attachment, segments, direction))
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release engine-wide resources (streams, pinned registrations)."""
+from hkvd.transport.copy_engine import CopyEngine
 
 
 class CopyEngineUnavailable(RuntimeError):

@@ -78,6 +78,7 @@ from typing import Any
 
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
+from hkvd.daemon.tiers import Tier, Source
 
 log = logging.getLogger("hkvd.disk")
 
@@ -130,12 +131,12 @@ class Header:
     def key(self) -> EntryKey:
         return (self.fingerprint, self.group_id, self.chunk_key)
 
-    def pack(self, secret: bytes) -> bytes:
+    def pack(self, secret: bytes, magic: bytes = MAGIC) -> bytes:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if len(self.fingerprint) != 16 or len(self.chunk_key) != KEY_BYTES or len(self.parent) not in (0, KEY_BYTES):
             raise ValueError("fingerprint, chunk key and parent key are 16 bytes (parent may be empty)")
-        head = _HEAD.pack(MAGIC, VERSION, KINDS.index(self.kind), 0, self.group_id, self.nbytes, self.checksum,
+        head = _HEAD.pack(magic, VERSION, KINDS.index(self.kind), 0, self.group_id, self.nbytes, self.checksum,
                           self.fingerprint, self.chunk_key, self.parent or bytes(KEY_BYTES))
         return head + _mac(head, secret)
 
@@ -144,14 +145,14 @@ def _mac(head: bytes, secret: bytes) -> bytes:
     return hashlib.blake2b(head, digest_size=MAC_BYTES, key=secret, person=b"hkvd-l2-header").digest()
 
 
-def unpack_header(raw: bytes, secret: bytes) -> Header:
+def unpack_header(raw: bytes | memoryview, secret: bytes, magic: bytes = MAGIC) -> Header:
     """Parse and check a header; raises ``FormatError`` (reason: truncated, magic, version, mac, header)."""
     if len(raw) < HEADER_BYTES:
         raise FormatError("truncated", f"{len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    head = raw[:_HEAD.size]
-    magic, version, kind, _res, gid, nbytes, checksum, fp, key, parent = _HEAD.unpack(head)
-    if magic != MAGIC:
-        raise FormatError("magic", f"not an hkvd disk-tier file (magic {magic!r})")
+    head = bytes(raw[:_HEAD.size])
+    found, version, kind, _res, gid, nbytes, checksum, fp, key, parent = _HEAD.unpack(head)
+    if found != magic:
+        raise FormatError("magic", f"not an hkvd {'disk-tier file' if magic == MAGIC else 'value'} (magic {found!r})")
     if version != VERSION:
         raise FormatError("version", f"format version {version}; this hkvd reads version {VERSION}")
     if not hmac.compare_digest(raw[_HEAD.size:HEADER_BYTES], _mac(head, secret)):
@@ -265,11 +266,15 @@ class ScanReport:
     corrupt: dict[str, int] = field(default_factory=dict)
 
 
-class DiskTier:
+class DiskTier(Tier):
     """See the module docstring. ``buffer`` is the pool's memoryview (entries' extents index it)."""
 
+    name = "l2"
+    label = "disk tier"
+
     def __init__(self, root: str, cap_bytes: int, buffer: memoryview, *, queue_bytes: int,
-                 queue_entries: int = 4096, read_threads: int = 2) -> None:
+                 queue_entries: int = 4096, read_threads: int = 2, budget_s: float = 10.0) -> None:
+        self.budget_s = budget_s
         self.root = Path(root).absolute()
         self.cap_bytes = cap_bytes
         self.buffer = buffer
@@ -278,6 +283,7 @@ class DiskTier:
         self.read_threads = read_threads
         self.secret = b""  # the directory's MAC key, read by ``open``
         self.readers = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="hkvd-l2-read")
+        self.executor = self.readers
         self._catalog: collections.OrderedDict[EntryKey, Stored] = collections.OrderedDict()
         self._catalog_bytes = 0
         self._lock = threading.Lock()
@@ -438,6 +444,24 @@ class DiskTier:
 
     def get(self, key: EntryKey) -> Stored | None:
         return self._catalog.get(key)
+
+    # ---- Tier (lookups read through it: daemon/tiers.py) ---------------------------------
+    def usable(self) -> bool:
+        return bool(self._catalog)
+
+    async def holds(self, keys: Sequence[EntryKey]) -> set[EntryKey]:
+        return {k for k in keys if k in self._catalog}
+
+    def source(self, key: EntryKey, nbytes: int, kind: str, parent: bytes) -> Source | str:
+        stored = self._catalog.get(key)
+        if stored is None:  # evicted since the lookup asked
+            return "gone"
+        if stored.nbytes != nbytes or stored.kind != kind:
+            self.discard(key, stored, "layout")
+            log.warning("disk tier: %s holds %d bytes of kind %s; this layout's entries are %d bytes of %s; "
+                        "deleted", stored.path, stored.nbytes, stored.kind, nbytes, kind)
+            return "layout"
+        return Source(stored, stored.parent)
 
     def offer(self, key: EntryKey, kind: str, nbytes: int, parent: bytes, extents: Sequence[Extent],
               done: Callable[[], None]) -> bool:

@@ -1,6 +1,6 @@
 """The daemon's error types: re-exported from the wire registry so both sides raise the same classes."""
 
-from hkvd.transport.wire.errors import (
+from hkvd.transport.errors import (
     Aborted,
     Busy,
     CopyFailedError,

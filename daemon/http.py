@@ -112,9 +112,15 @@ class DaemonCollector:
         s = service.status()
         pool, idx = s["pool"], s["index"]
         g = GaugeMetricFamily("hkvd_pool_bytes", "Pool bytes by state", labels=["state"])
-        for state in ("total", "used", "free"):
+        for state in ("total", "used", "free", "faulted"):
             g.add_metric([state], pool[f"{state}_bytes"])
         yield g
+        g = GaugeMetricFamily("hkvd_pool_page_size_bytes", "Page size backing the pool, by the kind the kernel "
+                              "reports (hugetlb, thp or plain; /proc/self/smaps)", labels=["kind"])
+        g.add_metric([pool["kind"]], pool["page_size"])
+        yield g
+        yield GaugeMetricFamily("hkvd_pool_huge_bytes", "Pool bytes backed by huge pages (hugetlb or THP)",
+                                value=pool["huge_bytes"])
         yield GaugeMetricFamily("hkvd_pool_occupancy_ratio", "Used / total pool bytes",
                                 value=pool["used_bytes"] / max(pool["total_bytes"], 1))
         g = GaugeMetricFamily("hkvd_entries", "Index entries by state", labels=["state"])

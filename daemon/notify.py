@@ -4,7 +4,8 @@ Protocol
     The service manager passes ``$NOTIFY_SOCKET``: a path (``/run/systemd/notify``) or an abstract
     address (``@...``, the ``@`` standing for a leading NUL byte). The service sends newline-separated
     ``KEY=VALUE`` assignments in one AF_UNIX datagram: ``READY=1``, ``STATUS=...``, ``WATCHDOG=1``,
-    ``STOPPING=1``, ``RELOADING=1``. Without ``$NOTIFY_SOCKET`` every call is a no-op.
+    ``STOPPING=1``, ``RELOADING=1``, ``EXTEND_TIMEOUT_USEC=N`` (the start may take N µs more from
+    now). Without ``$NOTIFY_SOCKET`` every call is a no-op.
 
 Watchdog
     With ``WatchdogSec=`` the manager sets ``$WATCHDOG_USEC`` (and ``$WATCHDOG_PID``, which must be ours
@@ -12,7 +13,7 @@ Watchdog
     hung loop stops the pings and systemd restarts the service.
 
 Threading
-    ``send`` may be called from any thread (the pool pre-fault progress runs on the copy pool); each
+    ``send`` may be called from any thread (the disk tier's scan progress runs on its thread); each
     call opens its own datagram socket, so no state is shared.
 """
 
@@ -78,6 +79,10 @@ class Notifier:
 
     def status(self, status: str) -> bool:
         return self.send(f"STATUS={status}")
+
+    def extend(self, seconds: float, status: str) -> bool:
+        """Move the start (or stop) deadline to ``seconds`` from now, with a STATUS= line."""
+        return self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}", f"STATUS={status}")
 
     def watchdog(self) -> bool:
         return self.send("WATCHDOG=1")

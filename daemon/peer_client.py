@@ -47,6 +47,7 @@ from hkvd.daemon.errors import (
     FrameTooLarge,
     KVError,
     KVTimeout,
+    OutOfRange,
     PermissionDenied,
     PoolFull,
     ProtocolViolation,
@@ -292,6 +293,11 @@ class PeerClient:
             welcome = await self._expect(stream, PeerWelcome, timeout)
             if fingerprint not in welcome.fingerprints:
                 raise ProtocolViolation(f"the peer at {address} welcomed us without our layout")
+            if welcome.agent == self.transport.agent_name:
+                # NIXL cannot load its own agent as a peer (NIXL_ERR_INVALID_PARAM, once an INTERNAL error).
+                raise OutOfRange(f"the peer at {address} is this hkvd itself: a daemon does not pull from itself "
+                                 "(what it holds, Lookup and Retrieve serve); point the pull at the prefill node's "
+                                 "daemon (its --peer-advertise address)")
             peer_name = self._agents.get(welcome.agent)
             if peer_name is None:
                 peer_name = await self.transport.add_peer(welcome.agent_metadata)

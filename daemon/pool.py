@@ -44,11 +44,27 @@ Overhead bound (what "fits by bytes" means)
     - ``superblocks_needed`` / ``smallest_pool_bytes`` give the exact room an empty pool needs
       for a set of entries at once; registration refuses an engine whose one chunk does not fit.
 
+Pre-fault and admission
+    ``HugePagePool(faulted_only=True)`` (the daemon) starts with an allocator that may hand out
+    nothing: ``start_prefault(threads)`` faults superblocks in on background threads, in pool
+    order, with one ``MADV_POPULATE_WRITE`` per superblock, and admits each to the free heap only
+    once it is fully faulted (daemon/prefault.py). The daemon serves once a first slice is in; no
+    copy ever lands in unfaulted memory, and a page that cannot be had (hugetlb reservation gone,
+    cgroup limit, bound NUMA node full) is a ``PoolError`` from ``populate``, never a SIGBUS in a
+    copy. Without ``faulted_only`` every superblock is admitted at once and faults on first touch
+    (tools, benches); ``prefault()`` then faults them all and waits.
+
+    ``backing()`` reports what the kernel put behind the mapping (daemon/backing.py:
+    /proc/self/smaps), which is what status shows, not the kind asked for. ``numa_node`` binds the
+    mapping with ``mbind(MPOL_BIND)`` before the first fault.
+
 Threading
     The allocator is guarded by one ``threading.Lock`` (uncontended: ~50 ns), so the loop can
-    allocate while a copy thread frees after a failed copy. The mapping itself is shared by
-    every copy thread; ``prefault`` must run before the pool is in use (its fallback path
-    rewrites bytes in place). ``close`` must not race with copies.
+    allocate while a copy thread frees after a failed copy and a pre-fault thread admits a
+    superblock. The mapping itself is shared by every copy and pre-fault thread; pre-fault
+    threads only write to superblocks not yet admitted (the fallback touch rewrites bytes in
+    place), so they may run while the pool serves. ``close`` stops and joins them first, and
+    must not race with copies.
 
 Contracts
     - ``alloc`` returns ``None`` when the request does not fit *now*; the caller evicts and
@@ -56,7 +72,7 @@ Contracts
       ``alloc_many(nbytes, count)`` returns as many whole allocations as fit now (0 to count).
     - The extents of an ``Allocation`` are disjoint from every other live allocation's, lie in
       ``[0, capacity)``, and their lengths sum to exactly ``nbytes`` (the logical entry bytes,
-      mapped in order by ``hkvd.daemon.layout.segments_for_entry``).
+      mapped in order by ``hkvd.transport.layout.segments_for_entry``).
     - ``free`` of an allocation that is not live raises ``ValueError`` and changes nothing.
 """
 
@@ -68,12 +84,13 @@ import heapq
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from hkvd.daemon.backing import Backing, bind, observe, thp_page_size
 from hkvd.daemon.errors import PoolError
+from hkvd.daemon.prefault import Prefaulter
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024
@@ -85,9 +102,6 @@ _SUPERBLOCKS_PER_POOL = 64
 # Not exported by Python 3.11's mmap module; Linux >= 5.14. Faults the range in for writing
 # without touching the bytes, in-kernel: ~10x faster than a Python-driven touch loop.
 MADV_POPULATE_WRITE = 23
-# Prefault granularity: 256 MiB keeps progress callbacks at ~40/s at 10 GB/s and is a multiple of
-# both 2 MiB and 4 KiB pages (1 GiB pages round it up, see ``prefault``).
-PREFAULT_CHUNK = 256 * 1024 * 1024
 # A split plan is accepted once at least 7/8 of every superblock of its class carries payload;
 # otherwise up to 8 slot counts are tried and the densest wins. Example with 32 MiB superblocks:
 # a 17 MiB entry in one slot fills 53%; in 3 slots of 5.67 MiB, 5 per superblock, it fills 88%.
@@ -132,6 +146,7 @@ class PoolStatistics:
     superblocks_total: int
     superblocks_free: int
     allocations: int
+    admitted_bytes: int = 0  # whole superblocks alloc may use: in the daemon, those faulted in so far
     classes: tuple[ClassStatistics, ...] = field(default=())
 
 
@@ -224,7 +239,7 @@ class _Superblock:
 class SlabAllocator:
     """Superblock/size-class allocator over ``[0, capacity)`` offsets. See the module docstring."""
 
-    def __init__(self, capacity: int, superblock_bytes: int | None = None) -> None:
+    def __init__(self, capacity: int, superblock_bytes: int | None = None, *, admitted: bool = True) -> None:
         if superblock_bytes is None:
             superblock_bytes = superblock_bytes_for(capacity)
         if superblock_bytes <= 0 or superblock_bytes % PAGE:
@@ -235,7 +250,11 @@ class SlabAllocator:
         self.num_superblocks = capacity // superblock_bytes
         self.capacity = self.num_superblocks * superblock_bytes
         self._lock = threading.Lock()
-        self._free_superblocks: list[int] = list(range(self.num_superblocks))  # sorted == valid heap
+        # Only admitted superblocks are ever handed out (``admit``): the daemon admits each once it is
+        # faulted in. ``admitted=False`` starts with none; the default admits all (memory faults on first touch).
+        self._admitted = bytearray([1 if admitted else 0]) * self.num_superblocks
+        self._admitted_count = self.num_superblocks if admitted else 0
+        self._free_superblocks: list[int] = list(range(self.num_superblocks)) if admitted else []  # sorted heap
         self._superblocks: list[_Superblock | None] = [None] * self.num_superblocks
         self._classes: dict[int, _SizeClass] = {}
         self._plans: dict[int, tuple[int, int]] = {}  # nbytes -> plan(nbytes); engines use a few sizes
@@ -262,6 +281,21 @@ class SlabAllocator:
         Read without the lock: a hint for the eviction walk, which then retries ``alloc``."""
         block = self._superblocks[superblock]
         return 0 if block is None else block.used
+
+    def admit(self, first: int, count: int) -> None:
+        """Let ``alloc`` use superblocks ``[first, first + count)`` from now on (idempotent)."""
+        if first < 0 or count < 0 or first + count > self.num_superblocks:
+            raise ValueError(f"superblocks [{first}, {first + count}) are outside [0, {self.num_superblocks})")
+        with self._lock:
+            for index in range(first, first + count):
+                if not self._admitted[index]:
+                    self._admitted[index] = 1
+                    self._admitted_count += 1
+                    heapq.heappush(self._free_superblocks, index)
+
+    def is_admitted(self, pool_offset: int) -> bool:
+        """Whether the superblock holding ``pool_offset`` may be handed out (is faulted, in the daemon)."""
+        return bool(self._admitted[pool_offset // self.superblock_bytes])
 
     # -- alloc / free -------------------------------------------------------------------------
 
@@ -402,6 +436,7 @@ class SlabAllocator:
                 superblocks_total=self.num_superblocks,
                 superblocks_free=n_free,
                 allocations=self._allocations,
+                admitted_bytes=self._admitted_count * self.superblock_bytes,
                 classes=classes,
             )
 
@@ -450,6 +485,9 @@ class HugePagePool:
         hugepages: HugePagesMode = "auto",
         progress: ProgressFn | None = None,
         superblock_bytes: int | None = None,
+        *,
+        faulted_only: bool = False,
+        numa_node: int | None = None,
     ) -> None:
         if hugepages not in ("auto", "require", "off"):
             raise ValueError(f"hugepages must be 'auto', 'require' or 'off', got {hugepages!r}")
@@ -468,7 +506,19 @@ class HugePagePool:
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mmap)
         self.base_addr: int = ctypes.addressof(self._anchor)
         self.buffer: memoryview = memoryview(self._mmap)
-        self.allocator = SlabAllocator(self.size, superblock_bytes or superblock_bytes_for(self.size))
+        self.hugepages = hugepages
+        self.numa_node = numa_node
+        self._prefaulter: Prefaulter | None = None
+        self._backing: Backing | None = None
+        try:
+            if numa_node is not None:
+                bind(self.base_addr, self.size, numa_node)  # before the first fault: pages come from the node
+            # faulted_only: the allocator hands out a superblock only once prefault has faulted it in.
+            self.allocator = SlabAllocator(self.size, superblock_bytes or superblock_bytes_for(self.size),
+                                           admitted=not faulted_only)
+        except BaseException:
+            self.close()
+            raise
 
     def _map(self, size_bytes: int, hugepages: HugePagesMode) -> tuple[int, int, mmap.mmap]:
         if hugepages != "off":
@@ -489,7 +539,8 @@ class HugePagePool:
                     if hugepages == "require":
                         total = info.get("HugePages_Total", 0) + size // huge
                         raise PoolError(
-                            f"could not map {size} bytes of huge pages ({exc}); reserve more with "
+                            f"could not map {size} bytes of huge pages ({exc.strerror or exc}): the pages "
+                            "free when hkvd checked were taken before it could reserve them; reserve more with "
                             f"`echo {total} > /proc/sys/vm/nr_hugepages` or use hugepages=off"
                         ) from exc
                 else:
@@ -528,35 +579,88 @@ class HugePagePool:
 
     # -- prefault -----------------------------------------------------------------------------
 
-    def prefault(self) -> float:
-        """Fault in every page; return the rate reached in GB/s (1e9 bytes per second).
+    def start_prefault(self, threads: int = 1) -> Prefaulter:
+        """Start faulting the pool in on ``threads`` threads (daemon/prefault.py), superblock by
+        superblock in pool order, admitting each to the allocator once faulted. Returns at once."""
+        self._check_open()
+        if self._prefaulter is not None:
+            raise PoolError("the pool is already being pre-faulted")
+        self._prefaulter = Prefaulter(self.populate, self.allocator.admit, capacity=self.allocator.capacity,
+                                      superblock_bytes=self.allocator.superblock_bytes,
+                                      page_size=self.page_size, threads=threads)
+        return self._prefaulter.start()
+
+    @property
+    def prefaulter(self) -> Prefaulter | None:
+        return self._prefaulter
+
+    def prefault(self, threads: int = 1) -> float:
+        """Fault in every superblock and wait; return the rate reached in GB/s (1e9 bytes per second).
 
         An untouched page faults on first copy: copies into a cold pool run at ~0.2 GB/s against
-        7-14 GB/s once faulted, so the daemon pays this once at start, with progress reported.
-        Uses MADV_POPULATE_WRITE (Linux >= 5.14), else writes one byte back per 4 KiB page.
-        Must run before the pool is in use: the fallback rewrites bytes in place.
+        7-14 GB/s once faulted. ``progress(done, total)`` is called as it goes (from this thread).
+        Raises ``PoolError`` when a range cannot be faulted (see ``populate``).
         """
-        self._check_open()
-        chunk = _round_up(PREFAULT_CHUNK, self.page_size)
-        populate = True
-        done = 0
-        start = time.perf_counter()
-        while done < self.size:
-            n = min(chunk, self.size - done)
-            if populate:
-                try:
-                    self._mmap.madvise(MADV_POPULATE_WRITE, done, n)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:  # EINVAL: kernel predates POPULATE_WRITE
-                        raise PoolError(f"prefaulting the pool failed at byte {done}: {exc}") from exc
-                    populate = False
-            if not populate:
-                self._touch(done, n)
-            done += n
+        pf = self.start_prefault(threads)
+        while not (p := pf.wait_for(pf.total_bytes, 0.25)).done:
             if self.progress is not None:
-                self.progress(done, self.size)
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        return self.size / elapsed / 1e9
+                self.progress(p.faulted_bytes, p.total_bytes)
+        if p.error:
+            raise PoolError(p.error)
+        if self.progress is not None:
+            self.progress(p.faulted_bytes, p.total_bytes)
+        return p.gbps
+
+    def populate(self, start: int, n: int) -> None:
+        """Fault ``[start, start + n)`` in for writing, keeping its contents.
+
+        ``MADV_POPULATE_WRITE`` (Linux >= 5.14) faults in-kernel and turns what would be a SIGBUS
+        at first copy (hugetlb pages gone, a cgroup limit, a bound node out of memory) into an
+        error here; older kernels get a read-modify-write of one byte per page, which rewrites
+        bytes in place: only safe on superblocks the allocator has not handed out yet.
+        """
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE, start, n)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: kernel predates POPULATE_WRITE
+                raise PoolError(self._populate_failed(start, exc)) from exc
+        self._touch(start, n)
+
+    def _populate_failed(self, start: int, exc: OSError) -> str:
+        fix = ("reserve more huge pages (`echo N > /proc/sys/vm/nr_hugepages`) or lower --l1-size-gb"
+               if self.kind == "hugetlb" else
+               "free memory (or raise the cgroup's memory.max) or lower --l1-size-gb")
+        node = f" on NUMA node {self.numa_node}" if self.numa_node is not None else ""
+        return (f"pre-faulting the {self.kind} pool failed at byte {start} of {self.size}{node}: "
+                f"{exc.strerror or exc}; the pool serves only the {start >> 20} MiB faulted before it; {fix}")
+
+    def faulted_bytes(self) -> int:
+        """Bytes the allocator may hand out: faulted ones in a ``faulted_only`` pool."""
+        return self.allocator.statistics().admitted_bytes
+
+    def backing(self, refresh: bool = False) -> Backing:
+        """The pages backing the pool as the kernel reports them (daemon/backing.py), cached: pass
+        ``refresh`` (off the event loop: it walks the page tables) after faulting more."""
+        self._check_open()
+        if self._backing is None or refresh:
+            self._backing = observe(self.base_addr, thp_page=thp_page_size())
+        return self._backing
+
+    def describe(self) -> dict[str, object]:
+        """For status and /metrics: the backing the kernel reports (``kind``, ``page_size``), what
+        was asked (``hugepages``), the faulted share and the pre-fault's state, the NUMA placement."""
+        b = self.backing()
+        pf = self._prefaulter.progress() if self._prefaulter is not None else None
+        return {
+            "kind": b.kind, "page_size": b.page_size, "huge_bytes": b.huge_bytes, "hugepages": self.hugepages,
+            "mapped_kind": self.kind, "superblock_bytes": self.allocator.superblock_bytes,
+            "faulted_bytes": pf.faulted_bytes if pf is not None else 0,
+            "prefault": None if pf is None else {"threads": pf.threads, "done": pf.done, "error": pf.error,
+                                                 "seconds": round(pf.elapsed_s, 3), "gbps": round(pf.gbps, 3)},
+            "numa_node": self.numa_node, "numa_policy": b.numa_policy,
+            "node_bytes": {str(n): v for n, v in sorted(b.node_bytes.items())},
+        }
 
     def _touch(self, start: int, n: int) -> None:
         import numpy as np  # only on the fallback path; keeps importing this module cheap
@@ -596,6 +700,8 @@ class HugePagePool:
         view of ``buffer`` (unmapping under it would crash the process)."""
         if self._closed:
             return
+        if self._prefaulter is not None:
+            self._prefaulter.stop()  # workers write into the mapping: they end before it goes
         self.buffer.release()
         self._anchor = None
         try:

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from hkvd.daemon import layout
 from hkvd.daemon.client_process import ClientProcess
-from hkvd.daemon.copy_engine import Attachment, CopyEngine
 from hkvd.daemon.errors import OutOfRange, RegistrationError
 from hkvd.daemon.hybrid import GroupRule
-from hkvd.daemon.layout import GroupSpec
 from hkvd.daemon.pool import HugePagePool, smallest_pool_bytes, superblocks_needed
 from hkvd.daemon.validation import validate_hybrid
+from hkvd.transport import layout
+from hkvd.transport.copy_engine import Attachment, CopyEngine
+from hkvd.transport.layout import GroupSpec
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 

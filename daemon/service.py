@@ -7,10 +7,10 @@ Role
 Threading
     Event loop only. Copies run on the daemon's copy thread pool through ``_run_copy`` with a
     timeout; a copy that outlives its timeout keeps its pins until the thread returns (the pool
-    pages are in use), and its job fails with ``KVTimeout``. With a disk tier, a lookup whose hit
-    needs entries only the disk has awaits their reads (disk read pool, ``io_timeout_s``) before
-    it replies; ``handle`` returns that part as a coroutine, so the connection's later requests
-    are not held behind it.
+    pages are in use), and its job fails with ``KVTimeout``. With a disk or cluster tier, a lookup
+    whose hit needs entries only they have awaits their reads (``daemon/tiers.py``, each tier's
+    budget) before it replies; ``handle`` returns that part as a coroutine, so the connection's
+    later requests are not held behind it.
 
 Errors
     Anything the client got wrong raises a ``KVError`` that the adapter sends back as
@@ -29,11 +29,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hkvd.daemon import layout
 from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
-from hkvd.daemon.disk_tier import DiskTier, Stored
+from hkvd.daemon.disk_tier import DiskTier
 from hkvd.daemon.errors import (
     Aborted,
     CopyFailedError,
@@ -50,18 +48,18 @@ from hkvd.daemon.errors import (
 )
 from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
 from hkvd.daemon.index import Entry, EntryKey, EntryState, Index
-from hkvd.daemon.layout import GroupSpec
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.pool import Extent
 from hkvd.daemon.registry import EngineState, Registry
 from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
+from hkvd.daemon.tiers import Promoter, Tier
+from hkvd.transport import layout
+from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
+from hkvd.transport.layout import GroupSpec
 from hkvd.transport.wire import Message, control, events, kv, peer
 from hkvd.transport.wire.kv import Item
 
 log = logging.getLogger("hkvd.service")
-
-# Rounds of "plan with the disk tier, read what the plan needs": a failed read re-plans without it.
-PROMOTE_ROUNDS = 3
 
 
 @dataclass(slots=True)
@@ -96,14 +94,16 @@ def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
 
 class KVService:
     def __init__(self, cfg: DaemonConfig, index: Index, registry: Registry, executor: Executor,
-                 metrics: Metrics, disk: DiskTier | None = None) -> None:
+                 metrics: Metrics, disk: DiskTier | None = None, cluster: Tier | None = None) -> None:
         self.cfg = cfg
         self.index = index
         self.registry = registry
         self.executor = executor
         self.metrics = metrics
         self.disk = disk  # the cold-restart tier (--l2-path), or None
-        self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # disk reads in flight, by key
+        self.cluster = cluster  # the cluster tier (--cluster), or None
+        self.tiers: list[Tier] = [t for t in (disk, cluster) if t is not None]  # local before remote
+        self.promoter = Promoter(index, metrics, self.tiers)
         self.shutting_down = False
         self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
         self.heap: Any = None  # hkvd.daemon.heap.HeapPolicy, set by daemon/app.py
@@ -196,16 +196,17 @@ class KVService:
 
     # ---- lookup --------------------------------------------------------------------------------
     def _lookup(self, conn: Conn, msg: kv.Lookup) -> Coroutine[Any, Any, None] | None:
-        """Answer from the pool now, or return the coroutine that first reads from disk what the hit needs."""
+        """Answer from the pool now, or return the coroutine that first reads from the lower tiers (disk,
+        cluster) what the hit needs."""
         engine = self._engine(conn, copy=False)
         plan, missing = self._plan_lookup(engine, msg.keys)
-        if self.disk is not None and plan.hit_chunks < len(msg.keys) and len(self.disk):
-            return self._lookup_via_disk(conn, engine, msg)
+        if plan.hit_chunks < len(msg.keys) and self.promoter.usable():
+            return self._lookup_via_tiers(conn, engine, msg)
         self._answer_lookup(conn, engine, msg, plan, missing)
         return None
 
-    async def _lookup_via_disk(self, conn: Conn, engine: EngineState, msg: kv.Lookup) -> None:
-        await self._promote_from_disk(conn, engine, msg.keys, msg.req_id)
+    async def _lookup_via_tiers(self, conn: Conn, engine: EngineState, msg: kv.Lookup) -> None:
+        await self.promoter.promote(engine, msg.keys, request_log(conn, msg.req_id))
         plan, missing = self._plan_lookup(engine, msg.keys)  # again: the pool may have changed meanwhile
         self._answer_lookup(conn, engine, msg, plan, missing)
 
@@ -247,134 +248,15 @@ class KVService:
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s))
 
-    # ---- disk tier: promotions on lookup, write-behind on READY ------------------------------------
-    async def _promote_from_disk(self, conn: Conn, engine: EngineState, keys: list[bytes], req_id: int) -> bool:
-        """Read into the pool the entries that the best hit over pool + disk needs and only the disk has;
-        True if any was read.
-
-        A read that fails (I/O error, checksum, timeout, pool full) re-plans without that entry. The
-        caller then plans over the pool alone, so a lookup never promises what it cannot serve.
-        """
-        disk = self.disk
-        assert disk is not None
-        fps = engine.rank_fingerprints
-        failed: set[EntryKey] = set()
-
-        def on_hand(k: EntryKey) -> bool:
-            return self.index.is_ready(k) or (k not in failed and k in disk)
-
-        def present(group_id: int, chunk: int) -> bool:
-            return all(on_hand((fp, group_id, keys[chunk])) for fp in fps)
-
-        promoted = False
-        for _ in range(PROMOTE_ROUNDS):
-            plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
-            wanted = [k for fp in fps for gid, chunks in plan.needed.items() for c in chunks
-                      if not self.index.is_ready(k := (fp, gid, keys[c]))]
-            if not wanted:
-                break
-            bad = await self._promote(conn, engine, wanted, req_id)
-            promoted = promoted or len(bad) < len(wanted)
-            if not bad:
-                break
-            failed.update(bad)
-        return promoted
-
-    async def _promote(self, conn: Conn, engine: EngineState, wanted: list[EntryKey], req_id: int) -> set[EntryKey]:
-        """Read ``wanted`` from disk into fresh pool entries; return the keys that did not make it."""
-        disk = self.disk
-        assert disk is not None
-        bad: set[EntryKey] = set()
-        jobs: list[tuple[Entry, Stored]] = []
-        others: list[tuple[EntryKey, asyncio.Future[None]]] = []
-        for k in wanted:
-            if (fut := self._promoting.get(k)) is not None:  # another lookup is reading it already
-                others.append((k, fut))
-                continue
-            stored = disk.get(k)
-            group = engine.groups[k[1]]
-            if stored is None:  # evicted from disk since the plan
-                bad.add(k)
-                continue
-            if stored.nbytes != engine.entry_bytes[group.group_id] or stored.kind != group.kind:
-                disk.discard(k, stored, "layout")
-                log.warning("disk tier: %s holds %d bytes of kind %s; this layout's entries are %d bytes of %s; "
-                            "deleted", stored.path, stored.nbytes, stored.kind, engine.entry_bytes[group.group_id],
-                            group.kind, extra=request_log(conn, req_id))
-                bad.add(k)
-                continue
-            try:
-                entry = self.index.begin_write(k, stored.nbytes, group.kind, 0, stored.parent)
-            except PoolFull:
-                self.metrics.inc("l2_read_failures", reason="pool_full")
-                bad.add(k)
-                continue
-            if entry is None:  # a store is writing this key right now: not servable yet
-                bad.add(k)
-                continue
-            jobs.append((entry, stored))
-        if jobs:
-            done = asyncio.get_running_loop().create_future()
-            for e, _ in jobs:
-                self._promoting[e.key] = done
-            try:
-                bad |= await self._read_from_disk(conn, jobs, req_id)
-            finally:
-                for e, _ in jobs:
-                    self._promoting.pop(e.key, None)
-                done.set_result(None)
-        for k, fut in others:
-            await asyncio.shield(fut)  # bounded: that lookup's read has its own timeout
-            if not self.index.is_ready(k):
-                bad.add(k)
-        return bad
-
-    async def _read_from_disk(self, conn: Conn, jobs: list[tuple[Entry, Stored]], req_id: int) -> set[EntryKey]:
-        disk = self.disk
-        assert disk is not None
-        loop = asyncio.get_running_loop()
-        n = max(1, min(disk.read_threads, len(jobs)))
-        parts = [jobs[i::n] for i in range(n)]
-        reads = asyncio.gather(*[loop.run_in_executor(disk.readers, disk.read_batch,
-                                                      [(e.key, s, e.alloc.extents) for e, s in part])
-                                 for part in parts])
-        try:
-            async with asyncio.timeout(self.cfg.io_timeout_s):
-                results = await asyncio.shield(reads)
-        except TimeoutError:
-            # The threads still write into these pages: free them only once the reads return.
-            def abandon(_: object) -> None:
-                for e, _s in jobs:
-                    self.index.abandon_write(e)
-
-            reads.add_done_callback(abandon)
-            self.metrics.inc("l2_read_failures", len(jobs), reason="timeout")
-            log.warning("disk tier: reading %d entries took longer than %.0f s; the lookup goes on without them",
-                        len(jobs), self.cfg.io_timeout_s, extra=request_log(conn, req_id))
-            return {e.key for e, _ in jobs}
-        bad: set[EntryKey] = set()
-        for part, errors in zip(parts, results, strict=True):
-            for (e, _s), err in zip(part, errors, strict=True):
-                if err is None:
-                    self.index.finish_write(e, pending=False)
-                    self.metrics.inc("l2_hits", kind=e.kind)
-                    continue
-                self.index.abandon_write(e)
-                bad.add(e.key)
-                reason = getattr(err, "reason", "io")
-                self.metrics.inc("l2_read_failures", reason=reason)
-                log.info("disk tier: entry not served (%s: %s)", reason, err, extra=request_log(conn, req_id))
-        return bad
-
-    def _to_disk(self, entries: list[Entry]) -> None:
-        """Write-behind: offer READY entries to the disk tier; each stays pinned until written."""
-        if self.disk is None:
-            return
-        for e in entries:
-            if e.state is EntryState.READY and self.disk.offer(
-                    e.key, e.kind, e.nbytes, e.parent, e.alloc.extents,
-                    lambda e=e: self.index.unpin(e)):
-                self.index.pin(e)
+    # ---- lower tiers: write-behind on READY (reads: daemon/tiers.py) ----------------------------------
+    def _write_behind(self, entries: list[Entry]) -> None:
+        """Offer READY entries to each lower tier; an entry stays pinned until each tier that took it is done."""
+        for tier in self.tiers:
+            for e in entries:
+                if e.state is EntryState.READY and tier.offer(
+                        e.key, e.kind, e.nbytes, e.parent, e.alloc.extents,
+                        lambda e=e: self.index.unpin(e)):
+                    self.index.pin(e)
 
     def _by_kind(self, name: str) -> dict[str, float]:
         return self._by_label(name, "kind")
@@ -434,7 +316,7 @@ class KVService:
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
         self.index.finish_writes(entries, pending=pending)
         if not pending:
-            self._to_disk(entries)
+            self._write_behind(entries)
         self._count_bytes("stored_bytes", entries)
         info = {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned}
         return nbytes, info, entries
@@ -494,7 +376,7 @@ class KVService:
         for job in decision.visible:
             for e in conn.pending.pop(job, []):
                 if self.index.confirm(e):  # not if it was dropped meanwhile: its pages may hold another entry
-                    self._to_disk([e])
+                    self._write_behind([e])
         self._drop_jobs(conn, list(decision.invalidated))
         self.metrics.inc("step_events", outcome=decision.outcome.value)
         if decision.outcome is StepOutcome.GAP:
@@ -597,18 +479,20 @@ class KVService:
         idx = self.index.statistics()
         return {
             "engines": [e.describe() for e in self.registry.engines()],
-            "pool": {"kind": self.index.pool.kind, "total_bytes": pool.total_bytes, "used_bytes": pool.used_bytes,
-                     "free_bytes": pool.free_bytes},
+            "pool": {"total_bytes": pool.total_bytes, "used_bytes": pool.used_bytes, "free_bytes": pool.free_bytes,
+                     **self.index.pool.describe()},  # kind, page_size: what the kernel backs it with
             "index": {"entries": idx.entries, "ready": idx.ready, "pending": idx.pending, "writing": idx.writing,
                       "bytes_stored": idx.bytes_stored, "leases": idx.leases, "pinned_entries": idx.pinned_entries,
                       "evictions": idx.evictions, "orphans_dropped": idx.orphans_dropped,
                       "orphans_marked": idx.orphans_marked, "chain_nodes": idx.chain_nodes,
                       "stores_dropped": idx.stores_dropped, "by_kind": idx.by_kind},
             "counters": {name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
-            "by_kind": {name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits")},
+            "by_kind": {name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits",
+                                                                "cluster_hits")},
             "uncacheable_requests": self._by_label("uncacheable_requests", "reason"),
             "rates": {"copy_gbps": {d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}},
             "l2": self.disk.stats() if self.disk is not None else None,
+            "cluster": self.cluster.stats() if self.cluster is not None else None,
             "peer": self.peers.status() if self.peers is not None else None,
             "heap": self.heap.status() if self.heap is not None else None,
             "shutting_down": self.shutting_down,

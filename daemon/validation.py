@@ -10,7 +10,7 @@ Role
 
 Threading model
     Pure functions, no I/O. Groups are read through attribute access only (``group_id``,
-    ``kind``, ``tokens_per_block``), so ``hkvd.daemon.layout.GroupSpec`` and test doubles both
+    ``kind``, ``tokens_per_block``), so ``hkvd.transport.layout.GroupSpec`` and test doubles both
     fit :class:`GroupLike`.
 
 Batched-token budget (why we differ from LMCache)

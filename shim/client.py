@@ -33,7 +33,7 @@ from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
 from hkvd.transport.wire import peer as peer_wire
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.errors import (
+from hkvd.transport.errors import (
     DaemonUnavailable,
     KVError,
     KVTimeout,

@@ -187,7 +187,7 @@ class SchedulerSide:
                 st.hit_chunks = int(c.result.get("hit_chunks", 0))
                 st.lease_id = int(c.result.get("lease_id", 0))
             else:
-                from hkvd.transport.wire.errors import DaemonUnavailable
+                from hkvd.transport.errors import DaemonUnavailable
 
                 st.hit_chunks = 0
                 if isinstance(c.error, DaemonUnavailable):

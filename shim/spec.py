@@ -38,30 +38,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hkvd.transport.paths import default_socket_path
+
 logger = logging.getLogger("hkvd.shim")
 
 # The sizes a chunk may take are checked by the daemon; the shim only needs vLLM's side.
 _KIND_FULL, _KIND_SWA, _KIND_MAMBA = "full", "swa", "mamba"
 
 
-def _default_socket_path() -> str:
-    try:
-        from hkvd.daemon.config import default_socket_path
-    except ImportError:  # pragma: no cover - the daemon package ships with the shim
-        import os
-
-        xdg = os.environ.get("XDG_RUNTIME_DIR")
-        if os.geteuid() != 0 and xdg:
-            return f"{xdg}/hkvd/hkvd.sock"
-        return "/run/hkvd/hkvd.sock"
-    return default_socket_path()
-
-
 @dataclass(frozen=True, slots=True)
 class ShimConfig:
     """``kv_connector_extra_config`` keys (all optional)."""
 
-    socket_path: str = ""  # "" -> hkvd.daemon.config.default_socket_path(), as `hkvd serve`
+    socket_path: str = ""  # "" -> hkvd.transport.paths.default_socket_path(), as `hkvd serve`
     # Tokens per chunk. 0 = auto: vLLM's block size N for models with Mamba/GDN layers, else the
     # daemon's --chunk-size. Mamba states exist only at block boundaries and, with vLLM's default
     # retention, only at the last one before the prompt's end, so any chunk larger than N makes
@@ -105,7 +94,7 @@ class ShimConfig:
                 ) from None
         cfg = cls(**values)
         if not cfg.socket_path:
-            cfg = _replace(cfg, socket_path=_default_socket_path())
+            cfg = _replace(cfg, socket_path=default_socket_path())
         if cfg.chunk_size < 0:
             raise ValueError("hkvd: chunk_size must be >= 0 (0 = the daemon's --chunk-size)")
         if cfg.load_failure_policy not in ("recompute", "fail"):
@@ -190,7 +179,7 @@ def build_groups(kv_cache_config: Any, layer_addr: LayerAddr | None = None) -> l
     ``offset + l * layer_stride`` of region 0: only the format matters for a lookup-only
     registration. The worker passes the measured (region, offset) of each layer.
     """
-    from hkvd.daemon.layout import GroupSpec, View
+    from hkvd.transport.layout import GroupSpec, View
 
     placement: dict[str, tuple[int, int]] = {}  # layer -> (offset from the config, block_stride)
     for t in kv_cache_config.kv_cache_tensors:
@@ -333,7 +322,7 @@ class DaemonLink:
             return None
         self._next_try = now + self.cfg.reconnect_interval_s
         from hkvd.shim.client import DaemonClient
-        from hkvd.transport.wire.errors import KVError, RegistrationError
+        from hkvd.transport.errors import KVError, RegistrationError
 
         client = DaemonClient(self.cfg.socket_path, client_name=self.name, role=self.role,
                               timeout_s=self.cfg.connect_timeout_s)

@@ -43,6 +43,7 @@ from typing import Any
 
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
+from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec, validate_vllm
 
 logger = logging.getLogger("hkvd.shim")
@@ -88,13 +89,11 @@ class WorkerSide:
 
     @staticmethod
     def _allow_daemon(client: Any) -> None:
-        from hkvd.daemon.cma import allow_ptracer
-
         if client.daemon_pid:
             allow_ptracer(int(client.daemon_pid))
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from hkvd.daemon.copy_engine import Region
+        from hkvd.transport.copy_engine import Region
 
         block_strides = {name: t.block_stride for t in self._kv_cache_config.kv_cache_tensors for name in t.layers}
         tensors = {name: (t[0] if isinstance(t, list | tuple) else t) for name, t in kv_caches.items()
@@ -168,7 +167,7 @@ class WorkerSide:
             self._lost(ConnectionError("connection lost"))
 
     def _absorb(self, completions: Any) -> None:
-        from hkvd.transport.wire.errors import DaemonUnavailable
+        from hkvd.transport.errors import DaemonUnavailable
 
         lost: BaseException | None = None
         for c in completions:
@@ -227,7 +226,7 @@ class WorkerSide:
         try:
             self._absorb(client.wait(hit, self.cfg.fence_timeout_s).values())
         except Exception as e:
-            from hkvd.transport.wire.errors import KVTimeout
+            from hkvd.transport.errors import KVTimeout
 
             if not isinstance(e, KVTimeout):
                 self._lost(e)
@@ -279,7 +278,7 @@ class WorkerSide:
                 self._fail_load(job)
         if not pending:
             return
-        from hkvd.transport.wire.errors import KVTimeout
+        from hkvd.transport.errors import KVTimeout
 
         try:
             done = client.wait(list(pending), self.cfg.load_timeout_s)

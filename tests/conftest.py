@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon.launcher import DaemonProcess
+from hkvd.shim.testing.launcher import DaemonProcess
 
 
 class DaemonProc(DaemonProcess):
@@ -44,7 +44,7 @@ def run_engine(socket_path: str, *args: str, timeout_s: float = 60.0) -> dict:
     """Run a synthetic engine in its own process and return its JSON output."""
     import json
 
-    out = subprocess.run([sys.executable, "-m", "hkvd.shim.synthetic", "--socket", socket_path, *args],
+    out = subprocess.run([sys.executable, "-m", "hkvd.shim.testing.synthetic", "--socket", socket_path, *args],
                          capture_output=True, timeout=timeout_s, check=False, env=dict(os.environ))
     if out.returncode != 0:
         raise RuntimeError(f"engine failed ({out.returncode}):\n{out.stderr.decode(errors='replace')}")

@@ -17,7 +17,7 @@ from collections import deque
 
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.wire import Message
-from hkvd.transport.wire.errors import KVTimeout
+from hkvd.transport.errors import KVTimeout
 
 READ_BYTES = 1 << 16
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hkvd.transport.wire.errors import KVTimeout
+from hkvd.transport.errors import KVTimeout
 
 
 class Desc(NamedTuple):
@@ -92,6 +92,8 @@ class DataTransport(ABC):
     """One-sided reads between registered memory of two daemons. See the module docstring."""
 
     name: str = "abstract"
+    # This end's name in peer handshakes (``PeerWelcome.agent``), so a daemon can tell a link to itself.
+    agent_name: str = ""
 
     @abstractmethod
     async def start(self, timeout_s: float) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 
 from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, Message, message_from_wire
-from hkvd.transport.wire.errors import FrameTooLarge, ProtocolViolation
+from hkvd.transport.errors import FrameTooLarge, ProtocolViolation
 
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size

@@ -47,7 +47,7 @@ from types import ModuleType
 from typing import Any
 
 from hkvd.transport.base import DataTransport, Desc, Transfer, TransportStats
-from hkvd.transport.wire.errors import CopyFailedError, InternalError, KVTimeout
+from hkvd.transport.errors import CopyFailedError, InternalError, KVTimeout
 
 log = logging.getLogger("hkvd.nixl")
 

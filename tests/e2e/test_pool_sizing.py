@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import RegistrationError
+from hkvd.transport.errors import RegistrationError
 
 KIB = 1024
 BLOCK = 16

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import LeaseExpired, NotFound, OutOfRange, RegistrationError
+from hkvd.transport.errors import LeaseExpired, NotFound, OutOfRange, RegistrationError
 
 
 def engine(daemon, **kw) -> SyntheticEngine:
@@ -122,9 +122,9 @@ def test_out_of_range_and_null_blocks_are_refused(daemon):
 
 
 def test_views_outside_the_region_are_refused_at_registration(daemon):
-    from hkvd.daemon.copy_engine import Region
-    from hkvd.daemon.layout import GroupSpec, View
     from hkvd.shim.client import DaemonClient
+    from hkvd.transport.copy_engine import Region
+    from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire.control import EngineSpec
 
     buf = np.zeros(1 << 16, dtype=np.int8)
@@ -151,7 +151,7 @@ def test_expired_lease_is_refused(daemon_factory):
 
 
 def test_engine_killed_mid_store_leaves_no_pins_or_leases(daemon):
-    proc = subprocess.Popen([sys.executable, "-m", "hkvd.shim.synthetic", "--socket", daemon.socket_path,
+    proc = subprocess.Popen([sys.executable, "-m", "hkvd.shim.testing.synthetic", "--socket", daemon.socket_path,
                              "store-forever", "--tokens", "1024", "--seed", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None

@@ -3,7 +3,7 @@
 Role
     The fault tests start these with ``python tests/fault/fault_engines.py ROLE --socket S ...``
     and kill, stop or wait for them. Every role registers host KV memory through
-    ``hkvd.shim.synthetic.SyntheticEngine`` and talks to the daemon only through the client, as
+    ``hkvd.shim.testing.synthetic.SyntheticEngine`` and talks to the daemon only through the client, as
     the shim does. Block contents are derived from a tag (role, prefix, block, layer), so any
     process can tell whether bytes that came back are exactly the bytes that were stored.
 
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import KVError
+from hkvd.transport.errors import KVError
 from hkvd.transport.wire.kv import Item
 
 KIB = 1 << 10

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from hkvd.daemon.copy_engine import Region
-from hkvd.daemon.layout import GroupSpec, View
 from hkvd.shim.client import DaemonClient
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.control import EngineSpec
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: runs clients as nobody and a setuid program")
@@ -214,9 +214,9 @@ def test_an_engine_that_exited_is_never_copied() -> None:
         os._exit(0)
     os.close(r)
     from hkvd.daemon.cma import HostCopyEngine
-    from hkvd.daemon.copy_engine import Direction, Segment
     from hkvd.daemon.errors import CopyFailedError
     from hkvd.daemon.pool import HugePagePool
+    from hkvd.transport.copy_engine import Direction, Segment
 
     pool = HugePagePool(32 << 20, "off")
     engine = HostCopyEngine(pool)

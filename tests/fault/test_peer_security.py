@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from hkvd.daemon.peer_auth import client_proof, server_proof
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import Message, MsgType, kv
-from hkvd.transport.wire.errors import ErrorCode, PermissionDenied
+from hkvd.transport.errors import ErrorCode, PermissionDenied
 from hkvd.transport.wire.peer import (
     PEER_VERSION,
     PeerAuth,

@@ -8,11 +8,11 @@ import stat
 import numpy as np
 import pytest
 
-from hkvd.daemon.copy_engine import Region
-from hkvd.daemon.layout import GroupSpec, View
 from hkvd.shim.client import DaemonClient
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.errors import OutOfRange, RegistrationError
+from hkvd.transport.errors import OutOfRange, RegistrationError
 
 NOBODY = 65534
 

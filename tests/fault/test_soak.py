@@ -98,7 +98,7 @@ def test_late_aborts_are_not_kept(daemon, fault):
     """An Abort that arrives after its job finished changes nothing, and the daemon keeps no record
     of it (before the fix every late abort stayed in a per-connection set: ~75 B each, for as long
     as the engine stayed connected)."""
-    from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+    from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
     from hkvd.transport.keys import chunk_keys
 
     assert daemon.proc is not None

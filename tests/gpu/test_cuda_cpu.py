@@ -40,8 +40,8 @@ from hkvd.cuda.events import check_event_handle
 from hkvd.cuda.export import PointerInfo, expandable_segments_enabled, plan_export
 from hkvd.cuda.hostreg import check_registrable
 from hkvd.cuda.ipc import IpcMemRegistry, match_device, normalize_uuid
-from hkvd.daemon.copy_engine import Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError, RegistrationError
+from hkvd.transport.copy_engine import Direction, Region, Segment
 
 # ---------------------------------------------------------------------------------------------
 # Layouts: (name, region sizes, views as dicts, num_blocks, block ids, extents splitter)
@@ -83,7 +83,7 @@ class Case:
 
 
 def _case(name: str, sizes: dict[int, int], views: list[dict[str, int]], nb: int, seed: int = 0) -> Case:
-    layout = pytest.importorskip("hkvd.daemon.layout")
+    layout = pytest.importorskip("hkvd.transport.layout")
     rng = np.random.default_rng(seed)
     group = layout.GroupSpec(group_id=0, kind="full", tokens_per_block=16, window_tokens=0, num_blocks=nb,
                              dtype="bfloat16", views=tuple(layout.View(**v) for v in views))
@@ -119,7 +119,7 @@ def _execute(desc: np.ndarray) -> int:
 
 
 def _segments(c: Case) -> list[Segment]:
-    from hkvd.daemon.layout import segments_for_entry
+    from hkvd.transport.layout import segments_for_entry
 
     return segments_for_entry(c.group, c.block_ids, c.extents)
 

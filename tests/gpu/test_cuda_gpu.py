@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from hkvd.cuda._cupy import cupy_available, device_count
-from hkvd.daemon.copy_engine import Direction, Region, Segment
 from hkvd.daemon.errors import CopyFailedError
+from hkvd.transport.copy_engine import Direction, Region, Segment
 
 pytestmark = pytest.mark.gpu
 
@@ -121,7 +121,7 @@ def pool() -> Iterator[MmapPool]:
 
 
 def _layout(case: str, nbytes: int) -> tuple[Any, list[int]]:
-    layout = pytest.importorskip("hkvd.daemon.layout")
+    layout = pytest.importorskip("hkvd.transport.layout")
     nb, nl = 16, 4
     if case == "kv_split":  # per layer [2, num_blocks, page]: K and V strided views
         page = 64 << 10
@@ -136,7 +136,7 @@ def _layout(case: str, nbytes: int) -> tuple[Any, list[int]]:
 
 
 def _segments(group: Any, block_ids: list[int]) -> list[Segment]:
-    from hkvd.daemon.layout import segments_for_entry
+    from hkvd.transport.layout import segments_for_entry
 
     entry = len(block_ids) * group.block_bytes
     half = entry // 2 + 16
@@ -292,9 +292,9 @@ def test_hkvd_serve_with_the_cuda_engine_round_trips_through_the_wire(engine: En
     registration, stores and retrieves over the socket, and returns a done event with the retrieve."""
     import subprocess
 
-    from hkvd.daemon.layout import GroupSpec, View
     from hkvd.shim.client import DaemonClient
     from hkvd.transport.keys import chunk_keys
+    from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire.control import EngineSpec
     from hkvd.transport.wire.kv import Item
 

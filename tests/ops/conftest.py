@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hkvd.daemon.launcher import stop_process
+from hkvd.shim.testing.launcher import stop_process
 
 
 class NotifySocket:

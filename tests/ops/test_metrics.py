@@ -12,7 +12,7 @@ from hkvd.daemon.app import Daemon
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.http import HTTPEndpoint
 from hkvd.shim.client import DaemonClient
-from hkvd.transport.wire.errors import NotRegistered
+from hkvd.transport.errors import NotRegistered
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -59,7 +59,7 @@ def test_metrics_and_healthz_from_a_real_daemon(daemon_factory, engine_proc, web
 
 
 def test_connected_engines_gauge_counts_a_live_engine(daemon_factory, web):
-    from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+    from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine
 
     port = web.free_port()
     d = daemon_factory("--l1-size-gb", "0.0625", "--chunk-size", "32", "--metrics-port", str(port))

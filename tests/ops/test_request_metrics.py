@@ -8,9 +8,9 @@ import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import NotFound
+from hkvd.transport.errors import NotFound
 from hkvd.transport.wire.kv import Item
 
 BLOCK = 16

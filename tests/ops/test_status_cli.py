@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine
 
 
 def hkvd(*args: str) -> subprocess.CompletedProcess[str]:

@@ -53,9 +53,11 @@ def test_ready_only_after_socket_accepts_then_status_watchdog_and_stopping(spawn
     with DaemonClient(d.socket_path, client_name="t", role="tool", timeout_s=5.0) as c:
         c.ping()
         assert c.status()["pool"]["total_bytes"] == 256 << 20
-    assert "STATUS" in ready and "ready on" in ready["STATUS"]
+    assert "STATUS" in ready and "ready on" in ready["STATUS"] and "MiB pre-faulted" in ready["STATUS"]
     statuses = [m["STATUS"] for m in before_ready if "STATUS" in m]
-    assert any("pre-faulting pool" in s for s in statuses), statuses
+    assert any("pre-faulting the first" in s for s in statuses), statuses
+    # The first slice must finish before READY=1: systemd's start deadline is extended while it does.
+    assert any(int(m.get("EXTEND_TIMEOUT_USEC", 0)) >= 10_000_000 for m in before_ready), before_ready
     # Watchdog pings keep arriving from the event loop (every 0.1 s here).
     for _ in range(3):
         notify_socket.wait_for("WATCHDOG", timeout_s=10)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.launcher import DaemonProcess
+from hkvd.shim.testing.launcher import DaemonProcess
 
 TOKEN = "hkvd-test-token-0123456789abcdef"
 # UCX over TCP on loopback; larger TCP segments (small ones collapsed over veth in measurements).

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import KVTimeout
+from hkvd.transport.errors import KVTimeout
 
 SUBNET = "10.231.{}"
 PORT = 7470

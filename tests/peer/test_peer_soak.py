@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 
 SOAK_S = float(os.environ.get("HKVD_SOAK_SECONDS", "60")) / 2

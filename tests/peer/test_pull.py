@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from hkvd.daemon.cli import format_status
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import DaemonUnavailable, KVError, RegistrationError
+from hkvd.transport.errors import DaemonUnavailable, KVError, RegistrationError
 from hkvd.transport.wire.kv import Item
 
 FULL = [GroupShape("full", 2, 8192)]

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkvd.shim.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import CopyFailedError, DaemonUnavailable, KVTimeout
+from hkvd.transport.errors import CopyFailedError, DaemonUnavailable, KVTimeout
 
 # 512 chunks of 256 KiB (2 blocks x 2 layers x 64 KiB): a 128 MiB pull, long enough to freeze mid-way.
 BIG = [GroupShape("full", 2, 64 << 10)]

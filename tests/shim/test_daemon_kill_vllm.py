@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon.launcher import DaemonProcess
+from hkvd.shim.testing.launcher import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -44,7 +44,7 @@ class ScriptedClient:
 
     def complete(self, rid: int, ok: bool = True) -> None:
         from hkvd.shim.client import Completion
-        from hkvd.transport.wire.errors import NotFound
+        from hkvd.transport.errors import NotFound
 
         self.done[rid] = Completion(rid, ok, {"nbytes": 1}, None if ok else NotFound("gone"))
 
@@ -54,7 +54,7 @@ class ScriptedClient:
         return out
 
     def wait(self, req_ids: Any, timeout_s: float) -> dict[int, Any]:
-        from hkvd.transport.wire.errors import KVTimeout
+        from hkvd.transport.errors import KVTimeout
 
         for rid in req_ids:
             if rid in self.finish_on_wait:

@@ -162,7 +162,7 @@ def test_a_hit_unmarks_an_orphan():
 
 @pytest.mark.parametrize("kind", ["full", "mamba"])
 def test_parent_key_travels_on_the_wire(kind):
-    from hkvd.transport.wire.errors import ProtocolViolation
+    from hkvd.transport.errors import ProtocolViolation
     from hkvd.transport.wire.kv import Item, items_to_wire, parse_items
 
     items = [Item(0, 0, ck(1), [1]), Item(0, 1, ck(2), [2], ck(1))]

@@ -15,7 +15,7 @@ import pytest
 from hkvd.shim.client import DaemonClient
 from hkvd.transport.codec import encode
 from hkvd.transport.wire import control
-from hkvd.transport.wire.errors import KVTimeout
+from hkvd.transport.errors import KVTimeout
 
 
 def _client_on(sock: socket.socket, timeout_s: float = 5.0) -> DaemonClient:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import pytest
 
 from hkvd.daemon import cma
-from hkvd.daemon.cma import IOV_MAX, HostCopyEngine, allow_ptracer
-from hkvd.daemon.copy_engine import Direction, Region, Segment
+from hkvd.daemon.cma import IOV_MAX, HostCopyEngine
 from hkvd.daemon.errors import CopyFailedError, RegistrationError
 from hkvd.daemon.pool import HugePagePool
+from hkvd.shim.ptrace import allow_ptracer
+from hkvd.transport.copy_engine import Direction, Region, Segment
 
 MIB = 1 << 20
 REGION_SIZES = (256 * 1024, 96 * 1024 + 13)  # an odd size checks the last-byte probe
@@ -312,7 +313,7 @@ UNPRIVILEGED = textwrap.dedent(
     """
     import os, sys
     from hkvd.daemon.cma import HostCopyEngine
-    from hkvd.daemon.copy_engine import Region
+    from hkvd.transport.copy_engine import Region
     from hkvd.daemon.errors import RegistrationError
     class P:
         base_addr, size = 0, 0

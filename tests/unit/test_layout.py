@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.copy_engine import Segment
-from hkvd.daemon.layout import (
+from hkvd.transport.copy_engine import Segment
+from hkvd.transport.layout import (
     GroupSpec,
     View,
     blocks_per_entry,

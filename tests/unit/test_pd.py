@@ -15,7 +15,7 @@ import pytest
 from hkvd.shim import pd
 from hkvd.shim.client import Completion
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.errors import Aborted, DaemonUnavailable
+from hkvd.transport.errors import Aborted, DaemonUnavailable
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
 

@@ -26,7 +26,7 @@ from hkvd.daemon.peer_client import begin_entries, merge, pair_extents
 from hkvd.daemon.pool import PAGE, HugePagePool
 from hkvd.transport.base import Desc
 from hkvd.transport.codec import decode_body, encode
-from hkvd.transport.wire.errors import ProtocolViolation
+from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.peer import PeerLookup, PeerLookupReply, Pull, RemoteEntry, pack_entries
 
 

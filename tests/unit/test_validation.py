@@ -134,7 +134,7 @@ def test_every_problem_reported_in_one_error() -> None:
 
 
 def test_accepts_layout_groupspec_by_attributes() -> None:
-    from hkvd.daemon.layout import GroupSpec
+    from hkvd.transport.layout import GroupSpec
 
     names = {"group_id", "kind", "tokens_per_block"}
     assert names <= set(GroupSpec.__dataclass_fields__)

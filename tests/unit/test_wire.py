@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv, peer
-from hkvd.transport.wire.errors import (
+from hkvd.transport.errors import (
     ErrorCode,
     FrameTooLarge,
     KVError,
@@ -115,7 +115,7 @@ def test_bad_items_are_refused_when_decoded(cls, item):
 
 
 def _spec_wire(groups: int, views: int) -> dict:
-    from hkvd.daemon.layout import GroupSpec, View
+    from hkvd.transport.layout import GroupSpec, View
 
     gs = [GroupSpec(i, "full", 16, 0, 16, "bfloat16", tuple(View(0, 0, 1, 4096, 4096, 4096) for _ in range(views)))
           for i in range(groups)]

@@ -14,7 +14,7 @@ import enum
 import typing
 from typing import Any, ClassVar
 
-from hkvd.transport.wire.errors import ProtocolViolation, UnknownMessage
+from hkvd.transport.errors import ProtocolViolation, UnknownMessage
 
 # 2: EngineSpec.identity, Uncacheable, chunk keys with extra keys (LoRA, images, cache_salt).
 PROTOCOL_VERSION = 2

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
-from hkvd.transport.wire.errors import ProtocolViolation
+from hkvd.transport.errors import ProtocolViolation
 
 MAX_BLOCKS_PER_ITEM = 4096
 

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
-from hkvd.transport.wire.errors import ProtocolViolation
+from hkvd.transport.errors import ProtocolViolation
 
 PEER_VERSION = 3  # 2: PeerLookupReply carries packed entry arrays; 3: keys with extra keys, engine identity
 NONCE_BYTES = 32

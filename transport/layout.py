@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hkvd.daemon.copy_engine import Segment
+from hkvd.transport.copy_engine import Segment
 
 KINDS = ("full", "swa", "mamba")
 NULL_BLOCK = 0

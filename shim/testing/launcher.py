@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hkvd.transport.wire.errors import KVError
+from hkvd.shim.client import DaemonClient
+from hkvd.transport.errors import KVError
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> int:
@@ -52,8 +53,6 @@ class DaemonProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        from hkvd.shim.client import DaemonClient
-
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -68,8 +67,6 @@ class DaemonProcess:
         raise RuntimeError(f"hkvd did not become ready in {timeout_s} s:\n{self.log()}")
 
     def status(self) -> dict[str, Any]:
-        from hkvd.shim.client import DaemonClient
-
         with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=5.0) as c:
             return c.status()
 

@@ -7,8 +7,8 @@ padded pages (``page_bytes < block_stride``), as vLLM pads state pages up to the
 
 Run as a module for cross-process checks::
 
-    python -m hkvd.shim.synthetic --socket S store --tokens 1024 --seed 1
-    python -m hkvd.shim.synthetic --socket S fetch --tokens 1024 --seed 1   # prints JSON
+    python -m hkvd.shim.testing.synthetic --socket S store --tokens 1024 --seed 1
+    python -m hkvd.shim.testing.synthetic --socket S fetch --tokens 1024 --seed 1   # prints JSON
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from hkvd.daemon.cma import allow_ptracer
-from hkvd.daemon.copy_engine import Region
-from hkvd.daemon.layout import GroupSpec, View
 from hkvd.shim.client import Completion, DaemonClient
+from hkvd.shim.ptrace import allow_ptracer
+from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys
+from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
@@ -160,7 +160,7 @@ def prompt_tokens(n: int, seed: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hkvd.shim.synthetic")
+    p = argparse.ArgumentParser(prog="python -m hkvd.shim.testing.synthetic")
     p.add_argument("--socket", required=True)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--page-bytes", type=int, default=4096)
