@@ -78,7 +78,7 @@ from typing import Any
 
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
-from hkvd.daemon.tiers import Tier, Source
+from hkvd.daemon.tiers import Source, Tier
 
 log = logging.getLogger("hkvd.disk")
 

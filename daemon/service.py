@@ -47,7 +47,7 @@ from hkvd.daemon.errors import (
     ShuttingDown,
 )
 from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
-from hkvd.daemon.index import Entry, EntryKey, EntryState, Index
+from hkvd.daemon.index import Entry, EntryState, Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.pool import Extent
 from hkvd.daemon.registry import EngineState, Registry
