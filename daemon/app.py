@@ -250,7 +250,8 @@ class Daemon:
         log.info("pool pre-faulted: %d MiB in %.1f s (%.2f GB/s, %d threads); backed by %s pages of %d KiB "
                  "(%d MiB huge)", p.faulted_bytes >> 20, p.elapsed_s, p.gbps, p.threads, backing.kind,
                  backing.page_size >> 10, backing.huge_bytes >> 20)
-        self.notifier.status(self.summary())
+        self.notifier.status(f"{self.summary()}; " + (f"pool pre-fault failed at {p.faulted_bytes >> 20} MiB" if p.error
+                             else f"pool pre-faulted ({backing.kind} pages)"))
 
     async def _open_disk(self, loop: asyncio.AbstractEventLoop) -> None:
         """Scan ``--l2-path`` into the catalog (on a thread; progress in the log and STATUS=)."""

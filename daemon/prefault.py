@@ -1,0 +1,154 @@
+"""Background pre-fault of the pool: several threads fault superblocks in, in pool order, and hand
+each one to the allocator only once every page of it is resident.
+
+Role
+    A 1 TB pool takes minutes to fault in even at several GB/s; the daemon must not wait for it.
+    ``Prefaulter`` cuts the allocator's capacity into ranges (one superblock, or the superblocks of
+    one huge page where pages are larger), and ``threads`` worker threads take the next range in
+    order, fault it with ``populate(offset, nbytes)`` (``MADV_POPULATE_WRITE`` in the pool) and then
+    call ``admit(first_superblock, count)``: only then can the allocator hand those superblocks out.
+    So no copy ever lands in memory that is not faulted, and the daemon serves as soon as a first
+    slice (``first_slice_bytes``) is in.
+
+Threading
+    Workers are plain threads (``hkvd-prefault-N``), daemonic so a hung fault never blocks exit.
+    ``progress()`` and ``wait_for`` may be called from any thread; counters are under one lock.
+    The first error (a populate that fails: hugetlb pages gone, a cgroup limit, no memory on the
+    bound node) stops every worker; ``progress().error`` carries it. ``stop()`` lets each worker
+    finish its current range (one superblock, 32 MiB at most: ~0.1 s at 0.4 GB/s) and returns once
+    they have; the pool calls it before unmapping.
+
+Contracts
+    - ``admit`` is called exactly once per range, after ``populate`` of that whole range returned.
+    - ``progress().faulted_bytes`` counts admitted bytes only; it reaches ``total_bytes`` iff
+      ``done`` and no error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+# More threads than this stop helping: page faults contend on the shmem / hugetlb locks of one
+# file (measured on this VM in bench/prefault.py; bare-metal reports show the same knee near 8).
+MAX_DEFAULT_THREADS = 8
+# A first slice this large is faulted before the daemon serves: at 0.4 GB/s (one thread, 4 KiB
+# pages, this VM) about 0.6 s; 1/8 of a smaller pool so small pools are ready sooner still.
+FIRST_SLICE_BYTES = 256 << 20
+
+
+def default_threads() -> int:
+    """min(usable cores, 8)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except OSError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_THREADS))
+
+
+def first_slice_bytes(capacity: int, superblock_bytes: int) -> int:
+    """Bytes faulted before serving: 1/8 of the pool, at most 256 MiB, at least one superblock."""
+    want = min(FIRST_SLICE_BYTES, capacity // 8)
+    return min(capacity, max(superblock_bytes, -(-want // superblock_bytes) * superblock_bytes))
+
+
+class PrefaultProgress(NamedTuple):
+    faulted_bytes: int
+    total_bytes: int
+    threads: int
+    done: bool  # every worker has exited (finished, stopped or failed)
+    error: str  # empty unless a populate failed
+    elapsed_s: float  # since start, until done
+
+    @property
+    def gbps(self) -> float:
+        return self.faulted_bytes / max(self.elapsed_s, 1e-9) / 1e9
+
+
+class Prefaulter:
+    def __init__(self, populate: Callable[[int, int], None], admit: Callable[[int, int], None], *,
+                 capacity: int, superblock_bytes: int, page_size: int, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._populate = populate
+        self._admit = admit
+        self.superblock_bytes = superblock_bytes
+        # One range = one superblock, or all superblocks of one huge page when pages are larger
+        # (1 GiB hugetlb pages): a populate must cover whole pages.
+        self._per_range = max(1, page_size // superblock_bytes)
+        self._superblocks = capacity // superblock_bytes
+        self.total_bytes = self._superblocks * superblock_bytes
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._next = 0  # next superblock to hand to a worker
+        self._faulted = 0
+        self._running = 0
+        self._error = ""
+        self._stop = False
+        self._start = 0.0
+        self._end = 0.0
+        self._workers: list[threading.Thread] = []
+
+    def start(self) -> Prefaulter:
+        self._start = time.perf_counter()
+        self._running = self.threads
+        for i in range(self.threads):
+            t = threading.Thread(target=self._work, name=f"hkvd-prefault-{i}", daemon=True)
+            self._workers.append(t)
+            t.start()
+        return self
+
+    def _take(self) -> tuple[int, int] | None:
+        with self._lock:
+            if self._stop or self._error or self._next >= self._superblocks:
+                return None
+            first = self._next
+            count = min(self._per_range, self._superblocks - first)
+            self._next += count
+            return first, count
+
+    def _work(self) -> None:
+        try:
+            while (job := self._take()) is not None:
+                first, count = job
+                try:
+                    self._populate(first * self.superblock_bytes, count * self.superblock_bytes)
+                except Exception as e:  # PoolError from the pool; anything else is as fatal to the fill
+                    with self._changed:
+                        self._error = self._error or str(e)
+                        self._changed.notify_all()
+                    return
+                self._admit(first, count)
+                with self._changed:
+                    self._faulted += count * self.superblock_bytes
+                    self._changed.notify_all()
+        finally:
+            with self._changed:
+                self._running -= 1
+                if self._running == 0:
+                    self._end = time.perf_counter()
+                self._changed.notify_all()
+
+    def progress(self) -> PrefaultProgress:
+        with self._lock:
+            done = self._running == 0
+            end = self._end if done else time.perf_counter()
+            return PrefaultProgress(self._faulted, self.total_bytes, self.threads, done, self._error,
+                                    end - self._start)
+
+    def wait_for(self, nbytes: int, timeout_s: float) -> PrefaultProgress:
+        """Block until ``nbytes`` are admitted, the workers are done, or ``timeout_s`` passed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._faulted >= nbytes or self._running == 0, timeout_s)
+        return self.progress()
+
+    def stop(self) -> None:
+        """Stop after the ranges in progress; return once every worker has exited. Idempotent."""
+        with self._lock:
+            self._stop = True
+        for t in self._workers:
+            t.join()
