@@ -30,9 +30,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
-from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
-from hkvd.transport.wire import peer as peer_wire
-from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.errors import (
     DaemonUnavailable,
     KVError,
@@ -40,6 +37,9 @@ from hkvd.transport.errors import (
     ProtocolViolation,
     error_from_wire,
 )
+from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
+from hkvd.transport.wire import peer as peer_wire
+from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item, items_to_wire
 
 READ_BYTES = 1 << 16

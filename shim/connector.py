@@ -43,7 +43,7 @@ Every hook of the other role is a no-op. Configuration: ``hkvd.shim.spec.ShimCon
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -54,11 +54,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hkvd.shim.metadata import HkvdConnectorMetadata
+from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.spec import ShimConfig
-
-if TYPE_CHECKING:
-    from hkvd.shim.scheduler import SchedulerSide
-    from hkvd.shim.worker import WorkerSide
+from hkvd.shim.worker import WorkerSide
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -72,16 +70,12 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from hkvd.shim.scheduler import SchedulerSide
-
             if self.cfg.load_failure_policy != self._kv_transfer_config.kv_load_failure_policy:
                 # Read by vLLM's Scheduler right after this constructor returns.
                 logger.info("hkvd: kv_load_failure_policy=%s (a failed load recomputes)", self.cfg.load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure_policy
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg)
         else:
-            from hkvd.shim.worker import WorkerSide
-
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg)
 
     # ---- properties ----------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hkvd.cuda.events import IpcEventRing, OpenedEvents
+
 
 def one_device(tensors: dict[str, Any]) -> int:
     """The GPU every KV tensor of this rank lives on (one rank, one device)."""
@@ -39,7 +41,6 @@ class GpuOrdering:
     """Step-end events out, load-done events in. See the module docstring."""
 
     def __init__(self, device: int) -> None:
-        from hkvd.cuda.events import IpcEventRing, OpenedEvents
 
         self.device = device
         self._ring = IpcEventRing(device)

@@ -53,6 +53,8 @@ from hkvd.shim import pd
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
 from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
 from hkvd.shim.spec import DaemonLink, GroupInfo, ShimConfig, build_engine_spec, group_infos, validate_vllm
+from hkvd.transport.errors import DaemonUnavailable
+from hkvd.transport.keys import chunk_keys
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -143,7 +145,6 @@ class SchedulerSide:
     def _keys(self, st: _Req) -> list[bytes]:
         """The prompt's chunk keys, extra keys mixed in; [] for a request that cannot be keyed (never cached)."""
         if not st.keys and self.chunk_size and not st.uncacheable:
-            from hkvd.transport.keys import chunk_keys
 
             n = len(st.tokens) // self.chunk_size
             try:
@@ -187,7 +188,6 @@ class SchedulerSide:
                 st.hit_chunks = int(c.result.get("hit_chunks", 0))
                 st.lease_id = int(c.result.get("lease_id", 0))
             else:
-                from hkvd.transport.errors import DaemonUnavailable
 
                 st.hit_chunks = 0
                 if isinstance(c.error, DaemonUnavailable):

@@ -38,7 +38,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hkvd.shim.client import DaemonClient
+from hkvd.shim.identity import engine_identity
+from hkvd.transport.errors import KVError, RegistrationError
+from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.paths import default_socket_path
+from hkvd.transport.wire.control import EngineSpec
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -179,7 +184,6 @@ def build_groups(kv_cache_config: Any, layer_addr: LayerAddr | None = None) -> l
     ``offset + l * layer_stride`` of region 0: only the format matters for a lookup-only
     registration. The worker passes the measured (region, offset) of each layer.
     """
-    from hkvd.transport.layout import GroupSpec, View
 
     placement: dict[str, tuple[int, int]] = {}  # layer -> (offset from the config, block_stride)
     for t in kv_cache_config.kv_cache_tensors:
@@ -265,8 +269,6 @@ def _worker_rank() -> int:
 def build_engine_spec(
     vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig, *, regions: list[Any], layer_addr: LayerAddr | None,
 ) -> Any:
-    from hkvd.shim.identity import engine_identity
-    from hkvd.transport.wire.control import EngineSpec
 
     par = vllm_config.parallel_config
     return EngineSpec(
@@ -321,8 +323,6 @@ class DaemonLink:
         if now < self._next_try and not startup:
             return None
         self._next_try = now + self.cfg.reconnect_interval_s
-        from hkvd.shim.client import DaemonClient
-        from hkvd.transport.errors import KVError, RegistrationError
 
         client = DaemonClient(self.cfg.socket_path, client_name=self.name, role=self.role,
                               timeout_s=self.cfg.connect_timeout_s)

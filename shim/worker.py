@@ -41,10 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hkvd.cuda.export import export_tensor
+from hkvd.shim.gpu import GpuOrdering, one_device
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec, validate_vllm
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.errors import DaemonUnavailable, KVTimeout
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -93,7 +97,6 @@ class WorkerSide:
             allow_ptracer(int(client.daemon_pid))
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from hkvd.transport.copy_engine import Region
 
         block_strides = {name: t.block_stride for t in self._kv_cache_config.kv_cache_tensors for name in t.layers}
         tensors = {name: (t[0] if isinstance(t, list | tuple) else t) for name, t in kv_caches.items()
@@ -104,8 +107,6 @@ class WorkerSide:
                              "CUDA KV caches, one kind per engine. Remove the hkvd kv_transfer_config for others.")
         export: Callable[[int, Any], Any] | None = None  # None: host memory, the storage's address here
         if device_types == {"cuda"}:
-            from hkvd.cuda.export import export_tensor
-            from hkvd.shim.gpu import GpuOrdering, one_device
 
             export = export_tensor
             self._gpu = GpuOrdering(one_device(tensors))
@@ -167,7 +168,6 @@ class WorkerSide:
             self._lost(ConnectionError("connection lost"))
 
     def _absorb(self, completions: Any) -> None:
-        from hkvd.transport.errors import DaemonUnavailable
 
         lost: BaseException | None = None
         for c in completions:
@@ -226,7 +226,6 @@ class WorkerSide:
         try:
             self._absorb(client.wait(hit, self.cfg.fence_timeout_s).values())
         except Exception as e:
-            from hkvd.transport.errors import KVTimeout
 
             if not isinstance(e, KVTimeout):
                 self._lost(e)
@@ -278,7 +277,6 @@ class WorkerSide:
                 self._fail_load(job)
         if not pending:
             return
-        from hkvd.transport.errors import KVTimeout
 
         try:
             done = client.wait(list(pending), self.cfg.load_timeout_s)

@@ -127,6 +127,17 @@ def test_no_module_imports_in_a_circle():
     assert cycles(_sources()) == []
 
 
+# Imports of our own modules inside functions hide the plan; only the daemon's optional parts
+# (CUDA, NIXL peers, metrics, the cluster tier) and its start-up load lazily.
+NO_INNER_IMPORTS = ("transport", "cuda", "shim")
+
+
+def test_no_import_of_ours_inside_a_function():
+    inner = [f"{p.relative_to(REPO)}:{line} imports {target}" for p in _sources()
+             if p.relative_to(REPO).parts[0] in NO_INNER_IMPORTS for target, line, at_top in _imports(p) if not at_top]
+    assert inner == []
+
+
 def test_the_checks_see_a_forbidden_edge_and_a_cycle(tmp_path, monkeypatch):
     # The checks themselves can fail: a transport module that imports the daemon, and two that import each other.
     monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
