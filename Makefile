@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 WHEELS ?= /opt/wheels
 PIP := $(BIN)/pip install --find-links $(WHEELS)
 
-.PHONY: dev vllm serve test test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
+.PHONY: dev vllm cluster serve test test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,16 @@ vllm: dev
 serve: dev
 	$(BIN)/hkvd serve
 
+# The cluster tier (hkvd serve --cluster): Mooncake Store's CPU client, which needs the OS package
+# libibverbs1 even over TCP (installed here when missing, as root or through sudo).
+cluster: dev
+	$(PIP) -q -e '.[dev,cluster]'
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y -q libibverbs1 || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }; }
+
 # The full suite, as CI runs it (README's test command).
-test: vllm
+test: vllm cluster
 	$(BIN)/pytest -q tests
 
 test-unit: dev

@@ -77,6 +77,7 @@ class Daemon:
         self.server: Server | None = None
         self.service: KVService | None = None
         self.disk: DiskTier | None = None
+        self.cluster: Any = None  # hkvd.daemon.cluster_tier.ClusterTier with --cluster
         self.ready_hooks: list[Callable[[], None]] = []
         self.notifier = notifier if notifier is not None else Notifier()
         self.reload_config = reload_config
@@ -143,8 +144,12 @@ class Daemon:
                 await self.peers.aclose()
             if self.disk is not None:
                 self.disk.close(timeout_s=1.0)  # no-op after a clean shutdown; start-up failures land here
+            if self.cluster is not None:  # before the pool goes: Mooncake moves bytes in and out of it
+                await asyncio.to_thread(self.cluster.close, 1.0)
             if self.disk is not None and self.disk.busy():
                 log.warning("disk tier: a read or write is still running; leaving the pool mapped until exit")
+            elif self.cluster is not None and self.cluster.busy():
+                log.warning("cluster tier: a put or get is still running; leaving the pool mapped until exit")
             elif self.pool is not None:
                 self.pool.close()
         log.info("hkvd stopped")
@@ -169,10 +174,13 @@ class Daemon:
             await self._first_slice(prefault, first)
             if cfg.l2_path:
                 await self._open_disk(loop)
+            if cfg.cluster:
+                self._open_cluster(loop)
             copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=cfg.copy_timeout_s)
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool)
-            self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk)
+            self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk,
+                                     cluster=self.cluster)
             self.service.heap = self.heap
             self.server = Server(cfg, self.service)
             if peers_wanted(cfg):
@@ -266,6 +274,18 @@ class Daemon:
         self.notifier.extend(EXTEND_TIMEOUT_S, f"scanning disk tier {cfg.l2_path}")
         await loop.run_in_executor(self.disk.readers, self.disk.open, progress)
         self.disk.start(loop)
+
+    def _open_cluster(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Join the Mooncake cluster in the background: serving never waits for the master."""
+        from hkvd.daemon.cluster_tier import ClusterSettings, ClusterTier
+
+        assert self.pool is not None
+        cfg = self.cfg
+        self.cluster = ClusterTier(ClusterSettings(
+            cfg.cluster, cfg.cluster_segment_bytes, cfg.cluster_protocol, cfg.cluster_devices, cfg.cluster_local_host,
+            cfg.cluster_replicas, cfg.cluster_lookup_timeout_ms / 1000,
+            queue_bytes=max(cfg.l1_size_bytes // 8, 1 << 20)), self.pool.buffer, self.pool.base_addr)
+        self.cluster.start(loop)
 
     async def _flush_disk(self, deadline: float) -> None:
         disk = self.disk

@@ -160,6 +160,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"errors    {errors} sent to clients, {int(c.get('copy_timeouts', 0))} copy timeouts, "
         f"{int(c.get('step_event_gaps', 0))} step-event gaps",
         *_status_extra(s),
+        *_status_cluster(s),
         *_status_peer(s),
         *_status_heap(s),
         f"engines   {len(s['engines'])} connected",
@@ -209,6 +210,20 @@ def _status_extra(s: dict[str, Any]) -> list[str]:
     lines.append(f"disk-io   {l2['writes']} written, {l2['queued']} queued, {l2['queue_drops']} dropped (queue full), "
                  f"{l2['write_errors']} write errors, {corrupt} corrupt skipped, {l2['evictions']} evicted")
     return lines
+
+
+def _status_cluster(s: dict[str, Any]) -> list[str]:
+    """The cluster tier: where, whether connected, and its hit, miss, put, skip and error counts."""
+    c = s.get("cluster")
+    if not c:
+        return []
+    hits = sum(int(v) for v in (s.get("by_kind") or {}).get("cluster_hits", {}).values())
+    state = "connected" if c["connected"] else "NOT connected (serving from this node's tiers)"
+    return [f"cluster   {c['master']} {state}; {hits} entries read ({_bytes(c['get_bytes'])}), {c['misses']} missed, "
+            f"{c['puts']} put ({_bytes(c['put_bytes'])})",
+            f"clust-io  {c['queued']} queued, {sum(c['skips'].values())} skipped {c['skips'] or ''}, "
+            f"{sum(c['errors'].values())} errors {c['errors'] or ''}, {sum(c['corrupt'].values())} corrupt, "
+            f"{c['reconnects']} reconnects"]
 
 
 def _status_heap(s: dict[str, Any]) -> list[str]:

@@ -54,6 +54,8 @@ HELP = {
     **COUNTERS,
     "l2_hits": "Entries read from the disk tier into the pool for a lookup, by group kind",
     "l2_read_failures": "Disk-tier reads not served (checksum, truncated, io, timeout, pool_full), by reason",
+    "cluster_hits": "Entries read from the cluster tier into the pool for a lookup, by group kind",
+    "cluster_read_failures": "Cluster-tier reads not served (checksum, size, gone, io, timeout, pool_full), by reason",
     "gc_collections": "Cyclic garbage collections, by generation",
     "gc_pause_seconds": "Seconds the event loop stood still in garbage collections, by generation",
 }
@@ -67,6 +69,20 @@ L2_COUNTERS = {
     "reads": "Disk-tier files read and verified",
     "read_bytes": "Payload bytes read from the disk tier",
     "read_errors": "Disk-tier reads that failed with an I/O error",
+}
+# The cluster tier's counters (status()["cluster"]), exported as hkvd_cluster_<name>_total.
+CLUSTER_COUNTERS = {
+    "puts": "Entries put in the cluster (write-behind)",
+    "put_bytes": "Bytes put in the cluster (headers included)",
+    "gets": "Entries read from the cluster and verified",
+    "get_bytes": "Payload bytes read from the cluster",
+    "misses": "Entries a lookup asked the cluster for that it did not hold",
+    "reconnects": "Times the master became reachable again after an outage",
+}
+CLUSTER_BY_REASON = {
+    "skips": "Offers not put in the cluster (queue_full, unavailable, cluster_full, busy), by reason",
+    "errors": "Cluster calls that failed (connect, exist, put, get), by operation",
+    "corrupt": "Cluster values found unusable (checksum, size, header) and removed, by reason",
 }
 GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
 
@@ -155,6 +171,8 @@ class DaemonCollector:
         yield g
         if s.get("l2") is not None:
             yield from self._l2(s["l2"])
+        if s.get("cluster") is not None:
+            yield from self._cluster(s["cluster"])
         server = d.server
         if server is not None:
             yield GaugeMetricFamily("hkvd_connections", "Open control connections",
@@ -182,6 +200,25 @@ class DaemonCollector:
                 ("write_gbps", "Disk-tier write throughput, last 64 files", l2["write_gbps"]),
                 ("read_gbps", "Disk-tier read throughput, last 64 files", l2["read_gbps"])):
             yield GaugeMetricFamily(f"hkvd_l2_{name}", help_, value=value)
+
+
+    @staticmethod
+    def _cluster(c: dict[str, Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, help_ in CLUSTER_COUNTERS.items():
+            yield CounterMetricFamily(f"hkvd_cluster_{name}", help_, value=c[name])
+        for name, help_ in CLUSTER_BY_REASON.items():
+            m = CounterMetricFamily(f"hkvd_cluster_{name}", help_, labels=["reason"])
+            for reason, n in sorted(c[name].items()):
+                m.add_metric([reason], n)
+            yield m
+        for name, help_, value in (
+                ("connected", "1 while the cluster's master answers", 1.0 if c["connected"] else 0.0),
+                ("queued_entries", "Entries waiting in the cluster write-behind queue", c["queued"]),
+                ("put_gbps", "Cluster put throughput, last 64 batches", c["put_gbps"]),
+                ("get_gbps", "Cluster get throughput, last 64 batches", c["get_gbps"])):
+            yield GaugeMetricFamily(f"hkvd_cluster_{name}", help_, value=value)
 
 
 def build_registry(daemon: Any) -> Any:
