@@ -93,15 +93,15 @@ def _measure(client: Any, rt: Any, dev_ptr: int, host: int, page: int, top: int,
     retrieves = []
     for keys in stored:
         (hit,) = client.wait([client.submit_lookup(keys)], 120).values()
-        if hit.result["hit_chunks"] != batch:
-            raise RuntimeError(f"lookup found {hit.result['hit_chunks']} of {batch} chunks just stored")
+        if hit.result.hit_chunks != batch:
+            raise RuntimeError(f"lookup found {hit.result.hit_chunks} of {batch} chunks just stored")
         items = [Item(0, i, keys[i], [top + 1 + i]) for i in range(batch)]
         t0 = time.perf_counter()
-        (c,) = client.wait([client.submit_retrieve(items, hit.result["lease_id"])], 120).values()
+        (c,) = client.wait([client.submit_retrieve(items, hit.result.lease_id)], 120).values()
         retrieves.append(time.perf_counter() - t0)
         if not c.ok:
             raise RuntimeError(f"retrieve failed: {c.error}")
-        client.release(int(hit.result["lease_id"]))
+        client.release(int(hit.result.lease_id))
     row: dict[str, Any] = {"page_kib": page >> 10, "batch": batch, "store_gbps": n / t_store / 1e9,
                            "raw_d2h_gbps": n / t_raw_d2h / 1e9, "retrieve_gbps": n / statistics.median(retrieves) / 1e9,
                            "raw_h2d_gbps": n / t_raw_h2d / 1e9}

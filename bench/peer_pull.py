@@ -263,7 +263,7 @@ def _bench_case(tls: str, env: dict[str, str], size: int, entry: int, reps: int,
                 dt = time.perf_counter() - t0
                 if c.error is not None:
                     raise c.error
-                consumer.client.release(int(c.result["lease_id"]))
+                consumer.client.release(int(c.result.lease_id))
                 return dt, c.result
 
             warm = fresh(8 * entry)  # links up, NIXL metadata loaded, both paths

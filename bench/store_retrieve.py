@@ -206,8 +206,8 @@ def _run_page(socket_path: str, helper: Helper, scratch: np.ndarray, page: int, 
             done = eng.retrieve(stored)
             if not np.array_equal(eng.buffer[page:(batch + 1) * page], expect):
                 raise RuntimeError(f"retrieve of {batch} x {human_bytes(page)} pages was not byte-exact")
-            if done.result.get("nbytes") != nbytes:
-                raise RuntimeError(f"retrieve moved {done.result.get('nbytes')} bytes, expected {nbytes}")
+            if done.result.nbytes != nbytes:
+                raise RuntimeError(f"retrieve moved {done.result.nbytes} bytes, expected {nbytes}")
             helper.run("write", pages)
             if par:
                 helper.run("write_par", pages)

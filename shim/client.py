@@ -27,8 +27,19 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
+from hkvd.shim.results import (
+    Acknowledged,
+    Completion,
+    LookupResult,
+    PullResult,
+    RegisterAck,
+    Result,
+    RetrieveResult,
+    StepResult,
+    StoreResult,
+)
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import (
     DaemonUnavailable,
@@ -45,17 +56,9 @@ from hkvd.transport.wire.kv import Item, items_to_wire
 READ_BYTES = 1 << 16
 
 
-class Completion(NamedTuple):
-    req_id: int
-    ok: bool
-    result: dict[str, Any]
-    error: KVError | None
-
-
-class RegisterAck(NamedTuple):
-    engine_id: int
-    fingerprint: bytes
-    chunk_size: int
+# Which result a Done answers with, by the request it answers.
+_DONE_RESULTS: dict[type, Any] = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult,
+                                  events.StepEvent: StepResult, peer_wire.Pull: PullResult}
 
 
 class DaemonClient:
@@ -69,7 +72,7 @@ class DaemonClient:
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
         self._ids = itertools.count(1)
-        self._outstanding: set[int] = set()
+        self._outstanding: dict[int, type] = {}  # req_id -> the request's message type
         self._done: dict[int, Completion] = {}
         self._lock = threading.RLock()
         self._poller = select.poll()
@@ -124,14 +127,11 @@ class DaemonClient:
         c = self.wait([req], self.timeout_s)[req]
         if c.error is not None:
             raise c.error
-        return RegisterAck(c.result["engine_id"], c.result["fingerprint"], c.result["chunk_size"])
+        return c.get(RegisterAck)
 
     def status(self) -> dict[str, Any]:
         req = self._submit(lambda r: control.Status(r))
-        c = self.wait([req], self.timeout_s)[req]
-        if c.error is not None:
-            raise c.error
-        return c.result
+        return self.wait([req], self.timeout_s)[req].get(dict)
 
     def ping(self) -> float:
         t0 = time.perf_counter()
@@ -215,7 +215,7 @@ class DaemonClient:
                     raise KVTimeout(f"no reply from hkvd within {timeout_s:.1f} s for requests {sorted(want)}")
                 if self._sock is None:
                     for rid in want:  # already failed by _fail_outstanding, or never sent
-                        got[rid] = Completion(rid, False, {}, DaemonUnavailable("not connected to hkvd"))
+                        got[rid] = Completion(rid, False, None, DaemonUnavailable("not connected to hkvd"))
                     return got
                 self._read(left)
 
@@ -233,7 +233,7 @@ class DaemonClient:
             self._require()
             req_id = next(self._ids)
             msg = make(req_id)
-            self._outstanding.add(req_id)
+            self._outstanding[req_id] = type(msg)
             self._send(msg)
             return req_id
 
@@ -315,31 +315,40 @@ class DaemonClient:
                     return msg
                 raise ProtocolViolation(f"expected {cls.__name__}, got {type(msg).__name__}")
 
-    def _complete(self, req_id: int, ok: bool, result: dict[str, Any], error: KVError | None) -> None:
-        self._outstanding.discard(req_id)
-        self._done[req_id] = Completion(req_id, ok, result, error)
+    def _complete(self, req_id: int, result: Result | None, error: KVError | None = None) -> None:
+        if self._outstanding.pop(req_id, None) is not None:
+            self._done[req_id] = Completion(req_id, error is None, result, error)
+
+    def _done_result(self, msg: kv.Done) -> None:
+        request = self._outstanding.get(msg.req_id)
+        make = _DONE_RESULTS.get(request) if request is not None else None
+        if make is None:  # unregister: nothing to report but that it was done
+            self._complete(msg.req_id, Acknowledged())
+            return
+        try:
+            self._complete(msg.req_id, make.from_done(msg.nbytes, msg.info))
+        except ProtocolViolation as e:
+            self._complete(msg.req_id, None, e)
 
     def _on_message(self, msg: Message) -> None:
         match msg:
             case kv.Done():
-                self._complete(msg.req_id, True, {"nbytes": msg.nbytes, **msg.info}, None)
+                self._done_result(msg)
             case kv.LookupReply():
-                self._complete(msg.req_id, True, {"hit_chunks": msg.hit_chunks, "lease_id": msg.lease_id,
-                                                  "lease_ttl_s": msg.lease_ttl_s}, None)
+                self._complete(msg.req_id, LookupResult(msg.hit_chunks, msg.lease_id, msg.lease_ttl_s))
             case kv.Error() if msg.req_id in self._outstanding:
-                self._complete(msg.req_id, False, {}, error_from_wire(msg.code, msg.message))
+                self._complete(msg.req_id, None, error_from_wire(msg.code, msg.message))
             case kv.Error():
                 # Not tied to a request of ours: a connection-level fault. Fail everything.
                 self._lost(f"hkvd reported: {error_from_wire(msg.code, msg.message)}")
             case kv.AbortAck():
                 pass
             case control.RegisterAck():
-                self._complete(msg.req_id, True, {"engine_id": msg.engine_id, "fingerprint": msg.fingerprint,
-                                                  "chunk_size": msg.chunk_size}, None)
+                self._complete(msg.req_id, RegisterAck(msg.engine_id, msg.fingerprint, msg.chunk_size))
             case control.StatusReply():
-                self._complete(msg.req_id, True, msg.status, None)
+                self._complete(msg.req_id, msg.status)
             case control.Pong():
-                self._complete(msg.req_id, True, {}, None)
+                self._complete(msg.req_id, Acknowledged())
             case _:
                 pass
 
@@ -353,7 +362,7 @@ class DaemonClient:
 
     def _fail_outstanding(self, why: str) -> None:
         for rid in list(self._outstanding):
-            self._complete(rid, False, {}, DaemonUnavailable(f"hkvd connection lost ({why})"))
+            self._complete(rid, None, DaemonUnavailable(f"hkvd connection lost ({why})"))
 
 
 def _items(items: Sequence[Item | Sequence[Any]]) -> list[Item]:

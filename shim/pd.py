@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hkvd.shim.results import PullResult
+
 logger = logging.getLogger("hkvd.shim")
 
 DO_REMOTE_DECODE = "do_remote_decode"  # the proxy asks the prefill engine for params
@@ -136,8 +138,8 @@ class PullLoads:
         """Handle one completion if it is ours; True when it was."""
         if c.req_id in self._late:
             self._late.discard(c.req_id)
-            if c.ok and c.result.get("lease_id"):
-                _release(client, int(c.result["lease_id"]))
+            if c.ok and c.get(PullResult).lease_id:
+                _release(client, c.get(PullResult).lease_id)
             return True
         p = self._pulls.pop(c.req_id, None)
         if p is not None:
@@ -157,14 +159,15 @@ class PullLoads:
         if not c.ok:
             self._fail(job, f"pull from {job.pull.peer} failed: {c.error}")
             return
-        hit, lease = int(c.result.get("hit_chunks", 0)), int(c.result.get("lease_id", 0))
+        pulled = c.get(PullResult)
+        hit, lease = pulled.hit_chunks, pulled.lease_id
         if hit < want:
             _release(client, lease)
             self._fail(job, f"the prefill daemon at {job.pull.peer} had {hit} of {want} chunks")
             return
         self.stats["pulls_ok"] += 1
         self.stats["pulled_chunks"] += want
-        self.stats["pull_seconds"] += float(c.result.get("seconds", 0.0))
+        self.stats["pull_seconds"] += pulled.seconds
         if not job.items:
             _release(client, lease)
             self._fail(job, "the load plan was refused (null block in it)")

@@ -52,6 +52,7 @@ from typing import Any
 from hkvd.shim import pd
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
 from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
+from hkvd.shim.results import LookupResult
 from hkvd.shim.spec import DaemonLink, GroupInfo, ShimConfig, build_engine_spec, group_infos, validate_vllm
 from hkvd.transport.errors import DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
@@ -181,12 +182,12 @@ class SchedulerSide:
             req_id = self._by_lookup.pop(c.req_id, None)
             st = self._reqs.get(req_id) if req_id is not None else None
             if st is None:
-                if c.ok and c.result.get("lease_id"):
-                    self._release(int(c.result["lease_id"]))
+                if c.ok and c.get(LookupResult).lease_id:
+                    self._release(c.get(LookupResult).lease_id)
                 continue
             if c.ok:
-                st.hit_chunks = int(c.result.get("hit_chunks", 0))
-                st.lease_id = int(c.result.get("lease_id", 0))
+                found = c.get(LookupResult)
+                st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
             else:
 
                 st.hit_chunks = 0
@@ -478,7 +479,7 @@ class SchedulerSide:
         except Exception as e:  # a late reply is an unknown lookup to _pump: its lease is released
             logger.debug("hkvd: no hold lease for the decode side: %s", e)
             return 0
-        return int(c.result.get("lease_id", 0)) if c.ok else 0
+        return c.get(LookupResult).lease_id if c.ok else 0
 
     def shutdown(self) -> None:
         self.link.close()

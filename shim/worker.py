@@ -46,6 +46,7 @@ from hkvd.shim.gpu import GpuOrdering, one_device
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
+from hkvd.shim.results import RetrieveResult, StepResult, StoreResult
 from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec, validate_vllm
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
@@ -193,7 +194,7 @@ class WorkerSide:
                     self._confirmable.append(c.req_id)
                 else:
                     self.stats["stores"] += 1
-                    self.stats["stored_bytes"] += int(c.result.get("nbytes", 0))
+                    self.stats["stored_bytes"] += c.get(StepResult if job.kind == "step" else StoreResult).nbytes
             else:
                 self.stats["stores_failed"] += 1
                 logger.debug("hkvd: %s job %d failed: %s", job.kind, c.req_id, c.error)
@@ -301,10 +302,11 @@ class WorkerSide:
         for rid, job in pending.items():
             c = done.get(rid)
             if c is not None and c.ok:
-                if self._gpu is not None and c.result.get("event"):
-                    self._gpu.wait_loaded(c.result["event"])  # the forward reads after the daemon's copy
+                loaded = c.get(RetrieveResult)
+                if self._gpu is not None and loaded.event:
+                    self._gpu.wait_loaded(loaded.event)  # the forward reads after the daemon's copy
                 self.stats["loads_ok"] += 1
-                self.stats["loaded_bytes"] += int(c.result.get("nbytes", 0))
+                self.stats["loaded_bytes"] += loaded.nbytes
                 self._recved.add(job.req_id)
             else:
                 logger.info("hkvd: load for %s failed (%s); vLLM recomputes it", job.req_id,

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from hkvd.shim.client import Completion, DaemonClient
+from hkvd.shim.client import DaemonClient
 from hkvd.shim.ptrace import allow_ptracer
+from hkvd.shim.results import Completion, LookupResult, StoreResult
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
@@ -132,7 +133,8 @@ class SyntheticEngine:
 
     def lookup(self, keys: Sequence[bytes], lease: bool = True) -> tuple[int, int]:
         c = self.run(self.client.submit_lookup(keys, lease))
-        return c.result["hit_chunks"], c.result["lease_id"]
+        found = c.get(LookupResult)
+        return found.hit_chunks, found.lease_id
 
     def close(self) -> None:
         self.client.close()
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 eng.client.poll(0.001)
         c = eng.store(items)
         digest = [eng.block_bytes(0, b).hex()[:32] for b in blocks]
-        print(json.dumps({"stored": c.result["stored"], "digest": digest}))
+        print(json.dumps({"stored": c.get(StoreResult).stored, "digest": digest}))
         return 0
     hit, lease = eng.lookup(keys)
     if hit:

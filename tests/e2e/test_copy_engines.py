@@ -23,7 +23,7 @@ def test_store_with_a_gpu_event_on_the_host_engine_is_refused_and_stores_nothing
     assert isinstance(done.error, ProtocolViolation)
     assert "no GPU events" in str(done.error) and "without wait_event" in str(done.error)
     assert eng.lookup(keys, lease=False)[0] == 0  # nothing half-stored
-    assert eng.store(items).result["stored"] == len(items)  # the same items, without an event, store fine
+    assert eng.store(items).result.stored == len(items)  # the same items, without an event, store fine
     assert eng.lookup(keys, lease=False)[0] == len(keys)
     eng.close()
 

@@ -142,7 +142,7 @@ def _store(eng: SyntheticEngine, keys: list[bytes], seed: int, batch: int = 1 <<
     blocks = [b for it in items for b in it.block_ids]
     eng.fill_random(0, blocks, seed)
     for i in range(0, len(items), batch):
-        assert eng.store(items[i : i + batch]).result["stored"] == len(items[i : i + batch])
+        assert eng.store(items[i : i + batch]).result.stored == len(items[i : i + batch])
         after_batch(min(i + batch, len(items)))
     return [b"".join(eng.block_bytes(0, b) for b in it.block_ids) for it in items]
 
@@ -230,8 +230,8 @@ def test_peer_pull_between_huge_page_pools(huge_kind: tuple[str, str], tmp_path:
         rid = consumer.client.submit_pull(prefill.peer_address, keys)
         done = consumer.client.wait([rid], 60)[rid]
         assert done.error is None, done.error
-        assert (done.result["hit_chunks"], done.result["pulled"]) == (20, 20)
-        assert _retrieve(consumer, keys, done.result["lease_id"]) == stored
+        assert (done.result.hit_chunks, done.result.pulled) == (20, 20)
+        assert _retrieve(consumer, keys, done.result.lease_id) == stored
         consumer.close()
         assert decode.status()["pool"]["kind"] == kind
     finally:

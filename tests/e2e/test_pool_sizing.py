@@ -41,7 +41,7 @@ def test_too_small_pool_names_the_smallest_size_that_works(daemon_factory) -> No
         for it in items:
             eng.fill_random(it.group_id, it.block_ids, seed=10 + it.group_id)
         stored = {it.group_id: b"".join(eng.block_bytes(it.group_id, b) for b in it.block_ids) for it in items}
-        assert eng.store(items).result["stored"] == len(SHAPES)
+        assert eng.store(items).result.stored == len(SHAPES)
         for it in items:
             eng.zero(it.group_id, it.block_ids)
         eng.retrieve(items)

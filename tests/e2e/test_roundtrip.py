@@ -31,9 +31,9 @@ def test_store_retrieve_round_trip_is_byte_exact(daemon):
     before = [eng.block_bytes(0, b) for b in blocks]
 
     done = eng.store(items)
-    assert done.result["stored"] == len(items)
+    assert done.result.stored == len(items)
     # Store again: deduplicated, nothing copied twice.
-    assert eng.store(items).result["skipped"] == len(items)
+    assert eng.store(items).result.skipped == len(items)
 
     hit, lease = eng.lookup(keys)
     assert hit == len(keys) and lease > 0
@@ -190,7 +190,7 @@ def test_a_client_that_half_closes_still_gets_its_replies(daemon):
     assert eng.client._sock is not None
     eng.client._sock.shutdown(socket.SHUT_WR)
     done = eng.client.wait([req], 30.0)[req]
-    assert done.ok and done.result["stored"] == len(items)
+    assert done.ok and done.result.stored == len(items)
     deadline = time.monotonic() + 10.0
     while eng.client.connected and time.monotonic() < deadline:  # then the daemon closes its side
         eng.client.poll(0.5)

@@ -41,12 +41,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import KVError
+from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
 
 KIB = 1 << 10
@@ -96,11 +97,11 @@ class Tagged:
         name = e.code.name
         self.errors[name] = self.errors.get(name, 0) + 1
 
-    def run(self, req_id: int) -> dict:
+    def run(self, req_id: int) -> Any:
         c = self.client.wait([req_id], 60.0)[req_id]
         if c.error is not None:
             raise c.error
-        self.dropped += int(c.result.get("dropped", 0))
+        self.dropped += getattr(c.result, "dropped", 0)  # stores and step events say how many found no room
         return c.result
 
     def result(self, **extra: object) -> dict:
@@ -125,7 +126,7 @@ class Steps:
         if c.error is not None:
             self.t.error(c.error)
             return []
-        self.t.dropped += int(c.result.get("dropped", 0))
+        self.t.dropped += int(c.result.dropped)
         return [last]
 
     def event(self, offers: list[Item], confirms: list[int]) -> None:
@@ -161,7 +162,7 @@ def bystander(a: argparse.Namespace) -> None:
                 t.put(0, b, ("by", seed, b))
         try:
             t.run(t.client.submit_store(src))
-            hit, lease = (lambda r: (r["hit_chunks"], r["lease_id"]))(t.run(t.client.submit_lookup(keys)))
+            hit, lease = (lambda r: (r.hit_chunks, r.lease_id))(t.run(t.client.submit_lookup(keys)))
             if hit == len(keys):
                 dst = t.eng.items(0, keys, first_block=1 + 2 * bpc)
                 t.eng.zero(0, [b for it in dst for b in it.block_ids])
@@ -221,7 +222,7 @@ def retrieve_loop(a: argparse.Namespace) -> None:
     announced = False
     while True:
         r = t.run(t.client.submit_lookup(keys))
-        t.run(t.client.submit_retrieve(dst, r["lease_id"]))
+        t.run(t.client.submit_retrieve(dst, r.lease_id))
         if not announced:
             emit({"ready": True, "entries": len(keys)})
             announced = True
@@ -235,13 +236,13 @@ def check_stream(a: argparse.Namespace) -> None:
     for seed in range(max(0, a.last - a.window), a.last + 4):
         keys = chunk_keys(prompt_tokens(8 * C, seed=seed), C)
         r = t.run(t.client.submit_lookup(keys))
-        hit = r["hit_chunks"]
+        hit = r.hit_chunks
         if not hit:
             continue
         items = t.eng.items(0, keys, first_block=1)[:hit]
         blocks = [b for it in items for b in it.block_ids]
         t.eng.zero(0, blocks)
-        t.run(t.client.submit_retrieve(items, r["lease_id"]))
+        t.run(t.client.submit_retrieve(items, r.lease_id))
         t.wrong += sum(not t.check(0, b, ("ss", b)) for b in blocks)
         prefixes += 1
         entries += hit
@@ -304,12 +305,12 @@ def holder(a: argparse.Namespace) -> None:
     leases = []
     for keys in held:
         r = t.run(t.client.submit_lookup(keys))
-        assert r["hit_chunks"] == K, f"held prefix not fully stored before the storm: {r}"
-        leases.append(r["lease_id"])
+        assert r.hit_chunks == K, f"held prefix not fully stored before the storm: {r}"
+        leases.append(r.lease_id)
     emit({"ready": True})
     while not os.path.exists(a.stop_file):
         time.sleep(0.05)
-    cold_hits = sum(t.run(t.client.submit_lookup(keys, False))["hit_chunks"] for keys in cold)
+    cold_hits = sum(t.run(t.client.submit_lookup(keys, False)).hit_chunks for keys in cold)
     # One store larger than the room the leases leave: the pool is full of leased entries, so some
     # items are dropped (counted by the daemon), and nothing else fails.
     over = chunk_keys(prompt_tokens(16 * a.overflow_chunks, seed=30_000), 16)
@@ -347,16 +348,16 @@ def hot(a: argparse.Namespace) -> None:
     while not os.path.exists(a.stop_file):
         try:
             r = t.run(t.client.submit_lookup(keys))
-            if r["hit_chunks"] != K:  # evicted while not leased (LRU under the storm): store it again
+            if r.hit_chunks != K:  # evicted while not leased (LRU under the storm): store it again
                 misses += 1
-                if r["lease_id"]:
-                    t.client.release(r["lease_id"])
+                if r.lease_id:
+                    t.client.release(r.lease_id)
                 _hyb_prefix(t, steps, "hot", keys, every_chunk_mamba=False)
                 steps.finish()
                 continue
             for it in items:
                 t.eng.zero(it.group_id, it.block_ids)
-            t.run(t.client.submit_retrieve(items, r["lease_id"]))  # leased: must never fail
+            t.run(t.client.submit_retrieve(items, r.lease_id))  # leased: must never fail
             _verify(t, items, "hot", 1, dst)
             ops += 1
         except KVError as e:
@@ -401,7 +402,7 @@ def reader(a: argparse.Namespace) -> None:
             j = int(latest.read_text())
         keys = chunk_keys(prompt_tokens(16 * K, seed=50_000 + 100 * sid + j), 16)
         try:
-            hit = t.run(t.client.submit_lookup(keys, False))["hit_chunks"]
+            hit = t.run(t.client.submit_lookup(keys, False)).hit_chunks
             ops += 1
             if not hit:
                 time.sleep(0.005)
@@ -445,7 +446,7 @@ def soak(a: argparse.Namespace) -> None:
                 ops["aborted"] += 1
                 continue
             res = t.run(t.client.submit_lookup(keys, r >= 0.15))
-            hit, lease = res["hit_chunks"], res["lease_id"]
+            hit, lease = res.hit_chunks, res.lease_id
             if r < 0.25 and lease:  # leased and never used: the daemon expires it (--lease-ttl-s)
                 ops["abandoned_leases"] += 1
                 continue

@@ -253,7 +253,7 @@ def test_bad_input_is_refused_and_the_daemon_keeps_serving(pair_factory: Any) ->
     raw.close()
     # and a real pull still works
     c = _pull(decode.socket_path, prefill.peer_address, keys)
-    assert c.ok and c.result["hit_chunks"] == 4
+    assert c.ok and c.result.hit_chunks == 4
 
 
 def test_a_peer_releases_only_the_leases_its_own_link_took(pair_factory: Any) -> None:

@@ -322,12 +322,12 @@ def test_hkvd_serve_with_the_cuda_engine_round_trips_through_the_wire(engine: En
         assert all(c.ok for c in stored.values()), stored
         lookup = client.wait([client.submit_lookup(keys)], 60)
         (hit,) = lookup.values()
-        assert hit.result["hit_chunks"] == 2
+        assert hit.result.hit_chunks == 2
         target = [Item(0, c, keys[c], [9 + 2 * c, 10 + 2 * c]) for c in (0, 1)]
-        done = client.wait([client.submit_retrieve(target, hit.result["lease_id"])], 60)
+        done = client.wait([client.submit_retrieve(target, hit.result.lease_id)], 60)
         (c,) = done.values()
         assert c.ok, c.error
-        assert len(c.result["event"]) == 64  # the engine's stream would wait on it
+        assert len(c.result.event) == 64  # the engine's stream would wait on it
         after = engine.read()
         for layer in range(nl):
             for src, dst in ((1, 9), (2, 10), (3, 11), (4, 12)):

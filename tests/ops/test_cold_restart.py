@@ -35,7 +35,7 @@ def attn_store(eng: SyntheticEngine, keys: list[bytes], seed: int) -> dict[int, 
     items = eng.items(0, keys, first_block=1)
     blocks = [b for it in items for b in it.block_ids]
     eng.fill_random(0, blocks, seed)
-    assert eng.store(items).result["stored"] == len(items)
+    assert eng.store(items).result.stored == len(items)
     return {i: b"".join(eng.block_bytes(0, b) for b in it.block_ids) for i, it in enumerate(items)}
 
 

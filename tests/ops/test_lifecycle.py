@@ -16,8 +16,8 @@ def lease_ttl(socket_path: str) -> float:
         items = eng.items(0, keys, first_block=1)
         eng.store(items)
         c = eng.run(eng.client.submit_lookup(keys, True))
-        assert c.result["hit_chunks"] == len(keys)
-        return c.result["lease_ttl_s"]
+        assert c.result.hit_chunks == len(keys)
+        return c.result.lease_ttl_s
     finally:
         eng.close()
 

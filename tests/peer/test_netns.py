@@ -96,7 +96,7 @@ def _pull_and_check(eng: SyntheticEngine, producer: SyntheticEngine, peer: str, 
     rid = eng.client.submit_pull(peer, keys)
     c = eng.client.wait([rid], 60)[rid]
     assert c.ok, c.error
-    assert c.result["hit_chunks"] == len(keys)
+    assert c.result.hit_chunks == len(keys)
     hit, lease = eng.lookup(keys)
     assert hit == len(keys)
     items = eng.items(0, keys, first_block=1)
@@ -163,7 +163,7 @@ def test_tensor_parallel_pull_across_a_veth_pair(netns_pair: Any) -> None:
         rid = eng.client.submit_pull(prefill.peer_address, keys)
         c = eng.client.wait([rid], 60)[rid]
         assert c.ok, c.error
-        assert c.result["hit_chunks"] == chunks
+        assert c.result.hit_chunks == chunks
     hit, lease = consumers[0].lookup(keys)
     assert hit == chunks
     for eng, producer in zip(consumers, producers, strict=True):

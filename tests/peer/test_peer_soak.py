@@ -71,14 +71,14 @@ def test_peer_soak_keeps_both_daemons_flat_and_exact(pair_factory: Any, lib: Any
             rid = consumer.client.submit_pull(prefill.peer_address, keys)
             res = consumer.client.wait([rid], 60)[rid]
             assert res.error is None, res.error
-            assert res.result["hit_chunks"] == CHUNKS
+            assert res.result.hit_chunks == CHUNKS
             loaded = consumer.items(0, keys, first_block=30)
-            consumer.retrieve(loaded, res.result["lease_id"])  # the retrieve ends the local lease
+            consumer.retrieve(loaded, res.result.lease_id)  # the retrieve ends the local lease
             for src, dst in zip(stored, loaded, strict=True):
                 for b_src, b_dst in zip(src.block_ids, dst.block_ids, strict=True):
                     wrong += consumer.block_bytes(0, b_dst) != producer.block_bytes(0, b_src)
             prompts += 1
-            pulled += res.result["pulled"]
+            pulled += res.result.pulled
     finally:
         done.set()
         sampler.join(10)

@@ -11,8 +11,8 @@ import pytest
 
 from hkvd.daemon.cli import format_status
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import DaemonUnavailable, KVError, RegistrationError
+from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
 
 FULL = [GroupShape("full", 2, 8192)]
@@ -38,27 +38,27 @@ def test_pull_then_retrieve_gives_the_stored_bytes(pair: Any, lib: Any) -> None:
     keys = chunk_keys(prompt_tokens(32 * 10, seed=1), producer.chunk_size)
     stored = producer.items(0, keys, first_block=1)
     producer.fill_random(0, [b for it in stored for b in it.block_ids], seed=5)
-    assert producer.store(stored).result["stored"] == 10
+    assert producer.store(stored).result.stored == 10
     producer.close()  # the prefill engine may be gone by now: its daemon still serves the entries
 
     consumer = SyntheticEngine(decode.socket_path, FULL, num_blocks=128)
     assert consumer.fingerprint == producer.fingerprint
     res = pull(consumer, prefill.peer_address, keys)
-    assert (res["hit_chunks"], res["pulled"], res["local"]) == (10, 10, 0)
-    assert res["nbytes"] == 10 * 2 * 2 * 8192  # 10 chunks x 2 blocks x 2 layers x 8 KiB
-    assert res["lease_id"] > 0
+    assert (res.hit_chunks, res.pulled, res.local) == (10, 10, 0)
+    assert res.nbytes == 10 * 2 * 2 * 8192  # 10 chunks x 2 blocks x 2 layers x 8 KiB
+    assert res.lease_id > 0
 
     # The engine retrieves from its own daemon, into other blocks than the producer used.
     loaded = consumer.items(0, keys, first_block=40)
-    consumer.retrieve(loaded, res["lease_id"])
+    consumer.retrieve(loaded, res.lease_id)
     for src, dst in zip(stored, loaded, strict=True):
         for b_src, b_dst in zip(src.block_ids, dst.block_ids, strict=True):
             assert consumer.block_bytes(0, b_dst) == producer.block_bytes(0, b_src)
 
     # A second pull finds everything local and moves nothing.
     again = pull(consumer, prefill.peer_address, keys)
-    assert (again["hit_chunks"], again["pulled"], again["local"], again["nbytes"]) == (10, 0, 10, 0)
-    consumer.client.release(again["lease_id"])
+    assert (again.hit_chunks, again.pulled, again.local, again.nbytes) == (10, 0, 10, 0)
+    consumer.client.release(again.lease_id)
 
     d = decode.status()
     assert d["index"]["writing"] == 0 and d["index"]["ready"] == 10
@@ -79,7 +79,7 @@ def test_partial_prefix_pulls_what_the_peer_has(pair: Any) -> None:
     producer.store(part)
     consumer = SyntheticEngine(decode.socket_path, FULL, num_blocks=128)
     res = pull(consumer, prefill.peer_address, keys)
-    assert (res["hit_chunks"], res["pulled"]) == (5, 5)
+    assert (res.hit_chunks, res.pulled) == (5, 5)
     hit, lease = consumer.lookup(keys)
     assert hit == 5
     loaded = consumer.items(0, keys, first_block=60, chunks=range(5))
@@ -128,9 +128,9 @@ def test_hybrid_pull_follows_the_hit_rule(pair_factory: Any, confirm_last: bool)
     res = pull(consumer, prefill.peer_address, keys)
     # An unconfirmed last state never counts: the hit stops at the last confirmed one.
     hit = n if confirm_last else n - 1
-    assert res["hit_chunks"] == hit
+    assert res.hit_chunks == hit
     # Full attention: chunks [0, hit); Mamba: only the state after exactly hit chunks.
-    assert res["pulled"] == hit + len(MAMBA)
+    assert res.pulled == hit + len(MAMBA)
 
     got_hit, lease = consumer.lookup(keys)
     assert got_hit == hit
@@ -158,7 +158,7 @@ def test_different_layouts_refuse_to_pair(pair: Any) -> None:
     assert s["index"]["entries"] == 0 and s["peer"]["transport"]["reads"] == 0
     # The same daemon pair still serves an engine whose layout matches.
     same = SyntheticEngine(decode.socket_path, FULL, num_blocks=128)
-    assert pull(same, prefill.peer_address, keys)["hit_chunks"] == 4
+    assert pull(same, prefill.peer_address, keys).hit_chunks == 4
 
 
 def test_unreachable_peer_is_a_clear_error(pair: Any, lib: Any) -> None:

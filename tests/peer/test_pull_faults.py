@@ -28,7 +28,7 @@ def _producer(prefill: Any, seed: int) -> tuple[SyntheticEngine, list[bytes]]:
     eng = SyntheticEngine(prefill.socket_path, BIG, num_blocks=NUM_BLOCKS, timeout_s=60)
     eng.buffer[:] = np.random.default_rng(seed).integers(-128, 128, eng.buffer.size, dtype=np.int8)
     keys = chunk_keys(prompt_tokens(32 * CHUNKS, seed=seed), eng.chunk_size)
-    assert eng.store(eng.items(0, keys, first_block=1)).result["stored"] == CHUNKS
+    assert eng.store(eng.items(0, keys, first_block=1)).result.stored == CHUNKS
     return eng, keys
 
 
@@ -90,7 +90,7 @@ def test_stalled_serving_daemon_times_out_then_the_read_is_discarded(pair_factor
     rid = consumer.client.submit_pull(prefill.peer_address, keys)
     res = consumer.client.wait([rid], 60)[rid]
     assert res.ok, res.error
-    assert res.result["hit_chunks"] == CHUNKS
+    assert res.result.hit_chunks == CHUNKS
     hit, lease = consumer.lookup(keys)
     consumer.retrieve(consumer.items(0, keys, first_block=1), lease)
     assert hit == CHUNKS and _loaded_blocks(consumer) == _loaded_blocks(producer)

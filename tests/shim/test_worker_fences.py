@@ -43,10 +43,13 @@ class ScriptedClient:
         return self._id(("step", seq, step, offers, list(confirms)))
 
     def complete(self, rid: int, ok: bool = True) -> None:
-        from hkvd.shim.client import Completion
+        from hkvd.shim.results import Completion, RetrieveResult, StepResult, StoreResult
         from hkvd.transport.errors import NotFound
 
-        self.done[rid] = Completion(rid, ok, {"nbytes": 1}, None if ok else NotFound("gone"))
+        kind = next(s[1] for s in self.sent if s[0] == rid)
+        result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1),
+                  "step": StepResult(1, "in_order")}[kind]
+        self.done[rid] = Completion(rid, ok, result if ok else None, None if ok else NotFound("gone"))
 
     def poll(self, timeout_s: float = 0.0) -> list[Any]:
         out = list(self.done.values())

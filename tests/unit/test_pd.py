@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from hkvd.shim import pd
-from hkvd.shim.client import Completion
-from hkvd.transport.keys import chunk_keys
+from hkvd.shim.results import Completion, PullResult, RetrieveResult
 from hkvd.transport.errors import Aborted, DaemonUnavailable
+from hkvd.transport.keys import chunk_keys
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
 
@@ -73,16 +73,16 @@ def test_pull_then_load_then_done() -> None:
     c, loads = ScriptedClient(), pd.PullLoads(30.0)
     loads.start(c, _job())
     assert c.sent == [("pull", ("p:1", 4, 4, 9))]
-    assert loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 55, "seconds": 0.1}, None), c)
+    assert loads.absorb(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.1), None), c)
     assert c.sent[-1] == ("retrieve", 55)  # the load uses the pull's local lease
-    assert not loads.absorb(Completion(7, True, {}, None), c)  # not ours
-    assert loads.absorb(Completion(102, True, {"nbytes": 10}, None), c)
+    assert not loads.absorb(Completion(7, True, RetrieveResult(0, 0), None), c)  # not ours
+    assert loads.absorb(Completion(102, True, RetrieveResult(10, 4), None), c)
     assert loads.done == {"r1"} and not loads.failed and loads.in_flight == 0
 
 
 @pytest.mark.parametrize("completion", [
-    Completion(101, False, {}, DaemonUnavailable("peer down")),
-    Completion(101, True, {"hit_chunks": 3, "lease_id": 55}, None),  # partial: never loaded
+    Completion(101, False, None, DaemonUnavailable("peer down")),
+    Completion(101, True, PullResult(0, 3, 55, 30.0, 3, 0, 0.0), None),  # partial: never loaded
 ])
 def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
     c, loads = ScriptedClient(), pd.PullLoads(30.0)
@@ -96,14 +96,14 @@ def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
 def test_a_load_past_the_timeout_ends_only_with_the_daemons_reply() -> None:
     c, loads = ScriptedClient(), pd.PullLoads(30.0)
     loads.start(c, _job())
-    loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 55}, None), c)
+    loads.absorb(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.0), None), c)
     for p in loads._retrieves.values():
         p.deadline = 0.0  # forged: past the deadline
     loads.expire(c)
     loads.expire(c)
     # Aborted once, but not reported: the daemon may still be writing into the request's blocks.
     assert c.aborted == [102] and not loads.failed and not loads.done and loads.in_flight == 1
-    assert loads.absorb(Completion(102, False, {}, Aborted("job 102 was aborted")), c)
+    assert loads.absorb(Completion(102, False, None, Aborted("job 102 was aborted")), c)
     assert loads.failed == {"r1"} and loads.in_flight == 0
 
 
@@ -112,7 +112,7 @@ def test_timeout_fails_and_a_late_reply_gives_its_lease_back() -> None:
     loads.start(c, _job())
     loads.expire(c)
     assert loads.failed == {"r1"} and c.aborted == [101] and loads.in_flight == 0
-    assert loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 77}, None), c)
+    assert loads.absorb(Completion(101, True, PullResult(0, 4, 77, 30.0, 4, 0, 0.0), None), c)
     assert c.released == [77] and [w for w, _ in c.sent] == ["pull"]
 
 
@@ -120,7 +120,7 @@ def test_lost_connection_fails_everything_in_flight() -> None:
     c, loads = ScriptedClient(), pd.PullLoads(30.0)
     loads.start(c, _job("a"))
     loads.start(c, _job("b"))
-    loads.absorb(Completion(101, True, {"hit_chunks": 4, "lease_id": 5}, None), c)
+    loads.absorb(Completion(101, True, PullResult(0, 4, 5, 30.0, 4, 0, 0.0), None), c)
     loads.forget("gone")
     assert loads.failed == {"a", "b"} and loads.in_flight == 0
 
