@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the scheduler side hands the worker side each step (pickled by vLLM).
 
-An item is ``[group_id, chunk_index, key, block_ids]`` exactly as on the wire (docs/design.md,
+An item is the wire's ``Item(group_id, chunk_index, key, block_ids, parent)`` (docs/design.md,
 "Items"): full/swa items carry chunk_size / block_size block ids, a mamba item one block id
 holding the state after ``(chunk_index + 1) * chunk_size`` tokens. Block id 0 (vLLM's null
 block) never appears in an item.
@@ -14,11 +14,11 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-Item = list[Any]  # [group_id: int, chunk_index: int, key: bytes, block_ids: list[int]]
+from hkvd.transport.wire.kv import Item
 
 
 def item_blocks(items: list[Item]) -> set[int]:
-    return {b for it in items for b in it[3]}
+    return {b for it in items for b in it.block_ids}
 
 
 @dataclass(slots=True)

@@ -305,7 +305,7 @@ class SchedulerSide:
                 idx = hit // g.block_size - 1
                 blk = ids[idx] if idx < len(ids) else 0
                 bad |= blk == 0
-                items.append([g.group_id, n - 1, keys[n - 1], [blk]])
+                items.append(Item(g.group_id, n - 1, keys[n - 1], [blk]))
                 continue
             bpe = C // g.block_size
             lo = first
@@ -315,8 +315,8 @@ class SchedulerSide:
                 chunk_ids = list(ids[i * bpe:(i + 1) * bpe])
                 if len(chunk_ids) != bpe or 0 in chunk_ids:
                     bad = True
-                items.append([g.group_id, i, keys[i], chunk_ids])
-        all_blocks = sorted({b for it in items for b in it[3] if b})
+                items.append(Item(g.group_id, i, keys[i], chunk_ids))
+        all_blocks = sorted({b for it in items for b in it.block_ids if b})
         if bad:
             logger.warning("hkvd: load plan for %s names vLLM's null block (window starts mid-chunk?); "
                            "recomputing it", request.request_id)
@@ -370,7 +370,7 @@ class SchedulerSide:
                     ids = list(table[g.group_id][i * bpe:(i + 1) * bpe])
                     # Sliding-window blocks out of the window are already null: nothing to store.
                     if len(ids) == bpe and 0 not in ids:
-                        items.append([g.group_id, i, keys[i], ids, _parent(keys, i)])
+                        items.append(Item(g.group_id, i, keys[i], ids, _parent(keys, i)))
             st.next_store_chunk = last
             if items:
                 meta.stores.append(StoreJob(req_id, items))
@@ -387,7 +387,7 @@ class SchedulerSide:
                 ci = boundary // C - 1
                 if ci >= len(keys):
                     continue  # past the prompt's full chunks: no key
-                meta.offers.append((req_id, [int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci)]))
+                meta.offers.append((req_id, Item(int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci))))
                 st.had_copies = True
                 self.stats["offer_items"] += 1
         return meta

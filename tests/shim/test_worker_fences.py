@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from hkvd.transport.wire.kv import Item
+
 pytestmark = pytest.mark.vllm
 
 
@@ -111,8 +113,8 @@ def test_fence_waits_for_copy_out_of_reused_block_then_confirms() -> None:
     from hkvd.shim.metadata import StoreJob
 
     side, client = _side()
-    offer = ("r1", [1, 0, b"k" * 16, [9]])
-    _run_step(side, _meta(1, stores=[StoreJob("r1", [[0, 0, b"k" * 16, [5, 6]]])], offers=[offer]))
+    offer = ("r1", Item(1, 0, b"k" * 16, [9]))
+    _run_step(side, _meta(1, stores=[StoreJob("r1", [Item(0, 0, b"k" * 16, [5, 6])])], offers=[offer]))
     store_id, step_id = 1, 2
     client.finish_on_wait = {store_id, step_id}
     _run_step(side, _meta(2, fence_blocks={6, 9}))  # both blocks reused now: wait for both copies
@@ -124,7 +126,7 @@ def test_fence_waits_for_copy_out_of_reused_block_then_confirms() -> None:
 
 def test_fence_timeout_aborts_and_never_confirms() -> None:
     side, client = _side()
-    _run_step(side, _meta(1, offers=[("r1", [1, 0, b"k" * 16, [9]])]))
+    _run_step(side, _meta(1, offers=[("r1", Item(1, 0, b"k" * 16, [9]))]))
     _run_step(side, _meta(2, fence_blocks={9}))  # the copy never finishes
     step_id = 1  # the step-1 event carrying the offer
     assert client.aborted == [step_id]
@@ -139,7 +141,7 @@ def test_delayed_free_waits_for_copies() -> None:
     from hkvd.shim.metadata import StoreJob
 
     side, client = _side()
-    _run_step(side, _meta(1, stores=[StoreJob("r1", [[0, 0, b"k" * 16, [5]]])]))
+    _run_step(side, _meta(1, stores=[StoreJob("r1", [Item(0, 0, b"k" * 16, [5])])]))
     sending, _ = _run_step(side, _meta(2, delayed_free=["r1"]))
     assert sending is None  # store 1 still copying
     client.complete(1)
@@ -151,7 +153,7 @@ def test_failed_or_unplannable_load_fails_its_request() -> None:
     from hkvd.shim.metadata import LoadJob
 
     side, client = _side()
-    ok = LoadJob("a", 7, [[0, 0, b"k" * 16, [3]]], [3])
+    ok = LoadJob("a", 7, [Item(0, 0, b"k" * 16, [3])], [3])
     bad = LoadJob("b", 8, [[0, 0, b"j" * 16, [4]]], [4])
     empty = LoadJob("c", 9, [], [11, 12])  # the scheduler could not plan it (null block)
     client.finish_on_wait = {1, 2}
@@ -167,10 +169,10 @@ def test_daemon_down_fails_loads_and_releases_delayed_frees() -> None:
     from hkvd.shim.metadata import LoadJob, StoreJob
 
     side, _client = _side()
-    _run_step(side, _meta(1, stores=[StoreJob("r1", [[0, 0, b"k" * 16, [5]]])]))
+    _run_step(side, _meta(1, stores=[StoreJob("r1", [Item(0, 0, b"k" * 16, [5])])]))
     side._lost(ConnectionError("daemon gone"))
     side.link._next_try = float("inf")  # stays down for this test
-    sending, failed = _run_step(side, _meta(2, loads=[LoadJob("a", 1, [[0, 0, b"k" * 16, [3]]], [3])],
+    sending, failed = _run_step(side, _meta(2, loads=[LoadJob("a", 1, [Item(0, 0, b"k" * 16, [3])], [3])],
                                             delayed_free=["r1"]))
     assert failed == {"a"}
     assert sending == {"r1"}
@@ -183,7 +185,7 @@ def test_a_load_past_its_timeout_keeps_its_blocks_until_the_daemon_ends_the_copy
     from hkvd.shim.metadata import LoadJob
 
     side, client = _side()
-    _, failed = _run_step(side, _meta(1, loads=[LoadJob("slow", 7, [[0, 0, b"k" * 16, [3]]], [3])]),
+    _, failed = _run_step(side, _meta(1, loads=[LoadJob("slow", 7, [Item(0, 0, b"k" * 16, [3])], [3])]),
                           late={"slow"})
     assert failed == set() and client.aborted == [1]
     _, failed = _run_step(side, _meta(2))  # still copying: nothing reported, the blocks stay held
