@@ -37,7 +37,7 @@ engine returns ``kv_transfer_params`` naming its daemon's peer listener and the 
 engine with ``"kv_role": "kv_consumer"`` given those params has its own daemon pull the chunks from
 that daemon (the request waits in WAITING_FOR_REMOTE_KVS), loads them, and recomputes on any failure.
 
-Every hook of the other role is a no-op. Configuration: ``hkvd.shim.spec.ShimConfig``.
+Every hook of the other role is a no-op. Configuration: ``hkvd.shim.config.ShimConfig``.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from hkvd.shim.config import ShimConfig
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.scheduler import SchedulerSide
-from hkvd.shim.spec import ShimConfig
 from hkvd.shim.worker import WorkerSide
 
 logger = logging.getLogger("hkvd.shim")

@@ -50,10 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.shim import pd
+from hkvd.shim.config import ShimConfig
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
+from hkvd.shim.link import DaemonLink
 from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
 from hkvd.shim.results import LookupResult
-from hkvd.shim.spec import DaemonLink, GroupInfo, ShimConfig, build_engine_spec, group_infos, validate_vllm
+from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
 from hkvd.transport.errors import DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
 

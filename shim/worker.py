@@ -42,12 +42,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.cuda.export import export_tensor
+from hkvd.shim.config import ShimConfig
 from hkvd.shim.gpu import GpuOrdering, one_device
+from hkvd.shim.link import DaemonLink
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.results import RetrieveResult, StepResult, StoreResult
-from hkvd.shim.spec import DaemonLink, ShimConfig, build_engine_spec, validate_vllm
+from hkvd.shim.spec import build_engine_spec, validate_vllm
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
 

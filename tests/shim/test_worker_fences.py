@@ -76,7 +76,7 @@ class ScriptedClient:
 
 
 def _side() -> tuple[Any, ScriptedClient]:
-    from hkvd.shim.spec import ShimConfig
+    from hkvd.shim.config import ShimConfig
     from hkvd.shim.worker import WorkerSide
 
     side = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent", fence_timeout_s=0.01))
