@@ -1,0 +1,157 @@
+"""KVService in-process: what each message means, with a fake connection and no socket or subprocess.
+
+The engine is this test process: its KV memory is a numpy buffer, registered as a host region, and
+the host copy engine copies it with process_vm_readv/writev like any other engine's. Every reply
+the service sends is captured from the connection. The subprocess suites (tests/e2e, tests/fault)
+cover the same paths through a real socket; these run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hkvd.daemon.client_process import ClientProcess
+from hkvd.daemon.cma import HostCopyEngine
+from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.eviction import make_policy
+from hkvd.daemon.index import Index
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.registry import Registry
+from hkvd.daemon.service import Conn, KVService
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.errors import ErrorCode, KVError
+from hkvd.transport.keys import chunk_keys
+from hkvd.transport.layout import GroupSpec, View
+from hkvd.transport.wire import Message, control, events, kv
+from hkvd.transport.wire.control import EngineSpec
+
+PAGE = 4096
+BLOCKS = 32
+CHUNK = 32  # tokens: two blocks of 16
+KEYS = chunk_keys(list(range(4 * CHUNK)), CHUNK)
+
+
+class Engine:
+    """A full-attention group and (optionally registered) a Mamba group in one host buffer of this process."""
+
+    def __init__(self) -> None:
+        self.mem = np.zeros(2 * BLOCKS * PAGE, dtype=np.uint8)
+        self.groups = [GroupSpec(0, "full", 16, 0, BLOCKS, "bfloat16", (View(0, 0, 1, PAGE, PAGE, PAGE),)),
+                       GroupSpec(1, "mamba", 16, 0, BLOCKS, "bfloat16",
+                                 (View(0, BLOCKS * PAGE, 1, PAGE, PAGE, PAGE),))]
+
+    def spec(self, mamba: bool) -> EngineSpec:
+        return EngineSpec("m", 1, 0, "t", CHUNK, 16, 8192, "align",
+                          [Region(0, "host", self.mem.nbytes, addr=self.mem.ctypes.data)],
+                          self.groups if mamba else self.groups[:1])
+
+    def block(self, group: int, b: int) -> np.ndarray:
+        return self.mem[(group * BLOCKS + b) * PAGE:(group * BLOCKS + b + 1) * PAGE]
+
+
+class Harness:
+    def __init__(self, service: KVService, conn: Conn, sent: list[Message]) -> None:
+        self.service, self.conn, self.sent = service, conn, sent
+        self.engine = Engine()
+
+    async def call(self, msg: Message) -> Message:
+        """Serve ``msg`` as the server would and return the one reply it produced."""
+        before = len(self.sent)
+        try:
+            job = self.service.handle(self.conn, msg)
+            if job is not None:
+                await job
+        except KVError as e:
+            self.conn.send(kv.Error(getattr(msg, "req_id", 0), int(e.code), e.message))
+        replies = self.sent[before:]
+        assert len(replies) == 1, replies
+        return replies[0]
+
+    async def register(self, mamba: bool = False) -> control.RegisterAck:
+        ack = await self.call(control.Register(1, self.engine.spec(mamba).to_wire()))
+        assert isinstance(ack, control.RegisterAck), ack
+        return ack
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
+    pool = HugePagePool(cfg.l1_size_bytes, "off")
+    copy_engine = HostCopyEngine(pool)
+    index = Index(pool, make_policy("lru"))
+    executor = ThreadPoolExecutor(2)
+    service = KVService(cfg, index, Registry(CHUNK, copy_engine, pool=pool), executor, Metrics())
+    sent: list[Message] = []
+    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
+                process=ClientProcess.open(os.getpid()))
+    yield Harness(service, conn, sent)
+    service.disconnect(conn)
+    executor.shutdown()
+    copy_engine.close()
+    pool.close()
+
+
+def _full(chunks: range, first_block: int) -> list[Any]:
+    return [[0, c, KEYS[c], [first_block + 2 * i, first_block + 2 * i + 1]] for i, c in enumerate(chunks)]
+
+
+async def test_store_lookup_retrieve_round_trip(h: Harness) -> None:
+    await h.register()
+    src = [b for it in _full(range(3), 1) for b in it[3]]
+    for b in src:
+        h.engine.block(0, b)[:] = np.random.default_rng(b).integers(0, 256, PAGE, dtype=np.uint8)
+    done = await h.call(kv.Store(2, _full(range(3), 1)))
+    assert isinstance(done, kv.Done) and done.info["stored"] == 3 and done.nbytes == 6 * PAGE
+    reply = await h.call(kv.Lookup(3, KEYS, True))
+    assert isinstance(reply, kv.LookupReply) and reply.hit_chunks == 3 and reply.lease_id
+    dst = _full(range(3), 11)
+    done = await h.call(kv.Retrieve(4, reply.lease_id, dst))
+    assert isinstance(done, kv.Done) and done.info["entries"] == 3
+    for s, d in zip(src, [b for it in dst for b in it[3]], strict=True):
+        assert bytes(h.engine.block(0, d)) == bytes(h.engine.block(0, s))
+
+
+async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness) -> None:
+    await h.register(mamba=True)
+    await h.call(kv.Store(2, _full(range(2), 1)))
+    offer = [[1, 1, KEYS[1], [5]]]  # the state after chunk 1
+    done = await h.call(events.StepEvent(3, 0, 1, offer, []))
+    assert isinstance(done, kv.Done) and done.info["outcome"] == "accept"
+    miss = await h.call(kv.Lookup(4, KEYS[:2], False))
+    assert isinstance(miss, kv.LookupReply) and miss.hit_chunks == 0  # unconfirmed: not servable
+    await h.call(events.StepEvent(5, 1, 2, [], [3]))  # the next step confirms job 3
+    hit = await h.call(kv.Lookup(6, KEYS[:2], False))
+    assert isinstance(hit, kv.LookupReply) and hit.hit_chunks == 2
+
+
+@pytest.mark.parametrize(("registered", "msg", "code"), [
+    (False, kv.Store(2, _full(range(1), 1)), ErrorCode.NOT_REGISTERED),
+    (True, kv.Store(2, [[0, 0, KEYS[0], [BLOCKS - 1, BLOCKS]]]), ErrorCode.OUT_OF_RANGE),
+    (True, kv.Store(2, [[0, 0, KEYS[0], [0, 1]]]), ErrorCode.OUT_OF_RANGE),  # vLLM's null block
+    (True, kv.Retrieve(2, 12345, _full(range(1), 1)), ErrorCode.LEASE_EXPIRED),
+    (True, kv.Store(2, [[7, 0, KEYS[0], [1, 2]]]), ErrorCode.OUT_OF_RANGE),  # no group 7
+])
+async def test_bad_requests_get_typed_errors_and_change_nothing(h: Harness, registered: bool, msg: Message,
+                                                                code: ErrorCode) -> None:
+    if registered:
+        await h.register()
+    reply = await h.call(msg)
+    assert isinstance(reply, kv.Error) and reply.code == code, reply
+    assert h.service.index.statistics().entries == 0
+
+
+async def test_disconnect_releases_leases_and_the_registration(h: Harness) -> None:
+    await h.register()
+    await h.call(kv.Store(2, _full(range(2), 1)))
+    reply = await h.call(kv.Lookup(3, KEYS[:2], True))
+    assert isinstance(reply, kv.LookupReply) and h.service.index.statistics().leases == 1
+    h.service.disconnect(h.conn)
+    assert h.service.index.statistics().leases == 0 and h.service.registry.engines() == []
+    assert isinstance(await h.call(kv.Abort(9)), kv.AbortAck)  # still answered after the engine went
