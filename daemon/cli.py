@@ -18,78 +18,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.config import GIB, TOML_KEYS, ConfigError, DaemonConfig, load_toml
+from hkvd.daemon.config import GIB, ConfigError, DaemonConfig
+from hkvd.daemon.options import add_flags, load_toml, values_from
 from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_body, encode
+from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 from hkvd.transport.paths import default_socket_path
 from hkvd.transport.wire import PROTOCOL_VERSION, control, kv
-from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 
 
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the daemon")
     p.add_argument("--config", help="TOML file; keys as the flags (chunk-size = 256); flags win")
-    p.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
-    p.add_argument("--chunk-size", type=int,
-                   help="tokens per chunk (default 256); a multiple of vLLM's block size")
-    p.add_argument("--l1-size-gb", help="pool size in GiB (default 1)")
-    p.add_argument("--eviction-policy", help="lru (default) or hybrid (orphan-aware LRU)")
-    p.add_argument("--hugepages", help="auto (default), require or off")
-    p.add_argument("--prefault-threads", type=int, help="threads faulting the pool in behind serving "
-                   "(default 0: min(cores, 8))")
-    p.add_argument("--numa-node", type=int, help="bind the pool to this NUMA node, the GPUs' (default: unbound)")
-    p.add_argument("--log-level", help="debug, info (default), warning or error")
-    p.add_argument("--lease-ttl-s", type=float, help="lookup lease lifetime in seconds (default 30)")
-    p.add_argument("--socket-group", help="group owning the 0660 socket (default: the daemon's)")
-    p.add_argument("--copy-threads", type=int, help="copy threads (default 2)")
-    p.add_argument("--copy-engine", help="host (default: KV caches in CPU memory, process_vm_readv/writev) "
-                   "or cuda (GPU KV caches over CUDA IPC; needs hkvd[gpu] and a GPU)")
-    p.add_argument("--event-loop", help="uvloop (default) or asyncio (the standard library's loop, slower)")
-    p.add_argument("--mamba-checkpoint-interval", type=int,
-                   help="keep a Mamba state only every K chunks (default 1: every boundary)")
-    p.add_argument("--shutdown-timeout-s", type=float, help="drain deadline on SIGTERM (default 10)")
-    p.add_argument("--io-timeout-s", type=float, help="how long a client may take to send Hello or to read "
-                   "its replies before it is disconnected (default 10)")
-    p.add_argument("--metrics-port", type=int, help="loopback port for /metrics and /healthz (default off)")
-    p.add_argument("--l2-path", help="disk tier directory: entries are written behind and served after a "
-                   "restart (default off)")
-    p.add_argument("--l2-size-gb", help="disk tier cap in GiB (required with --l2-path)")
-    p.add_argument("--cluster", help="mooncake://MASTER_HOST:PORT: share entries with every node of a Mooncake "
-                   "Store cluster (default off; needs hkvd[cluster])")
-    p.add_argument("--cluster-segment-gb", help="memory this node contributes to the cluster, GiB (default 1)")
-    p.add_argument("--cluster-protocol", help="tcp (default) or rdma")
-    p.add_argument("--cluster-devices", help="RDMA device names for --cluster-protocol rdma, e.g. mlx5_0")
-    p.add_argument("--cluster-local-host", help="the address other nodes reach this one at (default: the one "
-                   "this host reaches the master from)")
-    p.add_argument("--cluster-replicas", type=int, help="copies of each value on distinct nodes (default 1; 2 "
-                   "survives a node leaving)")
-    p.add_argument("--cluster-lookup-timeout-ms", type=float, help="how long one lookup waits on the cluster "
-                   "(default 200)")
-    p.add_argument("--peer-listen", help="HOST:PORT where peer daemons (decode nodes) pull leased entries "
-                   "(default off; needs a peer token and NIXL)")
-    p.add_argument("--peer-advertise", help="HOST:PORT engines hand to decode engines (default --peer-listen)")
-    p.add_argument("--peer-token-file", help="file holding the shared peer token (chmod 600; the same on both "
-                   "daemons); also $HKVD_PEER_TOKEN")
-    p.add_argument("--peer-token", help="the shared peer token itself (visible in ps: prefer --peer-token-file)")
-    p.add_argument("--peer-allow", help="addresses/CIDRs that may connect to --peer-listen, comma-separated "
-                   "(default loopback only)")
-    p.add_argument("--peer-timeout-s", type=float, help="connect, handshake and each peer request (default 10)")
-    p.add_argument("--peer-pull-timeout-s", type=float, help="a whole pull from a peer (default 20)")
-    p.add_argument("--gc-freeze-every", type=int,
-                   help="entries written between moves of the heap out of Python's cyclic collector (default "
-                        "10000; keeps full collections, 1 s at 10^6 entries, off the event loop); 0 = off")
+    add_flags(p)
 
 
 def build_config(args: argparse.Namespace) -> DaemonConfig:
-    values: dict[str, Any] = load_toml(args.config) if args.config else {}
-    for key, (fname, conv) in TOML_KEYS.items():
-        v = getattr(args, key, None)
-        if v is None:
-            continue
-        try:
-            values[fname] = conv(v)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"--{key.replace('_', '-')} {v!r}: {e}") from None
-    return DaemonConfig(**values)
+    return DaemonConfig(**values_from(load_toml(args.config) if args.config else {}, args))
 
 
 def query_status(socket_path: str, timeout_s: float) -> dict[str, Any]:

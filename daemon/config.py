@@ -1,5 +1,8 @@
 """Daemon configuration: one frozen dataclass, built from flags and an optional TOML file.
 
+How a user writes each value (flag, TOML key, parser, help) is declared once, in
+``hkvd.daemon.options``; this module holds the values and checks them together.
+
 Units are in the names (``_bytes``, ``_s``). Every value is validated here, at start-up, with a
 message that says what is wrong and what to write instead: a bad flag must never surface later as
 an odd failure under load.
@@ -9,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import grp
-import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,88 +180,3 @@ class DaemonConfig:
 
     def replace(self, **changes: Any) -> DaemonConfig:
         return dataclasses.replace(self, **changes)
-
-
-# Flag name (as in TOML, dashes or underscores) -> (field, converter)
-def _gib(flag: str, example: str) -> Callable[[Any], int]:
-    """Converter for a size flag given in GiB (``flag`` and ``example`` name it in errors)."""
-
-    def convert(v: Any) -> int:
-        try:
-            gb = float(v)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{flag} {v!r}: expected a number of GiB, e.g. {example} or 0.5") from None
-        if gb <= 0:
-            raise ConfigError(f"{flag} {v!r}: must be > 0")
-        return int(gb * GIB)
-
-    return convert
-
-
-_gb = _gib("--l1-size-gb", "4")
-_l2_gb = _gib("--l2-size-gb", "100")
-_cluster_gb = _gib("--cluster-segment-gb", "4")
-
-
-TOML_KEYS: dict[str, tuple[str, Any]] = {
-    "socket": ("socket_path", str),
-    "chunk_size": ("chunk_size", int),
-    "l1_size_gb": ("l1_size_bytes", _gb),
-    "eviction_policy": ("eviction_policy", lambda v: str(v).lower()),
-    "hugepages": ("hugepages", str),
-    "prefault_threads": ("prefault_threads", int),
-    "numa_node": ("numa_node", int),
-    "log_level": ("log_level", lambda v: str(v).lower()),
-    "lease_ttl_s": ("lease_ttl_s", float),
-    "socket_mode": ("socket_mode", lambda v: int(str(v), 8)),
-    "socket_group": ("socket_group", str),
-    "allowed_uids": ("allowed_uids", lambda v: tuple(int(x) for x in v)),
-    "copy_threads": ("copy_threads", int),
-    "copy_engine": ("copy_engine", lambda v: str(v).lower()),
-    "event_loop": ("event_loop", lambda v: str(v).lower()),
-    "mamba_checkpoint_interval": ("mamba_checkpoint_interval", int),
-    "shutdown_timeout_s": ("shutdown_timeout_s", float),
-    "io_timeout_s": ("io_timeout_s", float),
-    "metrics_port": ("metrics_port", int),
-    "l2_path": ("l2_path", str),
-    "l2_size_gb": ("l2_size_bytes", _l2_gb),
-    "cluster": ("cluster", str),
-    "cluster_segment_gb": ("cluster_segment_bytes", _cluster_gb),
-    "cluster_protocol": ("cluster_protocol", lambda v: str(v).lower()),
-    "cluster_devices": ("cluster_devices", str),
-    "cluster_local_host": ("cluster_local_host", str),
-    "cluster_replicas": ("cluster_replicas", int),
-    "cluster_lookup_timeout_ms": ("cluster_lookup_timeout_ms", float),
-    "peer_listen": ("peer_listen", str),
-    "peer_advertise": ("peer_advertise", str),
-    "peer_token": ("peer_token", str),
-    "peer_token_file": ("peer_token_file", str),
-    "peer_allow": ("peer_allow", lambda v: tuple(x.strip() for x in (v.split(",") if isinstance(v, str) else v)
-                                                 if str(x).strip())),
-    "peer_timeout_s": ("peer_timeout_s", float),
-    "peer_pull_timeout_s": ("peer_pull_timeout_s", float),
-    "gc_freeze_every": ("gc_freeze_every", int),
-}
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config (keys as the flags: ``chunk-size = 256``) into DaemonConfig field values."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        norm = key.replace("-", "_")
-        if norm not in TOML_KEYS:
-            raise ConfigError(f"--config {path}: unknown key {key!r}; known keys: "
-                              + ", ".join(k.replace("_", "-") for k in TOML_KEYS))
-        fname, conv = TOML_KEYS[norm]
-        try:
-            out[fname] = conv(value)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"--config {path}: bad value for {key!r}: {e}") from None
-    return out

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon.config import DaemonConfig, load_toml
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.notify import Notifier
+from hkvd.daemon.options import load_toml
 from hkvd.shim.client import DaemonClient
 
 REPO = Path(__file__).resolve().parents[2]

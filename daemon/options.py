@@ -1,0 +1,310 @@
+"""Every ``hkvd serve`` option, declared once: flag, TOML key, parser, default as shown, and help.
+
+Role
+    ``DaemonConfig`` holds the values and validates them together; this table says how a user
+    writes each one. The flags of ``hkvd serve``, the keys ``--config`` accepts, the flag tables
+    in README.md and docs/configuration.md and the example ``packaging/hkvd.toml`` are all
+    generated from it (``python -m hkvd.daemon.options --write`` rewrites the files;
+    tests/unit/test_options.py fails when any of them drifts).
+
+Contracts
+    - ``Option.key`` is the flag without its dashes: the TOML key (dashes or underscores).
+    - ``Option.parse`` turns a flag string or a TOML value into the field's value, raising
+      ``ConfigError`` (or ``ValueError``/``TypeError``, reported with the flag) on bad input.
+    - ``Option.default`` is the default as a user reads it; where it is a value, ``parse`` of it
+      equals ``DaemonConfig``'s default (checked by the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hkvd.daemon.config import GIB, ConfigError, DaemonConfig
+
+
+def _gib(flag: str, example: str) -> Callable[[Any], int]:
+    """A size given in GiB (``flag`` and ``example`` name it in errors)."""
+
+    def convert(v: Any) -> int:
+        try:
+            gb = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag} {v!r}: expected a number of GiB, e.g. {example} or 0.5") from None
+        if gb <= 0:
+            raise ConfigError(f"{flag} {v!r}: must be > 0")
+        return int(gb * GIB)
+
+    return convert
+
+
+def _lower(v: Any) -> str:
+    return str(v).lower()
+
+
+def _octal(v: Any) -> int:
+    return int(str(v), 8)
+
+
+def _uids(v: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v))
+
+
+def _addresses(v: Any) -> tuple[str, ...]:
+    return tuple(str(x).strip() for x in (v.split(",") if isinstance(v, str) else v) if str(x).strip())
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    flag: str  # "--chunk-size"
+    field: str  # the DaemonConfig field it sets
+    parse: Callable[[Any], Any]
+    default: str  # as a user reads it; a parseable value, or words ("off", "see --socket")
+    help: str
+    metavar: str = ""  # how the value reads in the tables ("N", "PATH"); "" for words like auto/off
+    example: str = ""  # TOML value for packaging/hkvd.toml (a TOML literal); "" = the default, commented out
+    essential: bool = False  # listed in README's short table (every option is in docs/configuration.md)
+    in_toml: bool = True  # False: a flag only (secrets belong in a file, not in the config)
+    active: bool = False  # set (not commented out) in packaging/hkvd.toml
+
+    @property
+    def key(self) -> str:
+        return self.flag[2:]
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--socket", "socket_path", str, "see meaning",
+           "control socket path, created 0660 ($XDG_RUNTIME_DIR/hkvd/hkvd.sock, or /run/hkvd/hkvd.sock as root)",
+           "PATH", '"/run/hkvd/hkvd.sock"', essential=True, active=True),
+    Option("--chunk-size", "chunk_size", int, "256",
+           "tokens per chunk: a multiple of vLLM's block size N (engines may register their own)", "N", "256",
+           essential=True),
+    Option("--l1-size-gb", "l1_size_bytes", _gib("--l1-size-gb", "4"), "1",
+           "pool size in GiB; any mix of entry sizes of 32 KiB or more fills at least 7/8 of it, less one "
+           "superblock (1/64 of the pool, 2-32 MiB) per size; an engine whose one chunk does not fit is "
+           "refused at registration with the smallest size that does", "X", "1", essential=True),
+    Option("--eviction-policy", "eviction_policy", _lower, "lru",
+           "lru, or hybrid: orphan-aware LRU (docs/hybrid.md)", example='"lru"'),
+    Option("--hugepages", "hugepages", _lower, "auto",
+           "auto (hugetlb if reserved, else THP), require (fail without reserved pages), or off",
+           example='"auto"', essential=True),
+    Option("--prefault-threads", "prefault_threads", int, "0",
+           "threads faulting the pool in behind serving; 0 = min(cores, 8). hkvd serves once the first 1/8 "
+           "(at most 256 MiB) is in, and hands out only faulted memory", "N"),
+    Option("--numa-node", "numa_node", int, "-1",
+           "bind the pool to this NUMA node, the GPUs' (nvidia-smi topo -m); -1 = unbound", "N"),
+    Option("--log-level", "log_level", _lower, "info", "debug, info, warning or error (reloadable)",
+           example='"info"'),
+    Option("--lease-ttl-s", "lease_ttl_s", float, "30",
+           "how long a lookup's lease protects its entries from eviction, in seconds (reloadable)", "S", "30"),
+    Option("--socket-group", "socket_group", str, "",
+           "group that owns the socket; empty = the daemon's own", "NAME", '"hkvd"'),
+    Option("--socket-mode", "socket_mode", _octal, "660", "the socket's permissions, in octal", "MODE"),
+    Option("--allowed-uids", "allowed_uids", _uids, "",
+           "uids that may connect, comma-separated; empty = the daemon's own uid and root", "LIST", "[1000]"),
+    Option("--copy-threads", "copy_threads", int, "2", "threads running copies too large to run on the loop",
+           "N", "2"),
+    Option("--copy-engine", "copy_engine", _lower, "host",
+           "host (KV caches in CPU memory: process_vm_readv/writev) or cuda (GPU KV caches over CUDA IPC; "
+           "needs hkvd[gpu]; docs/gpu.md)", example='"host"', essential=True),
+    Option("--event-loop", "event_loop", _lower, "uvloop", "uvloop, or asyncio (the standard library's loop)",
+           example='"uvloop"'),
+    Option("--mamba-checkpoint-interval", "mamba_checkpoint_interval", int, "1",
+           "keep a Mamba state only every K chunks (1 keeps every boundary)", "K"),
+    Option("--shutdown-timeout-s", "shutdown_timeout_s", float, "10",
+           "on SIGTERM, how long in-flight copies and the disk queue may take to drain", "S", "10"),
+    Option("--io-timeout-s", "io_timeout_s", float, "10",
+           "how long a client may take to send Hello, or leave its replies unread, before it is disconnected",
+           "S"),
+    Option("--metrics-port", "metrics_port", int, "0",
+           "loopback port for Prometheus /metrics and /healthz; 0 = off (needs hkvd[metrics])", "PORT", "9464",
+           active=True),
+    Option("--l2-path", "l2_path", str, "",
+           "disk tier directory: entries are written behind and served after a restart; empty = off "
+           "(docs/operating.md)", "DIR", '"/var/cache/hkvd"', essential=True),
+    Option("--l2-size-gb", "l2_size_bytes", _gib("--l2-size-gb", "100"), "",
+           "the most disk the tier uses, in GiB (required with --l2-path); least recently used files go first",
+           "X", "100"),
+    Option("--cluster", "cluster", str, "",
+           "mooncake://MASTER_HOST:PORT: share entries with every node of a Mooncake Store cluster; empty = off "
+           "(needs hkvd[cluster]; docs/cluster.md)", "URL", '"mooncake://10.0.0.1:50051"', essential=True),
+    Option("--cluster-segment-gb", "cluster_segment_bytes", _gib("--cluster-segment-gb", "4"), "1",
+           "memory this node contributes to the cluster, in GiB", "X"),
+    Option("--cluster-protocol", "cluster_protocol", _lower, "tcp", "tcp, or rdma", example='"tcp"'),
+    Option("--cluster-devices", "cluster_devices", str, "", "RDMA device names for --cluster-protocol rdma",
+           "LIST", '"mlx5_0"'),
+    Option("--cluster-local-host", "cluster_local_host", str, "",
+           "the address other nodes reach this one at; empty = the one this host reaches the master from",
+           "HOST", '"10.0.0.2"'),
+    Option("--cluster-replicas", "cluster_replicas", int, "1",
+           "copies of each value on distinct nodes (2 survives a node leaving)", "N"),
+    Option("--cluster-lookup-timeout-ms", "cluster_lookup_timeout_ms", float, "200",
+           "how long one lookup waits on the cluster", "MS"),
+    Option("--peer-listen", "peer_listen", str, "",
+           "HOST:PORT where decode nodes' daemons pull leased entries; empty = serve no peers (needs a peer "
+           "token and NIXL; docs/peers.md)", "HOST:PORT", '"10.0.0.1:7470"', essential=True),
+    Option("--peer-advertise", "peer_advertise", str, "",
+           "HOST:PORT engines hand to decode engines; empty = --peer-listen", "HOST:PORT", '"10.0.0.1:7470"'),
+    Option("--peer-token-file", "peer_token_file", str, "",
+           "file holding the shared peer token (chmod 600, the same on both daemons); also $HKVD_PEER_TOKEN",
+           "PATH", '"/etc/hkvd/peer-token"'),
+    Option("--peer-token", "peer_token", str, "",
+           "the shared peer token itself (visible in ps: prefer --peer-token-file)", "TOKEN", in_toml=False),
+    Option("--peer-allow", "peer_allow", _addresses, "",
+           "addresses/CIDRs that may connect to --peer-listen, comma-separated; empty = loopback only", "LIST",
+           '["10.0.0.0/24"]'),
+    Option("--peer-timeout-s", "peer_timeout_s", float, "10", "connect, handshake and each peer request", "S"),
+    Option("--peer-pull-timeout-s", "peer_pull_timeout_s", float, "20", "a whole pull from a peer", "S"),
+    Option("--gc-freeze-every", "gc_freeze_every", int, "10000",
+           "entries written between moves of the heap out of Python's cyclic collector (docs/operating.md); "
+           "0 = off", "N"),
+)
+# DaemonConfig fields no user sets: tests and benchmarks pass them directly.
+INTERNAL_FIELDS = ("max_frame_bytes", "superblock_bytes")
+BY_KEY: dict[str, Option] = {o.key.replace("-", "_"): o for o in OPTIONS}
+
+
+def parse_value(option: Option, value: Any) -> Any:
+    try:
+        return option.parse(value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{option.flag} {value!r}: {e}") from None
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Every option as a flag of ``hkvd serve``; its value is parsed later, with the TOML file's."""
+    for o in OPTIONS:
+        default = f" (default {o.default})" if o.default else ""
+        parser.add_argument(o.flag, dest=o.field, metavar=o.metavar or None, help=o.help + default)
+
+
+def values_from(toml: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """DaemonConfig values: the TOML file's (already parsed), then the flags given, which win."""
+    values = dict(toml)
+    for o in OPTIONS:
+        v = getattr(args, o.field, None)
+        if v is not None:
+            values[o.field] = parse_value(o, v)
+    return values
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config (keys as the flags: ``chunk-size = 256``) into DaemonConfig field values."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    return from_toml(raw, f"--config {path}")
+
+
+def from_toml(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        o = BY_KEY.get(key.replace("-", "_"))
+        if o is None or not o.in_toml:
+            known = ", ".join(x.key for x in OPTIONS if x.in_toml)
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {known}")
+        try:
+            out[o.field] = parse_value(o, value)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return out
+
+
+def _row(o: Option) -> str:
+    flag = f"`{o.flag} {o.metavar}`" if o.metavar else f"`{o.flag}`"
+    return f"| {flag} | {o.default or 'empty'} | {o.help} |"
+
+
+def flag_table(essential_only: bool) -> str:
+    rows = [_row(o) for o in OPTIONS if o.essential or not essential_only]
+    return "\n".join(["| flag | default | meaning |", "|---|---|---|", *rows])
+
+
+def example_toml() -> str:
+    lines = ["# /etc/hkvd/hkvd.toml: keys as the `hkvd serve` flags (dashes or underscores); flags win over this file.",
+             "# `systemctl reload hkvd` (SIGHUP) re-reads it: log-level and lease-ttl-s apply at once; every other",
+             "# key is logged as \"needs a restart\" and takes effect on `systemctl restart hkvd`.",
+             "# Generated from hkvd.daemon.options: `python -m hkvd.daemon.options --write`."]
+    for o in OPTIONS:
+        if not o.in_toml:
+            continue
+        lines.append("")
+        lines.append(f"# {o.help}")
+        value = o.example or _toml_literal(o.default)
+        lines.append(f"{o.key} = {value}" if o.active else f"# {o.key} = {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_literal(text: str) -> str:
+    try:
+        float(text)
+    except ValueError:
+        return f'"{text}"'
+    return text
+
+
+README_MARK = ("<!-- flags: generated by python -m hkvd.daemon.options --write -->", "<!-- /flags -->")
+
+
+def with_table(doc: str, table: str, path: str) -> str:
+    start, end = README_MARK
+    if start not in doc or end not in doc:
+        raise ConfigError(f"{path} has no {start} ... {end} block for the flag table")
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{table}\n{end}{tail}"
+
+
+def generated_files(root: Path) -> dict[Path, str]:
+    """Every file generated from the table, as it should read."""
+    readme, reference = root / "README.md", root / "docs" / "configuration.md"
+    return {
+        readme: with_table(readme.read_text(), flag_table(essential_only=True), "README.md"),
+        reference: with_table(reference.read_text(), flag_table(essential_only=False), "docs/configuration.md"),
+        root / "packaging" / "hkvd.toml": example_toml(),
+    }
+
+
+def check_defaults() -> list[str]:
+    """Options whose shown default is a value that disagrees with DaemonConfig's default."""
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[operator]
+                for f in dataclasses.fields(DaemonConfig)}
+    wrong = []
+    for o in OPTIONS:
+        if o.default in ("", "see meaning"):
+            continue
+        if parse_value(o, o.default) != defaults[o.field]:
+            wrong.append(f"{o.flag}: shows {o.default}, DaemonConfig has {defaults[o.field]!r}")
+    return wrong
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[argv.index("--root") + 1]) if "--root" in argv else Path.cwd()
+    files = generated_files(root)
+    if "--write" in argv:
+        for path, text in files.items():
+            path.write_text(text)
+            print(f"wrote {path}")
+        return 0
+    stale = [str(p) for p, text in files.items() if p.read_text() != text]
+    for p in stale:
+        print(f"{p} is out of date: python -m hkvd.daemon.options --write", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
