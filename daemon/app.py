@@ -40,7 +40,7 @@ from typing import Any
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
 from hkvd.daemon.disk_tier import DiskTier
-from hkvd.daemon.errors import PoolError
+from hkvd.daemon.errors import KVError, PoolError, StartupError
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.index import Index
@@ -132,8 +132,10 @@ class Daemon:
             await self._run(executor)
         except BaseExceptionGroup as eg:  # the TaskGroup wraps start-up errors; callers expect them bare
             if len(eg.exceptions) == 1:
-                raise eg.exceptions[0] from None
+                raise self._as_startup_error(eg.exceptions[0]) from None
             raise
+        except (PoolError, OSError, KVError) as e:
+            raise self._as_startup_error(e) from None
         finally:
             self.stopping = True
             self.heap.uninstall()
@@ -154,6 +156,12 @@ class Daemon:
                 self.pool.close()
         log.info("hkvd stopped")
         return 0
+
+    def _as_startup_error(self, e: BaseException) -> BaseException:
+        """A failure before ready (the pool, the socket, a tier, the peers) is a ``StartupError``."""
+        if self.ready.is_set() or isinstance(e, StartupError) or not isinstance(e, (PoolError, OSError, KVError)):
+            return e
+        return StartupError(str(e))
 
     async def _run(self, executor: ThreadPoolExecutor) -> None:
         cfg = self.cfg

@@ -18,8 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.config import GIB, ConfigError, DaemonConfig
+from hkvd.cuda._cupy import unshadow_nvidia_cuda
+from hkvd.daemon.app import Daemon
+from hkvd.daemon.config import GIB, DaemonConfig
+from hkvd.daemon.copy_engine import check_copy_engine
+from hkvd.daemon.errors import StartupError
+from hkvd.daemon.http import require_prometheus
 from hkvd.daemon.options import add_flags, load_toml, values_from
+from hkvd.daemon.peers import check_peer_config, peers_wanted
 from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_body, encode
 from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 from hkvd.transport.paths import default_socket_path
@@ -295,8 +301,6 @@ def install_service(prefix: str, *, user: str | None = None, force: bool = False
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hkvd.cuda._cupy import unshadow_nvidia_cuda
-
     unshadow_nvidia_cuda()  # `python -m hkvd.daemon` from a checkout's root must still find CuPy's `cuda`
     parser = argparse.ArgumentParser(prog="hkvd", description="hybrid KV-cache daemon for LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -317,46 +321,29 @@ def main(argv: list[str] | None = None) -> int:
         return install_service(args.prefix, user=args.user, force=args.force)
     try:
         cfg = build_config(args)
-    except ConfigError as e:
-        print(f"hkvd serve: {e}", file=sys.stderr)
-        return 2
+        _preflight(cfg)
+        setup_logging(cfg.log_level)
+        if os.geteuid() == 0:
+            logging.getLogger("hkvd").warning(
+                "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "
+                "run it as the user the engines run as (hkvd install-service --user NAME)")
+        with asyncio.Runner(loop_factory=loop_factory(cfg.event_loop)) as runner:
+            return runner.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
+    except StartupError as e:
+        print(f"hkvd serve: cannot start: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def _preflight(cfg: DaemonConfig) -> None:
+    """What can fail before the pool is pre-faulted, checked first. Raises ``StartupError``."""
     if cfg.metrics_port:
-        from hkvd.daemon.http import PrometheusMissing, require_prometheus
-
-        try:
-            require_prometheus()
-        except PrometheusMissing as e:
-            print(f"hkvd serve: {e}", file=sys.stderr)
-            return 2
-    from hkvd.daemon.peers import peers_wanted
-
+        require_prometheus()
     if peers_wanted(cfg):
-        from hkvd.daemon.peer_auth import PeerConfigError
-        from hkvd.daemon.peers import check_peer_config
-
-        try:
-            check_peer_config(cfg)
-        except PeerConfigError as e:
-            print(f"hkvd serve: {e}", file=sys.stderr)
-            return 2
+        check_peer_config(cfg)
         if cfg.peer_token:
             print("hkvd serve: warning: --peer-token is visible to every user in ps; prefer --peer-token-file",
                   file=sys.stderr)
-    setup_logging(cfg.log_level)
-    if os.geteuid() == 0:
-        logging.getLogger("hkvd").warning(
-            "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "
-            "run it as the user the engines run as (hkvd install-service --user NAME)")
-    from hkvd.daemon.copy_engine import CopyEngineUnavailable, check_copy_engine
-    from hkvd.daemon.errors import PoolError
-
-    try:
-        check_copy_engine(cfg.copy_engine)
-        with asyncio.Runner(loop_factory=loop_factory(cfg.event_loop)) as runner:
-            return runner.run(_run(cfg, (lambda: build_config(args)) if args.config else None))
-    except (PoolError, OSError, CopyEngineUnavailable, KVError) as e:
-        logging.getLogger("hkvd").error("cannot start: %s", e)
-        return 1
+    check_copy_engine(cfg.copy_engine)
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -366,14 +353,12 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
     try:
         import uvloop
     except ImportError:
-        raise OSError("--event-loop uvloop: uvloop is not installed; `pip install uvloop` (hkvd depends on "
+        raise StartupError("--event-loop uvloop: uvloop is not installed; `pip install uvloop` (hkvd depends on "
                       "it), or run with --event-loop asyncio") from None
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
 async def _run(cfg: DaemonConfig, reload_config: Callable[[], DaemonConfig] | None = None) -> int:
-    from hkvd.daemon.app import Daemon
-
     return await Daemon(cfg, reload_config=reload_config).serve()
 
 

@@ -64,6 +64,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hkvd.daemon.disk_tier import HEADER_BYTES, FormatError, Header, unpack_header
+from hkvd.daemon.errors import StartupError
 from hkvd.daemon.index import EntryKey
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
@@ -87,7 +88,7 @@ NO_AVAILABLE_HANDLE = -200  # a put the cluster has no room for: skipped, not an
 SIZE_MISMATCH = (-600, -800)  # the buffer is too small / the transfer failed on a size mismatch
 
 
-class ClusterTierError(OSError):
+class ClusterTierError(StartupError, OSError):
     """The cluster tier cannot start (Mooncake missing, bad --cluster); the message names the fix."""
 
 

@@ -15,6 +15,7 @@ import grp
 from dataclasses import dataclass, field
 from typing import Any
 
+from hkvd.daemon.errors import StartupError
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
 from hkvd.daemon.pool import MIN_SUPERBLOCK_BYTES
 from hkvd.transport.paths import default_socket_path
@@ -25,8 +26,10 @@ HUGEPAGE_MODES = ("auto", "require", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class ConfigError(ValueError):
+class ConfigError(StartupError, ValueError):
     """A configuration value is invalid; the message names the fix."""
+
+    exit_code = 2
 
 
 COPY_ENGINES = ("host", "cuda")

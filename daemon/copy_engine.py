@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hkvd.daemon.errors import StartupError
 from hkvd.transport.copy_engine import CopyEngine
 
 
-class CopyEngineUnavailable(RuntimeError):
+class CopyEngineUnavailable(StartupError, RuntimeError):
     """The configured copy engine cannot run on this machine; the message names the fix."""
 
 

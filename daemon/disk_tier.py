@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hkvd.daemon.errors import StartupError
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
 from hkvd.daemon.tiers import Source, Tier
@@ -104,7 +105,7 @@ ERROR_LOG_EVERY_S = 60.0
 MAX_LOGGED_FILES = 10  # corrupt files named one by one at start-up; the rest are summed up
 
 
-class DiskTierError(OSError):
+class DiskTierError(StartupError, OSError):
     """The disk tier cannot start (directory missing, not writable); the message names the fix."""
 
 

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hkvd.daemon.errors import StartupError
+
 log = logging.getLogger("hkvd.http")
 
 READ_TIMEOUT_S = 5.0
@@ -87,8 +89,10 @@ CLUSTER_BY_REASON = {
 GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
 
 
-class PrometheusMissing(RuntimeError):
-    pass
+class PrometheusMissing(StartupError, RuntimeError):
+    """--metrics-port without prometheus_client installed; the message names the install."""
+
+    exit_code = 2
 
 
 def require_prometheus() -> None:

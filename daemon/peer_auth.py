@@ -1,10 +1,13 @@
-"""Peer authentication: the shared token, HMAC challenge proofs, the address allowlist.
+"""Peer authentication: the shared token, HMAC challenge proofs, the address allowlist, admission.
 
 Role
     Pure helpers for ``peer_server`` and ``peer_client``. Two daemons pair only when both know the
     same token (``--peer-token-file``, ``HKVD_PEER_TOKEN`` or ``--peer-token``), proved by
     HMAC-SHA256 over fresh nonces from both sides (the token never crosses the wire), and only
     when the connecting address is in the serving daemon's ``--peer-allow`` list.
+    ``PeerGate`` decides at accept, before a byte is read, whether a connection may stay: its
+    address is allowed, and neither its address nor the daemon holds as many peer connections as
+    allowed (``--peer-max-connections-per-address``, ``--peer-max-connections``).
 
 Trust model
     An authenticated peer receives the NIXL metadata of the serving pool: with it the transport can
@@ -12,7 +15,7 @@ Trust model
     leased. Give the token only to daemons you trust with the cache's contents.
 
 Threading
-    Pure functions; safe anywhere.
+    Pure functions; safe anywhere. ``PeerGate`` is plain state for the event loop's thread.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import hmac
 import ipaddress
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterable
+from typing import NamedTuple
 
+from hkvd.daemon.errors import Busy, KVError, PermissionDenied, StartupError
 from hkvd.transport.wire.peer import PEER_VERSION
 
 MIN_TOKEN_BYTES = 16
@@ -33,8 +39,10 @@ _LABEL = f"hkvd-peer-{PEER_VERSION}".encode()
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-class PeerConfigError(ValueError):
+class PeerConfigError(StartupError, ValueError):
     """A peer flag is wrong; the message names the fix."""
+
+    exit_code = 2
 
 
 def read_token(token: str, token_file: str) -> bytes:
@@ -104,3 +112,59 @@ def split_address(address: str, what: str = "peer address") -> tuple[str, int]:
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise PeerConfigError(f"{what} {address!r}: expected HOST:PORT, e.g. 10.0.0.5:7470 or [fd00::5]:7470")
     return host.strip("[]"), int(port_s)
+
+
+class Refusal(NamedTuple):
+    why: str  # the ``peer_refused`` metric's label: address, address_cap or total_cap
+    error: KVError  # what the connection is told before it is closed
+
+
+class GateStats(NamedTuple):
+    connections: int
+    addresses: int
+    max_connections: int
+    max_per_address: int
+
+
+class PeerGate:
+    """Which peer connections may stay open, decided when they are accepted.
+
+    ``admit`` counts an admitted connection against its address and the total; every admitted
+    connection must be ``release``d exactly once when it closes. Refusals hold nothing.
+    """
+
+    def __init__(self, allow: tuple[IPNetwork, ...], max_connections: int, max_per_address: int) -> None:
+        self.allow = allow
+        self.max_connections = max_connections
+        self.max_per_address = max_per_address
+        self._per_address: Counter[str] = Counter()
+        self._total = 0
+
+    def admit(self, address: str) -> Refusal | None:
+        if not allowed(address, self.allow):
+            return Refusal("address", PermissionDenied(
+                f"{address} may not connect to this hkvd; add it to the serving daemon's --peer-allow"))
+        if self._per_address[address] >= self.max_per_address:
+            return Refusal("address_cap", Busy(
+                f"{address} already holds {self.max_per_address} peer connections to this hkvd; close idle "
+                "ones, or raise the serving daemon's --peer-max-connections-per-address"))
+        if self._total >= self.max_connections:
+            return Refusal("total_cap", Busy(
+                f"this hkvd already serves {self.max_connections} peer connections; retry later, or raise "
+                "its --peer-max-connections (and its open-file limit, LimitNOFILE)"))
+        self._per_address[address] += 1
+        self._total += 1
+        return None
+
+    def release(self, address: str) -> None:
+        left = self._per_address[address] - 1
+        if left < 0:
+            raise AssertionError(f"peer connection from {address} released twice")
+        if left:
+            self._per_address[address] = left
+        else:
+            del self._per_address[address]
+        self._total -= 1
+
+    def statistics(self) -> GateStats:
+        return GateStats(self._total, len(self._per_address), self.max_connections, self.max_per_address)
