@@ -1,5 +1,7 @@
 """``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,all} [--quick] [--out bench/results]``.
 
+``python -m bench report [--write]`` renders docs/benchmarks.md's tables from bench/results/*.json.
+
 Writes ``<out>/<name>.json`` per run and PNG plots when matplotlib is importable, and prints a
 markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes on 2 cores: ``all
 --quick`` leaves out ``vllm_e2e`` (each vLLM engine takes ~40 s to start); full ``all`` runs it
@@ -16,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import report
 from bench.common import git_commit, machine, md_table, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault")
@@ -35,6 +38,9 @@ def _gpu(quick: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # docs/benchmarks.md's tables from bench/results/*.json (bench/report.py)
+        return report.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", choices=[*RUNS, "all", "gpu_copy"])

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,18 @@ class DaemonProcess:
     def status(self) -> dict[str, Any]:
         with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=5.0) as c:
             return c.status()
+
+    def wait_status(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float,
+                    poll_s: float = 0.02) -> dict[str, Any]:
+        """The first status for which ``pred`` holds; ``AssertionError`` with the last one after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            if pred(status):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached within {timeout_s} s; last status: {status}")
+            time.sleep(poll_s)
 
     def stop(self, timeout_s: float = 20.0) -> int:
         assert self.proc is not None

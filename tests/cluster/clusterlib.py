@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +91,7 @@ class Cluster:
         self.nodes.append(n)
         n.wait_ready(60)
         if wait:
-            wait_status(n, lambda s: s["cluster"]["connected"], 60)
+            n.wait_status(lambda s: s["cluster"]["connected"], 60)
         return n
 
     def corrupt_value(self, key: str) -> None:
@@ -122,13 +121,3 @@ def scrape(node: Node, port: int) -> str:
                           text=True, timeout=60, check=True).stdout
 
 
-def wait_status(daemon: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout_s: float,
-                poll_s: float = 0.05) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = daemon.status()
-        if pred(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout_s} s; last status: {status}")
-        time.sleep(poll_s)

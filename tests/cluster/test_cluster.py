@@ -52,7 +52,7 @@ def _check_attn(res: dict[str, Any], data: dict[int, bytes], n: int) -> None:
 
 def _puts(lib: Any, node: Any, n: int) -> dict[str, Any]:
     """Wait until ``node`` has put ``n`` values in the cluster."""
-    return lib.wait_status(node, lambda s: s["cluster"]["puts"] >= n and s["cluster"]["queued"] == 0, 60)
+    return node.wait_status(lambda s: s["cluster"]["puts"] >= n and s["cluster"]["queued"] == 0, 60)
 
 
 def test_node2_hits_what_node1_stored_byte_exact(cluster: Any, lib: Any) -> None:
@@ -123,7 +123,7 @@ def test_master_killed_mid_run_then_restarted(cluster: Any, lib: Any) -> None:
 
     cluster.stop_master(kill=True)
     for n in (n1, n2):
-        lib.wait_status(n, lambda s: not s["cluster"]["connected"], 30)
+        n.wait_status(lambda s: not s["cluster"]["connected"], 30)
     # Both keep serving: node 1 stores (the cluster copy is skipped and counted), node 2 hits what its
     # pool holds and misses the rest, no request fails.
     down, ddata, _ = _attn(n1, {22: 4})
@@ -135,7 +135,7 @@ def test_master_killed_mid_run_then_restarted(cluster: Any, lib: Any) -> None:
 
     cluster.start_master()
     for n in (n1, n2):
-        lib.wait_status(n, lambda s: s["cluster"]["connected"], 60)
+        n.wait_status(lambda s: s["cluster"]["connected"], 60)
     # A master restart loses its metadata; what is stored after it hits again.
     after, adata, _ = _attn(n1, {23: 5})
     _puts(lib, n1, 6 + 5)

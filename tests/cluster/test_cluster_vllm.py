@@ -35,7 +35,7 @@ def test_cold_on_node1_warm_on_node2(cluster: Any, lib: Any, tmp_path_factory: A
     n2 = cluster.node("node2", "d", *ARGS)
     common = {"model": model, "prompts": PROMPTS, "max_num_batched_tokens": pd.BLOCK, "role": "kv_both"}
     cold = pd._run({**common, "socket": n1.socket_path})
-    s1 = lib.wait_status(n1, lambda s: s["cluster"]["queued"] == 0 and s["index"]["pending"] == 0, 60)
+    s1 = n1.wait_status(lambda s: s["cluster"]["queued"] == 0 and s["index"]["pending"] == 0, 60)
     assert s1["cluster"]["puts"] > 0 and s1["cluster"]["errors"] == {}, s1["cluster"]
     warm = pd._run({**common, "socket": n2.socket_path})
     single = pd._run({**common, "socket": n1.socket_path})  # a fresh engine, warm on one node

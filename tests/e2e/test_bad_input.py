@@ -13,9 +13,9 @@ import pytest
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.errors import ErrorCode
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import PROTOCOL_VERSION, control, kv
-from hkvd.transport.errors import ErrorCode
 
 
 def raw_conn(path: str, hello: bool = True) -> socket.socket:
@@ -169,9 +169,9 @@ def test_a_region_that_wraps_the_address_space_is_refused(daemon):
 
     from hkvd.shim.client import DaemonClient
     from hkvd.transport.copy_engine import Region
+    from hkvd.transport.errors import RegistrationError
     from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire.control import EngineSpec
-    from hkvd.transport.errors import RegistrationError
 
     buf = np.zeros(4096, dtype=np.int8)
     huge = Region(0, "host", (1 << 64) - 1, addr=buf.ctypes.data)  # its end wraps to just below the start
@@ -189,9 +189,9 @@ def test_a_sliding_window_of_zero_is_a_registration_error_on_either_side(daemon,
 
     from hkvd.shim.client import DaemonClient
     from hkvd.transport.copy_engine import Region
+    from hkvd.transport.errors import RegistrationError
     from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire.control import EngineSpec
-    from hkvd.transport.errors import RegistrationError
 
     buf = np.zeros(2 * 16 * 4096, dtype=np.int8)
     views = (View(0, 0, 1, 16 * 4096, 4096, 4096),), (View(0, 16 * 4096, 1, 16 * 4096, 4096, 4096),)

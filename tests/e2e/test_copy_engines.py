@@ -9,9 +9,9 @@ import pytest
 
 from hkvd.cuda._cupy import device_count
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import kv
-from hkvd.transport.errors import ProtocolViolation
 
 
 def test_store_with_a_gpu_event_on_the_host_engine_is_refused_and_stores_nothing(daemon):

@@ -157,7 +157,7 @@ def _retrieve(eng: SyntheticEngine, keys: list[bytes], lease: int) -> list[bytes
 
 
 def _check_backing(daemon: Any, kind: str) -> dict[str, Any]:
-    status = peerlib.wait_status(daemon, lambda s: s["pool"]["prefault"]["done"], 60)
+    status = daemon.wait_status(lambda s: s["pool"]["prefault"]["done"], 60)
     pool = status["pool"]
     assert pool["prefault"]["error"] == "" and pool["faulted_bytes"] == pool["total_bytes"] == POOL_MIB * MIB
     assert (pool["kind"], pool["page_size"]) == (kind, HUGE_PAGE), pool
@@ -188,7 +188,7 @@ def test_store_retrieve_eviction_and_disk_tier_on_huge_pages(huge_kind: tuple[st
         prompts = {seed: chunk_keys(prompt_tokens(32 * 30, seed=seed), 32) for seed in (1, 2, 3)}
         # Written behind to the disk tier in batches its queue (pool / 8 = 8 MiB) takes whole.
         first = _store(eng, prompts[1], seed=11, batch=6,
-                       after_batch=lambda n: peerlib.wait_status(d, lambda s: s["l2"]["writes"] == n, 30))
+                       after_batch=lambda n: d.wait_status(lambda s: s["l2"]["writes"] == n, 30))
         hit, lease = eng.lookup(prompts[1])
         assert hit == 30 and _retrieve(eng, prompts[1], lease) == first  # straight from the pool
         later = {seed: _store(eng, prompts[seed], seed=10 + seed) for seed in (2, 3)}  # 90 MiB > the pool

@@ -9,8 +9,8 @@ import multiprocessing as mp
 import pytest
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, fetch_in_child, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import RegistrationError
+from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
 
 BLOCK = 16  # tokens per block == chunk size (N), as recommended for Mamba hybrids

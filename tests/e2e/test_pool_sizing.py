@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import RegistrationError
+from hkvd.transport.keys import chunk_keys
 
 KIB = 1024
 BLOCK = 16

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import LeaseExpired, NotFound, OutOfRange, RegistrationError
+from hkvd.transport.keys import chunk_keys
 
 
 def engine(daemon, **kw) -> SyntheticEngine:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import LeaseExpired, OutOfRange
+from hkvd.transport.keys import chunk_keys
 
 SHAPES = [GroupShape("full", 2, 4096), GroupShape("mamba", 1, 8192)]
 

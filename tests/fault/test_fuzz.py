@@ -18,9 +18,9 @@ import msgpack
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.errors import ErrorCode
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import PROTOCOL_VERSION, control, kv
-from hkvd.transport.errors import ErrorCode
 
 FRAMES = int(os.environ.get("HKVD_FUZZ_FRAMES", "100000"))
 CONNECTIONS = 8

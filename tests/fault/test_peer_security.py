@@ -20,9 +20,9 @@ import pytest
 from hkvd.daemon.peer_auth import client_proof, server_proof
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.errors import ErrorCode, PermissionDenied
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import Message, MsgType, kv
-from hkvd.transport.errors import ErrorCode, PermissionDenied
 from hkvd.transport.wire.peer import (
     PEER_VERSION,
     PeerAuth,
@@ -122,7 +122,7 @@ def test_wrong_token_gets_nothing(pair_factory: Any) -> None:
     c = _pull(decode.socket_path, prefill.peer_address, keys)
     assert isinstance(c.error, PermissionDenied) and "peer token" in c.error.message
     # The serving side sees the hang-up after its challenge, and says why it most likely happened.
-    lib.wait_status(prefill, lambda s: s["counters"].get("peer_refused", 0) >= 1, 10)
+    prefill.wait_status(lambda s: s["counters"].get("peer_refused", 0) >= 1, 10)
     assert "hung up after our challenge" in prefill.log()
     # An attacker that answers the challenge with a guess gets PERMISSION and a closed link.
     raw = Raw(prefill.peer_address)
@@ -133,7 +133,7 @@ def test_wrong_token_gets_nothing(pair_factory: Any) -> None:
     assert raw.recv() is None  # closed
     assert b"agent" not in raw.received and not any(isinstance(m, PeerWelcome) for m in [err])
     raw.close()
-    s = lib.wait_status(prefill, lambda s: s["counters"].get("peer_refused", 0) >= 2, 10)
+    s = prefill.wait_status(lambda s: s["counters"].get("peer_refused", 0) >= 2, 10)
     assert s["index"]["leases"] == 0
     assert decode.status()["index"]["entries"] == 0
 
@@ -271,10 +271,10 @@ def test_a_peer_releases_only_the_leases_its_own_link_took(pair_factory: Any) ->
     reply = victim.recv()
     assert reply is not None and reply.hit_chunks == 4 and reply.lease_id
     other.send(PeerRelease(2, reply.lease_id))  # another link, even one that knows the id
-    s = lib.wait_status(prefill, lambda s: s["counters"].get("peer_release_refused", 0) >= 1, 10)
+    s = prefill.wait_status(lambda s: s["counters"].get("peer_release_refused", 0) >= 1, 10)
     assert s["index"]["leases"] == 1  # the victim's lease holds
     victim.send(PeerRelease(3, reply.lease_id))
-    s = lib.wait_status(prefill, lambda s: s["index"]["leases"] == 0, 10)
+    s = prefill.wait_status(lambda s: s["index"]["leases"] == 0, 10)
     assert s["index"]["leases"] == 0
     for raw in links:
         raw.close()

@@ -10,9 +10,9 @@ import pytest
 
 from hkvd.shim.client import DaemonClient
 from hkvd.transport.copy_engine import Region
+from hkvd.transport.errors import OutOfRange, RegistrationError
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.errors import OutOfRange, RegistrationError
 
 NOBODY = 65534
 

@@ -9,8 +9,8 @@ import sys
 from prometheus_client.parser import text_string_to_metric_families
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import NotFound
+from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
 
 BLOCK = 16

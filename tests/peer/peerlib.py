@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +87,6 @@ def start_pair(workdir: Path, *, chunk_size: int = 32, pool_gb: str = "0.25", to
     return prefill, decode
 
 
-def wait_status(daemon: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout_s: float,
-                poll_s: float = 0.02) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = daemon.status()
-        if pred(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout_s} s; last status: {status}")
-        time.sleep(poll_s)
 
 
 def counter(status: dict[str, Any], name: str) -> float:

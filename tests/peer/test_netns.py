@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import KVTimeout
+from hkvd.transport.keys import chunk_keys
 
 SUBNET = "10.231.{}"
 PORT = 7470
@@ -121,7 +121,7 @@ def test_link_down_mid_pull(netns_pair: Any, lib: Any) -> None:
     producer, keys = _store(prefill, chunks, seed=2)
     consumer = SyntheticEngine(decode.socket_path, BIG, num_blocks=2 * chunks + 2, timeout_s=60)
     rid = consumer.client.submit_pull(prefill.peer_address, keys)
-    lib.wait_status(decode, lambda s: s["peer"]["transport"]["in_flight"] >= 1, 30, poll_s=0.002)
+    decode.wait_status(lambda s: s["peer"]["transport"]["in_flight"] >= 1, 30, poll_s=0.002)
     # Hold the READ mid-way (a stopped target cannot serve it), cut the link, let the target run.
     os.kill(prefill.proc.pid, signal.SIGSTOP)
     assert decode.status()["peer"]["transport"]["in_flight"] >= 1, "the READ finished before the link went down"
@@ -137,7 +137,7 @@ def test_link_down_mid_pull(netns_pair: Any, lib: Any) -> None:
         up = _ip("-n", veth["ns_d"], "link", "set", veth["dev_d"], "up")
         assert up.returncode == 0, up.stderr
     # Once the READ ends (completed late or failed), its pages are freed, never published.
-    s = lib.wait_status(decode, lambda s: s["peer"]["quarantined_entries"] == 0 and s["index"]["entries"] == 0, 120,
+    s = decode.wait_status(lambda s: s["peer"]["quarantined_entries"] == 0 and s["index"]["entries"] == 0, 120,
                         poll_s=0.1)
     assert s["pool"]["used_bytes"] == 0
     _pull_and_check(consumer, producer, prefill.peer_address, keys)

@@ -91,7 +91,7 @@ def test_peer_soak_keeps_both_daemons_flat_and_exact(pair_factory: Any, lib: Any
     for name, (first, last, drift) in drifts.items():
         assert drift <= RSS_DRIFT_LIMIT_MIB, f"{name} RSS grew {drift:.1f} MiB ({first:.1f} -> {last:.1f})"
     for d in (prefill, decode):
-        s = lib.wait_status(d, lambda st: st["index"]["leases"] == 0 and st["index"]["writing"] == 0
+        s = d.wait_status(lambda st: st["index"]["leases"] == 0 and st["index"]["writing"] == 0
                             and st["index"]["pinned_entries"] == 0, 15)
         assert s["engines"] == []
     d_status = decode.status()

@@ -66,7 +66,7 @@ def test_pull_then_retrieve_gives_the_stored_bytes(pair: Any, lib: Any) -> None:
     text = format_status(d)  # `hkvd status`
     assert "not serving; 1 links out" in text and "2 pulls, 320.0 KiB read in 1 READs (0 failed" in text
     # The serving daemon's lease ended with the pull (PeerRelease), not at its TTL.
-    p = lib.wait_status(prefill, lambda s: s["index"]["leases"] == 0, 10)
+    p = prefill.wait_status(lambda s: s["index"]["leases"] == 0, 10)
     assert lib.counter(p, "peer_lookups") == 1 and lib.counter(p, "peer_served_chunks") == 10
 
 

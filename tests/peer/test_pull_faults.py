@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.keys import chunk_keys
 from hkvd.transport.errors import CopyFailedError, DaemonUnavailable, KVTimeout
+from hkvd.transport.keys import chunk_keys
 
 # 512 chunks of 256 KiB (2 blocks x 2 layers x 64 KiB): a 128 MiB pull, long enough to freeze mid-way.
 BIG = [GroupShape("full", 2, 64 << 10)]
@@ -35,7 +35,7 @@ def _producer(prefill: Any, seed: int) -> tuple[SyntheticEngine, list[bytes]]:
 def _freeze_mid_read(lib: Any, prefill: Any, decode: Any, consumer: SyntheticEngine, keys: list[bytes]) -> int:
     """Submit a pull and SIGSTOP the serving daemon while its READ runs; returns the pull's req_id."""
     rid = consumer.client.submit_pull(prefill.peer_address, keys)
-    lib.wait_status(decode, lambda s: s["peer"]["transport"]["in_flight"] >= 1, 30, poll_s=0.002)
+    decode.wait_status(lambda s: s["peer"]["transport"]["in_flight"] >= 1, 30, poll_s=0.002)
     os.kill(prefill.proc.pid, signal.SIGSTOP)
     return rid
 
@@ -57,7 +57,7 @@ def test_serving_daemon_killed_mid_read(pair_factory: Any, lib: Any) -> None:
     assert not c.ok
     assert isinstance(c.error, CopyFailedError | DaemonUnavailable), c.error
     # Every entry the pull allocated is gone; nothing of it is visible.
-    s = lib.wait_status(decode, lambda s: s["index"]["entries"] == 0, 20)
+    s = decode.wait_status(lambda s: s["index"]["entries"] == 0, 20)
     assert s["index"]["writing"] == 0 and s["pool"]["used_bytes"] == 0 and s["peer"]["quarantined_entries"] == 0
     t = s["peer"]["transport"]
     # The pull READs in batches; those still running when the peer died failed (one that completed
@@ -84,7 +84,7 @@ def test_stalled_serving_daemon_times_out_then_the_read_is_discarded(pair_factor
     finally:
         os.kill(prefill.proc.pid, signal.SIGCONT)
     # The READ ends once the target runs again; its bytes are discarded, never published.
-    s = lib.wait_status(decode, lambda s: s["peer"]["quarantined_entries"] == 0 and s["index"]["entries"] == 0, 60)
+    s = decode.wait_status(lambda s: s["peer"]["quarantined_entries"] == 0 and s["index"]["entries"] == 0, 60)
     assert s["pool"]["used_bytes"] == 0 and consumer.lookup(keys)[0] == 0
     # The link serves the next pull, with exact bytes.
     rid = consumer.client.submit_pull(prefill.peer_address, keys)

@@ -14,8 +14,8 @@ import pytest
 
 from hkvd.shim.client import DaemonClient
 from hkvd.transport.codec import encode
-from hkvd.transport.wire import control
 from hkvd.transport.errors import KVTimeout
+from hkvd.transport.wire import control
 
 
 def _client_on(sock: socket.socket, timeout_s: float = 5.0) -> DaemonClient:

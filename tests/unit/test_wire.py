@@ -9,8 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
-from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv, peer
 from hkvd.transport.errors import (
     ErrorCode,
     FrameTooLarge,
@@ -20,6 +18,8 @@ from hkvd.transport.errors import (
     UnknownKVError,
     error_from_wire,
 )
+from hkvd.transport.keys import chunk_keys
+from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv, peer
 
 KEY = b"k" * 16
 SAMPLES = [
