@@ -68,7 +68,7 @@ from hkvd.daemon.errors import StartupError
 from hkvd.daemon.index import EntryKey
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
-from hkvd.daemon.tiers import Source, Tier
+from hkvd.daemon.tiers import Source, Tier, WriteJob, WriteQueue
 
 log = logging.getLogger("hkvd.cluster")
 
@@ -138,16 +138,6 @@ def load_mooncake() -> Any:
     return MooncakeDistributedStore
 
 
-@dataclass(slots=True)
-class _Job:
-    key: EntryKey
-    kind: str
-    nbytes: int
-    parent: bytes
-    extents: tuple[Extent, ...]
-    done: Callable[[], None]
-
-
 @dataclass(frozen=True, slots=True)
 class ClusterSettings:
     master: str  # mooncake://HOST:PORT
@@ -184,9 +174,7 @@ class ClusterTier(Tier):
         self._joined = False  # connected once: later connections count as reconnects
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._jobs: collections.deque[_Job] = collections.deque()
-        self._queued: set[EntryKey] = set()
-        self._queued_bytes = 0
+        self._queue = WriteQueue(settings.queue_entries, settings.queue_bytes)
         self._putting = 0
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -273,10 +261,7 @@ class ClusterTier(Tier):
         """Stop the writer after its batch; return how many queued entries were not put (their
         ``done`` still runs). Closes the Mooncake client unless a call still runs. Blocking."""
         with self._cond:
-            dropped = list(self._jobs)
-            self._jobs.clear()
-            self._queued.clear()
-            self._queued_bytes = 0
+            dropped = self._queue.drain()
             self._stopping.set()
             self._cond.notify_all()
         for job in dropped:
@@ -300,33 +285,30 @@ class ClusterTier(Tier):
     def offer(self, key: EntryKey, kind: str, nbytes: int, parent: bytes, extents: Sequence[Extent],
               done: Callable[[], None]) -> bool:
         with self._lock:
-            if self._stopping.is_set() or key in self._queued:
+            if self._stopping.is_set() or key in self._queue:
                 return False
             if not self.connected:
                 self.skips["unavailable"] = self.skips.get("unavailable", 0) + 1
                 return False
-            s = self.settings
-            if len(self._jobs) >= s.queue_entries or self._queued_bytes + nbytes > s.queue_bytes:
+            if not self._queue.has_room(nbytes):
                 self.skips["queue_full"] = self.skips.get("queue_full", 0) + 1
                 return False
-            self._jobs.append(_Job(key, kind, nbytes, parent, tuple(extents), done))
-            self._queued.add(key)
-            self._queued_bytes += nbytes
+            self._queue.push(WriteJob(key, kind, nbytes, parent, tuple(extents), done))
             self._cond.notify()
         return True
 
     def pending(self) -> int:
         with self._lock:
-            return len(self._jobs) + self._putting
+            return len(self._queue) + self._putting
 
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._stopping.is_set():
+                while not self._queue and not self._stopping.is_set():
                     self._cond.wait()
-                if not self._jobs:
+                if not self._queue:
                     return
-                batch = [self._jobs.popleft() for _ in range(min(PUT_BATCH, len(self._jobs)))]
+                batch = self._queue.take(PUT_BATCH)
                 self._putting = len(batch)
             try:
                 self._put(batch)
@@ -336,13 +318,12 @@ class ClusterTier(Tier):
             finally:
                 with self._lock:
                     for job in batch:
-                        self._queued.discard(job.key)
-                        self._queued_bytes -= job.nbytes
+                        self._queue.finished(job)
                     self._putting = 0
                 for job in batch:
                     self._notify(job.done)
 
-    def _put(self, batch: list[_Job]) -> None:
+    def _put(self, batch: list[WriteJob]) -> None:
         store = self._store
         if store is None or not self.connected:
             self._count(self.skips, "unavailable", len(batch))
@@ -523,7 +504,7 @@ class ClusterTier(Tier):
             return {
                 "master": self.settings.master, "connected": self.connected, "protocol": self.settings.protocol,
                 "segment_bytes": self.settings.segment_bytes, "replicas": self.settings.replicas,
-                "queued": len(self._jobs) + self._putting, "queued_bytes": self._queued_bytes,
+                "queued": len(self._queue) + self._putting, "queued_bytes": self._queue.bytes,
                 "puts": self.puts, "put_bytes": self.put_bytes, "gets": self.gets, "get_bytes": self.get_bytes,
                 "probes": self.probes, "probe_keys": self.probe_keys, "probe_hits": self.probe_hits,
                 "misses": self.misses, "reconnects": self.reconnects, "skips": dict(self.skips),

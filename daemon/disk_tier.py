@@ -79,7 +79,7 @@ from typing import Any
 from hkvd.daemon.errors import StartupError
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
-from hkvd.daemon.tiers import Source, Tier
+from hkvd.daemon.tiers import Source, Tier, WriteJob, WriteQueue
 
 log = logging.getLogger("hkvd.disk")
 
@@ -246,16 +246,6 @@ class Stored:
 
 
 @dataclass(slots=True)
-class _Job:
-    key: EntryKey
-    kind: str
-    nbytes: int
-    parent: bytes
-    extents: tuple[Extent, ...]
-    done: Callable[[], None]
-
-
-@dataclass(slots=True)
 class ScanReport:
     entries: int = 0
     bytes: int = 0
@@ -289,9 +279,7 @@ class DiskTier(Tier):
         self._catalog_bytes = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._jobs: collections.deque[_Job] = collections.deque()
-        self._queued: set[EntryKey] = set()
-        self._queued_bytes = 0
+        self._queue = WriteQueue(queue_entries, queue_bytes)
         self._writing = False
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -470,22 +458,19 @@ class DiskTier(Tier):
         (or given up); the caller keeps the entry's pages pinned until then. False: not queued
         (already on disk or queued, or the queue is full: counted as a drop)."""
         with self._lock:
-            if self._stopping or key in self._catalog or key in self._queued:
+            if self._stopping or key in self._catalog or key in self._queue:
                 return False
-            if (len(self._jobs) >= self.queue_entries or self._queued_bytes + nbytes > self.queue_bytes
-                    or HEADER_BYTES + nbytes > self.cap_bytes):
+            if not self._queue.has_room(nbytes) or HEADER_BYTES + nbytes > self.cap_bytes:
                 self.queue_drops += 1
                 return False
-            self._jobs.append(_Job(key, kind, nbytes, parent, tuple(extents), done))
-            self._queued.add(key)
-            self._queued_bytes += nbytes
+            self._queue.push(WriteJob(key, kind, nbytes, parent, tuple(extents), done))
             self._cond.notify()
         return True
 
     def pending(self) -> int:
         """Entries queued or being written."""
         with self._lock:
-            return len(self._jobs) + self._writing
+            return len(self._queue) + self._writing
 
     def discard(self, key: EntryKey, stored: Stored, reason: str) -> None:
         """Drop a file that failed a check: count it, delete it, never serve it again."""
@@ -500,11 +485,11 @@ class DiskTier(Tier):
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._stopping:
+                while not self._queue and not self._stopping:
                     self._cond.wait()
-                if not self._jobs:
+                if not self._queue:
                     return
-                job = self._jobs.popleft()
+                (job,) = self._queue.take(1)
                 self._writing = True
             try:
                 self._write(job)
@@ -513,12 +498,11 @@ class DiskTier(Tier):
                 self._log_write_error(job, e)
             finally:
                 with self._lock:
-                    self._queued.discard(job.key)
-                    self._queued_bytes -= job.nbytes
+                    self._queue.finished(job)
                     self._writing = False
                 self._notify(job.done)
 
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: WriteJob) -> None:
         t0 = time.perf_counter()
         rel = relative_path(job.key)
         final = str(self.root / rel)
@@ -554,7 +538,7 @@ class DiskTier(Tier):
         self.write_bytes += size
         self.write_rate.add(size, time.perf_counter() - t0)
 
-    def _log_write_error(self, job: _Job, e: Exception) -> None:
+    def _log_write_error(self, job: WriteJob, e: Exception) -> None:
         self._errors_since_log += 1
         now = time.monotonic()
         if now - self._last_error_log >= ERROR_LOG_EVERY_S:
@@ -627,11 +611,7 @@ class DiskTier(Tier):
         """Stop the writer after the entry it is writing; return how many queued entries were not
         written (their ``done`` still runs). Blocking: call from a thread."""
         with self._cond:
-            dropped = list(self._jobs)
-            self._jobs.clear()
-            for job in dropped:
-                self._queued.discard(job.key)
-                self._queued_bytes -= job.nbytes
+            dropped = self._queue.drain()
             self._stopping = True
             self._cond.notify_all()
         for job in dropped:
@@ -649,7 +629,7 @@ class DiskTier(Tier):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             entries, nbytes, queued, queued_bytes = (len(self._catalog), self._catalog_bytes,
-                                                     len(self._jobs) + self._writing, self._queued_bytes)
+                                                     len(self._queue) + self._writing, self._queue.bytes)
             corrupt = dict(self.corrupt)
         return {
             "path": str(self.root), "cap_bytes": self.cap_bytes, "entries": entries, "bytes": nbytes,
