@@ -21,6 +21,12 @@ Correctness rules
       ("quarantined") until the transport reports the READ over; only then are they freed.
     - The peer's reply is checked against the engine's own layout: exactly the entries the hybrid
       hit rule needs for the reported hit, each of the engine's entry size.
+    - A READ the transport failed (not a timeout) closes every link to that agent and unloads it:
+      the peer's transport host may have restarted with new metadata, or ours may have. A pull on a
+      link that had served before tries once more on a fresh link (``peer_pull_retries``).
+    - A READ still running ``ABANDONED_READ_RESET_TIMEOUTS`` pull timeouts after it was abandoned
+      (a peer UCX cannot route to stalls it until the serving agent goes away) resets the
+      transport, which settles it, so its quarantined pages come back (``peer_transport_resets``).
 
 Threading
     Event loop only. One control request at a time per link (a lock); READs of many pulls overlap.
@@ -45,6 +51,7 @@ from hkvd.daemon.errors import (
     CopyFailedError,
     DaemonUnavailable,
     FrameTooLarge,
+    InternalError,
     KVError,
     KVTimeout,
     OutOfRange,
@@ -89,6 +96,8 @@ LEASE_USE_FRACTION = 0.8
 # when their engine confirms them, one or two steps after the copy).
 LOOKUP_WAIT_S = 1.0
 SETTLE_POLL_S = 0.02
+# An abandoned READ still running this many pull timeouts after it was abandoned resets the transport.
+ABANDONED_READ_RESET_TIMEOUTS = 2
 # A pull READs its entries in two batches: the first quarter of the bytes (at least 2 MiB) starts as
 # soon as it is allocated, and the rest is allocated while it runs. Allocating an entry costs 10-30 us
 # and READing 512 KiB over shared memory 100+ us, so the rest is ready before the first READ ends.
@@ -109,12 +118,13 @@ class PeerLink:
     """One authenticated control connection to a serving daemon, for one layout."""
 
     def __init__(self, address: str, fingerprint: bytes, stream: FrameStream, welcome: PeerWelcome,
-                 peer_name: str) -> None:
+                 peer_name: str, generation: int = 0) -> None:
         self.address = address
         self.fingerprint = fingerprint
         self.stream = stream
         self.welcome = welcome
         self.peer_name = peer_name  # the transport's name for the serving daemon
+        self.generation = generation  # of our transport when peer_name was loaded (DataTransport.generation)
         self.lock = asyncio.Lock()
         self.broken = False
         self.requests = 0
@@ -246,17 +256,24 @@ class PeerClient:
         self._links: dict[tuple[str, bytes], PeerLink] = {}
         self._connecting: dict[tuple[str, bytes], asyncio.Lock] = {}
         self._agents: dict[str, str] = {}  # serving daemon's agent name -> transport peer name
+        self._generation = transport.generation  # of the transport the names in _agents were loaded into
         self.quarantined = 0  # entries waiting for an abandoned READ to settle
 
     # ---- links ---------------------------------------------------------------------------------
     async def _link(self, address: str, fingerprint: bytes) -> PeerLink:
         key = (address, fingerprint)
+        if self._generation != self.transport.generation:
+            # Our transport restarted: the peers loaded into the old one are gone with it.
+            self._generation = self.transport.generation
+            self._agents.clear()
         link = self._links.get(key)
-        if link is not None and not link.broken:
+        if link is not None and not link.broken and link.generation == self._generation:
             return link
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
             link = self._links.get(key)
+            if link is not None and not link.broken and link.generation != self._generation:
+                await link._break()
             if link is None or link.broken:
                 link = await self._connect(address, fingerprint)
                 self._links[key] = link
@@ -309,7 +326,21 @@ class PeerClient:
             await stream.aclose()
             raise
         log.info("peer link to %s (%s) up; layout %s", address, challenge.node, fingerprint.hex()[:12])
-        return PeerLink(address, fingerprint, stream, welcome, peer_name)
+        return PeerLink(address, fingerprint, stream, welcome, peer_name, self.transport.generation)
+
+    async def _forget(self, link: PeerLink, why: str) -> None:
+        """A READ over ``link`` failed in the transport: the serving daemon's agent may have restarted
+        (new metadata) or ours may have. Close every link to that agent and unload it, so the next
+        pull handshakes again and loads whatever metadata the peer has now."""
+        agent = link.welcome.agent
+        for other in list(self._links.values()):
+            if other.welcome.agent == agent and not other.broken:
+                await other._break()
+        if self._agents.get(agent) == link.peer_name:
+            del self._agents[agent]
+            with contextlib.suppress(KVError):
+                await self.transport.remove_peer(link.peer_name)
+        log.info("READ from %s failed (%s); the link reconnects on the next pull", link.address, why)
 
     @staticmethod
     async def _expect(stream: FrameStream, cls: type, budget_s: float) -> Any:
@@ -340,21 +371,38 @@ class PeerClient:
         local = self._plan_local(engine, keys, want)
         if local.hit_chunks >= want:  # nothing to move
             return self._answer(engine, keys, local, owner, nbytes=0, pulled=0, started=started)
-        reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
-        looked_up = time.monotonic()
+        for attempt in (0, 1):
+            reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
+            reused = link.requests > 1
+            looked_up = time.monotonic()
+            try:
+                read = await self._read_leased(engine, keys, want, reply, link, msg.req_id, sent_at, deadline)
+            except (CopyFailedError, InternalError) as e:  # the transport failed, not the control link
+                await self._forget(link, e.message)
+                # A link that served before: the peer's transport may have restarted since (new agent,
+                # new metadata). One fresh handshake and lookup, as for a link the peer closed.
+                if attempt == 0 and reused and time.monotonic() < deadline:
+                    self.metrics.inc("peer_pull_retries")
+                    continue
+                raise
+            break
+        plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
+        out = self._answer(engine, keys, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
+        out.update(lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6), descs=read.descs)
+        return out
+
+    async def _read_leased(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
+                           link: PeerLink, job_id: int, sent_at: float, deadline: float) -> ReadResult:
+        """``_read`` within the serving lease, which is released (when there is one) afterwards."""
         # The serving lease started after our request left: bound every use of it from the send.
         lease_deadline = sent_at + reply.lease_ttl_s * LEASE_USE_FRACTION
         try:
-            read = await self._read(engine, keys, want, reply, link, msg.req_id, min(deadline, lease_deadline),
+            return await self._read(engine, keys, want, reply, link, job_id, min(deadline, lease_deadline),
                                     lease_deadline)
         finally:
             if reply.lease_id and not link.broken:
                 with contextlib.suppress(KVError):
                     await link.call(PeerRelease(link.next_id(), reply.lease_id), None, self.cfg.peer_timeout_s)
-        plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
-        out = self._answer(engine, keys, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
-        out.update(lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6), descs=read.descs)
-        return out
 
     async def _lookup(self, msg: Pull, fp: bytes, keys: list[bytes], want: int,
                       deadline: float) -> tuple[PeerLookupReply, PeerLink, float]:
@@ -476,6 +524,23 @@ class PeerClient:
         for t, begun in running:
             t.abort(why)
             t.settled.add_done_callback(functools.partial(release, begun))
+        # A READ over a path UCX cannot complete (a misrouted peer) stalled until the serving agent
+        # went away: its pages would stay quarantined for good. Past the bound, reset the transport
+        # (a hosted one kills its host process: every READ it ran then settles, failed, and nothing
+        # can write into the pool any more); one that cannot reset keeps waiting.
+        bound = self.cfg.peer_pull_timeout_s * ABANDONED_READ_RESET_TIMEOUTS
+        asyncio.get_running_loop().call_later(bound, self._reset_if_stuck, [t for t, _ in running], bound)
+
+    def _reset_if_stuck(self, transfers: list[Transfer], bound: float) -> None:
+        stuck = [t for t in transfers if not t.settled.done()]
+        if not stuck:
+            return
+        why = (f"{len(stuck)} abandoned READs from {stuck[0].peer} did not end within {bound:.0f} s "
+               f"({ABANDONED_READ_RESET_TIMEOUTS}x --peer-pull-timeout-s)")
+        if self.transport.reset(why):
+            self.metrics.inc("peer_transport_resets")
+            log.warning("%s: resetting the peer transport to free their pages (other READs in flight fail and "
+                        "their engines recompute); check the UCX route between the nodes (UCX_NET_DEVICES)", why)
 
     # ---- local side ----------------------------------------------------------------------------
     def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> HitPlan:

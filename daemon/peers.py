@@ -2,8 +2,14 @@
 
 Role
     Composes the pieces and is the one thing ``daemon/app.py`` and ``daemon/service.py`` know:
-    - a ``DataTransport`` (NIXL/UCX, ``hkvd.transport.nixl_transport``) with the whole pool
-      registered, so peers READ entries straight out of it and pulls land straight in it;
+    - a ``DataTransport`` (NIXL/UCX) with the whole pool registered, so peers READ entries straight
+      out of it and pulls land straight in it. By default ``hkvd.transport.hosted``: the NIXL agent
+      runs in a supervised child process that maps the pool's memfd, because UCX crashed the daemon
+      with SIGSEGV when a peer's UCX address was unreachable from here (tests/peer/test_netns.py).
+      A crash there fails the READs in flight (engines recompute), is logged with the peers linked
+      at the time and counted (``peer_transport_crashes``), and the host restarts with a new agent
+      whose metadata the server hands to peers from then on. ``HKVD_TRANSPORT_HOST=0`` runs
+      ``hkvd.transport.nixl_transport`` in the daemon instead (comparisons only);
     - ``PeerServer`` (``--peer-listen``): hands leased entries of this pool to authenticated peers;
     - ``PeerClient``: pulls entries from a peer into this pool when an engine sends ``Pull``;
     - ``LayoutBook``: the layouts (hit rules, entry sizes) of engines seen here, by fingerprint, kept
@@ -11,8 +17,9 @@ Role
     Peers are on when ``--peer-listen`` or a peer token is configured (``peers_wanted``).
 
 Threading
-    Event loop only; the transport runs its own thread. Pulls run as tasks of this service's
-    TaskGroup (``run``), so a pull never holds up the engine connection that asked for it.
+    Event loop only; the transport runs its own thread or process. Pulls and the transport's
+    supervisor run as tasks of this service's TaskGroup (``run``), so a pull never holds up the
+    engine connection that asked for it.
 
 Lifecycle
     ``start`` (transport up, pool registered, listener bound) -> ``run`` (in the daemon's root
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
     from hkvd.daemon.registry import EngineState, Registry
     from hkvd.daemon.service import Conn
     from hkvd.transport.base import DataTransport
+    from hkvd.transport.hosted import HostCrash
 
 log = logging.getLogger("hkvd.peers")
 
@@ -131,7 +139,7 @@ class PeerService:
         self.allow = parse_allow(cfg.peer_allow)
         self.layouts = LayoutBook(registry)
         self.node = socket.gethostname()
-        self.agent_name = f"hkvd-{self.node}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.base_agent = f"hkvd-{self.node}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.transport: DataTransport | None = None
         self.server: Any = None  # PeerServer when --peer-listen
         self.client: Any = None  # PeerClient
@@ -140,20 +148,33 @@ class PeerService:
         self._closed = False
 
     @property
+    def agent_name(self) -> str:
+        """The transport's agent now (a restarted transport host has a new one)."""
+        return self.transport.agent_name if self.transport is not None else self.base_agent
+
+    @property
     def advertise(self) -> str:
         return self.cfg.peer_advertise or self.cfg.peer_listen
 
     async def start(self) -> None:
         from hkvd.daemon.peer_client import PeerClient
         from hkvd.daemon.peer_server import PeerServer
+        from hkvd.transport.hosted import HostedTransport, HostMemory, host_enabled
         from hkvd.transport.nixl_transport import NixlTransport
 
-        transport = NixlTransport(self.agent_name)
+        transport: DataTransport
+        if host_enabled():
+            transport = HostedTransport(self.base_agent, HostMemory(self.pool.fd, self.pool.base_addr, self.pool.size),
+                                        on_restart=self._on_transport_restart, on_crash=self._on_transport_crash)
+        else:
+            log.warning("HKVD_TRANSPORT_HOST=0: NIXL runs inside the daemon; a UCX crash with one peer ends it")
+            transport = NixlTransport(self.base_agent)
         self.transport = transport
         await transport.start(TRANSPORT_START_S)
         await transport.register(self.pool.base_addr, self.pool.size)
         metadata = await transport.metadata()
-        log.info("peer transport: NIXL agent %s, %d MiB pool registered", self.agent_name, self.pool.size >> 20)
+        log.info("peer transport: NIXL agent %s (%s), %d MiB pool registered", self.agent_name, transport.name,
+                 self.pool.size >> 20)
         self.client = PeerClient(self.cfg, self.token, self.node, self.index, self.pool, transport, self.metrics)
         if self.cfg.peer_listen:
             self.server = PeerServer(self.cfg, self.token, self.allow, self.node, self.index, self.pool,
@@ -162,10 +183,31 @@ class PeerService:
             log.info("serving peers on %s (allowed: %s)", self.cfg.peer_listen,
                      ", ".join(str(n) for n in self.allow))
 
+    async def _on_transport_restart(self, metadata: bytes) -> None:
+        """A new transport host is up: peers that connect from now on get its agent and metadata."""
+        if self.server is not None:
+            self.server.agent = self.agent_name
+            self.server.agent_metadata = metadata
+
+    def _on_transport_crash(self, crash: HostCrash) -> None:
+        """Name the peers involved: the crash is most likely due to one of them (its UCX address)."""
+        self.metrics.inc("peer_transport_crashes")
+        links = {link.peer_name: link.address for link in self.client._links.values()} if self.client else {}
+        reading = [f"{links.get(p, p)}" for p in crash.peers_in_flight]
+        serving = self.server.describe()["sessions"] if self.server is not None else []
+        log.error("peer transport crash (%s): READs in flight from %s; peer daemons linked to this one: %s. A peer "
+                  "whose UCX address this node cannot reach is the usual cause: check UCX_NET_DEVICES on both "
+                  "nodes (the interface that routes to the other) and the UCX error above",
+                  crash.how, ", ".join(reading) or "none",
+                  ", ".join(f"{s['address']} ({s['node']}, {s['lookups']} lookups)" for s in serving) or "none")
+
     async def run(self) -> None:
-        """Owns the pull tasks; returns when ``aclose`` is called (or is cancelled with the daemon)."""
+        """Owns the pull tasks and the transport's supervisor; returns when ``aclose`` is called (or
+        is cancelled with the daemon)."""
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
+            if self.transport is not None:
+                tg.create_task(self.transport.supervise())
             try:
                 await self._stop.wait()
             finally:
@@ -214,6 +256,7 @@ class PeerService:
             "listen": self.cfg.peer_listen, "advertise": self.advertise, "agent": self.agent_name,
             "allow": [str(n) for n in self.allow],
             "transport": t._asdict() if t is not None else None,
+            "transport_kind": self.transport.name if self.transport is not None else None,
             "read_gbps": self.metrics.rate("peer_read"),
             "quarantined_entries": self.client.quarantined if self.client is not None else 0,
             "links": self.client.describe() if self.client is not None else [],

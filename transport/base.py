@@ -13,8 +13,11 @@ Threading
     library on threads of their own and hand results back with ``call_soon_threadsafe``.
 
 Lifecycle
-    ``start`` -> ``register`` (the pool, once) -> ``add_peer`` per peer -> ``read``... ->
-    ``aclose`` (idempotent). Memory registered with a transport must stay mapped until ``aclose``
+    ``start`` -> ``register`` (the pool, once) -> ``supervise`` (a task of the owner's, for the
+    transport's lifetime) -> ``add_peer`` per peer -> ``read``... -> ``aclose`` (idempotent). A
+    transport that recovers from library crashes (``hkvd.transport.hosted``) bumps ``generation``
+    and changes ``agent_name`` and ``metadata`` when it does: names from an earlier ``add_peer``
+    are then gone. Memory registered with a transport must stay mapped until ``aclose``
     has returned: a transport may still be writing into it until then.
 
 Contracts
@@ -28,6 +31,8 @@ Contracts
       use until ``settled`` resolves (``hkvd.daemon.peer_client`` quarantines them).
     - ``Transfer.abort`` records that nobody waits for the result any more. A transport that can
       cancel in flight does so; one that cannot (NIXL, see its module) still settles later.
+    - ``reset`` makes every READ in flight settle now (a hosted transport kills its process) when
+      the transport can; the owner uses it for READs that never end.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class TransportStats(NamedTuple):
     bytes_read: int
     in_flight: int
     peers: int
+    host_restarts: int = 0  # transport hosts started after one died (``hkvd.transport.hosted``)
+    host_pid: int = 0  # the transport host serving now; 0: in-process, or restarting
 
 
 class DataTransport(ABC):
@@ -94,6 +101,9 @@ class DataTransport(ABC):
     name: str = "abstract"
     # This end's name in peer handshakes (``PeerWelcome.agent``), so a daemon can tell a link to itself.
     agent_name: str = ""
+    # Bumped each time the library restarts after a crash (``hkvd.transport.hosted``): peer names
+    # from ``add_peer`` of an earlier generation are gone, and peers must load our new metadata.
+    generation: int = 0
 
     @abstractmethod
     async def start(self, timeout_s: float) -> None:
@@ -123,6 +133,16 @@ class DataTransport(ABC):
     @abstractmethod
     def statistics(self) -> TransportStats:
         """Counters for status and metrics."""
+
+    def reset(self, reason: str) -> bool:
+        """Drop the library's state now, so every READ in flight settles (failed) and none writes
+        into local memory any more; ``supervise`` brings it back. False: this transport cannot."""
+        return False
+
+    async def supervise(self) -> None:
+        """Run for the transport's lifetime (in the owner's TaskGroup) to recover from library
+        crashes; returns after ``aclose``. Transports that cannot recover return at once."""
+        return
 
     @abstractmethod
     async def aclose(self) -> None:

@@ -26,8 +26,13 @@ Cancellation (measured with nixl-cu12 1.5.1 over TCP)
     destination pages out of use until then.
 
 Fork safety
-    Never fork after ``start``: UCX state does not survive it. The daemon forks nothing; tools that
-    start daemons must do so before creating a transport (or use spawn).
+    Never fork after ``start``: UCX state does not survive it. The daemon does not load NIXL at all:
+    it runs this transport in its transport host (``hkvd.transport.hosted``, fork + exec before
+    any UCX); tools that start daemons must do so before creating a transport (or use spawn).
+
+Remote addresses
+    Metadata wrapped by a transport host (``host_wire.wrap_metadata``) carries the offset from the
+    serving daemon's pool addresses to its host's; ``read`` adds it to every remote address.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any
 
 from hkvd.transport.base import DataTransport, Desc, Transfer, TransportStats
 from hkvd.transport.errors import CopyFailedError, InternalError, KVTimeout
+from hkvd.transport.host_wire import unwrap_metadata
 
 log = logging.getLogger("hkvd.nixl")
 
@@ -152,6 +158,9 @@ class NixlTransport(DataTransport):
         # Loop-side counters (updated by the settled callbacks, on the loop).
         self._reads = self._failed = self._aborted = self._bytes = self._in_flight = 0
         self._peers: set[str] = set()
+        # Remote address offset per peer: a serving daemon whose agent runs in a transport host
+        # hands out its own pool addresses (``hkvd.transport.hosted``).
+        self._offsets: dict[str, int] = {}
         # Transfer-thread state: never touched from the loop.
         self._agent: Any = None
         self._regs: list[Any] = []
@@ -207,18 +216,22 @@ class NixlTransport(DataTransport):
         return md
 
     async def add_peer(self, metadata: bytes) -> str:
+        md, offset = unwrap_metadata(metadata)
+
         def add() -> str:
-            name = self._agent.add_remote_agent(metadata)
+            name = self._agent.add_remote_agent(md)
             return name.decode() if isinstance(name, bytes) else str(name)
 
         peer: str = await self._call(add, 10.0, "loading a peer's NIXL metadata")
         self._peers.add(peer)
+        self._offsets[peer] = offset
         return peer
 
     async def remove_peer(self, peer: str) -> None:
         if peer not in self._peers or self._closed:
             return
         self._peers.discard(peer)
+        self._offsets.pop(peer, None)
 
         def remove() -> None:
             if any(r.transfer.peer == peer for r in self._active.values()):
@@ -256,7 +269,8 @@ class NixlTransport(DataTransport):
             fut.set_exception(CopyFailedError(f"READ from {peer}: empty list or a descriptor with no bytes"))
             return t
         local = np.array([(d.local_addr, d.nbytes, 0) for d in descs], dtype=np.uint64)
-        remote = np.array([(d.remote_addr, d.nbytes, 0) for d in descs], dtype=np.uint64)
+        offset = self._offsets.get(peer, 0)
+        remote = np.array([(d.remote_addr + offset, d.nbytes, 0) for d in descs], dtype=np.uint64)
         self._cmds.put(_Read(t, local, remote))
         return t
 

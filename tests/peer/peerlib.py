@@ -6,8 +6,10 @@ The pytest process itself never imports NIXL: only the daemons do (UCX must not 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ class PeerDaemon(DaemonProcess):
         super().__init__(str(workdir / f"{name}.sock"),
                          ["--hugepages", "off", "--log-level", "debug", *args], workdir / f"{name}.log", full_env)
         self.peer_address = ""
+        self.frozen: list[int] = []  # pids stopped by freeze()
 
     def spawn(self) -> PeerDaemon:
         import subprocess
@@ -87,6 +90,21 @@ def start_pair(workdir: Path, *, chunk_size: int = 32, pool_gb: str = "0.25", to
     return prefill, decode
 
 
+
+def freeze(daemon: PeerDaemon) -> None:
+    """SIGSTOP a daemon and its transport host (the process whose NIXL agent serves READs: over TCP a
+    READ from a stopped target holds mid-way)."""
+    host = int(daemon.status()["peer"]["transport"].get("host_pid", 0))
+    daemon.frozen = [p for p in (daemon.proc.pid, host) if p]
+    for pid in daemon.frozen:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(daemon: PeerDaemon) -> None:
+    for pid in getattr(daemon, "frozen", []):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    daemon.frozen = []
 
 
 def counter(status: dict[str, Any], name: str) -> float:

@@ -2,13 +2,12 @@
 timeout, nothing half-read ever becomes visible, and every local entry is freed (at once when its
 READ failed, after its READ ends when it had to be abandoned while running).
 
-The serving daemon is frozen with SIGSTOP once the READ is in flight: over TCP the READ is driven by
-the target's progress thread, so a stopped target holds it mid-way deterministically."""
+The serving daemon and its transport host are frozen with SIGSTOP once the READ is in flight: over TCP
+the READ is driven by the target's progress thread, so a stopped target holds it mid-way
+deterministically."""
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import numpy as np
@@ -33,10 +32,11 @@ def _producer(prefill: Any, seed: int) -> tuple[SyntheticEngine, list[bytes]]:
 
 
 def _freeze_mid_read(lib: Any, prefill: Any, decode: Any, consumer: SyntheticEngine, keys: list[bytes]) -> int:
-    """Submit a pull and SIGSTOP the serving daemon while its READ runs; returns the pull's req_id."""
+    """Submit a pull and SIGSTOP the serving daemon (and its transport host) while its READ runs; returns
+    the pull's req_id."""
     rid = consumer.client.submit_pull(prefill.peer_address, keys)
     decode.wait_status(lambda s: s["peer"]["transport"]["in_flight"] >= 1, 30, poll_s=0.002)
-    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    lib.freeze(prefill)
     return rid
 
 
@@ -82,7 +82,7 @@ def test_stalled_serving_daemon_times_out_then_the_read_is_discarded(pair_factor
         assert 0 < s["peer"]["quarantined_entries"] == s["index"]["writing"] <= CHUNKS
         assert s["index"]["ready"] == 0 and consumer.lookup(keys)[0] == 0
     finally:
-        os.kill(prefill.proc.pid, signal.SIGCONT)
+        lib.thaw(prefill)
     # The READ ends once the target runs again; its bytes are discarded, never published.
     s = decode.wait_status(lambda s: s["peer"]["quarantined_entries"] == 0 and s["index"]["entries"] == 0, 60)
     assert s["pool"]["used_bytes"] == 0 and consumer.lookup(keys)[0] == 0
