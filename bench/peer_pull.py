@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -72,6 +73,7 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
     from hkvd.daemon.peer_client import merge, pair_extents
     from hkvd.daemon.pool import HugePagePool
     from hkvd.transport.aio import FrameStream
+    from hkvd.transport.host_wire import unwrap_metadata
     from hkvd.transport.nixl_transport import PROGRESS_DELAY_US, _progress_delay
     from hkvd.transport.wire.peer import (
         PEER_VERSION,
@@ -94,6 +96,7 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
     agent.register_memory([(pool.base_addr, pool.size, 0, "")], "DRAM")
     cursor = [0]  # the next unused byte of the pool; a READ that would not fit starts over at 0
     peers: dict[str, str] = {}
+    offsets: dict[str, int] = {}
 
     async def lookup(address: str, fp: bytes, keys: list[bytes]) -> tuple[Any, Any, FrameStream]:
         host, port = split_address(address)
@@ -104,8 +107,9 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
         ch = await s.recv(10)
         await s.send(PeerAuth(client_proof(TOKEN.encode(), nonce, ch.nonce), [fp]), 10)
         welcome = await s.recv(10)
-        if welcome.agent not in peers:
-            name = agent.add_remote_agent(welcome.agent_metadata)
+        if welcome.agent not in peers:  # a transport host's metadata carries its pool's address offset
+            md, offsets[welcome.agent] = unwrap_metadata(welcome.agent_metadata)
+            name = agent.add_remote_agent(md)
             peers[welcome.agent] = name.decode() if isinstance(name, bytes) else name
         await s.send(PeerLookup(1, fp, keys, 0, 0.0, 0), 10)
         reply = await s.recv(30)
@@ -126,7 +130,8 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
         nbytes = off - start
         cursor[0] += nbytes
         local = np.array([(d.local_addr, d.nbytes, 0) for d in descs], dtype=np.uint64)
-        remote = np.array([(d.remote_addr, d.nbytes, 0) for d in descs], dtype=np.uint64)
+        shift = offsets[welcome.agent]
+        remote = np.array([(d.remote_addr + shift, d.nbytes, 0) for d in descs], dtype=np.uint64)
         t0 = time.perf_counter()
         h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"),
                                   peers[welcome.agent])
@@ -264,7 +269,7 @@ def _bench_case(tls: str, env: dict[str, str], size: int, entry: int, reps: int,
                 if c.error is not None:
                     raise c.error
                 consumer.client.release(int(c.result.lease_id))
-                return dt, c.result
+                return dt, dataclasses.asdict(c.result)
 
             warm = fresh(8 * entry)  # links up, NIXL metadata loaded, both paths
             pull(warm)

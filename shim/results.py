@@ -97,13 +97,18 @@ class PullResult:
     pulled: int  # entries read from the peer
     local: int  # entries this daemon already held
     seconds: float
+    lookup_s: float = 0.0  # of ``seconds``: the peer's lookup; 0 when nothing had to be read
+    read_s: float = 0.0  # of ``seconds``: the transport's READ
+    descs: int = 0  # transfer descriptors the READ took
 
     @classmethod
     def from_done(cls, nbytes: int, info: dict[str, Any]) -> PullResult:
         w = cls.what
         return cls(nbytes, _field(info, "hit_chunks", int, w), _field(info, "lease_id", int, w),
                    _field(info, "lease_ttl_s", float, w), _field(info, "pulled", int, w),
-                   _field(info, "local", int, w), _field(info, "seconds", float, w))
+                   _field(info, "local", int, w), _field(info, "seconds", float, w),
+                   _field(info, "lookup_s", float, w, 0.0), _field(info, "read_s", float, w, 0.0),
+                   _field(info, "descs", int, w, 0))
 
 
 class RegisterAck(NamedTuple):
