@@ -82,6 +82,11 @@ class DaemonConfig:
     peer_allow: tuple[str, ...] = ()  # addresses / CIDRs that may connect; empty: loopback only
     peer_timeout_s: float = 10.0  # connect, handshake, each control request
     peer_pull_timeout_s: float = 20.0  # a whole pull (also capped below the serving lease's TTL)
+    # Open peer connections (daemon/peer_server.py). A pulling daemon holds one link per layout, so 16
+    # from one address covers a node of 8 engines with a link being replaced; the total is also held
+    # to a quarter of the open-file limit, so idle peers never take the engines' descriptors.
+    peer_max_connections: int = 128
+    peer_max_connections_per_address: int = 16
     gc_freeze_every: int = DEFAULT_FREEZE_EVERY  # entries written between gc.freeze() calls (daemon/heap.py); 0 = off
 
     def __post_init__(self) -> None:
@@ -137,6 +142,9 @@ class DaemonConfig:
         for name in ("peer_timeout_s", "peer_pull_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        for name in ("peer_max_connections", "peer_max_connections_per_address"):
+            if not 1 <= getattr(self, name) <= 1 << 16:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be between 1 and 65536")
         if self.peer_listen or self.peer_advertise or self.peer_allow:
             from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, split_address
 

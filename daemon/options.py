@@ -161,6 +161,11 @@ OPTIONS: tuple[Option, ...] = (
            '["10.0.0.0/24"]'),
     Option("--peer-timeout-s", "peer_timeout_s", float, "10", "connect, handshake and each peer request", "S"),
     Option("--peer-pull-timeout-s", "peer_pull_timeout_s", float, "20", "a whole pull from a peer", "S"),
+    Option("--peer-max-connections", "peer_max_connections", int, "128",
+           "open peer connections in all, also held to a quarter of the open-file limit (extra ones are refused "
+           "at accept)", "N"),
+    Option("--peer-max-connections-per-address", "peer_max_connections_per_address", int, "16",
+           "open peer connections from one address (a pulling daemon holds one per layout)", "N"),
     Option("--gc-freeze-every", "gc_freeze_every", int, "10000",
            "entries written between moves of the heap out of Python's cyclic collector (docs/operating.md); "
            "0 = off", "N"),

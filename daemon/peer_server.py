@@ -1,22 +1,38 @@
 """The serving end of peer links (``hkvd serve --peer-listen HOST:PORT``).
 
 Role
-    Accepts TCP connections from pulling daemons, refuses addresses outside ``--peer-allow``,
-    runs the challenge handshake (``hkvd.transport.wire.peer``), then answers ``PeerLookup`` with
-    the hybrid hit rule over this daemon's index, a lease on the entries of that hit, and their
-    addresses in the registered pool; ``PeerRelease`` ends a lease early. It never moves bytes: the
-    pulling daemon READs them with the transport.
+    Accepts TCP connections from pulling daemons, refuses addresses outside ``--peer-allow`` and
+    connections past the caps, runs the challenge handshake (``hkvd.transport.wire.peer``), then
+    answers ``PeerLookup`` with the hybrid hit rule over this daemon's index, a lease on the
+    entries of that hit, and their addresses in the registered pool; ``PeerRelease`` ends a lease
+    early. It never moves bytes: the pulling daemon READs them with the transport.
 
 Lifecycle of a connection
-    accept -> allowlist -> handshake within ``peer_timeout_s`` -> requests until EOF -> close.
+    accept -> admission -> handshake within ``peer_timeout_s`` -> requests until EOF -> close.
     Leases are not released when a connection ends: the pulling daemon may still be reading, so
     they expire on their own after ``lease_ttl_s`` (the puller never uses bytes read after that).
 
+Resources (what a stranger can make this daemon hold)
+    - Admission (``PeerGate``) runs in the protocol's ``connection_made``, before the transport
+      reads a byte: an address outside ``--peer-allow``, or one past
+      ``--peer-max-connections-per-address`` or ``--peer-max-connections``, is told why in one
+      ``Error`` and closed unread (after ``REFUSAL_LINGER_S``, so the Error is not lost to a
+      reset). Open and lingering peer sockets stay within ``1 / FD_SHARE`` of the open-file
+      limit, so peers never take the descriptors engines need to reach the control socket.
+    - Before authentication a frame may hold ``PREAUTH_MAX_FRAME_BYTES`` (checked on the length
+      prefix, before the body is buffered) and the whole handshake gets one ``peer_timeout_s``;
+      after it, ``REQUEST_MAX_FRAME_BYTES`` (the largest ``PeerLookup``), not ``--max-frame-bytes``.
+      The stream reader pauses the socket past ``2 * READ_LIMIT_BYTES``. A connection thus parks at
+      most ~0.3 MiB before it authenticates, ~1.5 MiB after.
+    - Refusals are counted (``peer_refused{why}``) and logged once per reason, then summarised at
+      most every ``REFUSAL_LOG_EVERY_S``: a flood of connections is not a flood of log lines.
+
 Errors
-    A refused address, a wrong token proof and a layout this daemon does not serve each get one
-    typed ``Error`` (PERMISSION, PERMISSION, REGISTRATION) and the connection is closed; nothing
-    else is revealed. After the handshake, a bad request gets ``Error(req_id)`` and the link keeps
-    serving, up to ``MAX_CONSECUTIVE_ERRORS`` in a row; a frame that cannot be decoded closes it.
+    A refused address, a connection past a cap, a wrong token proof and a layout this daemon does
+    not serve each get one typed ``Error`` (PERMISSION, BUSY, PERMISSION, REGISTRATION) and the
+    connection is closed; nothing else is revealed. After the handshake, a bad request gets
+    ``Error(req_id)`` and the link keeps serving, up to ``MAX_CONSECUTIVE_ERRORS`` in a row; a frame
+    that cannot be decoded closes it.
 """
 
 from __future__ import annotations
@@ -26,9 +42,11 @@ import contextlib
 import itertools
 import logging
 import os
+import resource
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hkvd.daemon.errors import (
     FrameTooLarge,
@@ -42,9 +60,18 @@ from hkvd.daemon.errors import (
     UnsupportedVersion,
 )
 from hkvd.daemon.hybrid import plan_hit
-from hkvd.daemon.peer_auth import IPNetwork, allowed, check_proof, client_proof, server_proof, split_address
+from hkvd.daemon.peer_auth import (
+    IPNetwork,
+    PeerGate,
+    Refusal,
+    check_proof,
+    client_proof,
+    server_proof,
+    split_address,
+)
 from hkvd.transport.aio import FrameStream
-from hkvd.transport.wire import Message, kv
+from hkvd.transport.codec import encode
+from hkvd.transport.wire import KEY_BYTES, MAX_KEYS, Message, kv
 from hkvd.transport.wire.peer import (
     NONCE_BYTES,
     PEER_VERSION,
@@ -73,10 +100,80 @@ MAX_CONSECUTIVE_ERRORS = 16
 WAIT_POLL_S = 0.02
 # Lease owners of peer connections live below 0, away from the engine connections' ids (>= 1).
 _OWNER_BASE = -(1 << 32)
+# Before authentication a frame is a PeerHello or a PeerAuth: 1.2 KiB at most encoded (a node name of
+# 256 four-byte characters; 64 fingerprints). A longer announced length is refused from its prefix.
+PREAUTH_MAX_FRAME_BYTES = 4 << 10
+# After it, the largest request is a PeerLookup of MAX_KEYS keys, each KEY_BYTES plus a 2-byte msgpack
+# header: 1.13 MiB, with 4 KiB for its other fields (PeerRelease is tiny).
+REQUEST_MAX_FRAME_BYTES = MAX_KEYS * (KEY_BYTES + 2) + (4 << 10)
+# asyncio's StreamReader stops reading the socket once it holds twice this (its default is 64 KiB).
+READ_LIMIT_BYTES = 16 << 10
+# Peer sockets may use at most 1 / FD_SHARE of the open-file limit: the rest is for engines, the
+# pool, the disk tier and NIXL/UCX (an idle serving daemon holds ~32 descriptors).
+FD_SHARE = 4
+# A refused connection is held open this long, unread and with its write side shut, so that its peer
+# reads the Error before the close resets the connection (a peer's Hello sits unread in the socket).
+REFUSAL_LINGER_S = 1.0
+# At most this many refused connections linger at once (and never over 1/8 of the peer descriptors);
+# past it a refusal closes at once and its Error may be lost to the reset.
+MAX_LINGERING = 32
+REFUSAL_LOG_EVERY_S = 60.0
+# The last Error before a close: the socket buffer takes it at once unless the peer stopped reading.
+FAREWELL_S = 1.0
 
 
 class LayoutMismatch(RegistrationError):
     """The peers serve no layout in common (model, chunk size or KV format differ)."""
+
+
+class FdCaps(NamedTuple):
+    connections: int  # open peer connections
+    lingering: int  # refused connections held open for their Error
+
+
+def fd_caps(configured: int, soft_limit: int) -> FdCaps:
+    """``--peer-max-connections`` and the lingering refusals, together within ``1 / FD_SHARE`` of the
+    open-file limit ``soft_limit`` (``RLIM_INFINITY``: no limit)."""
+    if soft_limit == resource.RLIM_INFINITY:
+        return FdCaps(configured, MAX_LINGERING)
+    budget = max(2, soft_limit // FD_SHARE)
+    lingering = max(1, min(MAX_LINGERING, budget // 8))
+    return FdCaps(max(1, min(configured, budget - lingering)), lingering)
+
+
+class _GatedProtocol(asyncio.StreamReaderProtocol):
+    """A stream protocol that admits or refuses its connection in ``connection_made``.
+
+    The event loop (asyncio or uvloop) starts reading the socket only after ``connection_made``,
+    and not at all once the transport is aborted there: a refused connection's socket is taken out
+    of the loop (``PeerServer._refuse``) with nothing read from it. An admitted one is released from
+    the gate in ``connection_lost``, which the loop calls exactly once, whatever happens to the
+    handler task.
+    """
+
+    def __init__(self, server: PeerServer) -> None:
+        super().__init__(asyncio.StreamReader(limit=READ_LIMIT_BYTES), server._on_peer)
+        self._peer_server = server
+        self._admitted: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        address = _address(transport.get_extra_info("peername"))
+        refusal = self._peer_server._admit(address)
+        if refusal is not None:
+            self._peer_server._refuse(transport, refusal)
+            return
+        self._admitted = address
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._admitted is not None:
+            self._peer_server.gate.release(self._admitted)
+            self._admitted = None
+        super().connection_lost(exc)
+
+
+def _address(peer: Any) -> str:
+    return str(peer[0]) if isinstance(peer, tuple) else str(peer)
 
 
 @dataclass(slots=True)
@@ -110,11 +207,23 @@ class PeerServer:
         self._ids = itertools.count(1)
         self.sessions: dict[int, _Session] = {}
         self._streams: set[FrameStream] = set()
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.fd_caps = fd_caps(cfg.peer_max_connections, soft)
+        self.gate = PeerGate(allow, self.fd_caps.connections, cfg.peer_max_connections_per_address)
+        self._lingering: set[socket.socket] = set()
+        self._refusals_logged: dict[str, float] = {}  # why -> when last logged
+        self._refusals_unlogged: dict[str, int] = {}
 
     async def start(self) -> None:
         host, port = split_address(self.cfg.peer_listen, "--peer-listen")
+        if self.fd_caps.connections < self.cfg.peer_max_connections:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            log.warning("serving at most %d peer connections, not --peer-max-connections %d: peers may use a "
+                        "quarter of the open-file limit (%d); raise it (LimitNOFILE=, ulimit -n) to serve more",
+                        self.fd_caps.connections, self.cfg.peer_max_connections, soft)
+        loop = asyncio.get_running_loop()
         try:
-            self._server = await asyncio.start_server(self._on_peer, host, port, reuse_address=True)
+            self._server = await loop.create_server(lambda: _GatedProtocol(self), host, port, reuse_address=True)
         except OSError as e:
             raise OSError(f"--peer-listen {self.cfg.peer_listen}: cannot listen ({e.strerror or e}); pick a free "
                           "port or an address of this host") from None
@@ -123,40 +232,83 @@ class PeerServer:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for sock in list(self._lingering):
+            self._hang_up(sock)
         for s in list(self._streams):
             await s.aclose()
 
     def describe(self) -> dict[str, Any]:
-        return {"listen": self.cfg.peer_listen,
+        return {"listen": self.cfg.peer_listen, "connections": self.gate.statistics()._asdict(),
+                "lingering_refusals": len(self._lingering),
                 "sessions": [{"address": s.address, "node": s.node, "lookups": s.lookups}
                              for s in self.sessions.values()]}
 
+    # ---- admission -----------------------------------------------------------------------------
+    def _admit(self, address: str) -> Refusal | None:
+        """The gate's verdict on a new connection; a refusal is counted and (rate-limited) logged."""
+        refusal = self.gate.admit(address)
+        if refusal is not None:
+            self.metrics.inc("peer_refused", why=refusal.why)
+            self._log_refusal(refusal, address)
+        return refusal
+
+    def _refuse(self, transport: asyncio.BaseTransport, refusal: Refusal) -> None:
+        """Tell a refused connection why and hang up, never reading from it.
+
+        The socket leaves the event loop before the loop reads from it: a duplicate of its
+        descriptor outlives the transport's ``close()`` (nothing was written to it, so it closes at
+        once and never starts reading), gets the ``Error`` and a FIN, and is closed after
+        ``REFUSAL_LINGER_S`` (at once past ``fd_caps.lingering`` such sockets).
+        """
+        try:
+            sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+        except OSError:  # out of descriptors: hang up without a word
+            transport.close()
+            return
+        transport.close()
+        try:  # non-blocking (the flag is shared with the loop's descriptor); a fresh buffer takes ~200 bytes
+            sock.send(encode(kv.Error(0, int(refusal.error.code), refusal.error.message)))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        if len(self._lingering) >= self.fd_caps.lingering:
+            sock.close()
+            return
+        self._lingering.add(sock)
+        asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, self._hang_up, sock)
+
+    def _hang_up(self, sock: socket.socket) -> None:
+        self._lingering.discard(sock)
+        sock.close()
+
+    def _log_refusal(self, refusal: Refusal, address: str) -> None:
+        now = time.monotonic()
+        last = self._refusals_logged.get(refusal.why)
+        if last is not None and now - last < REFUSAL_LOG_EVERY_S:
+            self._refusals_unlogged[refusal.why] = self._refusals_unlogged.get(refusal.why, 0) + 1
+            return
+        self._refusals_logged[refusal.why] = now
+        more = self._refusals_unlogged.pop(refusal.why, 0)
+        log.warning("refused a peer connection from %s: %s%s", address, refusal.error.message,
+                    f" ({more} more refused for this reason since the last report)" if more else "")
+
     # ---- connection ----------------------------------------------------------------------------
     async def _on_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        stream = FrameStream(reader, writer, self.cfg.max_frame_bytes)
-        peer = writer.get_extra_info("peername")
-        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        stream = FrameStream(reader, writer, PREAUTH_MAX_FRAME_BYTES)
+        address = _address(writer.get_extra_info("peername"))
         session = _Session(next(self._ids), address)
         self._streams.add(stream)
-        timeout = self.cfg.peer_timeout_s
         try:
-            if not allowed(address, self.allow):
-                self.metrics.inc("peer_refused", why="address")
-                log.warning("refused peer connection from %s: not in --peer-allow", address)
-                # Take its first message before answering: closing on unread bytes would reset the
-                # connection and lose the answer. Nothing in it is looked at.
-                with contextlib.suppress(Exception):
-                    await stream.recv(timeout)
-                raise PermissionDenied(f"{address} may not connect to this hkvd; add it to the serving daemon's "
-                                       "--peer-allow")
-            await self._handshake(stream, session, timeout)
+            await self._authenticate(stream, session)
+            stream.set_max_frame_bytes(min(self.cfg.max_frame_bytes, REQUEST_MAX_FRAME_BYTES))
             self.sessions[session.conn_id] = session
             log.info("peer %s (%s) connected; layouts %s", address, session.node,
                      ", ".join(fp.hex()[:12] for fp in session.fingerprints))
             await self._serve(stream, session)
         except KVError as e:
             with contextlib.suppress(Exception):
-                await stream.send(kv.Error(0, int(e.code), e.message), timeout)
+                await stream.send(kv.Error(0, int(e.code), e.message), FAREWELL_S)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.debug("peer %s: connection ended: %s", address, e)
         except Exception:  # a bug: log it, close this link, keep serving others
@@ -167,9 +319,25 @@ class PeerServer:
             self._streams.discard(stream)
             await stream.aclose()
 
+    async def _authenticate(self, stream: FrameStream, session: _Session) -> None:
+        """The handshake, within one ``peer_timeout_s`` in all (a peer that trickles bytes gains nothing)."""
+        budget_s = self.cfg.peer_timeout_s
+        try:
+            async with asyncio.timeout(budget_s):
+                await self._handshake(stream, session, budget_s)
+        except TimeoutError:
+            self.metrics.inc("peer_refused", why="timeout")
+            raise KVTimeout(f"the peer handshake did not complete within {budget_s:.1f} s "
+                            "(--peer-timeout-s)") from None
+        except KVTimeout:
+            self.metrics.inc("peer_refused", why="timeout")
+            raise
+        except FrameTooLarge:
+            self.metrics.inc("peer_refused", why="frame")
+            raise
+
     async def _handshake(self, stream: FrameStream, session: _Session, budget_s: float) -> None:
-        timeout = budget_s
-        hello = await stream.recv(timeout)
+        hello = await stream.recv(budget_s)
         if not isinstance(hello, PeerHello):
             raise ProtocolViolation(f"a peer link starts with PeerHello, got {type(hello).__name__}")
         if hello.version != PEER_VERSION:
@@ -178,9 +346,9 @@ class PeerServer:
         session.node = hello.node
         nonce = os.urandom(NONCE_BYTES)
         await stream.send(PeerChallenge(PEER_VERSION, self.node, nonce, server_proof(self.token, hello.nonce, nonce)),
-                          timeout)
+                          budget_s)
         try:
-            auth = await stream.recv(timeout)
+            auth = await stream.recv(budget_s)
         except (ConnectionError, asyncio.IncompleteReadError):
             # The client checks our proof first and hangs up when its token differs: say so here too.
             self.metrics.inc("peer_refused", why="token")
@@ -206,7 +374,7 @@ class PeerServer:
                 f"{', '.join(fp.hex()[:12] for fp in mine) or 'none yet'}); prefill and decode must run the same "
                 "model, chunk size, tensor-parallel size and rank, and KV format")
         session.fingerprints = set(common)
-        await stream.send(PeerWelcome(self.agent, self.agent_metadata, common, self.cfg.lease_ttl_s), timeout)
+        await stream.send(PeerWelcome(self.agent, self.agent_metadata, common, self.cfg.lease_ttl_s), budget_s)
 
     async def _serve(self, stream: FrameStream, session: _Session) -> None:
         errors = 0

@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 from collections import deque
 
-from hkvd.transport.codec import FrameDecoder, decode_body, encode
-from hkvd.transport.wire import Message
+from hkvd.transport.codec import HEADER_BYTES, FrameDecoder, decode_body, encode
 from hkvd.transport.errors import KVTimeout
+from hkvd.transport.wire import Message
 
 READ_BYTES = 1 << 16
 
@@ -29,6 +29,12 @@ class FrameStream:
         self.max_frame_bytes = max_frame_bytes
         self._decoder = FrameDecoder(max_frame_bytes)
         self._frames: deque[bytes] = deque()
+
+    def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
+        """Change the frame cap from the next frame on: a peer link allows a few KiB until it is
+        authenticated, then its requests' size."""
+        self.max_frame_bytes = max_frame_bytes
+        self._decoder.max_frame_bytes = max_frame_bytes
 
     @property
     def peername(self) -> str:
@@ -43,7 +49,9 @@ class FrameStream:
         try:
             async with asyncio.timeout(timeout_s):
                 while not self._frames:
-                    data = await self.reader.read(READ_BYTES)
+                    # At most one largest frame per read: under a small cap (a peer not yet authenticated)
+                    # that is all a stranger parks here.
+                    data = await self.reader.read(min(READ_BYTES, HEADER_BYTES + self.max_frame_bytes))
                     if not data:
                         raise ConnectionError(f"{self.peername} closed the connection")
                     self._frames.extend(self._decoder.feed(data))
