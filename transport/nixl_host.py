@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from hkvd.transport.errors import InternalError, KVError
@@ -113,9 +114,27 @@ class _Host:
             self.writer.write(encode(msg))
 
 
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the pages are the daemon's, already faulted (or about to be)
+POPULATE_STEP = 256 << 20
+
+
+def _populate(mapping: mmap.mmap, size: int) -> None:
+    with contextlib.suppress(OSError):
+        mapping.madvise(MADV_HUGEPAGE)  # like the daemon's own mapping, where THP backs the pool
+    for start in range(0, size, POPULATE_STEP):
+        try:
+            mapping.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_STEP, size - start))
+        except (OSError, ValueError):
+            return  # an old kernel, or the pool is going away: READs fault pages in as they go
+
+
 async def serve(sock_fd: int, mem_fd: int, size: int) -> None:
     mapping = mmap.mmap(mem_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(mem_fd)
+    # A fresh mapping of the daemon's pages has no page tables: every page a READ touches would fault
+    # first (measured: READs at a third of a bare agent's rate). Map them in, behind serving.
+    threading.Thread(target=_populate, args=(mapping, size), name="hkvd-host-populate", daemon=True).start()
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=sock_fd))
     host = _Host(writer, base, size)
