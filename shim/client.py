@@ -179,12 +179,6 @@ class DaemonClient:
             self._require()
             self._send(kv.Abort(req_id))
 
-    def send_raw(self, data: bytes) -> None:
-        """Write raw bytes (tests of the daemon's input validation only)."""
-        with self._lock:
-            self._require()
-            self._send_bytes(data)
-
     # ---- completions ---------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
         """Return the completions that arrived (waiting up to ``timeout_s`` for the first)."""
