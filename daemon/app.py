@@ -37,16 +37,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from hkvd.daemon.cluster_tier import ClusterSettings, ClusterTier
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
 from hkvd.daemon.disk_tier import DiskTier
 from hkvd.daemon.errors import KVError, PoolError, StartupError
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.heap import HeapPolicy
+from hkvd.daemon.http import HTTPEndpoint, build_registry
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.notify import Notifier
-from hkvd.daemon.peers import peers_wanted
+from hkvd.daemon.peers import PeerService, peers_wanted
 from hkvd.daemon.pool import HugePagePool
 from hkvd.daemon.prefault import Prefaulter, default_threads, first_slice_bytes
 from hkvd.daemon.registry import Registry
@@ -111,7 +113,6 @@ class Daemon:
             return
         from prometheus_client import generate_latest
 
-        from hkvd.daemon.http import HTTPEndpoint, build_registry
 
         registry = build_registry(self)
         http = HTTPEndpoint(self.cfg.metrics_port, self.health, lambda: generate_latest(registry))
@@ -192,7 +193,6 @@ class Daemon:
             self.service.heap = self.heap
             self.server = Server(cfg, self.service)
             if peers_wanted(cfg):
-                from hkvd.daemon.peers import PeerService
 
                 self.peers = PeerService(cfg, self.pool, index, registry, self.metrics)
                 await self.peers.start()
@@ -285,7 +285,6 @@ class Daemon:
 
     def _open_cluster(self, loop: asyncio.AbstractEventLoop) -> None:
         """Join the Mooncake cluster in the background: serving never waits for the master."""
-        from hkvd.daemon.cluster_tier import ClusterSettings, ClusterTier
 
         assert self.pool is not None
         cfg = self.cfg

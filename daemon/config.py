@@ -17,6 +17,7 @@ from typing import Any
 
 from hkvd.daemon.errors import StartupError
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
+from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, split_address
 from hkvd.daemon.pool import MIN_SUPERBLOCK_BYTES
 from hkvd.transport.paths import default_socket_path
 
@@ -146,7 +147,6 @@ class DaemonConfig:
             if not 1 <= getattr(self, name) <= 1 << 16:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be between 1 and 65536")
         if self.peer_listen or self.peer_advertise or self.peer_allow:
-            from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, split_address
 
             try:
                 if self.peer_listen:

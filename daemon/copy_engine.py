@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hkvd.cuda._cupy import CupyMissing, cupy, device_count
+from hkvd.cuda.copy import CudaCopyEngine
+from hkvd.daemon.cma import HostCopyEngine
 from hkvd.daemon.errors import StartupError
 from hkvd.transport.copy_engine import CopyEngine
 
@@ -28,7 +31,6 @@ def check_copy_engine(name: str) -> None:
         return
     if name != "cuda":
         raise CopyEngineUnavailable(f"unknown copy engine {name!r}; choose host or cuda")
-    from hkvd.cuda._cupy import CupyMissing, cupy, device_count
 
     try:
         cupy()
@@ -44,9 +46,7 @@ def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float) -> CopyEngi
     """Build the engine ``hkvd serve --copy-engine`` names, for ``pool`` (a ``HugePagePool``)."""
     check_copy_engine(name)
     if name == "cuda":
-        from hkvd.cuda.copy import CudaCopyEngine
 
         return CudaCopyEngine(pool, copy_timeout_s=copy_timeout_s)
-    from hkvd.daemon.cma import HostCopyEngine
 
     return HostCopyEngine(pool)

@@ -45,8 +45,9 @@ import itertools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.errors import (
     CopyFailedError,
     DaemonUnavailable,
@@ -62,10 +63,13 @@ from hkvd.daemon.errors import (
     error_from_wire,
 )
 from hkvd.daemon.hybrid import HitPlan, plan_hit, required_chunks
-from hkvd.daemon.index import Entry, EntryState
-from hkvd.daemon.peer_auth import check_proof, client_proof, server_proof, split_address
+from hkvd.daemon.index import Entry, EntryState, Index
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.peer_auth import PeerConfigError, check_proof, client_proof, server_proof, split_address
+from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.registry import EngineState
 from hkvd.transport.aio import FrameStream
-from hkvd.transport.base import Desc
+from hkvd.transport.base import DataTransport, Desc, Transfer
 from hkvd.transport.wire import Message, kv
 from hkvd.transport.wire.peer import (
     NONCE_BYTES,
@@ -80,14 +84,6 @@ from hkvd.transport.wire.peer import (
     Pull,
     RemoteEntry,
 )
-
-if TYPE_CHECKING:
-    from hkvd.daemon.config import DaemonConfig
-    from hkvd.daemon.index import Index
-    from hkvd.daemon.metrics import Metrics
-    from hkvd.daemon.pool import HugePagePool
-    from hkvd.daemon.registry import EngineState
-    from hkvd.transport.base import DataTransport, Transfer
 
 log = logging.getLogger("hkvd.peer_client")
 
@@ -280,7 +276,6 @@ class PeerClient:
             return link
 
     async def _connect(self, address: str, fingerprint: bytes) -> PeerLink:
-        from hkvd.daemon.peer_auth import PeerConfigError
 
         try:
             host, port = split_address(address)

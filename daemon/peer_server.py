@@ -88,8 +88,8 @@ from hkvd.transport.wire.peer import (
 if TYPE_CHECKING:
     from hkvd.daemon.config import DaemonConfig
     from hkvd.daemon.index import Index
+    from hkvd.daemon.layouts import LayoutBook
     from hkvd.daemon.metrics import Metrics
-    from hkvd.daemon.peers import LayoutBook
     from hkvd.daemon.pool import HugePagePool
 
 log = logging.getLogger("hkvd.peer_server")

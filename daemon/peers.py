@@ -12,8 +12,7 @@ Role
       ``hkvd.transport.nixl_transport`` in the daemon instead (comparisons only);
     - ``PeerServer`` (``--peer-listen``): hands leased entries of this pool to authenticated peers;
     - ``PeerClient``: pulls entries from a peer into this pool when an engine sends ``Pull``;
-    - ``LayoutBook``: the layouts (hit rules, entry sizes) of engines seen here, by fingerprint, kept
-      after the engine leaves so a finished prefill engine's entries can still be served.
+    - ``LayoutBook`` (``daemon/layouts.py``): the layouts of engines seen here, by fingerprint.
     Peers are on when ``--peer-listen`` or a peer token is configured (``peers_wanted``).
 
 Threading
@@ -35,34 +34,31 @@ import logging
 import os
 import socket
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.errors import KVError, NotRegistered
-from hkvd.daemon.hybrid import GroupRule
-from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, read_token
+from hkvd.daemon.errors import InternalError, KVError, NotRegistered, ShuttingDown
+from hkvd.daemon.index import Index
+from hkvd.daemon.layouts import LayoutBook
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.peer_auth import TOKEN_ENV, PeerConfigError, parse_allow, read_token
+from hkvd.daemon.peer_client import PeerClient
+from hkvd.daemon.peer_server import PeerServer
+from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.registry import EngineState, Registry
+from hkvd.daemon.service import Conn
+from hkvd.transport.base import DataTransport
+from hkvd.transport.hosted import HostCrash, HostedTransport, HostMemory, host_enabled
+from hkvd.transport.nixl_transport import NixlTransport, load_nixl
 from hkvd.transport.wire import kv
 from hkvd.transport.wire.peer import Pull
-
-if TYPE_CHECKING:
-    from hkvd.daemon.index import Index
-    from hkvd.daemon.metrics import Metrics
-    from hkvd.daemon.pool import HugePagePool
-    from hkvd.daemon.registry import EngineState, Registry
-    from hkvd.daemon.service import Conn
-    from hkvd.transport.base import DataTransport
-    from hkvd.transport.hosted import HostCrash
 
 log = logging.getLogger("hkvd.peers")
 
 TRANSPORT_START_S = 60.0
-MAX_LAYOUTS = 64
 
 
 def peers_wanted(cfg: DaemonConfig) -> bool:
-    from hkvd.daemon.peer_auth import TOKEN_ENV
 
     return bool(cfg.peer_listen or cfg.peer_token or cfg.peer_token_file or os.environ.get(TOKEN_ENV))
 
@@ -75,57 +71,12 @@ def check_peer_config(cfg: DaemonConfig) -> bytes:
                               "/etc/hkvd/peer.token; chmod 600 /etc/hkvd/peer.token` and pass --peer-token-file "
                               "(the same file on every daemon of the pair)")
     parse_allow(cfg.peer_allow)
-    from hkvd.transport.nixl_transport import load_nixl
 
     try:
         load_nixl()
     except KVError as e:
         raise PeerConfigError(e.message) from None
     return token
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """What a peer needs to serve or verify one layout (an engine format, by fingerprint)."""
-
-    fingerprint: bytes
-    chunk_size: int
-    rules: tuple[GroupRule, ...]
-    kinds: dict[int, str]
-    entry_bytes: dict[int, int]
-
-    @classmethod
-    def of(cls, engine: EngineState) -> Layout:
-        return cls(engine.fingerprint, engine.chunk_size, tuple(engine.rules),
-                   dict(engine.kinds), dict(engine.entry_bytes))
-
-
-class LayoutBook:
-    """Layouts of engines registered here, kept (up to ``MAX_LAYOUTS``) after they leave."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-        self._known: OrderedDict[bytes, Layout] = OrderedDict()
-
-    def add(self, engine: EngineState) -> None:
-        """Called at every registration (``KVService``), so a layout outlives its engine."""
-        if engine.fingerprint not in self._known:
-            self._known[engine.fingerprint] = Layout.of(engine)
-        self._known.move_to_end(engine.fingerprint)
-        while len(self._known) > MAX_LAYOUTS:
-            self._known.popitem(last=False)
-
-    def refresh(self) -> None:
-        for e in self.registry.engines():
-            self.add(e)
-
-    def get(self, fingerprint: bytes) -> Layout | None:
-        self.refresh()
-        return self._known.get(fingerprint)
-
-    def fingerprints(self) -> list[bytes]:
-        self.refresh()
-        return list(self._known)
 
 
 class PeerService:
@@ -157,10 +108,6 @@ class PeerService:
         return self.cfg.peer_advertise or self.cfg.peer_listen
 
     async def start(self) -> None:
-        from hkvd.daemon.peer_client import PeerClient
-        from hkvd.daemon.peer_server import PeerServer
-        from hkvd.transport.hosted import HostedTransport, HostMemory, host_enabled
-        from hkvd.transport.nixl_transport import NixlTransport
 
         transport: DataTransport
         if host_enabled():
@@ -218,7 +165,6 @@ class PeerService:
         if conn.engine is None:
             raise NotRegistered("register the engine (Register) before a Pull: the pull needs its layout")
         if self._tg is None or self.client is None:
-            from hkvd.daemon.errors import ShuttingDown
 
             raise ShuttingDown("peer links are stopping; the engine recomputes")
         conn.inflight += 1
@@ -226,12 +172,10 @@ class PeerService:
             self._tg.create_task(self._pull(conn, conn.engine, msg))
         except RuntimeError:  # the TaskGroup is closing: the daemon is shutting down
             conn.inflight -= 1
-            from hkvd.daemon.errors import ShuttingDown
 
             raise ShuttingDown("peer links are stopping; the engine recomputes") from None
 
     async def _pull(self, conn: Conn, engine: EngineState, msg: Pull) -> None:
-        from hkvd.daemon.errors import InternalError
 
         try:
             result = await self.client.pull(engine, msg, owner=conn.conn_id)
