@@ -95,6 +95,31 @@ class TransportStats(NamedTuple):
     host_pid: int = 0  # the transport host serving now; 0: in-process, or restarting
 
 
+class ReadCounters:
+    """A transport's READ counters: ``started`` when a READ is posted, ``settled`` when it ends."""
+
+    def __init__(self) -> None:
+        self.reads = self.failed = self.aborted = self.bytes = self.in_flight = 0
+
+    def started(self) -> None:
+        self.in_flight += 1
+
+    def settled(self, t: Transfer) -> None:
+        self.in_flight -= 1
+        self.reads += 1
+        if t.aborted:
+            self.aborted += 1
+        f = t.settled
+        if f.cancelled() or f.exception() is not None:
+            self.failed += 1
+        else:
+            self.bytes += f.result()
+
+    def stats(self, peers: int, **more: int) -> TransportStats:
+        return TransportStats(reads=self.reads, reads_failed=self.failed, reads_aborted=self.aborted,
+                              bytes_read=self.bytes, in_flight=self.in_flight, peers=peers, **more)
+
+
 class DataTransport(ABC):
     """One-sided reads between registered memory of two daemons. See the module docstring."""
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, Message, message_from_wire
 from hkvd.transport.errors import FrameTooLarge, ProtocolViolation
+from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, Message, message_from_wire
 
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size

@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from hkvd.transport.base import DataTransport, Desc, Transfer, TransportStats
+from hkvd.transport.base import DataTransport, Desc, ReadCounters, Transfer, TransportStats
 from hkvd.transport.errors import CopyFailedError, InternalError, KVError, KVTimeout, error_from_wire
 from hkvd.transport.host_wire import (
     CALL,
@@ -199,7 +199,7 @@ class HostedTransport(DataTransport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._call_ids = itertools.count(1)
         self._xfer_ids = itertools.count(1)
-        self._reads = self._failed = self._aborted = self._bytes = self._in_flight = 0
+        self._counts = ReadCounters()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self, timeout_s: float) -> None:
@@ -366,7 +366,7 @@ class HostedTransport(DataTransport):
         assert self._loop is not None, "start() first"
         fut: asyncio.Future[int] = self._loop.create_future()
         t = Transfer(next(self._xfer_ids), peer, sum(d.nbytes for d in descs), len(descs), fut, time.monotonic())
-        self._in_flight += 1
+        self._counts.started()
         fut.add_done_callback(lambda f: self._on_settled(t))
         child = self._child
         if self._closed or child is None or child.lost or not child.up:
@@ -391,22 +391,13 @@ class HostedTransport(DataTransport):
         return t
 
     def _on_settled(self, t: Transfer) -> None:
-        self._in_flight -= 1
-        self._reads += 1
-        if t.aborted:
-            self._aborted += 1
-        f = t.settled
-        if f.cancelled() or f.exception() is not None:
-            self._failed += 1
-        else:
-            self._bytes += f.result()
+        self._counts.settled(t)
 
     def statistics(self) -> TransportStats:
         child = self._child
         peers = len(child.peers) if child is not None else 0
-        return TransportStats(reads=self._reads, reads_failed=self._failed, reads_aborted=self._aborted,
-                              bytes_read=self._bytes, in_flight=self._in_flight, peers=peers,
-                              host_restarts=self.restarts, host_pid=child.proc.pid if child and child.serving else 0)
+        return self._counts.stats(peers, host_restarts=self.restarts,
+                                  host_pid=child.proc.pid if child and child.serving else 0)
 
     # ---- the pipe ------------------------------------------------------------------------------
     def _on_message(self, child: _Child, msg: list[Any]) -> None:

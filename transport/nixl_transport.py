@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from hkvd.transport.base import DataTransport, Desc, Transfer, TransportStats
+from hkvd.transport.base import DataTransport, Desc, ReadCounters, Transfer, TransportStats
 from hkvd.transport.errors import CopyFailedError, InternalError, KVTimeout
 from hkvd.transport.host_wire import unwrap_metadata
 
@@ -156,7 +156,7 @@ class NixlTransport(DataTransport):
         self._ids = itertools.count(1)
         self._closed = False
         # Loop-side counters (updated by the settled callbacks, on the loop).
-        self._reads = self._failed = self._aborted = self._bytes = self._in_flight = 0
+        self._counts = ReadCounters()
         self._peers: set[str] = set()
         # Remote address offset per peer: a serving daemon whose agent runs in a transport host
         # hands out its own pool addresses (``hkvd.transport.hosted``).
@@ -260,7 +260,7 @@ class NixlTransport(DataTransport):
         fut: asyncio.Future[int] = self._loop.create_future()
         total = sum(d.nbytes for d in descs)
         t = Transfer(next(self._ids), peer, total, len(descs), fut, time.monotonic())
-        self._in_flight += 1
+        self._counts.started()
         fut.add_done_callback(lambda f: self._on_settled(t))
         if self._closed or self._thread is None:
             fut.set_exception(TransportUnavailable("the NIXL transport is closed"))
@@ -275,19 +275,10 @@ class NixlTransport(DataTransport):
         return t
 
     def _on_settled(self, t: Transfer) -> None:
-        self._in_flight -= 1
-        self._reads += 1
-        if t.aborted:
-            self._aborted += 1
-        f = t.settled
-        if f.cancelled() or f.exception() is not None:
-            self._failed += 1
-        else:
-            self._bytes += f.result()
+        self._counts.settled(t)
 
     def statistics(self) -> TransportStats:
-        return TransportStats(reads=self._reads, reads_failed=self._failed, reads_aborted=self._aborted,
-                              bytes_read=self._bytes, in_flight=self._in_flight, peers=len(self._peers))
+        return self._counts.stats(len(self._peers))
 
     # ---- the transfer thread -------------------------------------------------------------------
     def _resolve(self, fut: asyncio.Future[Any], value: Any = None, exc: BaseException | None = None) -> None:

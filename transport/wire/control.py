@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.transport.copy_engine import Region
+from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire import Message, MsgType, check_u64
-from hkvd.transport.errors import ProtocolViolation
 
 ROLES = ("scheduler", "worker", "tool", "peer")
 REGION_KINDS = ("host", "cuda")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hkvd.transport.wire import MAX_ITEMS, Message, MsgType, check_u64
 from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.wire import MAX_ITEMS, Message, MsgType, check_u64
 from hkvd.transport.wire.kv import Item, check_event, checked_items, parse_items
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 MAX_BLOCKS_PER_ITEM = 4096
 

@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 PEER_VERSION = 3  # 2: PeerLookupReply carries packed entry arrays; 3: keys with extra keys, engine identity
 NONCE_BYTES = 32
