@@ -66,9 +66,9 @@ from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direc
 from hkvd.transport.errors import CopyFailedError, KVError, RegistrationError
 
 METHODS = ("kernel", "memcpy")
-# bench/gpu_copy.py prints both paths' GB/s per page size next to pinned cudaMemcpy. On an H100
-# (2026-11-22) the kernel ran at 0.91-0.95 of it from 64 KiB to 8 MiB pages, memcpy at 0.31-0.97:
-# memcpy led only from 4 MiB pages, by 0.02-0.05. Run it on other GPUs before switching.
+# bench/gpu_copy.py prints both paths' GB/s per page size next to pinned cudaMemcpy (docs/gpu.md has
+# the figures): the kernel held up across page sizes, memcpy only at large pages. Measure on a new
+# GPU before switching.
 DEFAULT_METHOD = "kernel"
 DEFAULT_THREADS_PER_BLOCK = 256
 # A copy of 1 GiB at a pessimistic 10 GB/s takes 0.1 s; the budget also covers the wait for
