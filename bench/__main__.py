@@ -21,8 +21,8 @@ from typing import Any
 from bench import report
 from bench.common import git_commit, machine, md_table, try_pyplot, write_json
 
-RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings")
-QUICK_SKIPS = ("vllm_e2e", "backings")  # not in `all --quick`: too slow for the 2-minute smoke
+RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster")
+QUICK_SKIPS = ("vllm_e2e", "backings", "cluster")  # not in `all --quick`: too slow for the 2-minute smoke
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
