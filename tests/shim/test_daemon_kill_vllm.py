@@ -125,9 +125,12 @@ def test_engine_survives_daemon_kill9_and_hits_resume(tiny_models, outputs, engi
     assert "SIGKILL in store copy #3" in logs[1], logs[1][-2000:]
     assert [d.proc.returncode for d in daemons[:3]] == [-9, -9, -9]  # type: ignore[union-attr]
     assert stale == [True, True, True], "kill -9 leaves the socket file; serve must take it over"
-    # Every new daemon saw the live engine register again, scheduler and worker.
+    # Every new daemon saw the live engine's worker register again; the scheduler registers with a
+    # daemon when it next needs one, which a daemon killed early may not live to see (a failed
+    # attempt backs off reconnect_interval_s), so it must have come back on the last one.
     for i, log in enumerate(logs):
-        assert log.count("registered engine") >= 2, f"daemon {i + 1} saw no re-registration:\n{log[-2000:]}"
+        assert "worker, " in log, f"daemon {i + 1} saw no worker re-registration:\n{log[-2000:]}"
+    assert "lookup-only, " in logs[-1], f"the last daemon saw no scheduler:\n{logs[-1][-2000:]}"
 
     # Cold references: nothing cached for the first P1 and P3.
     assert hits[0] == 0 and hits[1] == 0, why
