@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hkvd.cuda._cupy import unshadow_nvidia_cuda
+from hkvd.daemon import descriptors
 from hkvd.daemon.app import Daemon
 from hkvd.daemon.config import GIB, DaemonConfig
 from hkvd.daemon.copy_engine import check_copy_engine
@@ -113,6 +114,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_cluster(s),
         *_status_peer(s),
         *_status_heap(s),
+        *_status_descriptors(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -186,6 +188,18 @@ def _status_heap(s: dict[str, Any]) -> list[str]:
              if h["freeze_every"] else "freezing off (--gc-freeze-every 0)")
     return [f"gc        longest pause {h['max_pause_ms']:.1f} ms in {int(c.get('gc_collections', 0))} collections; "
             f"{froze}"]
+
+
+def _status_descriptors(s: dict[str, Any]) -> list[str]:
+    """Open-file descriptors: used, the limit, the room left for engines, and engines refused for want of them."""
+    d = s.get("descriptors")
+    if not d:
+        return []
+    refused = int(s["counters"].get("connections_refused", 0))
+    room = "no limit on engines" if d["engines_room"] < 0 else f"room for about {d['engines_room']} more engines"
+    return [f"files     {d['used']} of {d['limit']} descriptors open (hard limit {d['hard_limit']}, {d['reserve']} "
+            f"kept in reserve): {room}; {refused} engine connections refused"
+            + ("; raise LimitNOFILE" if refused else "")]
 
 
 def _status_peer(s: dict[str, Any]) -> list[str]:
@@ -323,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         _preflight(cfg)
         setup_logging(cfg.log_level)
+        descriptors.raise_and_log(logging.getLogger("hkvd"))
         if os.geteuid() == 0:
             logging.getLogger("hkvd").warning(
                 "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "

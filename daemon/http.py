@@ -51,6 +51,8 @@ COUNTERS: dict[str, str] = {
     "lookup_hit_entries": "Entries the served hits load, by group kind",
     "lookup_miss_entries": "Entries whose absence cut a lookup's hit short, by group kind",
     "uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
+    "connections_refused": "Engine connections refused at their Hello, by reason (descriptors: the open-file "
+                           "limit's reserve was reached; raise LimitNOFILE)",
 }
 HELP = {
     **COUNTERS,
@@ -177,6 +179,9 @@ class DaemonCollector:
             yield from self._l2(s["l2"])
         if s.get("cluster") is not None:
             yield from self._cluster(s["cluster"])
+        fds = s["descriptors"]  # used and the limit: hkvd_process_open_fds and hkvd_process_max_fds
+        yield GaugeMetricFamily("hkvd_descriptor_reserve", "Descriptors kept free for the engines served: new "
+                                "engines are refused once fewer are left", value=fds["reserve"])
         server = d.server
         if server is not None:
             yield GaugeMetricFamily("hkvd_connections", "Open control connections",

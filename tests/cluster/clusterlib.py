@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from hkvd.shim.testing.launcher import DaemonProcess
 
@@ -43,14 +42,7 @@ class Node(DaemonProcess):
         self.name = name
         self.ns = ns
         super().__init__(str(workdir / f"{name}.sock"), [*NODE_ARGS, *args], workdir / f"{name}.log",
-                         dict(os.environ))
-
-    def spawn(self) -> Node:
-        out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "hkvd.daemon", "serve", "--socket",
-             self.socket_path, *self.args], stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        return self
+                         dict(os.environ), ["ip", "netns", "exec", ns])
 
 
 class Cluster:
