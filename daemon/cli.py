@@ -21,6 +21,7 @@ from typing import Any
 from hkvd.cuda._cupy import unshadow_nvidia_cuda
 from hkvd.daemon import descriptors
 from hkvd.daemon.app import Daemon
+from hkvd.daemon.cluster_value import FleetKeys
 from hkvd.daemon.config import GIB, DaemonConfig
 from hkvd.daemon.copy_engine import check_copy_engine
 from hkvd.daemon.errors import StartupError
@@ -171,6 +172,10 @@ def _status_cluster(s: dict[str, Any]) -> list[str]:
         return []
     hits = sum(int(v) for v in (s.get("by_kind") or {}).get("cluster_hits", {}).values())
     state = "connected" if c["connected"] else "NOT connected (serving from this node's tiers)"
+    if "insecure" in c:  # older daemons do not say
+        accepted = "".join(f", accepting {k} too" for k in c["accepted_key_ids"])
+        state += ("; INSECURE: no fleet key (--cluster-insecure)" if c["insecure"]
+                  else f"; fleet key {c['key_id']}{accepted}")
     return [f"cluster   {c['master']} {state}; {hits} entries read ({_bytes(c['get_bytes'])}), {c['misses']} missed, "
             f"{c['puts']} put ({_bytes(c['put_bytes'])})",
             f"clust-io  {c['queued']} queued, {sum(c['skips'].values())} skipped {c['skips'] or ''}, "
@@ -359,6 +364,8 @@ def _preflight(cfg: DaemonConfig) -> None:
             print("hkvd serve: warning: --peer-token is visible to every user in ps; prefer --peer-token-file",
                   file=sys.stderr)
     check_copy_engine(cfg.copy_engine)
+    if cfg.cluster:
+        FleetKeys.load(cfg.cluster_key_file, cfg.cluster_accept_key_file)  # unsafe or short: refused now
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:

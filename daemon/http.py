@@ -59,7 +59,8 @@ HELP = {
     "l2_hits": "Entries read from the disk tier into the pool for a lookup, by group kind",
     "l2_read_failures": "Disk-tier reads not served (checksum, truncated, io, timeout, pool_full), by reason",
     "cluster_hits": "Entries read from the cluster tier into the pool for a lookup, by group kind",
-    "cluster_read_failures": "Cluster-tier reads not served (checksum, size, gone, io, timeout, pool_full), by reason",
+    "cluster_read_failures": "Cluster-tier reads not served (mac, size, header, gone, io, timeout, pool_full), by "
+                             "reason",
     "gc_collections": "Cyclic garbage collections, by generation",
     "gc_pause_seconds": "Seconds the event loop stood still in garbage collections, by generation",
 }
@@ -86,7 +87,8 @@ CLUSTER_COUNTERS = {
 CLUSTER_BY_REASON = {
     "skips": "Offers not put in the cluster (queue_full, unavailable, cluster_full, busy), by reason",
     "errors": "Cluster calls that failed (connect, exist, put, get), by operation",
-    "corrupt": "Cluster values found unusable (checksum, size, header) and removed, by reason",
+    "corrupt": "Cluster values found unusable (mac: not sealed with a fleet key this node holds, or damaged; "
+               "size, header) and removed, by reason",
 }
 GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
 
@@ -224,6 +226,8 @@ class DaemonCollector:
             yield m
         for name, help_, value in (
                 ("connected", "1 while the cluster's master answers", 1.0 if c["connected"] else 0.0),
+                ("insecure", "1 when values are sealed with the public key (--cluster-insecure)",
+                 1.0 if c["insecure"] else 0.0),
                 ("queued_entries", "Entries waiting in the cluster write-behind queue", c["queued"]),
                 ("put_gbps", "Cluster put throughput, last 64 batches", c["put_gbps"]),
                 ("get_gbps", "Cluster get throughput, last 64 batches", c["get_gbps"])):

@@ -45,6 +45,13 @@ class Node(DaemonProcess):
                          dict(os.environ), ["ip", "netns", "exec", ns])
 
 
+def write_key(path: Path) -> Path:
+    """A fleet key file as an operator makes one: 32 random bytes in hex, mode 600."""
+    path.write_text(os.urandom(32).hex() + "\n")
+    path.chmod(0o600)
+    return path
+
+
 class Cluster:
     def __init__(self, veth: dict[str, str], workdir: Path) -> None:
         self.veth = veth
@@ -52,6 +59,7 @@ class Cluster:
         self.master: subprocess.Popen[bytes] | None = None
         self.nodes: list[Node] = []
         self.url = f"mooncake://{veth['ip_p']}:{MASTER_PORT}"
+        self.key_file = write_key(workdir / "fleet.key")  # every node's, unless a test says otherwise
 
     def start_master(self) -> None:
         log = open(self.workdir / "master.log", "ab")  # noqa: SIM115
@@ -77,8 +85,11 @@ class Cluster:
         self.master = None
 
     def node(self, name: str, where: str = "p", *args: str, wait: bool = True) -> Node:
-        """A daemon in node 1's ("p") or node 2's ("d") namespace, joined to the master."""
-        n = Node(self.workdir, name, self.veth[f"ns_{where}"], ["--cluster", self.url, *args])
+        """A daemon in node 1's ("p") or node 2's ("d") namespace, joined to the master; with the fleet
+        key file unless ``args`` name keys (or a --config that does)."""
+        own = any(a in args for a in ("--cluster-key-file", "--cluster-insecure", "--config"))
+        keys = [] if own else ["--cluster-key-file", str(self.key_file)]
+        n = Node(self.workdir, name, self.veth[f"ns_{where}"], ["--cluster", self.url, *keys, *args])
         n.spawn()
         self.nodes.append(n)
         n.wait_ready(60)
@@ -86,24 +97,47 @@ class Cluster:
             n.wait_status(lambda s: s["cluster"]["connected"], 60)
         return n
 
-    def corrupt_value(self, key: str) -> None:
-        """Rewrite a value in the cluster with one payload bit flipped, same size (a child in node 1's namespace)."""
+    def _client(self, body: str) -> None:
+        """Run ``body`` with ``s``, a plain Mooncake client, in a child in node 1's namespace: any host on the
+        cluster's network can do as much."""
         code = (
-            "import sys\n"
             "from mooncake.store import MooncakeDistributedStore\n"
             "s = MooncakeDistributedStore()\n"
             f"assert s.setup({self.veth['ip_p']!r}, 'P2PHANDSHAKE', 0, 64 << 20, 'tcp', '', "
             f"'{self.veth['ip_p']}:{MASTER_PORT}') == 0\n"
-            f"raw = bytearray(s.get({key!r}))\n"
-            "assert len(raw) > 1000, len(raw)\n"
-            "raw[-777] ^= 1\n"
-            f"assert s.remove({key!r}, True) == 0\n"
-            f"rc = s.put({key!r}, bytes(raw))\n"
-            "assert rc == 0, rc\n"
+            f"{body}"
             "s.close()\n")
         r = subprocess.run(["ip", "netns", "exec", self.veth["ns_p"], sys.executable, "-c", code],
                            capture_output=True, text=True, timeout=120, check=False)
         assert r.returncode == 0, r.stderr[-3000:]
+
+    def corrupt_value(self, key: str) -> None:
+        """Rewrite a value in the cluster with one payload bit flipped, same size."""
+        self._client(
+            f"raw = bytearray(s.get({key!r}))\n"
+            "assert len(raw) > 1000, len(raw)\n"
+            "raw[-777] ^= 1\n"
+            f"assert s.remove({key!r}, True) == 0\n"
+            f"assert s.put({key!r}, bytes(raw)) == 0\n")
+
+    def forge_value(self, key: str, payload_of: str, claim_key_id: bool) -> None:
+        """Replace the value at ``key`` with a well-formed one whose payload is the value at ``payload_of``'s
+        (real KV, for the wrong tokens): its header names the right entry, and it is sealed with a key the
+        fleet does not hold. ``claim_key_id``: the header names the fleet key's id, as a forger can copy it
+        from any genuine value."""
+        self._client(
+            "import os\n"
+            "from hkvd.daemon.cluster_value import FleetKeys, MAGIC, VERSION\n"
+            "from hkvd.daemon.disk_tier import HEADER_BYTES, parse_head\n"
+            f"genuine = s.get({key!r})\n"
+            f"payload = s.get({payload_of!r})[HEADER_BYTES:]\n"
+            "assert len(genuine) > HEADER_BYTES and len(payload) == len(genuine) - HEADER_BYTES\n"
+            "header = parse_head(genuine, MAGIC, VERSION)\n"
+            "forged = bytearray(FleetKeys(os.urandom(32)).seal(header, [memoryview(payload)]))\n"
+            f"if {claim_key_id}:\n"
+            "    forged[24:28] = genuine[24:28]\n"
+            f"assert s.remove({key!r}, True) == 0\n"
+            f"assert s.put({key!r}, bytes(forged) + payload) == 0\n")
 
 
 def scrape(node: Node, port: int) -> str:
