@@ -172,15 +172,16 @@ def _status_cluster(s: dict[str, Any]) -> list[str]:
         return []
     hits = sum(int(v) for v in (s.get("by_kind") or {}).get("cluster_hits", {}).values())
     state = "connected" if c["connected"] else "NOT connected (serving from this node's tiers)"
+    lines = [f"cluster   {c['master']} {state}; {hits} entries read ({_bytes(c['get_bytes'])}), {c['misses']} missed, "
+             f"{c['puts']} put ({_bytes(c['put_bytes'])})",
+             f"clust-io  {c['queued']} queued, {sum(c['skips'].values())} skipped {c['skips'] or ''}, "
+             f"{sum(c['errors'].values())} errors {c['errors'] or ''}, {sum(c['corrupt'].values())} corrupt "
+             f"{c['corrupt'] or ''}, {c['reconnects']} reconnects"]
     if "insecure" in c:  # older daemons do not say
         accepted = "".join(f", accepting {k} too" for k in c["accepted_key_ids"])
-        state += ("; INSECURE: no fleet key (--cluster-insecure)" if c["insecure"]
-                  else f"; fleet key {c['key_id']}{accepted}")
-    return [f"cluster   {c['master']} {state}; {hits} entries read ({_bytes(c['get_bytes'])}), {c['misses']} missed, "
-            f"{c['puts']} put ({_bytes(c['put_bytes'])})",
-            f"clust-io  {c['queued']} queued, {sum(c['skips'].values())} skipped {c['skips'] or ''}, "
-            f"{sum(c['errors'].values())} errors {c['errors'] or ''}, {sum(c['corrupt'].values())} corrupt, "
-            f"{c['reconnects']} reconnects"]
+        lines.append("clust-key INSECURE: no fleet key (--cluster-insecure); any host on its network can write values"
+                     if c["insecure"] else f"clust-key values sealed with fleet key {c['key_id']}{accepted}")
+    return lines
 
 
 def _status_heap(s: dict[str, Any]) -> list[str]:
@@ -201,10 +202,9 @@ def _status_descriptors(s: dict[str, Any]) -> list[str]:
     if not d:
         return []
     refused = int(s["counters"].get("connections_refused", 0))
-    room = "no limit on engines" if d["engines_room"] < 0 else f"room for about {d['engines_room']} more engines"
-    return [f"files     {d['used']} of {d['limit']} descriptors open (hard limit {d['hard_limit']}, {d['reserve']} "
-            f"kept in reserve): {room}; {refused} engine connections refused"
-            + ("; raise LimitNOFILE" if refused else "")]
+    room = "no limit on engines" if d["engines_room"] < 0 else f"room for ~{d['engines_room']} engines"
+    return [f"files     {d['used']} of {d['limit']} open (hard {d['hard_limit']}, {d['reserve']} reserved): {room}; "
+            f"{refused} refused" + (": raise LimitNOFILE" if refused else "")]
 
 
 def _status_peer(s: dict[str, Any]) -> list[str]:

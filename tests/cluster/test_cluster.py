@@ -97,9 +97,11 @@ def test_node2_hits_what_node1_stored_byte_exact(cluster: Any, lib: Any) -> None
                          capture_output=True, text=True, timeout=60, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("cluster "))
     assert "connected" in line and "22 entries read" in line
+    assert f"clust-key values sealed with fleet key {_key_id(cluster.key_file)}\n" in out
     metrics = lib.scrape(n2, 9466)
     assert 'hkvd_cluster_hits_total{kind="mamba"} 3.0' in metrics
     assert "hkvd_cluster_gets_total 22.0" in metrics and "hkvd_cluster_connected 1.0" in metrics
+    assert "hkvd_cluster_insecure 0.0" in metrics
 
 
 def test_a_corrupt_value_is_a_miss_never_bytes(cluster: Any, lib: Any) -> None:

@@ -110,8 +110,8 @@ def test_out_of_descriptors_is_a_typed_refusal_and_served_engines_go_on(tmp_path
         out = subprocess.run([sys.executable, "-m", "hkvd.daemon", "status", "--socket", d.socket_path],
                              capture_output=True, text=True, timeout=60, check=True).stdout
         line = next(x for x in out.splitlines() if x.startswith("files "))
-        assert "of 3072 descriptors open" in line and f"{refused} engine connections refused" in line
-        assert "raise LimitNOFILE" in line
+        assert "of 3072 open (hard 3072, 192 reserved): room for ~0 engines" in line
+        assert line.endswith(f"; {refused} refused: raise LimitNOFILE") and len(line) <= 120
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
             metrics = r.read().decode()
         assert f'hkvd_connections_refused_total{{reason="descriptors"}} {float(refused)}' in metrics
