@@ -12,8 +12,9 @@ Role
     - ``DescriptorBudget.short(fd)``: whether a newly accepted connection leaves fewer than
       ``reserve`` descriptors free. The kernel hands out the lowest free number, so a socket
       accepted as descriptor N means 0..N-1 are all open: the check costs nothing per accept.
-      The reserve (``max(MIN_RESERVE, limit / RESERVE_SHARE)``) stays for the engines already
-      served (disk and cluster reads, peer links, scrapes) and for ``hkvd status``.
+      The reserve (``limit / RESERVE_SHARE``, at least ``MIN_RESERVE`` and at most a quarter of
+      the limit) stays for the engines already served (disk and cluster reads, peer links,
+      scrapes) and for ``hkvd status``.
     - ``exhausted_error()``: the ``ResourceExhausted`` a client gets, naming LimitNOFILE.
 
 Threading
@@ -33,9 +34,11 @@ from hkvd.daemon.errors import ResourceExhausted
 
 DESCRIPTORS_PER_ENGINE = 3  # socket, pidfd, /proc/PID/mem
 # Kept free for what serving engines still open (disk and cluster reads, peer links, scrapes): at a
-# 1024 limit that is 128, at 65536 it is 4096 (the accept backlog, 100, fits in either).
+# 1024 limit that is 128, at 65536 it is 4096 (the accept backlog, 100, fits in either); a limit under
+# 512 keeps a quarter (a toy limit still serves a few engines).
 MIN_RESERVE = 128
 RESERVE_SHARE = 16
+MAX_RESERVE_SHARE = 4
 LOW_ROOM_ENGINES = 256  # a limit that leaves room for fewer engines than this is logged as a warning
 _FIX = ("raise the daemon's open-file limit: LimitNOFILE= in its systemd unit (packaging/hkvd.service sets "
         "65536), or `ulimit -n` before `hkvd serve`")
@@ -102,7 +105,8 @@ class DescriptorBudget:
         self.soft = soft
         self.hard = hard
         unlimited = soft == resource.RLIM_INFINITY
-        self.reserve = MIN_RESERVE if unlimited else max(MIN_RESERVE, soft // RESERVE_SHARE)
+        self.reserve = MIN_RESERVE if unlimited else min(max(MIN_RESERVE, soft // RESERVE_SHARE),
+                                                         soft // MAX_RESERVE_SHARE)
         self._floor = -1 if unlimited else soft - self.reserve
 
     @classmethod
