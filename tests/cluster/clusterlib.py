@@ -17,6 +17,7 @@ from pathlib import Path
 from hkvd.shim.testing.launcher import DaemonProcess
 
 MASTER_PORT = 50051
+MASTER_HTTP_PORT = 9003  # mooncake_master's metrics and admin port: /get_all_keys lists every key
 NODE_ARGS = ["--hugepages", "off", "--log-level", "debug", "--l1-size-gb", "0.125", "--cluster-segment-gb", "0.125",
              "--cluster-lookup-timeout-ms", "5000"]
 
@@ -64,7 +65,8 @@ class Cluster:
     def start_master(self) -> None:
         log = open(self.workdir / "master.log", "ab")  # noqa: SIM115
         self.master = subprocess.Popen(["ip", "netns", "exec", self.veth["ns_p"], str(master_binary()),
-                                        "--port", str(MASTER_PORT)], stdout=log, stderr=subprocess.STDOUT)
+                                        "--port", str(MASTER_PORT), "--metrics_port", str(MASTER_HTTP_PORT)],
+                                       stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # listening once `ss` in its namespace shows the port
             r = subprocess.run(["ip", "netns", "exec", self.veth["ns_p"], "ss", "-ltn", f"sport = :{MASTER_PORT}"],
@@ -138,6 +140,31 @@ class Cluster:
             "    forged[24:28] = genuine[24:28]\n"
             f"assert s.remove({key!r}, True) == 0\n"
             f"assert s.put({key!r}, bytes(forged) + payload) == 0\n")
+
+
+    def value_keys(self) -> list[str]:
+        """Every key the master holds, sorted (its /get_all_keys, from node 1's namespace)."""
+        code = (f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{MASTER_HTTP_PORT}"
+                "/get_all_keys', timeout=30).read().decode())")
+        out = subprocess.run(["ip", "netns", "exec", self.veth["ns_p"], sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return sorted(k for k in out.split() if k)
+
+    def forge_chunk(self) -> int:
+        """Forge every group's value of one chunk (the first chunk key in order) with another chunk's real KV of
+        the same group (``forge_value``, claiming the fleet key's id); returns how many values were forged."""
+        by_group: dict[str, list[str]] = {}
+        for key in self.value_keys():
+            by_group.setdefault(key.rsplit("/", 2)[1], []).append(key)
+        chunk = min(key.rsplit("/", 1)[1] for keys in by_group.values() for key in keys)
+        forged = 0
+        for keys in by_group.values():
+            victim = next((k for k in keys if k.endswith("/" + chunk)), None)
+            donor = next((k for k in keys if k != victim), None)
+            if victim is not None and donor is not None:
+                self.forge_value(victim, donor, claim_key_id=True)
+                forged += 1
+        return forged
 
 
 def scrape(node: Node, port: int) -> str:
