@@ -66,7 +66,8 @@ PROGRESS_EVERY_S = 1.0
 # Each report of start-up progress moves systemd's start deadline to this far ahead: a start that
 # progresses is never killed, whatever the pool size; one stuck this long is (TimeoutStartSec rules).
 EXTEND_TIMEOUT_S = 60.0
-RELOADABLE = ("log_level", "lease_ttl_s", "cluster_key_file", "cluster_accept_key_file")
+CLUSTER_KEYS = ("cluster_key_file", "cluster_accept_key_file")  # reloadable, once the files pass their checks
+RELOADABLE = ("log_level", "lease_ttl_s", *CLUSTER_KEYS)
 
 
 class Daemon:
@@ -309,19 +310,22 @@ class Daemon:
         ids = [f"{i:08x}" for i in keys.ids()]
         log.info("cluster tier: sealing values with fleet key %s; accepting %s", ids[0], ", ".join(ids))
 
-    def _reload_cluster_keys(self, cfg: DaemonConfig) -> None:
+    def _reload_cluster_keys(self, cfg: DaemonConfig) -> bool:
         """SIGHUP: read the fleet keys again (a key change, docs/cluster.md); keep the old ones on an error."""
+        if not cfg.cluster_key_file and self.cluster.keys.public:
+            return True  # --cluster-insecure, still without a key file: nothing to read
         if not cfg.cluster_key_file:
             log.error("SIGHUP: the reloaded config has no --cluster-key-file; keeping the running fleet keys "
                       "(running without one needs a restart with --cluster-insecure)")
-            return
+            return False
         try:
             keys = FleetKeys.load(cfg.cluster_key_file, cfg.cluster_accept_key_file)
         except ClusterKeyError as e:
             log.error("SIGHUP: fleet keys not reloaded, keeping the running ones: %s", e)
-            return
+            return False
         self.cluster.set_keys(keys)
         self._log_keys(keys)
+        return True
 
     async def _flush_disk(self, deadline: float) -> None:
         disk = self.disk
@@ -377,7 +381,9 @@ class Daemon:
         names = [f.name for f in dataclasses.fields(DaemonConfig)]
         changed = {f: (getattr(self.cfg, f), getattr(new, f)) for f in names
                    if getattr(self.cfg, f) != getattr(new, f)}
-        applied = {f: v for f, v in changed.items() if f in RELOADABLE}
+        # The key files are read again even under unchanged names; they apply only if they pass their checks.
+        keys_ok = self.cluster is not None and self._reload_cluster_keys(new)
+        applied = {f: v for f, v in changed.items() if f in RELOADABLE and (keys_ok or f not in CLUSTER_KEYS)}
         ignored = sorted(f for f in changed if f not in RELOADABLE)
         if applied:
             self.cfg = self.cfg.replace(**{f: v[1] for f, v in applied.items()})
@@ -386,8 +392,6 @@ class Daemon:
             if "log_level" in applied:
                 logging.getLogger().setLevel(self.cfg.log_level.upper())
                 log.debug("SIGHUP: log level is now %s", self.cfg.log_level)
-        if self.cluster is not None:  # the key files may have changed under the same names
-            self._reload_cluster_keys(new)
         log.info("SIGHUP: config reloaded; applied %s; needs a restart (ignored): %s",
                  ", ".join(f"{f} {a!r} -> {b!r}" for f, (a, b) in applied.items()) or "nothing",
                  ", ".join(ignored) or "nothing")
