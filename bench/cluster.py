@@ -11,6 +11,7 @@ gets, as the tier's two nodes do. Needs ``hkvd[cluster]``.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -98,8 +99,11 @@ def _tier(url: str, work: Path, size: int, count: int, hugepages: str) -> tuple[
     from hkvd.transport.keys import chunk_keys
 
     pool_gb = str(round((size * count * 2 + (256 << 20)) / (1 << 30), 3))
+    key = work / "fleet.key"  # both nodes seal and check every value with it (HMAC-SHA256 of header and payload)
+    key.write_text(os.urandom(32).hex())
+    key.chmod(0o600)
     args = ["--chunk-size", "32", "--l1-size-gb", pool_gb, "--hugepages", hugepages, "--cluster", url,
-            "--cluster-lookup-timeout-ms", "30000", "--log-level", "warning"]
+            "--cluster-key-file", str(key), "--cluster-lookup-timeout-ms", "30000", "--log-level", "warning"]
     nodes = [DaemonProcess(str(work / f"n{i}-{size}.sock"), args, work / f"n{i}-{size}.log").start(60)
              for i in (1, 2)]
     try:

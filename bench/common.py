@@ -65,8 +65,9 @@ def git_commit() -> str:
 def readline_timeout(proc: subprocess.Popen[str], timeout_s: float, what: str) -> str:
     """One line from ``proc.stdout``, or RuntimeError after ``timeout_s`` (every wait has a timeout)."""
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    if not ready:
+    readable = select.poll()
+    readable.register(proc.stdout, select.POLLIN)
+    if not readable.poll(timeout_s * 1000.0):
         raise RuntimeError(f"{what}: no answer within {timeout_s:.0f} s")
     line = proc.stdout.readline()
     if not line:

@@ -21,8 +21,10 @@ Exit code 0 after a clean shutdown.
 
 Reload (SIGHUP)
     Re-reads ``--config`` (flags still win) and applies what can change safely while serving:
-    ``log-level`` and ``lease-ttl-s`` (new leases only). Every other changed key is logged as
-    "needs a restart" and ignored. A config that fails to parse or validate is logged and ignored.
+    ``log-level``, ``lease-ttl-s`` (new leases only), and the cluster tier's fleet keys (both key
+    files are read again, even under unchanged names). Every other changed key is logged as
+    "needs a restart" and ignored. A config that fails to parse or validate, or a key file that
+    fails its checks, is logged and ignored.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hkvd.daemon.cluster_tier import ClusterSettings, ClusterTier
+from hkvd.daemon.cluster_value import ClusterKeyError, FleetKeys
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.copy_engine import make_copy_engine
 from hkvd.daemon.disk_tier import DiskTier
@@ -63,7 +66,8 @@ PROGRESS_EVERY_S = 1.0
 # Each report of start-up progress moves systemd's start deadline to this far ahead: a start that
 # progresses is never killed, whatever the pool size; one stuck this long is (TimeoutStartSec rules).
 EXTEND_TIMEOUT_S = 60.0
-RELOADABLE = ("log_level", "lease_ttl_s")
+CLUSTER_KEYS = ("cluster_key_file", "cluster_accept_key_file")  # reloadable, once the files pass their checks
+RELOADABLE = ("log_level", "lease_ttl_s", *CLUSTER_KEYS)
 
 
 class Daemon:
@@ -288,11 +292,40 @@ class Daemon:
 
         assert self.pool is not None
         cfg = self.cfg
+        keys = FleetKeys.load(cfg.cluster_key_file, cfg.cluster_accept_key_file)
         self.cluster = ClusterTier(ClusterSettings(
             cfg.cluster, cfg.cluster_segment_bytes, cfg.cluster_protocol, cfg.cluster_devices, cfg.cluster_local_host,
             cfg.cluster_replicas, cfg.cluster_lookup_timeout_ms / 1000,
-            queue_bytes=max(cfg.l1_size_bytes // 8, 1 << 20)), self.pool.buffer, self.pool.base_addr)
+            queue_bytes=max(cfg.l1_size_bytes // 8, 1 << 20)), keys, self.pool.buffer, self.pool.base_addr)
+        self._log_keys(keys)
         self.cluster.start(loop)
+
+    @staticmethod
+    def _log_keys(keys: FleetKeys) -> None:
+        if keys.public:
+            log.warning("cluster tier: --cluster-insecure: values are sealed with a public key, so any host that "
+                        "reaches the Mooncake master can write values this node serves as KV; set "
+                        "--cluster-key-file (docs/cluster.md)")
+            return
+        ids = [f"{i:08x}" for i in keys.ids()]
+        log.info("cluster tier: sealing values with fleet key %s; accepting %s", ids[0], ", ".join(ids))
+
+    def _reload_cluster_keys(self, cfg: DaemonConfig) -> bool:
+        """SIGHUP: read the fleet keys again (a key change, docs/cluster.md); keep the old ones on an error."""
+        if not cfg.cluster_key_file and self.cluster.keys.public:
+            return True  # --cluster-insecure, still without a key file: nothing to read
+        if not cfg.cluster_key_file:
+            log.error("SIGHUP: the reloaded config has no --cluster-key-file; keeping the running fleet keys "
+                      "(running without one needs a restart with --cluster-insecure)")
+            return False
+        try:
+            keys = FleetKeys.load(cfg.cluster_key_file, cfg.cluster_accept_key_file)
+        except ClusterKeyError as e:
+            log.error("SIGHUP: fleet keys not reloaded, keeping the running ones: %s", e)
+            return False
+        self.cluster.set_keys(keys)
+        self._log_keys(keys)
+        return True
 
     async def _flush_disk(self, deadline: float) -> None:
         disk = self.disk
@@ -348,7 +381,9 @@ class Daemon:
         names = [f.name for f in dataclasses.fields(DaemonConfig)]
         changed = {f: (getattr(self.cfg, f), getattr(new, f)) for f in names
                    if getattr(self.cfg, f) != getattr(new, f)}
-        applied = {f: v for f, v in changed.items() if f in RELOADABLE}
+        # The key files are read again even under unchanged names; they apply only if they pass their checks.
+        keys_ok = self.cluster is not None and self._reload_cluster_keys(new)
+        applied = {f: v for f, v in changed.items() if f in RELOADABLE and (keys_ok or f not in CLUSTER_KEYS)}
         ignored = sorted(f for f in changed if f not in RELOADABLE)
         if applied:
             self.cfg = self.cfg.replace(**{f: v[1] for f, v in applied.items()})

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from hkvd.cuda._cupy import unshadow_nvidia_cuda
+from hkvd.daemon import descriptors
 from hkvd.daemon.app import Daemon
+from hkvd.daemon.cluster_value import FleetKeys
 from hkvd.daemon.config import GIB, DaemonConfig
 from hkvd.daemon.copy_engine import check_copy_engine
 from hkvd.daemon.errors import StartupError
@@ -113,6 +115,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_cluster(s),
         *_status_peer(s),
         *_status_heap(s),
+        *_status_descriptors(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -169,11 +172,16 @@ def _status_cluster(s: dict[str, Any]) -> list[str]:
         return []
     hits = sum(int(v) for v in (s.get("by_kind") or {}).get("cluster_hits", {}).values())
     state = "connected" if c["connected"] else "NOT connected (serving from this node's tiers)"
-    return [f"cluster   {c['master']} {state}; {hits} entries read ({_bytes(c['get_bytes'])}), {c['misses']} missed, "
-            f"{c['puts']} put ({_bytes(c['put_bytes'])})",
-            f"clust-io  {c['queued']} queued, {sum(c['skips'].values())} skipped {c['skips'] or ''}, "
-            f"{sum(c['errors'].values())} errors {c['errors'] or ''}, {sum(c['corrupt'].values())} corrupt, "
-            f"{c['reconnects']} reconnects"]
+    lines = [f"cluster   {c['master']} {state}; {hits} entries read ({_bytes(c['get_bytes'])}), {c['misses']} missed, "
+             f"{c['puts']} put ({_bytes(c['put_bytes'])})",
+             f"clust-io  {c['queued']} queued, {sum(c['skips'].values())} skipped {c['skips'] or ''}, "
+             f"{sum(c['errors'].values())} errors {c['errors'] or ''}, {sum(c['corrupt'].values())} corrupt "
+             f"{c['corrupt'] or ''}, {c['reconnects']} reconnects"]
+    if "insecure" in c:  # older daemons do not say
+        accepted = "".join(f", accepting {k} too" for k in c["accepted_key_ids"])
+        lines.append("clust-key INSECURE: no fleet key (--cluster-insecure); any host on its network can write values"
+                     if c["insecure"] else f"clust-key values sealed with fleet key {c['key_id']}{accepted}")
+    return lines
 
 
 def _status_heap(s: dict[str, Any]) -> list[str]:
@@ -186,6 +194,17 @@ def _status_heap(s: dict[str, Any]) -> list[str]:
              if h["freeze_every"] else "freezing off (--gc-freeze-every 0)")
     return [f"gc        longest pause {h['max_pause_ms']:.1f} ms in {int(c.get('gc_collections', 0))} collections; "
             f"{froze}"]
+
+
+def _status_descriptors(s: dict[str, Any]) -> list[str]:
+    """Open-file descriptors: used, the limit, the room left for engines, and engines refused for want of them."""
+    d = s.get("descriptors")
+    if not d:
+        return []
+    refused = int(s["counters"].get("connections_refused", 0))
+    room = "no limit on engines" if d["engines_room"] < 0 else f"room for ~{d['engines_room']} engines"
+    return [f"files     {d['used']} of {d['limit']} open (hard {d['hard_limit']}, {d['reserve']} reserved): {room}; "
+            f"{refused} refused" + (": raise LimitNOFILE" if refused else "")]
 
 
 def _status_peer(s: dict[str, Any]) -> list[str]:
@@ -323,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         _preflight(cfg)
         setup_logging(cfg.log_level)
+        descriptors.raise_and_log(logging.getLogger("hkvd"))
         if os.geteuid() == 0:
             logging.getLogger("hkvd").warning(
                 "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "
@@ -344,6 +364,8 @@ def _preflight(cfg: DaemonConfig) -> None:
             print("hkvd serve: warning: --peer-token is visible to every user in ps; prefer --peer-token-file",
                   file=sys.stderr)
     check_copy_engine(cfg.copy_engine)
+    if cfg.cluster:
+        FleetKeys.load(cfg.cluster_key_file, cfg.cluster_accept_key_file)  # unsafe or short: refused now
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:

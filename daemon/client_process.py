@@ -12,7 +12,8 @@ How
     - At accept: pid, uid and gid come from ``SO_PEERCRED``; a pidfd from ``SO_PEERPIDFD``
       (Linux >= 6.5: the kernel's reference to the very process that connected), else
       ``pidfd_open(pid)``. The process's start time is recorded.
-    - ``check()``: the pidfd is not readable (the process has not exited), the start time is
+    - ``check()``: the pidfd is not readable (``poll()``, never ``select()``, whose sets end at
+      descriptor 1023: the process has not exited), the start time is
       unchanged (the pid was not reused), every uid and gid of ``/proc/PID/status`` (real,
       effective, saved, filesystem) equals the connection's, and ``/proc/PID`` is owned by that uid
       (the kernel hands a process's /proc files to root when it is not dumpable, for example after
@@ -27,7 +28,8 @@ How
 Contracts
     - Every refusal raises ``PermissionDenied`` (``CopyFailedError`` for a process that exited
       after registering, ``RegistrationError`` for one gone before it was pinned) whose message
-      says what changed and what to do.
+      says what changed and what to do. Out of descriptors (EMFILE, ENFILE) while pinning is
+      ``ResourceExhausted`` naming the limit to raise, never mistaken for a process that exited.
       None of them says anything about the target's memory (no address-probing oracle).
     - ``close()`` is idempotent and closes the pidfd and the memory file.
 """
@@ -40,6 +42,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from hkvd.daemon.descriptors import exhausted, exhausted_error
 from hkvd.daemon.errors import CopyFailedError, PermissionDenied, RegistrationError
 
 SO_PEERPIDFD = 77  # Linux >= 6.5; not in Python 3.11's socket module
@@ -103,16 +106,20 @@ class ClientProcess:
             if uid is None or gid is None:
                 uids, gids = _status_ids(pid)
                 uid, gid = uids[0], gids[0]
-        except OSError:
+        except OSError as e:
             if pidfd is not None:
                 os.close(pidfd)
+            if exhausted(e):
+                raise exhausted_error(f"pinning engine process {pid}", e) from None
             raise RegistrationError(f"engine process {pid} does not exist (it exited before it could be pinned); "
                                     f"{_RESTART}") from None
         proc = cls(pid, uid, gid, pidfd, start)
         return proc
 
     def exited(self) -> bool:
-        return bool(select.select([self.pidfd], [], [], 0)[0])
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def check(self) -> None:
         """Raise ``PermissionDenied`` unless this is still the process that connected, unchanged."""
@@ -127,7 +134,11 @@ class ClientProcess:
             start = _start_ticks(self.pid)
             uids, gids = _status_ids(self.pid)
             owner = os.stat(f"/proc/{self.pid}").st_uid
-        except (OSError, ValueError, IndexError):
+        except OSError as e:
+            if exhausted(e):
+                raise exhausted_error(f"checking engine process {self.pid}", e) from None
+            return "has exited"
+        except (ValueError, IndexError):
             return "has exited"
         if self.exited() or start != self.start_ticks:
             return "has exited (its pid now names another process)"
@@ -144,6 +155,8 @@ class ClientProcess:
             try:
                 fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
+                if exhausted(e):
+                    raise exhausted_error(f"pinning the memory of engine process {self.pid}", e) from None
                 self.check()  # names what changed, if something did
                 raise PermissionDenied(f"the daemon may not open the memory of engine process {self.pid} "
                                        f"({os.strerror(e.errno or 0)}); run hkvd serve as the engine's user "

@@ -15,16 +15,13 @@ Role
       the pool and the disk lack, then ``read_batch`` gets them straight into fresh pool entries
       (``daemon/tiers.py``), within ``--cluster-lookup-timeout-ms`` for the whole lookup.
 
-Value format
-    Key ``hkvd/1/<fingerprint hex>/<group>/<chunk key hex>``: the full index key, so layouts (and
-    engine identities, which the fingerprint carries) never mix. Value: the disk tier's 92-byte
-    header (``daemon/disk_tier.py``) under magic ``HKVDCL\\r\\n``, then the payload in pool order.
-    The header carries kind, group, payload size, the payload's CRC-32 and the key; every read
-    checks the value's size, the header and the CRC after the bytes land in the pool, and a value
-    that fails is a miss (``corrupt[reason]``), removed from the cluster, never served. The
-    header MAC's key is public (``CLUSTER_SECRET``): this is integrity, not authenticity. Mooncake
-    has no access control, so whoever reaches the master can write values: run the cluster on a
-    network only the fleet reaches.
+Value format and trust (``daemon/cluster_value.py``)
+    Key ``hkvd/2/<fingerprint hex>/<group>/<chunk key hex>``; value: a 92-byte header (kind,
+    group, payload size, key, parent, the id of the fleet key that sealed it, and a MAC of all that
+    and the payload under that key), then the payload in pool order. Every read checks the value's
+    size, the header and the MAC after the bytes land in the pool; a value that fails (one written
+    under a key this node does not hold included) is a miss (``corrupt[reason]``), removed from the
+    cluster, never served. The keys are swapped whole on SIGHUP (``set_keys``).
 
 Faults
     Calls to a master that is down take Mooncake's RPC timeout (about 4 s). A monitor thread asks
@@ -56,14 +53,14 @@ import logging
 import socket
 import threading
 import time
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from hkvd.daemon.disk_tier import HEADER_BYTES, FormatError, Header, unpack_header
+from hkvd.daemon.cluster_value import FleetKeys, value_key
+from hkvd.daemon.disk_tier import HEADER_BYTES, FormatError, Header
 from hkvd.daemon.errors import StartupError
 from hkvd.daemon.index import EntryKey
 from hkvd.daemon.metrics import RateWindow
@@ -72,9 +69,6 @@ from hkvd.daemon.tiers import Source, Tier, WriteJob, WriteQueue
 
 log = logging.getLogger("hkvd.cluster")
 
-MAGIC = b"HKVDCL\r\n"
-KEY_PREFIX = "hkvd/1/"
-CLUSTER_SECRET = b"hkvd-cluster-integrity-v1"  # public on purpose: see "Value format"
 HEALTH_EVERY_S = 0.5
 RECONNECT_S = 5.0
 PUT_BATCH = 32  # entries per batch put (one master round trip for the batch)
@@ -120,11 +114,6 @@ def local_address(master: tuple[str, int]) -> str:
         return str(s.getsockname()[0])
 
 
-def value_key(key: EntryKey) -> str:
-    fp, gid, ck = key
-    return f"{KEY_PREFIX}{fp.hex()}/{gid}/{ck.hex()}"
-
-
 def load_mooncake() -> Any:
     """The Mooncake store class; raises ``ClusterTierError`` naming the install step."""
     try:
@@ -159,8 +148,9 @@ class ClusterTier(Tier):
     name = "cluster"
     label = "cluster tier"
 
-    def __init__(self, settings: ClusterSettings, buffer: memoryview, base_addr: int) -> None:
+    def __init__(self, settings: ClusterSettings, keys: FleetKeys, buffer: memoryview, base_addr: int) -> None:
         self.settings = settings
+        self.keys = keys  # replaced whole by set_keys (SIGHUP); each put or check reads it once
         self.master = parse_address(settings.master)
         self.store_class = load_mooncake()
         self.buffer = buffer
@@ -332,21 +322,18 @@ class ClusterTier(Tier):
 
         t0 = time.perf_counter()
         slab = ctypes.addressof(self._put_slab)
-        keys, ptrs, sizes = [], [], []
+        names, ptrs, sizes = [], [], []
+        keys = self.keys
         for i, job in enumerate(batch):
-            crc = 0
-            for off, length in job.extents:
-                with self.buffer[off:off + length] as mv:
-                    crc = zlib.crc32(mv, crc)
             fp, gid, ck = job.key
-            header = Header(fp, gid, ck, job.kind, job.nbytes, crc, job.parent).pack(CLUSTER_SECRET, MAGIC)
+            header = keys.seal(Header(fp, gid, ck, job.kind, job.nbytes, 0, job.parent), self._views(job.extents))
             ctypes.memmove(slab + i * SLOT_BYTES, header, HEADER_BYTES)
-            keys.append(value_key(job.key))
+            names.append(value_key(job.key))
             ptrs.append([slab + i * SLOT_BYTES, *(self.base_addr + off for off, _ in job.extents)])
             sizes.append([HEADER_BYTES, *(length for _, length in job.extents)])
         cfg = ReplicateConfig()
         cfg.replica_num = self.settings.replicas
-        results = self._call(store.batch_put_from_multi_buffers, keys, ptrs, sizes, cfg)
+        results = self._call(store.batch_put_from_multi_buffers, names, ptrs, sizes, cfg)
         nbytes = 0
         for job, rc in zip(batch, results, strict=True):
             if rc in (0, OBJECT_ALREADY_EXISTS):
@@ -447,17 +434,11 @@ class ClusterTier(Tier):
             if rc < 0:
                 self._count(self.errors, "get")
                 return ClusterMiss("io", f"Mooncake error {rc} reading {value_key(key)}")
-            header = unpack_header(ctypes.string_at(slot, HEADER_BYTES), CLUSTER_SECRET, MAGIC)
+            header = self.keys.open(ctypes.string_at(slot, HEADER_BYTES), lambda: self._views(extents))
             if header.key != key or header.nbytes != nbytes or header.kind != kind:
                 raise FormatError("header", "the value's header names another entry or layout")
             if header.parent not in (b"", parent):
                 raise FormatError("header", "the value's header names another parent chunk")
-            crc = 0
-            for off, length in extents:
-                with self.buffer[off:off + length] as mv:
-                    crc = zlib.crc32(mv, crc)
-            if crc != header.checksum:
-                raise FormatError("checksum", f"payload CRC-32 {crc:08x}, header says {header.checksum:08x}")
         except FormatError as e:
             self._count(self.corrupt, e.reason)
             log.warning("cluster tier: %s is unusable (%s): removed, never served", value_key(key), e)
@@ -469,6 +450,16 @@ class ClusterTier(Tier):
         return None
 
     # ---- helpers -----------------------------------------------------------------------------
+    def set_keys(self, keys: FleetKeys) -> None:
+        """Seal later puts with ``keys.current`` and accept values under ``keys`` from now on (SIGHUP)."""
+        self.keys = keys
+
+    def _views(self, extents: Sequence[Extent]) -> Iterator[memoryview]:
+        """The pool bytes of ``extents``, in order (each view released once the next is asked for)."""
+        for off, length in extents:
+            with self.buffer[off:off + length] as mv:
+                yield mv
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self._lock:
             self._calls_running += 1
@@ -503,6 +494,7 @@ class ClusterTier(Tier):
         with self._lock:
             return {
                 "master": self.settings.master, "connected": self.connected, "protocol": self.settings.protocol,
+                **self.keys.describe(),
                 "segment_bytes": self.settings.segment_bytes, "replicas": self.settings.replicas,
                 "queued": len(self._queue) + self._putting, "queued_bytes": self._queue.bytes,
                 "puts": self.puts, "put_bytes": self.put_bytes, "gets": self.gets, "get_bytes": self.get_bytes,

@@ -75,6 +75,9 @@ class DaemonConfig:
     cluster_local_host: str = ""  # the address other nodes reach this one at; empty: the route to the master
     cluster_replicas: int = 1  # copies of each value on distinct nodes (2: survives one node leaving)
     cluster_lookup_timeout_ms: float = 200.0  # one lookup's wait on the cluster (existence check + reads)
+    cluster_key_file: str = ""  # the fleet key (daemon/cluster_value.py); required with cluster unless insecure
+    cluster_accept_key_file: str = ""  # a second key accepted on reads during a key change
+    cluster_insecure: bool = False  # no fleet key: values sealed with a public key
     # Peer links (daemon/peers.py): serve leased entries to decode daemons, pull from prefill ones.
     peer_listen: str = ""  # HOST:PORT for peer daemons; empty: serve no peers
     peer_advertise: str = ""  # HOST:PORT engines hand to decode engines; default: peer_listen
@@ -172,6 +175,18 @@ class DaemonConfig:
         if self.cluster and not self.cluster.startswith("mooncake://"):
             raise ConfigError(f"--cluster {self.cluster!r}: expected mooncake://MASTER_HOST:PORT (the "
                               "mooncake_master's port)")
+        if self.cluster and not self.cluster_key_file and not self.cluster_insecure:
+            raise ConfigError(f"--cluster {self.cluster}: also set --cluster-key-file PATH, the fleet key every node "
+                              "shares (e.g. `openssl rand -hex 32 > /etc/hkvd/cluster.key && chmod 600 "
+                              "/etc/hkvd/cluster.key`, copied to every node): without it any host that reaches "
+                              "the Mooncake master can write values this node serves as KV. --cluster-insecure "
+                              "runs without one, on a network only the fleet reaches (docs/cluster.md)")
+        if not self.cluster and (self.cluster_key_file or self.cluster_accept_key_file or self.cluster_insecure):
+            raise ConfigError("--cluster-key-file, --cluster-accept-key-file and --cluster-insecure need --cluster "
+                              "mooncake://MASTER_HOST:PORT; set it, or drop them")
+        if self.cluster_accept_key_file and not self.cluster_key_file:
+            raise ConfigError("--cluster-accept-key-file needs --cluster-key-file (the key values are sealed with); "
+                              "see docs/cluster.md, \"Changing the fleet key\"")
         if self.cluster_protocol not in CLUSTER_PROTOCOLS:
             raise ConfigError(f"--cluster-protocol {self.cluster_protocol!r}: choose one of {CLUSTER_PROTOCOLS}")
         if not 1 <= self.cluster_replicas <= 8:

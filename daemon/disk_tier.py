@@ -79,6 +79,7 @@ from typing import Any
 from hkvd.daemon.errors import StartupError
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.pool import Extent
+from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.tiers import Source, Tier, WriteJob, WriteQueue
 
 log = logging.getLogger("hkvd.disk")
@@ -94,7 +95,8 @@ KINDS = ("full", "swa", "mamba")
 KEY_BYTES = 16
 _HEAD = struct.Struct("<8sHBBIQI16s16s16s")
 MAC_BYTES = 16
-HEADER_BYTES = _HEAD.size + MAC_BYTES  # 92
+HEAD_BYTES = _HEAD.size  # 76: the fields a MAC covers
+HEADER_BYTES = HEAD_BYTES + MAC_BYTES  # 92
 KEY_FILE = "hkvd.key"
 SECRET_BYTES = 32
 SUFFIX = ".hkv"
@@ -132,36 +134,48 @@ class Header:
     def key(self) -> EntryKey:
         return (self.fingerprint, self.group_id, self.chunk_key)
 
-    def pack(self, secret: bytes, magic: bytes = MAGIC) -> bytes:
+    def pack(self, secret: bytes) -> bytes:
+        """The 92-byte header of a disk-tier file: the fields, then their MAC under the directory's key."""
+        head = self.pack_head()
+        return head + _mac(head, secret)
+
+    def pack_head(self, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
+        """The 76 bytes before the MAC (cluster values share them: ``daemon/cluster_value.py``)."""
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if len(self.fingerprint) != 16 or len(self.chunk_key) != KEY_BYTES or len(self.parent) not in (0, KEY_BYTES):
             raise ValueError("fingerprint, chunk key and parent key are 16 bytes (parent may be empty)")
-        head = _HEAD.pack(magic, VERSION, KINDS.index(self.kind), 0, self.group_id, self.nbytes, self.checksum,
+        return _HEAD.pack(magic, version, KINDS.index(self.kind), 0, self.group_id, self.nbytes, self.checksum,
                           self.fingerprint, self.chunk_key, self.parent or bytes(KEY_BYTES))
-        return head + _mac(head, secret)
 
 
 def _mac(head: bytes, secret: bytes) -> bytes:
     return hashlib.blake2b(head, digest_size=MAC_BYTES, key=secret, person=b"hkvd-l2-header").digest()
 
 
-def unpack_header(raw: bytes | memoryview, secret: bytes, magic: bytes = MAGIC) -> Header:
-    """Parse and check a header; raises ``FormatError`` (reason: truncated, magic, version, mac, header)."""
+def parse_head(raw: bytes | memoryview, magic: bytes = MAGIC, version: int = VERSION) -> Header:
+    """The fields of a header (its MAC not checked); raises ``FormatError`` (truncated, magic, version,
+    header)."""
     if len(raw) < HEADER_BYTES:
         raise FormatError("truncated", f"{len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    head = bytes(raw[:_HEAD.size])
-    found, version, kind, _res, gid, nbytes, checksum, fp, key, parent = _HEAD.unpack(head)
+    found, found_version, kind, _res, gid, nbytes, checksum, fp, key, parent = _HEAD.unpack(bytes(raw[:HEAD_BYTES]))
     if found != magic:
         raise FormatError("magic", f"not an hkvd {'disk-tier file' if magic == MAGIC else 'value'} (magic {found!r})")
-    if version != VERSION:
-        raise FormatError("version", f"format version {version}; this hkvd reads version {VERSION}")
-    if not hmac.compare_digest(raw[_HEAD.size:HEADER_BYTES], _mac(head, secret)):
-        raise FormatError("mac", "the header's MAC does not match this directory's key (a file this daemon did "
-                                 "not write, or a damaged header)")
+    if found_version != version:
+        raise FormatError("version", f"format version {found_version}; this hkvd reads version {version}")
     if kind >= len(KINDS):
         raise FormatError("header", f"unknown entry kind {kind}")
     return Header(fp, gid, key, KINDS[kind], nbytes, checksum, b"" if parent == bytes(KEY_BYTES) else parent)
+
+
+def unpack_header(raw: bytes | memoryview, secret: bytes) -> Header:
+    """Parse and check a disk-tier header; raises ``FormatError`` (reason: truncated, magic, version, mac,
+    header)."""
+    header = parse_head(raw)
+    if not hmac.compare_digest(raw[HEAD_BYTES:HEADER_BYTES], _mac(bytes(raw[:HEAD_BYTES]), secret)):
+        raise FormatError("mac", "the header's MAC does not match this directory's key (a file this daemon did "
+                                 "not write, or a damaged header)")
+    return header
 
 
 def relative_path(key: EntryKey) -> str:
@@ -206,11 +220,11 @@ def load_secret(root: Path) -> bytes:
         secret = os.read(fd, SECRET_BYTES + 1)
     finally:
         os.close(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
-        raise DiskTierError(errno.EPERM, f"--l2-path: the key {path} is owned by uid {st.st_uid} with mode "
-                                         f"{stat.S_IMODE(st.st_mode):04o}; it must be the daemon's (uid "
-                                         f"{os.geteuid()}) and private: `chown {os.geteuid()} {path} && chmod 600 "
-                                         f"{path}`, or remove it (the tier's files are then dropped at start)")
+    why = not_private(st)
+    if why:
+        raise DiskTierError(errno.EPERM, f"--l2-path: the key {path} {why}; it must be the daemon's and private: "
+                                         f"{private_fix(str(path))}, or remove it (the tier's files are then "
+                                         "dropped at start)")
     if len(secret) != SECRET_BYTES:
         raise DiskTierError(errno.EINVAL, f"--l2-path: the key {path} holds {len(secret)} bytes, not "
                                           f"{SECRET_BYTES}; remove it (the tier's files are then dropped at start)")

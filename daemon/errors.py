@@ -24,6 +24,7 @@ from hkvd.transport.errors import (
     PoolFull,
     ProtocolViolation,
     RegistrationError,
+    ResourceExhausted,
     ShuttingDown,
     UnknownKVError,
     UnknownMessage,
@@ -44,6 +45,6 @@ class StartupError(Exception):
 __all__ = [
     "Aborted", "Busy", "CopyFailedError", "DaemonUnavailable", "ErrorCode", "FrameTooLarge", "InternalError",
     "KVError", "KVTimeout", "LeaseExpired", "NotFound", "NotRegistered", "OutOfRange", "PermissionDenied",
-    "PoolError", "PoolFull", "ProtocolViolation", "RegistrationError", "ShuttingDown", "StartupError", "UnknownKVError",
-    "UnknownMessage", "UnsupportedVersion", "error_from_wire",
+    "PoolError", "PoolFull", "ProtocolViolation", "RegistrationError", "ResourceExhausted", "ShuttingDown",
+    "StartupError", "UnknownKVError", "UnknownMessage", "UnsupportedVersion", "error_from_wire",
 ]

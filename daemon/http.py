@@ -51,13 +51,16 @@ COUNTERS: dict[str, str] = {
     "lookup_hit_entries": "Entries the served hits load, by group kind",
     "lookup_miss_entries": "Entries whose absence cut a lookup's hit short, by group kind",
     "uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
+    "connections_refused": "Engine connections refused at their Hello, by reason (descriptors: the open-file "
+                           "limit's reserve was reached; raise LimitNOFILE)",
 }
 HELP = {
     **COUNTERS,
     "l2_hits": "Entries read from the disk tier into the pool for a lookup, by group kind",
     "l2_read_failures": "Disk-tier reads not served (checksum, truncated, io, timeout, pool_full), by reason",
     "cluster_hits": "Entries read from the cluster tier into the pool for a lookup, by group kind",
-    "cluster_read_failures": "Cluster-tier reads not served (checksum, size, gone, io, timeout, pool_full), by reason",
+    "cluster_read_failures": "Cluster-tier reads not served (mac, size, header, gone, io, timeout, pool_full), by "
+                             "reason",
     "gc_collections": "Cyclic garbage collections, by generation",
     "gc_pause_seconds": "Seconds the event loop stood still in garbage collections, by generation",
 }
@@ -84,7 +87,8 @@ CLUSTER_COUNTERS = {
 CLUSTER_BY_REASON = {
     "skips": "Offers not put in the cluster (queue_full, unavailable, cluster_full, busy), by reason",
     "errors": "Cluster calls that failed (connect, exist, put, get), by operation",
-    "corrupt": "Cluster values found unusable (checksum, size, header) and removed, by reason",
+    "corrupt": "Cluster values found unusable (mac: not sealed with a fleet key this node holds, or damaged; "
+               "size, header) and removed, by reason",
 }
 GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
 
@@ -177,6 +181,9 @@ class DaemonCollector:
             yield from self._l2(s["l2"])
         if s.get("cluster") is not None:
             yield from self._cluster(s["cluster"])
+        fds = s["descriptors"]  # used and the limit: hkvd_process_open_fds and hkvd_process_max_fds
+        yield GaugeMetricFamily("hkvd_descriptor_reserve", "Descriptors kept free for the engines served: new "
+                                "engines are refused once fewer are left", value=fds["reserve"])
         server = d.server
         if server is not None:
             yield GaugeMetricFamily("hkvd_connections", "Open control connections",
@@ -219,6 +226,8 @@ class DaemonCollector:
             yield m
         for name, help_, value in (
                 ("connected", "1 while the cluster's master answers", 1.0 if c["connected"] else 0.0),
+                ("insecure", "1 when values are sealed with the public key (--cluster-insecure)",
+                 1.0 if c["insecure"] else 0.0),
                 ("queued_entries", "Entries waiting in the cluster write-behind queue", c["queued"]),
                 ("put_gbps", "Cluster put throughput, last 64 batches", c["put_gbps"]),
                 ("get_gbps", "Cluster get throughput, last 64 batches", c["get_gbps"])):

@@ -48,6 +48,17 @@ def _lower(v: Any) -> str:
     return str(v).lower()
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("true", "yes", "1", "on"):
+        return True
+    if text in ("false", "no", "0", "off"):
+        return False
+    raise ConfigError(f"{v!r}: expected true or false")
+
+
 def _octal(v: Any) -> int:
     return int(str(v), 8)
 
@@ -72,6 +83,7 @@ class Option:
     essential: bool = False  # listed in README's short table (every option is in docs/configuration.md)
     in_toml: bool = True  # False: a flag only (secrets belong in a file, not in the config)
     active: bool = False  # set (not commented out) in packaging/hkvd.toml
+    switch: bool = False  # a flag without a value (it sets "true"); a TOML boolean
 
     @property
     def key(self) -> str:
@@ -146,13 +158,24 @@ OPTIONS: tuple[Option, ...] = (
            "copies of each value on distinct nodes (2 survives a node leaving)", "N"),
     Option("--cluster-lookup-timeout-ms", "cluster_lookup_timeout_ms", float, "200",
            "how long one lookup waits on the cluster", "MS"),
+    Option("--cluster-key-file", "cluster_key_file", str, "",
+           "the fleet key: a file of 16 or more random bytes, the same on every node, the daemon user's, mode "
+           "600; values are sealed with it and served only when sealed with a key this node holds (required "
+           "with --cluster; reloadable; docs/cluster.md)", "PATH", '"/etc/hkvd/cluster.key"', essential=True),
+    Option("--cluster-accept-key-file", "cluster_accept_key_file", str, "",
+           "a second fleet key, also accepted on reads while the fleet changes keys (reloadable)", "PATH",
+           '"/etc/hkvd/cluster-next.key"'),
+    Option("--cluster-insecure", "cluster_insecure", _bool, "false",
+           "run the cluster tier without a fleet key: any host that reaches the master can write values this "
+           "node serves as KV", example="false", switch=True),
     Option("--peer-listen", "peer_listen", str, "",
            "HOST:PORT where decode nodes' daemons pull leased entries; empty = serve no peers (needs a peer "
            "token and NIXL; docs/peers.md)", "HOST:PORT", '"10.0.0.1:7470"', essential=True),
     Option("--peer-advertise", "peer_advertise", str, "",
            "HOST:PORT engines hand to decode engines; empty = --peer-listen", "HOST:PORT", '"10.0.0.1:7470"'),
     Option("--peer-token-file", "peer_token_file", str, "",
-           "file holding the shared peer token (chmod 600, the same on both daemons); also $HKVD_PEER_TOKEN",
+           "file holding the shared peer token (the daemon user's, chmod 600, the same on both daemons); also "
+           "$HKVD_PEER_TOKEN",
            "PATH", '"/etc/hkvd/peer-token"'),
     Option("--peer-token", "peer_token", str, "",
            "the shared peer token itself (visible in ps: prefer --peer-token-file)", "TOKEN", in_toml=False),
@@ -187,6 +210,9 @@ def parse_value(option: Option, value: Any) -> Any:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Every option as a flag of ``hkvd serve``; its value is parsed later, with the TOML file's."""
     for o in OPTIONS:
+        if o.switch:
+            parser.add_argument(o.flag, dest=o.field, action="store_const", const="true", help=o.help)
+            continue
         default = f" (default {o.default})" if o.default else ""
         parser.add_argument(o.flag, dest=o.field, metavar=o.metavar or None, help=o.help + default)
 

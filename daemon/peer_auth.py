@@ -24,15 +24,15 @@ import hashlib
 import hmac
 import ipaddress
 import os
-import stat
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from hkvd.daemon.errors import Busy, KVError, PermissionDenied, StartupError
+from hkvd.daemon.secret_files import MIN_SECRET_BYTES, read_secret
 from hkvd.transport.wire.peer import PEER_VERSION
 
-MIN_TOKEN_BYTES = 16
+MIN_TOKEN_BYTES = MIN_SECRET_BYTES
 TOKEN_ENV = "HKVD_PEER_TOKEN"
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
 _LABEL = f"hkvd-peer-{PEER_VERSION}".encode()
@@ -48,19 +48,14 @@ class PeerConfigError(StartupError, ValueError):
 def read_token(token: str, token_file: str) -> bytes:
     """The shared token from ``--peer-token-file`` (first), ``--peer-token``, or ``$HKVD_PEER_TOKEN``.
 
-    Returns b"" when none is set. A token file its group or other users may read or write is refused
-    (like ssh keys).
+    Returns b"" when none is set. The token file follows ``hkvd.daemon.secret_files``: owned by the
+    daemon's user, mode 0600 (like ssh keys), else refused with the fix.
     """
     if token_file:
         try:
-            st = os.stat(token_file)
-            with open(token_file, "rb") as f:
-                value = f.read().strip()
-        except OSError as e:
-            raise PeerConfigError(f"--peer-token-file {token_file}: {e.strerror or e}") from None
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise PeerConfigError(f"--peer-token-file {token_file} is open to its group or to other users (mode "
-                                  f"{stat.S_IMODE(st.st_mode):04o}); `chmod 600 {token_file}`")
+            value = read_secret(token_file, "--peer-token-file")
+        except ValueError as e:
+            raise PeerConfigError(str(e)) from None
     else:
         value = (token or os.environ.get(TOKEN_ENV, "")).strip().encode()
     if value and len(value) < MIN_TOKEN_BYTES:

@@ -18,6 +18,15 @@ Threading and flow
     mark (a client that does not read its replies), the connection stops reading; a client whose
     replies stay unread for ``io_timeout_s`` is disconnected.
 
+Open-file descriptors
+    A connection accepted with fewer than the budget's reserve of descriptors free
+    (``daemon/descriptors.py``) pins nothing: at its Hello, an engine is refused with
+    ``ResourceExhausted`` (naming LimitNOFILE) and closed, while a tool (``hkvd status``) is served,
+    up to ``MAX_RESERVE_TOOLS`` at once, and may not register. Running out while pinning an engine
+    (EMFILE) is the same refusal. Connections already served are never touched. Should ``accept()``
+    itself fail for want of a descriptor, the event loop pauses accepting (asyncio) or closes the
+    pending connections (uvloop's libuv): the listening socket never spins.
+
 Errors
     A frame that cannot be decoded, or a request that breaks the rules, gets ``Error(req_id, code,
     message)`` and the connection keeps serving; after ``MAX_CONSECUTIVE_ERRORS`` in a row, or on a
@@ -36,6 +45,7 @@ import logging
 import os
 import socket
 import struct
+import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
@@ -49,6 +59,7 @@ from hkvd.daemon.errors import (
     KVError,
     PermissionDenied,
     ProtocolViolation,
+    ResourceExhausted,
     UnsupportedVersion,
 )
 from hkvd.daemon.service import Conn, KVService, request_log
@@ -63,6 +74,9 @@ MAX_TASKS_PER_CONN = 1024  # waiting requests per connection before it stops rea
 FRAMES_PER_TURN = 64
 # Error replies logged at warning (the daemon or the machine is in trouble); the rest at info.
 _LOUD_CODES = {"TIMEOUT", "COPY_FAILED", "INTERNAL", "POOL_FULL"}
+# Tool connections (hkvd status) served from the descriptor reserve at once; more are refused like engines.
+MAX_RESERVE_TOOLS = 8
+REFUSAL_LOG_EVERY_S = 60.0  # refusals for want of descriptors: one warning per minute, with the count
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -82,6 +96,10 @@ class Server:
         self._links: set[_Link] = set()
         allowed = set(cfg.allowed_uids) or {os.geteuid()}
         self.allowed_uids = allowed | {0}
+        self.descriptors = service.descriptors
+        self.reserve_tools = 0  # tool connections served from the descriptor reserve now
+        self._refusals_unlogged = 0
+        self._refusal_logged_at = -REFUSAL_LOG_EVERY_S
 
     async def start(self) -> None:
         path = Path(self.cfg.socket_path)
@@ -131,6 +149,18 @@ class Server:
                 e.code.name, e.message, extra=request_log(conn, req_id))
         conn.send(kv.Error(req_id, int(e.code), e.message))
 
+    def refused_for_descriptors(self, conn: Conn, e: ResourceExhausted) -> None:
+        """Count a connection refused for want of descriptors; warn once a minute, with the count."""
+        self.service.metrics.inc("connections_refused", reason="descriptors")
+        self.service.metrics.inc("errors", code=e.code.name)
+        self._refusals_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning("refused %d engine connection(s) (the last from pid %d): %s", self._refusals_unlogged,
+                        conn.pid, e.message)
+            self._refusals_unlogged = 0
+            self._refusal_logged_at = now
+
     def internal_error(self, conn: Conn, req_id: int, e: Exception, what: str) -> None:
         """A bug: log it with its traceback, answer INTERNAL, and never let it take the daemon down."""
         log.error("internal error %s from pid %d", what, conn.pid, exc_info=e, extra=request_log(conn, req_id))
@@ -159,11 +189,14 @@ class _Link(asyncio.Protocol):
         self._eof = False
         self._timer: asyncio.TimerHandle | None = None  # Hello deadline, then the unread-replies deadline
         self._closer: asyncio.Task[None] | None = None
+        self._short: ResourceExhausted | None = None  # accepted within the descriptor reserve: see _hello
+        self._reserve_tool = False
 
     # ---- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
-        pid, uid, _gid = peer_credentials(self.transport.get_extra_info("socket"))
+        sock = self.transport.get_extra_info("socket")
+        pid, uid, _gid = peer_credentials(sock)
         conn = self.conn = Conn(conn_id=next(self.server._conn_ids), pid=pid, uid=uid, send=self._send)
         if uid not in self.server.allowed_uids:
             log.warning("refused connection from uid %d (pid %d): not in the allowlist", uid, pid)
@@ -171,12 +204,18 @@ class _Link(asyncio.Protocol):
                                 "allowed-uids in the daemon config"))
             self.close()
             return
-        try:  # the process itself, pinned: see hkvd.daemon.client_process
-            conn.process = ClientProcess.from_socket(self.transport.get_extra_info("socket"))
-        except KVError as e:  # gone already, or not the process the kernel reported
-            self._send(kv.Error(0, e.code, e.message))
-            self.close()
-            return
+        fd = sock.fileno()
+        if self.server.descriptors.short(fd):  # pin nothing; the Hello decides (an engine is refused)
+            self._short = self.server.descriptors.refusal(f"engine connection from pid {pid}", fd)
+        else:
+            try:  # the process itself, pinned: see hkvd.daemon.client_process
+                conn.process = ClientProcess.from_socket(sock)
+            except ResourceExhausted as e:
+                self._short = e
+            except KVError as e:  # gone already, or not the process the kernel reported
+                self._send(kv.Error(0, e.code, e.message))
+                self.close()
+                return
         self.server.connections[conn.conn_id] = conn
         self.server._links.add(self)
         self._timer = asyncio.get_running_loop().call_later(self.cfg.io_timeout_s, self._timed_out, "sending Hello")
@@ -280,6 +319,15 @@ class _Link(asyncio.Protocol):
             self._send(kv.Error(0, e.code, e.message))
             self.close()
             return
+        if self._short is not None:
+            if msg.role != "tool" or self.server.reserve_tools >= MAX_RESERVE_TOOLS:
+                self.server.refused_for_descriptors(conn, self._short)
+                self._send(kv.Error(0, self._short.code, self._short.message))
+                self.close()
+                return
+            self.server.reserve_tools += 1  # hkvd status must answer when engines are refused
+            self._reserve_tool = True
+            conn.register_refusal = self._short
         self.greeted = True
         self._cancel_timer()
         conn.role = msg.role
@@ -378,5 +426,8 @@ class _Link(asyncio.Protocol):
         assert conn is not None
         self.server.connections.pop(conn.conn_id, None)
         self.server._links.discard(self)
+        if self._reserve_tool:
+            self._reserve_tool = False
+            self.server.reserve_tools -= 1
         self.service.disconnect(conn)
         conn.closed = True

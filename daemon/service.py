@@ -31,6 +31,7 @@ from typing import Any
 
 from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.descriptors import DescriptorBudget
 from hkvd.daemon.disk_tier import DiskTier
 from hkvd.daemon.errors import (
     Aborted,
@@ -80,6 +81,8 @@ class Conn:
     jobs: set[int] = field(default_factory=set)  # job ids (store, retrieve, step event) not finished yet
     inflight: int = 0
     closed: bool = False
+    # Set for a connection served from the descriptor reserve (daemon/server.py): it may not register.
+    register_refusal: KVError | None = None
 
 
 def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
@@ -108,6 +111,7 @@ class KVService:
         self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
         self.heap: Any = None  # hkvd.daemon.heap.HeapPolicy, set by daemon/app.py
         self.copy_timeout_s = cfg.copy_timeout_s
+        self.descriptors = DescriptorBudget.current()  # the control socket's share (daemon/server.py)
 
     # ---- dispatch ------------------------------------------------------------------------------
     def handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
@@ -166,6 +170,8 @@ class KVService:
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, conn: Conn, msg: control.Register) -> None:
+        if conn.register_refusal is not None:
+            raise conn.register_refusal
         if conn.engine is not None:
             raise RegistrationError("this connection already registered an engine; open one connection "
                                     "per engine rank")
@@ -495,5 +501,6 @@ class KVService:
             "cluster": self.cluster.stats() if self.cluster is not None else None,
             "peer": self.peers.status() if self.peers is not None else None,
             "heap": self.heap.status() if self.heap is not None else None,
+            "descriptors": self.descriptors.status(),
             "shutting_down": self.shutting_down,
         }

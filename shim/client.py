@@ -254,7 +254,9 @@ class DaemonClient:
                 pass
             now = time.monotonic()
             deadline = deadline or now + self.timeout_s
-            if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
+            writable = select.poll()  # never select(): vLLM's descriptors may number past 1023
+            writable.register(sock, select.POLLOUT)
+            if now >= deadline or not writable.poll((deadline - now) * 1000.0):
                 raise TimeoutError(f"hkvd read none of our bytes for {self.timeout_s:.1f} s")
 
     def _read(self, timeout_s: float) -> None:

@@ -29,6 +29,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 40
     BUSY = 41
     PERMISSION = 42
+    RESOURCE_EXHAUSTED = 43
     DAEMON_UNAVAILABLE = 50  # client-side only: never sent by the daemon
     INTERNAL = 99
 
@@ -124,6 +125,15 @@ class Busy(KVError):
 
 class PermissionDenied(KVError):
     code = ErrorCode.PERMISSION
+
+
+class ResourceExhausted(KVError):
+    """The daemon lacks what a new client needs (open-file descriptors); the message names the fix.
+
+    Engines already served keep their share; the refused one runs without the cache and retries.
+    """
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class DaemonUnavailable(KVError):

@@ -33,17 +33,18 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> int:
 
 class DaemonProcess:
     def __init__(self, socket_path: str, args: list[str], log_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: list[str] | None = None) -> None:
         self.socket_path = socket_path
         self.args = args
         self.log_path = log_path
         self.env = env
+        self.prefix = prefix or []  # a command the daemon runs under, e.g. ["prlimit", "--nofile=1024:4096", "--"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def spawn(self) -> DaemonProcess:
         out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
+            [*self.prefix, sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=self.env,
         )
         return self

@@ -2,20 +2,24 @@
 
 An engine on node 1 stores prompts (attention-only, and a hybrid layout whose three Mamba groups' states
 travel by step events); a NEW engine process on node 2, whose pool never saw them, looks them up and
-retrieves them: the hits and every byte must match. Then the faults: a corrupted value is a miss; the
-master killed mid-run leaves both nodes serving and hits return after its restart; node 1 restarted and
-node 2 still hits (two replicas).
+retrieves them: the hits and every byte must match. Then the faults: a corrupted value is a miss; a value
+forged by a host on the cluster's network (well-formed, sealed with a key the fleet does not hold) is a miss;
+the master killed mid-run leaves both nodes serving and hits return after its restart; node 1 restarted and
+node 2 still hits (two replicas). And the fleet key changed while both nodes serve, as docs/cluster.md says.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.cluster_tier import value_key
+from hkvd.daemon.cluster_value import key_id, value_key
 from hkvd.shim.testing.synthetic import SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item
@@ -93,9 +97,11 @@ def test_node2_hits_what_node1_stored_byte_exact(cluster: Any, lib: Any) -> None
                          capture_output=True, text=True, timeout=60, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("cluster "))
     assert "connected" in line and "22 entries read" in line
+    assert f"clust-key values sealed with fleet key {_key_id(cluster.key_file)}\n" in out
     metrics = lib.scrape(n2, 9466)
     assert 'hkvd_cluster_hits_total{kind="mamba"} 3.0' in metrics
     assert "hkvd_cluster_gets_total 22.0" in metrics and "hkvd_cluster_connected 1.0" in metrics
+    assert "hkvd_cluster_insecure 0.0" in metrics
 
 
 def test_a_corrupt_value_is_a_miss_never_bytes(cluster: Any, lib: Any) -> None:
@@ -104,14 +110,101 @@ def test_a_corrupt_value_is_a_miss_never_bytes(cluster: Any, lib: Any) -> None:
     keys, data, fp = _attn(n1, {11: 8})
     _puts(lib, n1, 8)
     cluster.corrupt_value(value_key((fp, 0, keys[11][3])))
-    _check_attn(_fetch_attn(n2, keys[11], 3), data[11], 3)  # chunk 3 fails its checksum: the hit stops before it
+    _check_attn(_fetch_attn(n2, keys[11], 3), data[11], 3)  # chunk 3 fails its MAC: the hit stops before it
     s = n2.status()
-    assert s["cluster"]["corrupt"] == {"checksum": 1}
+    assert s["cluster"]["corrupt"] == {"mac": 1}
     assert s["counters"]["cluster_read_failures"] == 1
-    assert "is unusable (payload CRC-32" in n2.log()
+    assert "is unusable (the value's MAC does not verify" in n2.log()
     # Removed from the cluster: asked again, it is simply absent (recompute), never served.
     _check_attn(_fetch_attn(n2, keys[11], 3), data[11], 3)
-    assert n2.status()["cluster"]["corrupt"] == {"checksum": 1}
+    assert n2.status()["cluster"]["corrupt"] == {"mac": 1}
+
+
+def test_a_value_forged_under_another_key_is_a_miss_and_the_fleets_values_still_hit(cluster: Any, lib: Any) -> None:
+    n1 = cluster.node("node1", "p")
+    n2 = cluster.node("node2", "d")
+    keys, data, fp = _attn(n1, {51: 8, 52: 6, 53: 6})
+    _puts(lib, n1, 20)
+    # Another host writes, under real keys, values with the right header and real KV of the wrong tokens
+    # (another prompt's chunk), sealed with its own key; the second claims the fleet key's id as well.
+    cluster.forge_value(value_key((fp, 0, keys[51][3])), value_key((fp, 0, keys[52][3])), claim_key_id=False)
+    cluster.forge_value(value_key((fp, 0, keys[53][2])), value_key((fp, 0, keys[52][2])), claim_key_id=True)
+    _check_attn(_fetch_attn(n2, keys[51], 3), data[51], 3)  # the hit stops before the forged chunk
+    _check_attn(_fetch_attn(n2, keys[53], 2), data[53], 2)
+    _check_attn(_fetch_attn(n2, keys[52]), data[52], 6)  # what node 1 wrote under the fleet key still hits
+    s = n2.status()
+    assert s["cluster"]["corrupt"] == {"mac": 2} and s["counters"]["cluster_read_failures"] == 2
+    log = n2.log()
+    assert "which this node does not hold" in log and "does not verify under fleet key" in log
+    # Removed: asked again, they are absent (recompute), never served.
+    _check_attn(_fetch_attn(n2, keys[51], 3), data[51], 3)
+    assert n2.status()["cluster"]["corrupt"] == {"mac": 2}
+
+
+def _config(path: Path, key: Path, accept: Path | None = None) -> None:
+    path.write_text(f'cluster-key-file = "{key}"\n' + (f'cluster-accept-key-file = "{accept}"\n' if accept else ""))
+
+
+def _key_id(path: Path) -> str:
+    return f"{key_id(path.read_bytes().strip()):08x}"
+
+
+def _reload(node: Any, conf: Path, key: Path, accept: Path | None = None) -> None:
+    """Rewrite ``node``'s config and send SIGHUP (``systemctl reload hkvd``); wait until it applied."""
+    done = node.log().count("SIGHUP: config reloaded")
+    _config(conf, key, accept)
+    os.kill(node.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while node.log().count("SIGHUP: config reloaded") == done:
+        assert time.monotonic() < deadline, node.log()[-3000:]
+        time.sleep(0.05)
+    c = node.status()["cluster"]
+    assert (c["key_id"], c["accepted_key_ids"]) == (_key_id(key), [_key_id(accept)] if accept else [])
+
+
+def test_the_fleet_key_changes_while_both_nodes_serve(cluster: Any, lib: Any, tmp_path: Path) -> None:
+    old, new = cluster.key_file, lib.write_key(tmp_path / "next.key")
+    c1, c2 = tmp_path / "node1.toml", tmp_path / "node2.toml"
+    _config(c1, old)
+    _config(c2, old)
+    n1 = cluster.node("node1", "p", "--config", str(c1))
+    n2 = cluster.node("node2", "d", "--config", str(c2))
+    keys, data, _ = _attn(n1, {61: 4, 62: 4})  # sealed with the old key; node 2 reads 62 only at the end
+    _puts(lib, n1, 8)
+    _check_attn(_fetch_attn(n2, keys[61]), data[61], 4)
+    # 1. Every node accepts the new key too.
+    _reload(n1, c1, old, new)
+    _reload(n2, c2, old, new)
+    # 2. Node by node, seal with the new key and accept the old one: both directions read meanwhile.
+    _reload(n1, c1, new, old)
+    k63, d63, _ = _attn(n1, {63: 4})  # sealed with the new key, read by node 2 still sealing with the old
+    _puts(lib, n1, 12)
+    _check_attn(_fetch_attn(n2, k63[63]), d63[63], 4)
+    k64, d64, _ = _attn(n2, {64: 4})  # sealed with the old key, read by node 1
+    _puts(lib, n2, 4)
+    _check_attn(_fetch_attn(n1, k64[64]), d64[64], 4)
+    _reload(n2, c2, new, old)
+    # 3. The old key dropped everywhere: values sealed with the new one hit, those sealed with the old are misses.
+    _reload(n1, c1, new)
+    _reload(n2, c2, new)
+    k65, d65, _ = _attn(n1, {65: 4})
+    _puts(lib, n1, 16)
+    _check_attn(_fetch_attn(n2, k65[65]), d65[65], 4)
+    assert _fetch_attn(n2, keys[62], 0)["hit_chunks"] == 0
+    s2 = n2.status()["cluster"]
+    assert s2["corrupt"] == {"mac": 4} and s2["errors"] == {}
+    assert n1.status()["cluster"]["corrupt"] == {} and "which this node does not hold" in n2.log()
+    # A key file that fails its checks on a reload is refused; the running keys stay.
+    bad = lib.write_key(tmp_path / "bad.key")
+    bad.chmod(0o644)
+    _config(c2, bad)
+    os.kill(n2.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while "fleet keys not reloaded, keeping the running ones" not in n2.log():
+        assert time.monotonic() < deadline, n2.log()[-3000:]
+        time.sleep(0.05)
+    assert n2.status()["cluster"]["key_id"] == _key_id(new)
+    _check_attn(_fetch_attn(n2, k65[65]), d65[65], 4)
 
 
 def test_master_killed_mid_run_then_restarted(cluster: Any, lib: Any) -> None:

@@ -22,6 +22,9 @@ Role
     - ``soak``: a mix of everything (stores, step events with confirms, leased and lease-less
       lookups, retrieves with verification, leases left to expire, aborted stores).
     - ``churn``: connect, register, store, lookup, disconnect without releasing, over and over.
+    - ``crowd``: ``--engines`` connections from this one process, each registering an engine (one small
+      shared buffer), held until ``--stop-file`` appears; counts registrations, refusals by error code,
+      and connections the daemon closed without a word.
 
 Output
     One JSON line ``{"ready": true, ...}`` once the role's set-up is done (flushed), and one final
@@ -37,6 +40,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -45,9 +49,14 @@ from typing import Any
 
 import numpy as np
 
+from hkvd.shim.client import DaemonClient
+from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
-from hkvd.transport.errors import KVError
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.errors import DaemonUnavailable, KVError
 from hkvd.transport.keys import chunk_keys
+from hkvd.transport.layout import GroupSpec, View
+from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
 KIB = 1 << 10
@@ -498,9 +507,49 @@ def churn(a: argparse.Namespace) -> None:
     emit({"result": {"cycles": cycles, "errors": errors, "wrong": wrong, "dropped": 0}})
 
 
+def crowd(a: argparse.Namespace) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = a.engines + 256  # this process's own descriptors besides the connections
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    # One small buffer serves every engine's one group (16 KiB pages, 4 blocks).
+    buf = np.zeros(4 * 16 * KIB, dtype=np.int8)
+    view = View(0, 0, 1, 4 * 16 * KIB, 16 * KIB, 16 * KIB)
+    spec = EngineSpec("crowd", 1, 0, "host/LBHNC", 32, 16, 8192, "align",
+                      [Region(0, "host", buf.nbytes, addr=buf.ctypes.data)],
+                      [GroupSpec(0, "full", 16, 0, 4, "bfloat16", (view,))])
+    held: list[DaemonClient] = []
+    refused: dict[str, int] = {}
+    messages: dict[str, str] = {}
+    dropped = 0
+    for _ in range(a.engines):
+        c = DaemonClient(a.socket, client_name=f"crowd-{os.getpid()}", role="worker", timeout_s=60.0)
+        try:
+            c.connect()
+            if not held:
+                allow_ptracer(c.daemon_pid)
+            c.register(spec)
+            held.append(c)
+        except DaemonUnavailable:
+            dropped += 1  # closed without a word: never expected
+            c.close()
+        except KVError as e:
+            refused[e.code.name] = refused.get(e.code.name, 0) + 1
+            messages.setdefault(e.code.name, e.message)
+            c.close()
+    emit({"ready": True, "registered": len(held), "refused": refused, "messages": messages, "dropped": dropped})
+    t0 = time.monotonic()
+    while not stopped(a, t0):
+        time.sleep(0.05)
+    alive = sum(c.ping() is not None for c in held)
+    for c in held:
+        c.close()
+    emit({"result": {"registered": len(held), "alive": alive, "errors": refused, "wrong": 0, "dropped": dropped}})
+
+
 ROLES = {"bystander": bystander, "store-stream": store_stream, "retrieve-loop": retrieve_loop,
          "check-stream": check_stream, "holder": holder, "hot": hot, "storm": storm, "reader": reader,
-         "soak": soak, "churn": churn}
+         "soak": soak, "churn": churn, "crowd": crowd}
 
 
 def main() -> None:
@@ -517,6 +566,7 @@ def main() -> None:
     p.add_argument("--cold", type=int, default=4)
     p.add_argument("--overflow-chunks", type=int, default=64)
     p.add_argument("--storms", type=int, default=3)
+    p.add_argument("--engines", type=int, default=1000)
     a = p.parse_args()
     ROLES[a.role](a)
 

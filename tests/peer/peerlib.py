@@ -53,22 +53,12 @@ class PeerDaemon(DaemonProcess):
     def __init__(self, workdir: Path, name: str, args: list[str], env: dict[str, str] | None = None,
                  prefix: list[str] | None = None) -> None:
         self.name = name
-        self.prefix = prefix or []
         full_env = {**os.environ, **UCX_ENV, **(env or {})}
         super().__init__(str(workdir / f"{name}.sock"),
-                         ["--hugepages", "off", "--log-level", "debug", *args], workdir / f"{name}.log", full_env)
+                         ["--hugepages", "off", "--log-level", "debug", *args], workdir / f"{name}.log", full_env,
+                         prefix)
         self.peer_address = ""
         self.frozen: list[int] = []  # pids stopped by freeze()
-
-    def spawn(self) -> PeerDaemon:
-        import subprocess
-        import sys
-
-        out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
-            stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        return self
 
 
 def start_pair(workdir: Path, *, chunk_size: int = 32, pool_gb: str = "0.25", token: str = TOKEN,

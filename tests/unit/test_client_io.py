@@ -1,14 +1,19 @@
 """The shim client's own socket handling (non-blocking socket, its own timeouts), against a real
-socket peer: writes larger than the socket buffers go out whole, a peer that never reads times the
+socket peer: writes larger than the socket buffers go out whole (also on a descriptor numbered past
+1023, which vLLM's process may well use and select() cannot take), a peer that never reads times the
 send out, and several replies in one read all complete."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import resource
 import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,9 +33,34 @@ def _client_on(sock: socket.socket, timeout_s: float = 5.0) -> DaemonClient:
     return c
 
 
-def test_a_write_larger_than_the_socket_buffers_arrives_whole() -> None:
+@contextlib.contextmanager
+def _numbered_past_1023(sock: socket.socket) -> Iterator[socket.socket]:
+    """``sock`` moved to a descriptor numbered 1024 or more (the soft open-file limit raised for it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the open-file hard limit ({hard}) leaves no descriptor past 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    try:
+        high = socket.socket(fileno=fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, 1024))
+        sock.close()
+        with high:
+            yield high
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("high", [False, True], ids=["low-fd", "fd-past-1023"])
+def test_a_write_larger_than_the_socket_buffers_arrives_whole(high: bool) -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    with contextlib.ExitStack() as stack:
+        if high:
+            a = stack.enter_context(_numbered_past_1023(a))
+            assert a.fileno() >= 1024
+        _write_whole(a, b)
+
+
+def _write_whole(a: socket.socket, b: socket.socket) -> None:
     client = _client_on(a)
     frame = os.urandom(4 << 20)  # far beyond the socket buffers: partial sends and waits for room
     got = bytearray()
@@ -38,14 +68,20 @@ def test_a_write_larger_than_the_socket_buffers_arrives_whole() -> None:
     def reader() -> None:
         while len(got) < len(frame):
             time.sleep(0.001)  # a slow reader: the client must wait for room, not fail
-            got.extend(b.recv(1 << 14))
+            data = b.recv(1 << 14)
+            if not data:
+                return
+            got.extend(data)
 
-    t = threading.Thread(target=reader)
+    t = threading.Thread(target=reader, daemon=True)
     t.start()
-    client._send_bytes(frame)
-    t.join(10)
+    try:
+        client._send_bytes(frame)
+        t.join(10)
+    finally:
+        a.close()  # a failed send still ends the reader (EOF)
     assert bytes(got) == frame
-    a.close()
+    t.join(10)
     b.close()
 
 

@@ -165,6 +165,16 @@ def test_tokens(tmp_path, monkeypatch) -> None:
             read_token("", str(f))
     f.chmod(0o400)
     assert read_token("", str(f)) == b"y" * 32
+    if os.geteuid() == 0:  # another user's token file: they could change it under the daemon
+        os.chown(f, 65534, 65534)
+        with pytest.raises(PeerConfigError, match=r"owned by uid 65534, not by the daemon's user .*chown 0 "):
+            read_token("", str(f))
+    with pytest.raises(PeerConfigError, match="not a regular file"):
+        read_token("", str(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # refused at once, never waited on
+    with pytest.raises(PeerConfigError, match="not a regular file"):
+        read_token("", str(fifo))
     with pytest.raises(PeerConfigError, match="at least 16"):
         read_token("short", "")
     with pytest.raises(PeerConfigError, match="No such file"):
