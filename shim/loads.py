@@ -58,7 +58,7 @@ class Loads:
         self._flying: dict[int, _Load] = {}
         self._done: set[str] = set()
         self._failed: set[str] = set()
-        self.stats = {"loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0}
+        self.stats = {"loads_started": 0, "loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0}
 
     @property
     def in_flight(self) -> int:
@@ -73,6 +73,7 @@ class Loads:
         """Submit ``job``'s Retrieve; the client's error (connection lost) propagates, nothing is kept."""
         rid = client.submit_retrieve(job.items, lease_id)
         self._flying[rid] = _Load(job, deadline or time.monotonic() + self.timeout_s, budget)
+        self.stats["loads_started"] += 1
 
     def absorb(self, c: Any) -> bool:
         """Take one completion if it ends a load of ours; True when it did."""
