@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -99,8 +100,17 @@ def run_engine(args: dict[str, Any], omp_bind: str, log: Any = print) -> dict[st
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": omp_bind, "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.load_overlap_engine", json.dumps(args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    with tempfile.NamedTemporaryFile("w", prefix="hkvd-load-overlap-", suffix=".json", delete=False) as f:
+        json.dump(args, f)  # too long for a command line (128 KiB per argument)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.load_overlap_engine", f"@{f.name}"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        return _collect(proc, t0, log)
+    finally:
+        os.unlink(f.name)
+
+
+def _collect(proc: subprocess.Popen[bytes], t0: float, log: Any) -> dict[str, Any]:
     lines: list[bytes] = []
     assert proc.stdout is not None
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, b"")), daemon=True)  # type: ignore[union-attr]

@@ -3,6 +3,7 @@
     python -m bench.load_overlap_engine '{"model": DIR, "socket": PATH, "rounds": [[[ids...], ...], ...],
                                           "decode_prompt": [ids...], "decode_tokens": 200, "prefix_gap": 8,
                                           "answer_tokens": 1, "max_model_len": 8192, "batched": 2048}'
+    python -m bench.load_overlap_engine @FILE   (the same JSON in a file)
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank: vLLM's uniproc
 executor), so the driver steps it (``LLMEngine.step``) and reads the worker half of the connector
@@ -120,7 +121,11 @@ class Driver:
 
 
 def main() -> None:
-    args = json.loads(sys.argv[1])
+    arg = sys.argv[1]
+    if arg.startswith("@"):  # the arguments in a file: thousands of token ids pass a command line's limit
+        with open(arg[1:]) as f:
+            arg = f.read()
+    args = json.loads(arg)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
