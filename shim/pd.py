@@ -15,9 +15,8 @@ Flow (one request, two engines, each with its own ``hkvd serve``; see examples/p
     3. The worker (``PullLoads``) asks its daemon to ``Pull`` the chunks from the prefill daemon
        (daemon to daemon, NIXL READ into the pool), then ``Retrieve``s them into the request's
        blocks like any load (``hkvd.shim.loads``), without blocking vLLM's steps; then it reports
-       the request finished receiving. Any
-       failure (peer down, layout mismatch, partial pull, timeout) reports it failed: vLLM
-       recomputes the request, never with wrong bytes.
+       the request finished receiving. Any failure (peer down, layout mismatch, partial pull,
+       timeout) reports it failed: vLLM recomputes the request, never with wrong bytes.
 
 Threading
     Called from vLLM's threads through the scheduler and worker sides; no threads of its own.

@@ -24,8 +24,8 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       ``get_transfer_results`` of a later step, once the daemon has replied. vLLM 0.32 accepts
       a failed load of a model with several KV-cache groups (every hybrid) only as a failed
       request (``failed_recving``); a block-level load error (the sync-load path) stops the
-      engine. A request whose load failed
-      is recomputed from scratch and never offered an external hit again.
+      engine. A request whose load failed is recomputed from scratch and never offered an
+      external hit again.
     - Attention stores cover full chunks of the prompt only, from the blocks vLLM holds in
       the step that completes them (sliding-window blocks are freed soon after). Mamba stores
       come only from ``boundary_state_offloads`` at chunk boundaries.
