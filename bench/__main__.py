@@ -1,11 +1,11 @@
-"""``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,all} [--quick] [--out bench/results]``.
+"""``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,load_overlap,...,all} [--quick] [--out DIR]``.
 
 ``python -m bench report [--write]`` renders docs/benchmarks.md's tables from bench/results/*.json.
 
 Writes ``<out>/<name>.json`` per run and PNG plots when matplotlib is importable, and prints a
 markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes on 2 cores: ``all
---quick`` leaves out ``vllm_e2e`` (each vLLM engine takes ~40 s to start); full ``all`` runs it
-where vLLM is installed.
+--quick`` leaves out ``vllm_e2e`` and ``load_overlap`` (each vLLM engine takes ~40 s to start);
+full ``all`` runs them where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any
 from bench import report
 from bench.common import git_commit, machine, md_table, try_pyplot, write_json
 
-RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster")
-QUICK_SKIPS = ("vllm_e2e", "backings", "cluster")  # not in `all --quick`: too slow for the 2-minute smoke
+RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
+        "load_overlap")
+# Not in `all --quick`: too slow for the 2-minute smoke.
+QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 

@@ -31,7 +31,9 @@ class ShimConfig:
     # trip is ~0.1 ms, so 2 ms almost always answers on the first call.
     lookup_wait_s: float = 0.002
     lookup_timeout_s: float = 2.0  # a lookup still unanswered after this is a miss
-    load_timeout_s: float = 30.0  # sync loads block the step at most this long, then recompute
+    # A load (its request waits, the other requests keep stepping) not done after this is
+    # aborted; the request then waits for the daemon to end the copy, and loads or recomputes.
+    load_timeout_s: float = 30.0
     fence_timeout_s: float = 10.0  # waiting for a copy out of a block about to be reused
     reconnect_interval_s: float = 5.0
     # vLLM's default "fail" turns a failed load into a failed request; a cache should recompute.

@@ -137,7 +137,7 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv; their requests wait for get_transfer_results
+        return  # no forward reads a block being loaded: its request waits until get_transfer_results
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores are submitted in bulk after the forward (wait_for_save)

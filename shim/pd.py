@@ -14,9 +14,9 @@ Flow (one request, two engines, each with its own ``hkvd serve``; see examples/p
        worker a ``LoadJob`` carrying a ``PullSpec``.
     3. The worker (``PullLoads``) asks its daemon to ``Pull`` the chunks from the prefill daemon
        (daemon to daemon, NIXL READ into the pool), then ``Retrieve``s them into the request's
-       blocks, without blocking vLLM's steps; then it reports the request finished receiving. Any
-       failure (peer down, layout mismatch, partial pull, timeout) reports it failed: vLLM
-       recomputes the request, never with wrong bytes.
+       blocks like any load (``hkvd.shim.loads``), without blocking vLLM's steps; then it reports
+       the request finished receiving. Any failure (peer down, layout mismatch, partial pull,
+       timeout) reports it failed: vLLM recomputes the request, never with wrong bytes.
 
 Threading
     Called from vLLM's threads through the scheduler and worker sides; no threads of its own.
@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hkvd.shim.loads import Loads
 from hkvd.shim.results import PullResult
 
 logger = logging.getLogger("hkvd.shim")
@@ -97,33 +98,28 @@ def consumer_plan(params: dict[str, Any] | None, keys: list[bytes], max_chunks: 
 class _Pending:
     job: Any  # hkvd.shim.metadata.LoadJob with .pull set
     deadline: float
-    lease_id: int = 0  # the local lease of a finished pull
-    aborted: bool = False
 
 
 class PullLoads:
     """Worker side: loads that start with a pull, driven by completions, never blocking a step.
 
-    ``start`` submits the Pull; ``absorb`` takes the client's completions: a finished Pull submits
-    the Retrieve into the request's blocks with the pull's lease, a finished Retrieve ends the load.
-    ``done`` / ``failed`` collect request ids for ``get_transfer_results``. ``expire`` acts on loads
-    past ``timeout_s``: a pull (daemon to daemon, no engine memory involved) fails at once and its late
-    reply's lease is released; a load into the engine's blocks is aborted but stays until the daemon's
-    reply says the copy is over, since vLLM reuses the request's blocks once it is reported.
+    ``start`` submits the Pull; ``absorb`` takes the client's completions: a finished Pull starts the
+    Retrieve into the request's blocks with the pull's lease, in ``loads`` (``hkvd.shim.loads``), which
+    ends the load and reports it. ``expire`` fails a pull past ``timeout_s`` at once (daemon to
+    daemon, no engine memory involved) and releases its late reply's lease; the load after a pull
+    keeps the pull's deadline and follows the rules of ``Loads``.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, loads: Loads) -> None:
         self.timeout_s = timeout_s
+        self.loads = loads
         self._pulls: dict[int, _Pending] = {}
-        self._retrieves: dict[int, _Pending] = {}
         self._late: set[int] = set()
-        self.done: set[str] = set()
-        self.failed: set[str] = set()
         self.stats = {"pulls_ok": 0, "pulls_failed": 0, "pulled_chunks": 0, "pull_seconds": 0.0}
 
     @property
     def in_flight(self) -> int:
-        return len(self._pulls) + len(self._retrieves)
+        return len(self._pulls)
 
     def start(self, client: Any, job: Any) -> None:
         spec: PullSpec = job.pull
@@ -135,23 +131,16 @@ class PullLoads:
         self._pulls[rid] = _Pending(job, time.monotonic() + self.timeout_s)
 
     def absorb(self, c: Any, client: Any) -> bool:
-        """Handle one completion if it is ours; True when it was."""
+        """Handle one completion if it is one of our pulls'; True when it was."""
         if c.req_id in self._late:
             self._late.discard(c.req_id)
             if c.ok and c.get(PullResult).lease_id:
                 _release(client, c.get(PullResult).lease_id)
             return True
         p = self._pulls.pop(c.req_id, None)
-        if p is not None:
-            self._pulled(p, c, client)
-            return True
-        p = self._retrieves.pop(c.req_id, None)
         if p is None:
             return False
-        if c.ok:
-            self.done.add(p.job.req_id)
-        else:
-            self._fail(p.job, f"load after the pull failed: {c.error}")
+        self._pulled(p, c, client)
         return True
 
     def _pulled(self, p: _Pending, c: Any, client: Any) -> None:
@@ -173,11 +162,9 @@ class PullLoads:
             self._fail(job, "the load plan was refused (null block in it)")
             return
         try:
-            rid = client.submit_retrieve(job.items, lease)
+            self.loads.start(client, job, lease, deadline=p.deadline, budget="pull_timeout_s")
         except Exception as e:
             self._fail(job, f"could not submit the load: {e}")
-            return
-        self._retrieves[rid] = _Pending(job, p.deadline, lease)
 
     def expire(self, client: Any) -> None:
         now = time.monotonic()
@@ -187,26 +174,18 @@ class PullLoads:
                 self._late.add(rid)
                 self._fail(p.job, f"no pull within {self.timeout_s:.1f} s (pull_timeout_s)")
                 _abort(client, rid)
-        for rid, p in self._retrieves.items():
-            if p.deadline <= now and not p.aborted:
-                # The daemon may be writing into the request's blocks: its reply ends the load.
-                p.aborted = True
-                logger.warning("hkvd: load for %s still running after %.1f s; aborting it, the request waits "
-                               "for the daemon's reply", p.job.req_id, self.timeout_s)
-                _abort(client, rid)
 
     def forget(self, why: str) -> None:
-        """The daemon connection is gone: every load in flight failed."""
-        for p in [*self._pulls.values(), *self._retrieves.values()]:
+        """The daemon connection is gone: every pull in flight failed (``Loads.forget`` fails the loads)."""
+        for p in self._pulls.values():
             self._fail(p.job, why)
         self._pulls.clear()
-        self._retrieves.clear()
         self._late.clear()
 
     def _fail(self, job: Any, why: str) -> None:
         self.stats["pulls_failed"] += 1
         logger.warning("hkvd: remote prefill for %s not loaded (%s); vLLM recomputes it", job.req_id, why)
-        self.failed.add(job.req_id)
+        self.loads.fail(job, why)
 
 
 def _abort(client: Any, rid: int) -> None:

@@ -19,11 +19,13 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       whole chunks (chunk_size is a multiple of vLLM's block size N, so block-aligned) and
       never reach the last prompt token (vLLM must compute at least one token). Loads are
       reported as asynchronous (``True``): the request waits in WAITING_FOR_REMOTE_KVS while
-      the worker's ``start_load_kv`` loads its blocks, and the worker reports it finished (or
-      failed) in ``get_transfer_results``. vLLM 0.32 accepts a failed load of a model with
-      several KV-cache groups (every hybrid) only as a failed request (``failed_recving``); a
-      block-level load error (the sync-load path) stops the engine. A request whose load failed
-      is recomputed from scratch and never offered an external hit again.
+      the daemon loads its blocks and the other requests keep stepping (the worker's
+      ``start_load_kv`` only submits), and the worker reports it finished (or failed) in
+      ``get_transfer_results`` of a later step, once the daemon has replied. vLLM 0.32 accepts
+      a failed load of a model with several KV-cache groups (every hybrid) only as a failed
+      request (``failed_recving``); a block-level load error (the sync-load path) stops the
+      engine. A request whose load failed is recomputed from scratch and never offered an
+      external hit again.
     - Attention stores cover full chunks of the prompt only, from the blocks vLLM holds in
       the step that completes them (sliding-window blocks are freed soon after). Mamba stores
       come only from ``boundary_state_offloads`` at chunk boundaries.
@@ -31,8 +33,8 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       the worker reports it in ``finished_sending`` (stores done or failed). A producer
       (``kv_producer``) returns ``kv_transfer_params`` for a decode engine; a consumer given them
       claims the chunks and its worker pulls them from the producer's daemon first
-      (``hkvd.shim.pd``); a request finished while its pull runs keeps its blocks until the worker
-      reports it in ``finished_recving``.
+      (``hkvd.shim.pd``). A request finished while its load (or pull) runs keeps its blocks until
+      the worker reports it in ``finished_recving``, once the daemon has ended the copy.
     - Leases the daemon granted for hits that are not loaded (local cache won, request
       finished before allocation) are released at once; a retrieve releases its own lease.
 
@@ -82,7 +84,7 @@ class _Req:
     load_failed: bool = False  # its load failed once: recompute, never load it again
     pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
     pull: Any = None  # pd.PullSpec until the load job that carries it is planned
-    pulling: bool = False  # a pull + load is in flight: the blocks stay until the worker reports it
+    loading: bool = False  # a load (a pull first, for pd) is in flight: the worker reports its end
     keys: list[bytes] = field(default_factory=list)  # chunk keys over the prompt's full chunks
     request: Any = None  # vLLM's Request: its extra keys (LoRA, images, cache_salt) join the chunk keys
     uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
@@ -324,8 +326,9 @@ class SchedulerSide:
                            "recomputing it", request.request_id)
             items = []
         self._loads.append(LoadJob(request.request_id, st.lease_id, items, all_blocks, pull=st.pull))
+        st.loading = True
         if st.pull is not None:
-            st.pull, st.pulling = None, True
+            st.pull = None
             self.stats["pull_jobs"] = self.stats.get("pull_jobs", 0) + 1
         st.lease_used = True
         st.next_store_chunk = max(st.next_store_chunk, n)
@@ -398,7 +401,7 @@ class SchedulerSide:
         for req_id in getattr(output, "finished_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
-                st.pulling = False
+                st.loading = False
         self._note_failed_loads(getattr(output, "failed_recving", None) or ())
         self._pump()
 
@@ -421,7 +424,10 @@ class SchedulerSide:
         params = None
         if pd.wants_params(self.kv_role, getattr(request, "kv_transfer_params", None)):
             params = self._producer_params(request.request_id, st)
-        if st.pulling:  # finished while its pull + load runs: its blocks go when the worker reports it
+        if st.loading:
+            # Aborted while its load runs (vLLM schedules nothing else of a request that waits for
+            # remote KV): vLLM frees its blocks when the worker reports the load, after the daemon's
+            # reply. Never also in delayed_free: a second report would free them twice.
             return True, params
         if st.had_copies:
             self._delayed.append(request.request_id)

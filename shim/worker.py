@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side of the connector: registration, sync loads, stores, boundary step events.
+"""Worker side of the connector: registration, asynchronous loads, stores, boundary step events.
 
 Role
     Runs in each vLLM worker process, in the model runner's execute loop. It registers the
@@ -9,13 +9,15 @@ Role
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
        then aborted and treated as failed).
-    2. ``start_load_kv``: submit every load of the step and wait for all of them
-       (``load_timeout_s``). The scheduler reports loads as asynchronous, so the requests wait
-       (WAITING_FOR_REMOTE_KVS) and none of their blocks is read by this step's forward;
-       ``get_transfer_results`` then reports each as finished, and a failed one also as failed
-       (``failed_recving``): vLLM recomputes the request. Block-level load errors are never
-       reported (vLLM 0.32 stops the engine on them for models with several KV-cache groups).
-       Mamba layers get no per-layer hooks, so every group is moved in bulk here.
+    2. ``start_load_kv``: submit every load of the step and return (``hkvd.shim.loads``). The
+       scheduler reports loads as asynchronous, so their requests wait (WAITING_FOR_REMOTE_KVS)
+       while the other requests keep stepping, and no forward reads their blocks until the
+       daemon's reply for the load has been read; ``get_transfer_results`` then reports each as
+       finished, and a failed one also as failed (``failed_recving``): vLLM recomputes the
+       request. A load not done within ``load_timeout_s`` is aborted and still waits for the
+       reply. Block-level load errors are never reported (vLLM 0.32 stops the engine on them for
+       models with several KV-cache groups). Mamba layers get no per-layer hooks, so every group
+       is moved in bulk by one Retrieve.
     3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
        ``StepEvent`` carrying this step's Mamba offers and the confirms of earlier step
        events whose Done arrived before any block they read was reused.
@@ -25,7 +27,8 @@ Threading model
     Only vLLM's execute thread calls in; completions are read by polling the daemon client
     from these hooks. The daemon reads (stores, offers) and writes (loads) this process's
     memory with process_vm_readv/writev while vLLM keeps running, which is why blocks that
-    are about to be reused are fenced.
+    are about to be reused are fenced. Blocks being loaded need no fence: vLLM neither
+    schedules nor frees a request in WAITING_FOR_REMOTE_KVS before its load is reported.
 
 Failure handling
     Daemon down: loads fail (recompute), stores and offers are skipped, delayed frees are
@@ -45,6 +48,7 @@ from hkvd.cuda.export import export_tensor
 from hkvd.shim.config import ShimConfig
 from hkvd.shim.gpu import GpuOrdering, one_device
 from hkvd.shim.link import DaemonLink
+from hkvd.shim.loads import Loads
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
@@ -80,14 +84,12 @@ class WorkerSide:
         self._req_jobs: dict[str, set[int]] = {}
         self._finishing: set[str] = set()
         self._confirmable: list[int] = []
-        self._recved: set[str] = set()  # loads done since the last get_transfer_results
-        self._recv_failed: set[str] = set()
-        self._late_loads: dict[int, Any] = {}  # retrieve id -> load job that outlived load_timeout_s
-        self._pd = PullLoads(cfg.pull_timeout_s)  # prefill/decode loads that pull first (hkvd.shim.pd)
+        self.loads = Loads(cfg.load_timeout_s, on_loaded=self._loaded)  # every load in flight
+        self._pd = PullLoads(cfg.pull_timeout_s, self.loads)  # prefill/decode loads that pull first (hkvd.shim.pd)
         self._gpu: Any = None  # shim.gpu.GpuOrdering when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
-        self.stats = {"loads_ok": 0, "loads_failed": 0, "stores": 0, "stores_failed": 0, "step_events": 0,
-                      "fence_waits": 0, "fence_timeouts": 0, "loaded_bytes": 0, "stored_bytes": 0}
+        self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
+                      "stored_bytes": 0}
 
     # ---- registration --------------------------------------------------------------------------
     def _spec(self) -> Any:
@@ -148,9 +150,7 @@ class WorkerSide:
         self._req_jobs.clear()
         self._confirmable.clear()
         self._pd.forget("the daemon connection was lost")
-        for job in self._late_loads.values():
-            self._fail_load(job)
-        self._late_loads.clear()
+        self.loads.forget("the daemon connection was lost")
 
     def _lost(self, exc: BaseException) -> None:
         self.link.lost(exc)
@@ -174,15 +174,7 @@ class WorkerSide:
 
         lost: BaseException | None = None
         for c in completions:
-            if self._pd.in_flight and self._pd.absorb(c, self.link.client):
-                continue
-            late = self._late_loads.pop(c.req_id, None)
-            if late is not None:  # a load that outlived load_timeout_s has ended: report it now
-                if c.ok:
-                    self.stats["loads_ok"] += 1
-                    self._recved.add(late.req_id)
-                else:
-                    self._fail_load(late)
+            if (self._pd.in_flight and self._pd.absorb(c, self.link.client)) or self.loads.absorb(c):
                 continue
             job = self._jobs.pop(c.req_id, None)
             if job is None:
@@ -204,6 +196,12 @@ class WorkerSide:
                     lost = c.error
         if lost is not None:
             self._lost(lost)
+
+    def _loaded(self, loaded: RetrieveResult) -> None:
+        if self._gpu is not None and loaded.event:
+            # Before the load is reported: the forward that reads the blocks runs in a later step
+            # on this stream, after the daemon's copy.
+            self._gpu.wait_loaded(loaded.event)
 
     def _track(self, rid: int, job: _Job) -> None:
         self._jobs[rid] = job
@@ -251,73 +249,27 @@ class WorkerSide:
                     return
 
     def start_load_kv(self) -> None:
+        """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``)."""
         meta = self._meta
         if meta is None or not meta.loads:
             return
         client = self._ensure()
-        pending: dict[int, Any] = {}
-        loads = []
         for job in meta.loads:
-            if job.pull is None:
-                loads.append(job)
-            elif client is None:
-                self._fail_load(job)
-            else:
-                try:  # never waited for here: the request waits in WAITING_FOR_REMOTE_KVS
-                    self._pd.start(client, job)
-                except Exception as e:
-                    self._lost(e)
-                    client = None
-        for job in loads:
-            if client is None or not job.items:
-                self._fail_load(job)
+            if client is None:
+                self.loads.fail(job, "the daemon is unavailable")
                 continue
             try:
-                pending[client.submit_retrieve(job.items, job.lease_id)] = job
+                if job.pull is not None:
+                    self._pd.start(client, job)
+                elif not job.items:
+                    self.loads.fail(job, "the load plan was refused (null block in it)")
+                else:
+                    self.loads.start(client, job, job.lease_id)
             except Exception as e:
+                if job.pull is None:  # PullLoads.start reports its own failure
+                    self.loads.fail(job, f"could not submit it: {e}")
                 self._lost(e)
                 client = None
-                self._fail_load(job)
-        if not pending:
-            return
-
-        try:
-            done = client.wait(list(pending), self.cfg.load_timeout_s)
-        except KVTimeout:
-            # The daemon may still be writing into these blocks: they stay the request's (it waits
-            # for remote KV) until the daemon's reply for each says the copy is over (_absorb).
-            logger.warning("hkvd: %d loads not done after %.1f s; their requests wait for the daemon to "
-                           "end the copies, then load or recompute", len(pending), self.cfg.load_timeout_s)
-            for rid, job in pending.items():
-                self._late_loads[rid] = job
-                try:
-                    client.abort(rid)
-                except Exception as e:
-                    self._lost(e)
-                    break
-            return
-        except Exception as e:
-            self._lost(e)
-            for job in pending.values():
-                self._fail_load(job)
-            return
-        for rid, job in pending.items():
-            c = done.get(rid)
-            if c is not None and c.ok:
-                loaded = c.get(RetrieveResult)
-                if self._gpu is not None and loaded.event:
-                    self._gpu.wait_loaded(loaded.event)  # the forward reads after the daemon's copy
-                self.stats["loads_ok"] += 1
-                self.stats["loaded_bytes"] += loaded.nbytes
-                self._recved.add(job.req_id)
-            else:
-                logger.info("hkvd: load for %s failed (%s); vLLM recomputes it", job.req_id,
-                            c.error if c is not None else "no reply")
-                self._fail_load(job)
-
-    def _fail_load(self, job: Any) -> None:
-        self.stats["loads_failed"] += 1
-        self._recv_failed.add(job.req_id)
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -361,11 +313,9 @@ class WorkerSide:
         sending, _ = self.get_finished(finished_req_ids)
         if self._pd.in_flight:
             self._pd.expire(self.link.client)
-        self._recved |= self._pd.done
-        self._recv_failed |= self._pd.failed
-        self._pd.done, self._pd.failed = set(), set()
-        failed, self._recv_failed = self._recv_failed, set()
-        recved, self._recved = self._recved | failed, set()
+        if self.loads.in_flight:
+            self.loads.expire(self.link.client)
+        recved, failed = self.loads.take()
         return set(sending or ()), recved, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:

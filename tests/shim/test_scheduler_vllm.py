@@ -176,6 +176,14 @@ class Runner:
         while side._jobs and time.monotonic() < deadline:
             side._pump(0.01)
 
+    def wait_loads(self, timeout_s: float = 5.0) -> None:
+        """Read replies until no load is in flight (the daemon has written every loaded byte)."""
+        side = self.worker._worker  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout_s
+        while side.loads.in_flight and time.monotonic() < deadline:
+            side._pump(0.01)
+        assert not side.loads.in_flight, "a load got no reply"
+
     def run(self, max_steps: int = 30) -> None:
         for _ in range(max_steps):
             if not self.sched.has_unfinished_requests():
@@ -225,7 +233,8 @@ def test_trace_a_descriptors_and_external_load(qwen_dir, daemon_factory) -> None
     assert [it[1] for it in attn] == [0, 1, 2, 3] and [it[3][0] for it in attn] == table[0][:4]
     assert mamba[1] == 3 and mamba[3] == [table[1][3]]  # state(64) into index 64/16 - 1
     assert sched.requests["r3"].num_computed_tokens >= 64
-    assert run.worker._worker.stats["loads_ok"] == 1  # type: ignore[union-attr]
+    run.wait_loads()
+    assert run.worker._worker.loads.stats["loads_ok"] == 1  # type: ignore[union-attr]
     for i in range(4):  # the bytes r1 computed, now in r3's blocks
         assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
     assert run.read(table[1][3], MAMBA_BYTES) == Runner.pattern(prompt, 64, MAMBA_BYTES)
@@ -284,9 +293,118 @@ def test_failed_load_fails_the_request_and_recomputes_it(qwen_dir, daemon_factor
     side.start_load_kv = daemon_dies_first
     m = run.step()  # update_from_output raised here when the failure went out as block ids
     side.start_load_kv = load
-    assert len(m.loads) == 1 and side.stats["loads_failed"] == 1 and side.stats["loads_ok"] == 0
+    assert len(m.loads) == 1 and side.loads.stats["loads_failed"] == 1 and side.loads.stats["loads_ok"] == 0
     computed = 0
     while "r3" in sched.requests:
         run.step()
         computed += run.last_so.num_scheduled_tokens.get("r3", 0)
     assert computed == len(prompt)  # recomputed from the first token, and not loaded again
+
+
+class HeldReplies:
+    """The worker's daemon client, whose Retrieve replies the test hands over when it says so.
+
+    Everything goes to the real client and the real daemon copies at once; only the worker's view
+    of a load's end is held back. That is the order a slow copy (thousands of tokens) gives.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.held: dict[int, Any] = {}
+        self.retrieves: list[int] = []
+        self.hold = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def submit_retrieve(self, items: Any, lease_id: int) -> int:
+        rid = self._client.submit_retrieve(items, lease_id)
+        self.retrieves.append(rid)
+        return int(rid)
+
+    def _keep(self, done: list[Any]) -> list[Any]:
+        out = []
+        for c in done:
+            if self.hold and c.req_id in self.retrieves:
+                self.held[c.req_id] = c
+            else:
+                out.append(c)
+        return out
+
+    def poll(self, timeout_s: float = 0.0) -> list[Any]:
+        out = self._keep(self._client.poll(timeout_s))
+        if not self.hold:
+            out += list(self.held.values())
+            self.held.clear()
+        return out
+
+    def wait(self, req_ids: Any, timeout_s: float) -> dict[int, Any]:
+        assert not set(req_ids) & set(self.retrieves), "a step waited for a load"
+        return dict(self._client.wait(req_ids, timeout_s))
+
+
+def _loaded_prefix_setup(qwen_dir: Any, daemon_factory: Any) -> tuple[Any, Runner, HeldReplies, list[int]]:
+    d = daemon_factory(chunk_size=BLOCK)
+    vcfg, kvc, sched = _make(qwen_dir, d.socket)
+    run = Runner(vcfg, kvc, sched)
+    prompt = list(range(10, 80))  # 70 tokens: 4 chunks of 16 cached
+    run.add("r1", prompt)
+    run.run()
+    sched.reset_prefix_cache()
+    side = run.worker._worker  # type: ignore[union-attr]
+    held = side.link.client = HeldReplies(side.link.client)
+    run.add("dec", list(range(300, 320)), max_tokens=25)  # decodes one token per step
+    run.step()
+    run.add("r3", prompt)
+    m = run.step()
+    assert [j.req_id for j in m.loads] == ["r3"] and len(held.retrieves) == 1
+    return sched, run, held, prompt
+
+
+def test_a_loading_request_waits_while_the_others_step(qwen_dir, daemon_factory) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched, run, held, prompt = _loaded_prefix_setup(qwen_dir, daemon_factory)
+    side = run.worker._worker  # type: ignore[union-attr]
+    deadline = time.monotonic() + 5.0
+    while not held.held and time.monotonic() < deadline:  # the daemon's copy is over, its reply held
+        side._pump(0.01)
+    assert held.held
+    for _ in range(4):  # the load is in flight for the worker: the decoding request keeps stepping
+        run.step()
+        assert run.last_so.num_scheduled_tokens == {"dec": 1}
+        assert sched.requests["r3"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert side.loads.requests() == {"r3"}
+    held.hold = False
+    run.step()  # reports r3 finished receiving
+    run.step()
+    assert run.last_so.num_scheduled_tokens == {"dec": 1, "r3": len(prompt) - 64}
+    table = sched.kv_cache_manager.get_block_ids("r3")
+    for i in range(4):  # the bytes r1 computed, in r3's blocks
+        assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
+    assert side.loads.stats["loads_ok"] == 1
+    run.run()
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(qwen_dir, daemon_factory) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched, run, held, _prompt = _loaded_prefix_setup(qwen_dir, daemon_factory)
+    pool = sched.kv_cache_manager.block_pool
+    blocks = [b for ids in sched.kv_cache_manager.get_block_ids("r3") for b in ids if b]
+    # As for a request that stored chunks before it was preempted and is now loaded back: its free
+    # would be delayed for its copies, and a report in finished_sending would free the blocks while
+    # the daemon writes into them (and vLLM's later finished_recving would find no request).
+    sched.connector._sched._reqs["r3"].had_copies = True
+    sched.finish_requests("r3", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):  # the daemon may still be writing into them: vLLM must not reuse them
+        run.step()
+        assert "r3" in sched.requests and all(pool.blocks[b].ref_cnt > 0 for b in blocks)
+    assert sched.connector._sched._delayed == []  # no second free through finished_sending
+    held.hold = False
+    run.step()  # the reply: the load is reported and vLLM frees the blocks, once
+    assert "r3" not in sched.requests
+    assert all(pool.blocks[b].ref_cnt == 0 for b in blocks if b not in
+               {x for ids in sched.kv_cache_manager.get_block_ids("dec") for x in ids})
+    run.run()
+    assert not sched.has_unfinished_requests()

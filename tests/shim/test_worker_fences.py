@@ -4,7 +4,8 @@
 The real daemon copies too fast to catch a copy in flight at a block reuse, so these tests
 script completions: fences wait for copies out of reused blocks, a fence timeout aborts and
 never confirms, confirms carry only step events seen done, delayed frees wait for copies, and
-every load is reported finished once, a failed one as a failed request (never as block errors).
+every load is reported finished once, after the daemon's reply and never before, a failed one as a
+failed request (never as block errors), while ``start_load_kv`` never waits for a load.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ScriptedClient:
         self.sent: list[tuple] = []
         self.aborted: list[int] = []
         self.connected = True
+        self.event = b""  # the done event a retrieve's Done carries (GPU KV caches)
 
     def _id(self, what: tuple) -> int:
         self.next_id += 1
@@ -49,7 +51,7 @@ class ScriptedClient:
         from hkvd.transport.errors import NotFound
 
         kind = next(s[1] for s in self.sent if s[0] == rid)
-        result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1),
+        result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1, self.event),
                   "step": StepResult(1, "in_order")}[kind]
         self.done[rid] = Completion(rid, ok, result if ok else None, None if ok else NotFound("gone"))
 
@@ -61,6 +63,8 @@ class ScriptedClient:
     def wait(self, req_ids: Any, timeout_s: float) -> dict[int, Any]:
         from hkvd.transport.errors import KVTimeout
 
+        kinds = {s[0]: s[1] for s in self.sent}
+        assert all(kinds[rid] != "retrieve" for rid in req_ids), "a step waited for a load"
         for rid in req_ids:
             if rid in self.finish_on_wait:
                 self.complete(rid, ok=rid not in self.fail)
@@ -92,18 +96,20 @@ def _meta(step: int, **kw: Any) -> Any:
     return HkvdConnectorMetadata(step=step, **kw)
 
 
-def _run_step(side: Any, meta: Any, late: set[str] = frozenset()) -> tuple[set[str] | None, set[str]]:
+def _run_step(side: Any, meta: Any) -> tuple[set[str] | None, set[str]]:
     """One step as vLLM's model runner drives it; returns (finished sending, failed loads).
 
-    ``late``: loads that outlive load_timeout_s in this step and are reported when the daemon ends them.
+    What it reported as finished receiving is left in ``side._last_recving``.
     """
     side.handle_preemptions(meta)
     side.bind(meta)
     side.start_load_kv()
     side.wait_for_save()
     sending, recving, failed = side.get_transfer_results(set(meta.delayed_free))
-    want = {job.req_id for job in meta.loads} - late
-    assert want <= recving and not (recving & late), "every load is reported finished, in its step"
+    assert failed <= recving, "a failed load is also reported finished"
+    reported = getattr(side, "_reported", set())
+    assert not (recving & reported), "a load is reported once"
+    side._reported = reported | recving
     side._last_recving = recving
     assert side.get_block_ids_with_load_errors() == set()  # vLLM stops hybrid engines on these
     return sending or None, failed
@@ -149,20 +155,60 @@ def test_delayed_free_waits_for_copies() -> None:
     assert sending == {"r1"}
 
 
-def test_failed_or_unplannable_load_fails_its_request() -> None:
+def test_loads_end_with_the_daemons_reply_and_never_hold_a_step() -> None:
     from hkvd.shim.metadata import LoadJob
 
     side, client = _side()
     ok = LoadJob("a", 7, [Item(0, 0, b"k" * 16, [3])], [3])
     bad = LoadJob("b", 8, [[0, 0, b"j" * 16, [4]]], [4])
     empty = LoadJob("c", 9, [], [11, 12])  # the scheduler could not plan it (null block)
-    client.finish_on_wait = {1, 2}
-    client.fail = {2}
     _, failed = _run_step(side, _meta(1, loads=[ok, bad, empty]))
-    assert failed == {"b", "c"}
-    assert side.stats["loads_ok"] == 1
-    _, failed = _run_step(side, _meta(2))
-    assert failed == set()  # reported once
+    assert failed == {"c"} and side._last_recving == {"c"}  # no copy to wait for: reported at once
+    for step in (2, 3):  # the daemon is still copying: the steps go on, nothing is reported
+        _, failed = _run_step(side, _meta(step, offers=[("x", Item(1, 0, b"m" * 16, [9]))]))
+        assert failed == set() and side._last_recving == set()
+    assert len([s for s in client.sent if s[1] == "step"]) == 3  # each step's event went out meanwhile
+    assert side.loads.requests() == {"a", "b"}
+    client.complete(1)
+    client.complete(2, ok=False)
+    _, failed = _run_step(side, _meta(4))
+    assert side._last_recving == {"a", "b"} and failed == {"b"}
+    assert side.loads.stats["loads_ok"] == 1 and side.loads.stats["loads_failed"] == 2
+    _, failed = _run_step(side, _meta(5))
+    assert failed == set() and side._last_recving == set()  # reported once
+
+
+class FakeGpu:
+    """``shim.gpu.GpuOrdering``'s boundary: records which done events the engine's stream waited on."""
+
+    def __init__(self, side: Any) -> None:
+        self.side = side
+        self.waited: list[tuple[bytes, set[str]]] = []
+
+    def wait_loaded(self, handle: bytes) -> None:
+        self.waited.append((handle, set(self.side._reported)))
+
+    def step_end_event(self) -> bytes:
+        return b""
+
+
+def test_gpu_load_waits_on_the_daemons_event_before_it_is_reported() -> None:
+    from hkvd.shim.metadata import LoadJob
+
+    side, client = _side()
+    side._gpu = gpu = FakeGpu(side)
+    side._reported = set()
+    _run_step(side, _meta(1, loads=[LoadJob("g", 7, [Item(0, 0, b"k" * 16, [3])], [3]),
+                                    LoadJob("h", 8, [Item(0, 0, b"j" * 16, [4])], [4])]))
+    assert gpu.waited == []
+    client.event = b"E" * 64
+    client.complete(1)
+    client.event = b""  # a Done without an event (nothing was copied on a stream): no wait
+    client.complete(2)
+    _run_step(side, _meta(2))
+    # Waited on once, before the request was reported to vLLM (which then schedules its forward).
+    assert gpu.waited == [(b"E" * 64, set())]
+    assert side._last_recving == {"g", "h"}
 
 
 def test_daemon_down_fails_loads_and_releases_delayed_frees() -> None:
@@ -182,15 +228,19 @@ def test_daemon_down_fails_loads_and_releases_delayed_frees() -> None:
 def test_a_load_past_its_timeout_keeps_its_blocks_until_the_daemon_ends_the_copy(late_ok: bool) -> None:
     """vLLM reuses a request's blocks once its load is reported; the daemon may still be writing
     into them after the shim's timeout, so the report waits for the daemon's reply."""
+    import time
+
     from hkvd.shim.metadata import LoadJob
 
     side, client = _side()
-    _, failed = _run_step(side, _meta(1, loads=[LoadJob("slow", 7, [Item(0, 0, b"k" * 16, [3])], [3])]),
-                          late={"slow"})
-    assert failed == set() and client.aborted == [1]
-    _, failed = _run_step(side, _meta(2))  # still copying: nothing reported, the blocks stay held
-    assert failed == set() and side._last_recving == set()
+    _, failed = _run_step(side, _meta(1, loads=[LoadJob("slow", 7, [Item(0, 0, b"k" * 16, [3])], [3])]))
+    assert failed == set() and client.aborted == []
+    for p in side.loads._flying.values():
+        p.deadline = time.monotonic() - 0.1  # forged: load_timeout_s is over
+    for step in (2, 3):  # aborted once; still copying: nothing reported, the blocks stay held
+        _, failed = _run_step(side, _meta(step))
+        assert failed == set() and side._last_recving == set() and client.aborted == [1]
     client.complete(1, ok=late_ok)  # the daemon's reply: the copy is over
-    _, failed = _run_step(side, _meta(3))
+    _, failed = _run_step(side, _meta(4))
     assert side._last_recving == {"slow"}
     assert failed == (set() if late_ok else {"slow"})

@@ -13,6 +13,11 @@ Role
     - ``qwen3_next_tp2``: the same with 2 linear key heads and 4 value heads, so both kinds of heads
       split over two tensor-parallel ranks (vLLM then aligns the block size to 256).
     - ``gemma3``: 3 sliding-window layers (window 192) + 1 full-attention layer, head dim 32.
+    - ``wide_kv``: a dense Llama whose KV cache is large for its compute: 8 full-attention layers
+      of 8 KV heads x 128 (32 KiB of KV per token, as much as an 8B model's quarter) on a hidden
+      size of 128, up to 8192 positions. A prefix of thousands of tokens is then a load of
+      ~100 MiB and more, longer than a decode step: what the asynchronous-load tests and
+      ``bench/load_overlap.py`` need.
     - ``idefics3``: a vision-language model (``Idefics3ForConditionalGeneration``) whose image
       processor needs no torchvision. Vision tower: 1 layer, hidden 128, 64x64 images in 4x4
       patches, pixel shuffle 2, so one image is ``IDEFICS3_IMAGE_SEQ_LEN`` (64) ``<image>``
@@ -48,7 +53,7 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SEED = 1234
 DEFAULT_ROOT = Path("/tmp/hkvd-models")
-KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2")
+KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2", "wide_kv")
 
 LORA_RANK = 8
 LORA_ALPHA = 16
@@ -148,6 +153,16 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
             shared_expert_intermediate_size=64,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+        )
+    if kind == "wide_kv":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            **{**common, "max_position_embeddings": 8192},
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=128,
         )
     if kind == "gemma3":
         from transformers import Gemma3TextConfig

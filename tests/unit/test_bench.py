@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # would find hkvd's cuda/ folder (tests/unit/test_packaging.py checks that it cannot).
 sys.path.insert(0, str(ROOT))
 try:
-    from bench import control_plane, scale, store_retrieve, vllm_e2e
+    from bench import control_plane, load_overlap, scale, store_retrieve, vllm_e2e
     from bench.common import Daemon, md_table
 finally:
     sys.path.remove(str(ROOT))
@@ -92,6 +92,42 @@ def test_vllm_e2e_table_and_skip() -> None:
     assert "| qwen3_next | warm | 2 x 900 | 8 | 1792 | 99.6% |" in text
     headers, rows = vllm_e2e.table({"skipped": "vllm not installed (make vllm)", "models": []})
     assert "vllm not installed" in md_table(headers, rows)
+
+
+def _step(t: float, *, a: int = 1, pending: int = 0, busy: bool = False, started: int = 0,
+          in_flight: int = 0) -> dict:
+    return {"t": t, "a": a, "pending": pending, "busy": busy, "started": started, "in_flight": in_flight}
+
+
+def test_load_overlap_classes_spans_and_table() -> None:
+    steps = [_step(0.00), _step(0.01), _step(0.02),
+             _step(0.04, pending=1, started=1, in_flight=1),  # submits the load
+             _step(0.06, pending=1, busy=True, in_flight=1),  # wholly inside it
+             _step(0.07, pending=1, busy=True),  # reads the reply
+             _step(0.12, pending=1),  # the loaded prompt's last token, beside A
+             _step(0.13), _step(0.135, a=0), _step(0.14)]
+    got = load_overlap.classify(steps)
+    assert [c for c, _ in got] == ["no load", "no load", "load in flight", "load in flight", "load in flight",
+                                   "loaded prompt computes", "no load", "no load"]
+    assert [round(ms) for _, ms in got] == [10, 10, 20, 20, 10, 50, 10, 10]  # a step without A's token is skipped
+    (span,) = load_overlap.load_spans(steps)
+    assert span == (pytest.approx(30.0), 1)
+    res = {"rounds": [{"steps": steps, "prefixes": []}], "loads": {"loaded_bytes": 128 << 20, "loads_failed": 0}}
+    out = load_overlap.summarize(res)
+    assert out["p99_ratio"] == pytest.approx(2.0) and out["loads"] == 1
+    headers, rows = load_overlap.table(out)
+    assert len(rows) == 4 and all(len(r) == len(headers) for r in rows)
+    assert "1 x 128 MiB" in md_table(headers, rows)
+    assert "vllm not installed" in md_table(*load_overlap.table({"skipped": "vllm not installed", "rows": []}))
+
+
+def test_load_overlap_check_refuses_a_wrong_answer_or_a_short_hit() -> None:
+    good = {"tokens": [5], "logprobs": [-1.0], "num_cached_tokens": 4096}
+    ref = {**good, "num_cached_tokens": 0}
+    load_overlap.check({"rounds": [{"prefixes": [{"reference": ref, "loaded": good}]}]}, 4096)
+    for bad in ({**good, "tokens": [6]}, {**good, "num_cached_tokens": 3968}):
+        with pytest.raises(RuntimeError):
+            load_overlap.check({"rounds": [{"prefixes": [{"reference": ref, "loaded": bad}]}]}, 4096)
 
 
 def test_plots_are_written(tmp_path: Path) -> None:

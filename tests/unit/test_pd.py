@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from hkvd.shim import pd
+from hkvd.shim.loads import Loads
 from hkvd.shim.results import Completion, PullResult, RetrieveResult
 from hkvd.transport.errors import Aborted, DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
@@ -69,15 +71,33 @@ def _job(req: str = "r1", n: int = 4) -> SimpleNamespace:
     return SimpleNamespace(req_id=req, items=[[0, 0, KEYS[0], [1]]], pull=pd.PullSpec("p:1", KEYS[:n], 9))
 
 
+class Worker:
+    """The worker's two halves of a pd load, fed completions in the worker's order (pulls first)."""
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.client = ScriptedClient()
+        self.loads = Loads(60.0)
+        self.pulls = pd.PullLoads(timeout_s, self.loads)
+
+    def feed(self, c: Completion) -> bool:
+        return self.pulls.absorb(c, self.client) or self.loads.absorb(c)
+
+    @property
+    def in_flight(self) -> int:
+        return self.pulls.in_flight + self.loads.in_flight
+
+
 def test_pull_then_load_then_done() -> None:
-    c, loads = ScriptedClient(), pd.PullLoads(30.0)
-    loads.start(c, _job())
+    w = Worker()
+    c = w.client
+    w.pulls.start(c, _job())
     assert c.sent == [("pull", ("p:1", 4, 4, 9))]
-    assert loads.absorb(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.1), None), c)
+    assert w.feed(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.1), None))
     assert c.sent[-1] == ("retrieve", 55)  # the load uses the pull's local lease
-    assert not loads.absorb(Completion(7, True, RetrieveResult(0, 0), None), c)  # not ours
-    assert loads.absorb(Completion(102, True, RetrieveResult(10, 4), None), c)
-    assert loads.done == {"r1"} and not loads.failed and loads.in_flight == 0
+    assert w.loads.take() == (set(), set())  # pulled, not loaded yet: nothing to report
+    assert not w.feed(Completion(7, True, RetrieveResult(0, 0), None))  # not ours
+    assert w.feed(Completion(102, True, RetrieveResult(10, 4), None))
+    assert w.loads.take() == ({"r1"}, set()) and w.in_flight == 0
 
 
 @pytest.mark.parametrize("completion", [
@@ -85,44 +105,51 @@ def test_pull_then_load_then_done() -> None:
     Completion(101, True, PullResult(0, 3, 55, 30.0, 3, 0, 0.0), None),  # partial: never loaded
 ])
 def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
-    c, loads = ScriptedClient(), pd.PullLoads(30.0)
-    loads.start(c, _job())
-    assert loads.absorb(completion, c)
-    assert loads.failed == {"r1"} and not loads.done
-    assert [w for w, _ in c.sent] == ["pull"]  # no load after it
-    assert c.released == ([55] if completion.ok else [])
+    w = Worker()
+    w.pulls.start(w.client, _job())
+    assert w.feed(completion)
+    assert w.loads.take() == ({"r1"}, {"r1"})  # failed: in both sets, as vLLM wants it
+    assert [k for k, _ in w.client.sent] == ["pull"]  # no load after it
+    assert w.client.released == ([55] if completion.ok else [])
 
 
-def test_a_load_past_the_timeout_ends_only_with_the_daemons_reply() -> None:
-    c, loads = ScriptedClient(), pd.PullLoads(30.0)
-    loads.start(c, _job())
-    loads.absorb(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.0), None), c)
-    for p in loads._retrieves.values():
-        p.deadline = 0.0  # forged: past the deadline
-    loads.expire(c)
-    loads.expire(c)
+def test_a_load_past_the_pull_deadline_ends_only_with_the_daemons_reply() -> None:
+    w = Worker()
+    c = w.client
+    w.pulls.start(c, _job())
+    for p in w.pulls._pulls.values():
+        p.deadline = time.monotonic() + 60.0
+    w.feed(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.0), None))
+    for p in w.loads._flying.values():
+        assert p.budget == "pull_timeout_s"  # the load inherits what is left of the pull's budget
+        p.deadline = time.monotonic() - 0.1  # forged: past the deadline
+    w.pulls.expire(c)
+    w.loads.expire(c)
+    w.loads.expire(c)
     # Aborted once, but not reported: the daemon may still be writing into the request's blocks.
-    assert c.aborted == [102] and not loads.failed and not loads.done and loads.in_flight == 1
-    assert loads.absorb(Completion(102, False, None, Aborted("job 102 was aborted")), c)
-    assert loads.failed == {"r1"} and loads.in_flight == 0
+    assert c.aborted == [102] and w.loads.take() == (set(), set()) and w.in_flight == 1
+    assert w.feed(Completion(102, False, None, Aborted("job 102 was aborted")))
+    assert w.loads.take() == ({"r1"}, {"r1"}) and w.in_flight == 0
 
 
 def test_timeout_fails_and_a_late_reply_gives_its_lease_back() -> None:
-    c, loads = ScriptedClient(), pd.PullLoads(0.0)
-    loads.start(c, _job())
-    loads.expire(c)
-    assert loads.failed == {"r1"} and c.aborted == [101] and loads.in_flight == 0
-    assert loads.absorb(Completion(101, True, PullResult(0, 4, 77, 30.0, 4, 0, 0.0), None), c)
-    assert c.released == [77] and [w for w, _ in c.sent] == ["pull"]
+    w = Worker(timeout_s=0.0)
+    c = w.client
+    w.pulls.start(c, _job())
+    w.pulls.expire(c)
+    assert w.loads.take() == ({"r1"}, {"r1"}) and c.aborted == [101] and w.in_flight == 0
+    assert w.feed(Completion(101, True, PullResult(0, 4, 77, 30.0, 4, 0, 0.0), None))
+    assert c.released == [77] and [k for k, _ in c.sent] == ["pull"]
 
 
 def test_lost_connection_fails_everything_in_flight() -> None:
-    c, loads = ScriptedClient(), pd.PullLoads(30.0)
-    loads.start(c, _job("a"))
-    loads.start(c, _job("b"))
-    loads.absorb(Completion(101, True, PullResult(0, 4, 5, 30.0, 4, 0, 0.0), None), c)
-    loads.forget("gone")
-    assert loads.failed == {"a", "b"} and loads.in_flight == 0
+    w = Worker()
+    w.pulls.start(w.client, _job("a"))
+    w.pulls.start(w.client, _job("b"))
+    w.feed(Completion(101, True, PullResult(0, 4, 5, 30.0, 4, 0, 0.0), None))
+    w.pulls.forget("gone")
+    w.loads.forget("gone")
+    assert w.loads.take() == ({"a", "b"}, {"a", "b"}) and w.in_flight == 0
 
 
 # ---- the example proxy -------------------------------------------------------------------------
