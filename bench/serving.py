@@ -195,7 +195,8 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
                 res["daemon"] = {k: index[k] for k in ("entries", "bytes_stored", "evictions", "stores_dropped")}
         elif name == "lmcache":
             if lmcache_venv is None:
-                raise RuntimeError("LMCache is not installed: make bench-peers (or --lmcache-venv DIR)")
+                raise RuntimeError("no LMCache venv given: make bench-peers makes .bench-lmcache, which full mode "
+                                   "finds by itself (--lmcache-venv DIR for another, or with --quick)")
             with LmcacheServer(lmcache_venv, BLOCK, START_TIMEOUT_S) as lm:
                 try:
                     res = serve(lm.kv_transfer(), lmcache_env(lmcache_venv, lm.dir / "pythonpath"))

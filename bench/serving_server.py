@@ -8,8 +8,10 @@ Role
 
 Contracts
     Every wait is bounded: a server that exits or is not healthy within ``start_timeout_s``
-    raises ``RuntimeError`` with the tail of its log. ``stop`` sends SIGTERM to the server's
-    process group, then SIGKILL after 30 s, so vLLM's engine-core child goes with it.
+    raises ``RuntimeError`` with the root cause and the tail of its log. Logs go to a temporary
+    folder, removed when the server's ``with`` block ends without an error and kept otherwise.
+    ``stop`` sends SIGTERM to the server's process group, then SIGKILL after 30 s, so vLLM's
+    engine-core child goes with it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -215,8 +218,10 @@ class VllmServer:
         self.startup_s = time.perf_counter() - t0
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self._p.stop()
+        if exc_type is None:  # a failed run keeps its log (the error names the path)
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def geometry(self) -> dict[str, Any]:
         """What vLLM logged about its KV cache: group block sizes, the scheduler's block, the capacity."""
@@ -266,8 +271,10 @@ class LmcacheServer:
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self._p.stop()
+        if exc_type is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def kv_transfer(self) -> dict[str, Any]:
         return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
