@@ -5,7 +5,7 @@ in flight at a time, 4 (3) turns each. Turn 1 sends a 1,500-token (600) message;
 turn sends the whole conversation so far (previous prompt, the model's answer, a new 200-token
 (100) user message). Answers are greedy, ``ignore_eos``, 128 (32) tokens, so every run sends
 prompts of the same lengths. A conversation goes to the back of the queue after each turn, so
-between two of its turns every other conversation runs one.
+between two of its turns the other conversations run theirs (all but the ones in flight then).
 
 Runs, one after another in one invocation, each a fresh server (and daemon) with the same
 flags (``--enable-prefix-caching --mamba-cache-mode align --prefix-cache-retention-interval N``,

@@ -5,9 +5,10 @@ Role
     invocation sends the same first and user messages). ``converse`` plays them against a
     server: ``concurrency`` worker threads take the conversation that has waited longest, send
     its next turn, and put it back at the end of the queue, so between two turns of one
-    conversation every other conversation runs one turn (the access pattern that makes an LRU
-    cache smaller than all conversations drop each one before it comes back). Each turn's prompt
-    is the previous prompt, the tokens the model answered, and a new user message.
+    conversation the others run theirs (all but those in flight when it came back): the access
+    pattern that makes an LRU cache smaller than all conversations drop each one before it
+    comes back. Each turn's prompt is the previous prompt, the tokens the model answered, and a
+    new user message.
     ``stream_completion`` sends one turn to vLLM's OpenAI completions endpoint (token-id prompt,
     streaming, greedy, ``ignore_eos`` with a fixed ``max_tokens`` so every run generates the same
     number of tokens) and times it from the client.

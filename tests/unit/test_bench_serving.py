@@ -74,8 +74,8 @@ def _fake_server(workload: Workload, delay_s: float = 0.0):  # type: ignore[no-u
     return send, calls, live
 
 
-def test_converse_builds_each_prompt_from_the_last_and_goes_round_robin() -> None:
-    send, calls, live = _fake_server(W, delay_s=0.01)
+def test_converse_builds_each_prompt_from_the_last() -> None:
+    send, calls, live = _fake_server(W, delay_s=0.05)
     seen: list[Reply] = []
     replies = converse(W, send, seen.append)
     assert len(replies) == len(calls) == 15 and seen == replies
@@ -86,11 +86,15 @@ def test_converse_builds_each_prompt_from_the_last_and_goes_round_robin() -> Non
         for t in (2, 3):
             prev = prompts[(c, t - 1)]
             assert prompts[(c, t)] == prev + list(_answer(prev, 4)) + W.message(c, t)
-    # Between two turns of a conversation, every other conversation runs a turn.
-    order = [(c, t) for c, t, _ in calls]
-    for c in range(5):
-        i, j = order.index((c, 1)), order.index((c, 2))
-        assert {cc for cc, _ in order[i + 1:j]} == set(range(5)) - {c}
+
+
+def test_converse_sends_the_conversation_that_waited_longest() -> None:
+    # One at a time the order is exact: every conversation's turn t, then every one's turn t + 1.
+    w = Workload(conversations=3, concurrency=1, turns=3, first_tokens=8, user_tokens=2, answer_tokens=2)
+    send, calls, live = _fake_server(w)
+    converse(w, send)
+    assert [(c, t) for c, t, _ in calls] == [(c, t) for t in (1, 2, 3) for c in range(3)]
+    assert live["peak"] == 1
 
 
 def test_converse_raises_a_failed_turn_and_a_short_answer() -> None:
