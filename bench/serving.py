@@ -57,6 +57,7 @@ from bench.serving_client import (
 )
 from bench.serving_server import (
     HOST,
+    MAX_NUM_BATCHED_TOKENS,
     MODEL_NAME,
     MODELS,
     BenchModel,
@@ -246,6 +247,7 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
             mine = [Reply(**{**x, "token_ids": tuple(x["token_ids"])}) for x in r["replies"]]
             r["same_answers_as_limit"] = same_answers(mine, ref)
     result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
+                         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs"},
               "runs": runs, "ratios": ratios(runs)}
@@ -258,6 +260,12 @@ def summary(result: dict[str, Any]) -> list[str]:
     """The later-turn ratios and the targets, one line each (printed after a run, and in the docs)."""
     rt = result.get("ratios") or {}
     lines = []
+    cfg = result.get("config") or {}
+    if cfg.get("kv_blocks"):
+        b = cfg["kv_blocks"]
+        lines.append(f"{cfg['model']}, KV memory in blocks of {cfg['block']} tokens: small {b['small']}, ample "
+                     f"{b['ample']}; one conversation needs {b['per_conversation']}, all of them "
+                     f"{b['all_conversations']}")
     for name, v in (rt.get("ttft_p50_vs_limit") or {}).items():
         vs_rc = (rt.get("ttft_p50_vs_recompute") or {}).get(name)
         limit_share = rt["hit_share"].get("limit", float("nan"))

@@ -35,6 +35,7 @@ from bench.vllm_e2e import ROOT, _omp_bind, _tiny_models
 
 HOST = "127.0.0.1"
 MODEL_NAME = "bench"  # --served-model-name
+MAX_NUM_BATCHED_TOKENS = 2048  # vLLM 0.32's default for its OpenAI server on CPU, pinned for every run
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class VllmServer:
                     "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", "--max-model-len", str(max_model_len),
                     "--enable-prefix-caching", "--mamba-cache-mode", "align",
                     "--prefix-cache-retention-interval", str(block), "--num-gpu-blocks-override", str(blocks),
+                    "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                     "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
         if kv_transfer is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]

@@ -192,7 +192,9 @@ def _result() -> dict:
     for r in runs[:3]:
         r["same_answers_as_limit"] = serving.same_answers(
             [Reply(**{**x, "token_ids": tuple(x["token_ids"])}) for x in r["replies"]], limit)
-    return {"config": {"model": "qwen3_next"}, "runs": runs, "ratios": serving.ratios(runs)}
+    config = {"model": "qwen3_next", "block": 128,
+              "kv_blocks": {"per_conversation": 13, "all_conversations": 52, "small": 33, "ample": 104}}
+    return {"config": config, "runs": runs, "ratios": serving.ratios(runs)}
 
 
 def test_same_answers_counts_identical_replies() -> None:
@@ -210,6 +212,8 @@ def test_table_notes_and_report_section() -> None:
     assert "| 8/8 |" in text
     assert "| lmcache | - | - | - | - | - | - | error: ValueError: engine-driven transfer" in text
     notes = serving.notes(result)
+    assert notes.startswith("- qwen3_next, KV memory in blocks of 128 tokens: small 33, ample 104; one "
+                            "conversation needs 13, all of them 52\n")
     assert "- target hkvd_vs_limit_ttft: 1.04 (at most 1.1): met" in notes
     assert "- target hkvd_hit_share: 85.3% (at least the limit's 85.3%): met" in notes
     assert "- lmcache (vLLM + LMCache MP, small KV memory) did not run: ValueError: engine-driven" in notes
