@@ -25,9 +25,10 @@ streamed token), the hit share (prompt tokens the server did not compute, from e
 ``prompt_tokens_details.cached_tokens``), each stream's output tokens/s after its first token
 (median), and per run the output tokens/s of the whole run. Later turns (2 and on) pooled give
 the targets, as ratios measured in the same invocation: hkvd's TTFT p50 at most 1.1x the
-limit's and at most 0.5x recompute's, its hit share at least the limit's. Whether each reply
-is the limit run's reply token for token is counted too (random weights have near-ties, so a
-batch that differs can flip a token; a flipped turn then sends a different, same-length prompt).
+limit's and at most 0.5x recompute's, its hit share at least the limit's. Replies are not
+compared across runs: batches follow arrival times, and a random-weight model's near-tied
+greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
+checks hkvd's outputs token for token.
 
 Models: ``qwen3_next_8l`` (8 layers, hidden 512: prefill is real compute on 2 cores), the tiny
 4-layer ``qwen3_next`` of tests/shim in quick mode; both Qwen3-Next-shaped (3 Gated-DeltaNet
@@ -97,12 +98,6 @@ def turn_stats(replies: Sequence[Reply], turns: int) -> list[dict[str, Any]]:
                                                    for t in range(1, turns + 1)]
     groups.append(("later", [r for r in replies if r.turn >= 2]))
     return [_stats(turn, rs) for turn, rs in groups if rs]
-
-
-def same_answers(replies: Sequence[Reply], reference: Sequence[Reply]) -> int:
-    """How many (conversation, turn) replies equal the reference run's token for token."""
-    ref = {(r.conv, r.turn): r.token_ids for r in reference}
-    return sum(1 for r in replies if ref.get((r.conv, r.turn)) == r.token_ids)
 
 
 def _later(run: dict[str, Any]) -> dict[str, Any] | None:
@@ -240,12 +235,6 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
         size = blocks["ample"] if name == "limit" else blocks["small"]
         log(f"  run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
         runs.append(_one_run(name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log))
-    limit = next((r for r in runs if r["run"] == "limit" and "error" not in r), None)
-    for r in runs:
-        if limit is not None and "error" not in r:
-            ref = [Reply(**{**x, "token_ids": tuple(x["token_ids"])}) for x in limit["replies"]]
-            mine = [Reply(**{**x, "token_ids": tuple(x["token_ids"])}) for x in r["replies"]]
-            r["same_answers_as_limit"] = same_answers(mine, ref)
     result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len,
@@ -299,22 +288,20 @@ def summary(result: dict[str, Any]) -> list[str]:
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     headers = ["run", "turn", "requests x prompt tokens", "hit share", "TTFT p50 ms", "TTFT p99 ms",
-               "stream tok/s p50", "same answer as limit"]
+               "stream tok/s p50"]
     rows: list[list[Any]] = []
     for r in result.get("runs", []):
         if "error" in r:
-            rows.append([r["run"], "-", "-", "-", float("nan"), float("nan"), float("nan"), f"error: {r['error']}"])
+            rows.append([r["run"], "-", f"error: {r['error']}", "-", float("nan"), float("nan"), float("nan")])
             continue
         for t in r["turns"]:
             turn = "2+" if t["turn"] == "later" else t["turn"]
             size = f"{t['requests']} x {t['prompt_tokens'] // t['requests']}" if t["turn"] != "later" else \
                 f"{t['requests']} (all turns: {r['output_tok_s']:.1f} output tok/s)"
-            same = f"{r['same_answers_as_limit']}/{len(r['replies'])}" if t["turn"] == "later" and \
-                "same_answers_as_limit" in r else ""
             rows.append([r["run"], turn, size, f"{t['hit_share']:.1%}", t["ttft_ms_p50"], t["ttft_ms_p99"],
-                         t["stream_tok_s_p50"], same])
+                         t["stream_tok_s_p50"]])
     if not rows:
-        rows.append(["-", "-", result.get("skipped", "no runs"), "", float("nan"), float("nan"), float("nan"), ""])
+        rows.append(["-", "-", result.get("skipped", "no runs"), "", float("nan"), float("nan"), float("nan")])
     return headers, rows
 
 
