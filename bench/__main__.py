@@ -4,9 +4,9 @@
 
 Writes ``<out>/<name>.json`` per run and PNG plots when matplotlib is importable, and prints a
 markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes on 2 cores: ``all
---quick`` leaves out ``vllm_e2e`` and ``serving`` (each vLLM engine takes ~40 s to start); full
-``all`` runs them where vLLM is installed. ``serving --quick`` runs the serving bench on the tiny
-model with a smaller workload.
+--quick`` leaves out ``vllm_e2e`` (each vLLM engine takes ~40 s to start); full ``all`` runs it
+where vLLM is installed. ``serving`` runs only when named (four vLLM servers one after another);
+``serving --quick`` runs it on the tiny model with a smaller workload.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
         "serving")
-QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "serving")  # not in `all --quick`: too slow for the 2-minute smoke
+QUICK_SKIPS = ("vllm_e2e", "backings", "cluster")  # not in `all --quick`: too slow for the 2-minute smoke
+ALONE = ("serving",)  # not in `all`: four vLLM servers one after another, tens of minutes on 2 cores
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
     out = Path(a.out)
-    runs = tuple(r for r in RUNS if not (a.quick and r in QUICK_SKIPS)) if a.run == "all" else (a.run,)
+    runs = (tuple(r for r in RUNS if r not in ALONE and not (a.quick and r in QUICK_SKIPS)) if a.run == "all"
+            else (a.run,))
     plt = try_pyplot()
     tables: list[str] = []
     started = time.perf_counter()
