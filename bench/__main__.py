@@ -1,11 +1,12 @@
-"""``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,load_overlap,...,all} [--quick] [--out DIR]``.
+"""``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,load_overlap,...,serving,all} [--quick] [--out DIR]``.
 
 ``python -m bench report [--write]`` renders docs/benchmarks.md's tables from bench/results/*.json.
 
 Writes ``<out>/<name>.json`` per run and PNG plots when matplotlib is importable, and prints a
 markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes on 2 cores: ``all
 --quick`` leaves out ``vllm_e2e`` and ``load_overlap`` (each vLLM engine takes ~40 s to start);
-full ``all`` runs them where vLLM is installed.
+full ``all`` runs them where vLLM is installed. ``serving`` runs only when named (four vLLM servers
+one after another); ``serving --quick`` runs it on the tiny model with a smaller workload.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.common import git_commit, machine, md_table, try_pyplot, write_json
+from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
-        "load_overlap")
+        "load_overlap", "serving")
 # Not in `all --quick`: too slow for the 2-minute smoke.
 QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
+ALONE = ("serving",)  # not in `all`: four vLLM servers one after another, tens of minutes on 2 cores
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
@@ -54,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="store_retrieve copy engine; cuda runs bench/gpu_copy.py where present")
     ap.add_argument("--lmcache-venv", default=None,
                     help="venv with lmcache 0.5.6 installed (make bench-peers): adds LMCache's ping and lookup to "
-                         f"control_plane; default: {LMCACHE_VENV} when it exists and --quick is not given")
+                         "control_plane and the LMCache run to serving; default: "
+                         f"{LMCACHE_VENV} when it exists and --quick is not given")
+    ap.add_argument("--serving-model", choices=["qwen3_next", "qwen3_next_8l"], default=None,
+                    help="serving's model (default qwen3_next_8l, the tiny qwen3_next with --quick)")
     a = ap.parse_args(argv)
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
     out = Path(a.out)
-    runs = tuple(r for r in RUNS if not (a.quick and r in QUICK_SKIPS)) if a.run == "all" else (a.run,)
+    runs = (tuple(r for r in RUNS if r not in ALONE and not (a.quick and r in QUICK_SKIPS)) if a.run == "all"
+            else (a.run,))
     plt = try_pyplot()
     tables: list[str] = []
     started = time.perf_counter()
@@ -68,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}{' (quick)' if a.quick else ''}", flush=True)
         t0 = time.perf_counter()
         kwargs: dict[str, Any] = {"quick": a.quick, "hugepages": a.hugepages}
-        if name == "control_plane":
+        if name in ("control_plane", "serving"):
             venv = Path(__file__).resolve().parent.parent / LMCACHE_VENV
             auto = None if a.quick or not (venv / "bin" / "python").exists() else str(venv)
             kwargs["lmcache_venv"] = a.lmcache_venv or auto
+        if name == "serving":
+            kwargs["model"] = a.serving_model
         result = mod.run(**kwargs)
         payload = {"name": name, "quick": a.quick, "date": datetime.now(UTC).isoformat(timespec="seconds"),
                    "commit": git_commit(), "machine": machine(), "wall_s": time.perf_counter() - t0, **result}
@@ -80,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if plt is not None:
             for p in mod.plot(plt, result, out):
                 print(f"  wrote {p}")
-        headers, rows = mod.table(result)
-        tables.append(f"### {name}\n\n{md_table(headers, rows)}")
+        tables.append(f"### {name}\n\n{report.body(mod, result)}")
     if plt is None:
         print("matplotlib not installed: plots skipped (pip install matplotlib to get PNGs)")
     print(f"\n## hkvd bench{' --quick' if a.quick else ''} ({time.perf_counter() - started:.0f} s; ratios are "

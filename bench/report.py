@@ -1,9 +1,10 @@
 """``python -m bench report [--write]``: the tables of docs/benchmarks.md, from bench/results/*.json.
 
 Each result file becomes a section: the run's name, its date and machine, and the table its bench
-module prints after a run (``table(result)``). ``--write`` replaces the generated block of
-docs/benchmarks.md; without it, the command exits 1 when that block is out of date
-(tests/unit/test_bench_report.py runs the same check).
+module prints after a run (``table(result)``), followed by the module's ``notes(result)`` where it
+has them (``serving``: the ratios against its targets, and the runs that failed with their error).
+``--write`` replaces the generated block of docs/benchmarks.md; without it, the command exits 1
+when that block is out of date (tests/unit/test_bench_report.py runs the same check).
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ def _machine(m: dict[str, Any]) -> str:
     return f"{m.get('cpus', '?')} CPUs, {m.get('machine', '?')}, {m.get('platform', '?')}{load_text}"
 
 
+def body(mod: Any, result: dict[str, Any]) -> str:
+    """A bench module's table of ``result``, and its notes below it where the module has ``notes``."""
+    headers, rows = mod.table(result)
+    text = md_table(headers, rows)
+    notes = mod.notes(result) if hasattr(mod, "notes") else ""
+    return f"{text}\n\n{notes}" if notes else text
+
+
 def section(payload: dict[str, Any]) -> str:
     name = payload["name"]
-    headers, rows = importlib.import_module(f"bench.{name}").table(payload)
     kind = "quick run" if payload.get("quick") else "full run"
     return (f"### {name}\n\n{payload['date'][:10]}, {kind}, {_machine(payload.get('machine', {}))}; "
-            f"file `bench/results/{name}.json`.\n\n{md_table(headers, rows)}")
+            f"file `bench/results/{name}.json`.\n\n{body(importlib.import_module(f'bench.{name}'), payload)}")
 
 
 def render(results: Path) -> str:

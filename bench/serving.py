@@ -1,0 +1,344 @@
+"""serving: multi-turn chats through vLLM's OpenAI server, more conversations than its KV memory holds.
+
+Workload (``bench.serving_client.Workload``): 8 conversations (4 in quick mode), 4 (2) of them
+in flight at a time, 4 (3) turns each. Turn 1 sends a 1,500-token (600) message; every later
+turn sends the whole conversation so far (previous prompt, the model's answer, a new 200-token
+(100) user message). Answers are greedy, ``ignore_eos``, 128 (32) tokens, so every run sends
+prompts of the same lengths. A conversation goes to the back of the queue after each turn, so
+between two of its turns the other conversations run theirs (all but the ones in flight then).
+
+Runs, one after another in one invocation, each a fresh server (and daemon) with the same
+flags (``--enable-prefix-caching --mamba-cache-mode align --prefix-cache-retention-interval N``,
+the same OpenMP binding, ``--num-gpu-blocks-override``):
+
+1. ``limit``: vLLM alone with ample KV memory (every conversation twice over): its own prefix
+   cache keeps every conversation, the best a cache can do;
+2. ``recompute``: vLLM alone with small KV memory (the running conversations and a quarter
+   more): each conversation is evicted before it comes back and is computed again;
+3. ``hkvd``: the same small memory, with ``HkvdConnector`` and a fresh ``hkvd serve``;
+4. ``lmcache``: the same small memory with LMCache 0.5.6's MP server and its connector, where
+   ``.bench-lmcache`` exists (``make bench-peers``); where it does not start or serve, the run
+   records the error it got.
+
+Reported per run and turn: TTFT p50 and p99 (from the client: request sent to the first
+streamed token), the hit share (prompt tokens the server did not compute, from each reply's
+``prompt_tokens_details.cached_tokens``), each stream's output tokens/s after its first token
+(median), and per run the output tokens/s of the whole run. Later turns (2 and on) pooled give
+the targets, as ratios measured in the same invocation: hkvd's TTFT p50 at most 1.1x the
+limit's and at most 0.5x recompute's, its hit share at least the limit's. Replies are not
+compared across runs: batches follow arrival times, and a random-weight model's near-tied
+greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
+checks hkvd's outputs token for token.
+
+Models: ``qwen3_next_8l`` (8 layers, hidden 512: prefill is real compute on 2 cores), the tiny
+4-layer ``qwen3_next`` of tests/shim in quick mode; both Qwen3-Next-shaped (3 Gated-DeltaNet
+layers per full-attention layer), block size N = 128.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import Daemon, median, percentile
+from bench.serving_client import (
+    Reply,
+    Workload,
+    cached_tokens,
+    converse,
+    http_get,
+    kv_blocks,
+    parse_metrics,
+    stream_completion,
+)
+from bench.serving_server import (
+    HOST,
+    MAX_NUM_BATCHED_TOKENS,
+    MODEL_NAME,
+    MODELS,
+    BenchModel,
+    LmcacheServer,
+    VllmServer,
+    lmcache_env,
+    model_path,
+)
+
+BLOCK = 128  # vLLM's block size N for both models on CPU (checked against its log)
+FULL = Workload(conversations=8, concurrency=4, turns=4, first_tokens=1500, user_tokens=200, answer_tokens=128)
+QUICK = Workload(conversations=4, concurrency=2, turns=3, first_tokens=600, user_tokens=100, answer_tokens=32)
+RUNS = {
+    "limit": "vLLM alone, ample KV memory",
+    "recompute": "vLLM alone, small KV memory",
+    "hkvd": "vLLM + hkvd, small KV memory",
+    "lmcache": "vLLM + LMCache MP, small KV memory",
+}
+TARGETS = {"hkvd_vs_limit_ttft": 1.1, "hkvd_vs_recompute_ttft": 0.5}  # at most; hits: at least the limit's
+START_TIMEOUT_S = 900.0  # a vLLM server start: ~45 s alone, minutes on a loaded 2-core machine
+REQUEST_TIMEOUT_S = 600.0
+Log = Callable[[str], None]
+
+
+def _stats(turn: int | str, rs: Sequence[Reply]) -> dict[str, Any]:
+    prompt = sum(r.prompt_tokens for r in rs)
+    cached = sum(r.cached_tokens for r in rs)
+    ttft = [r.ttft_s * 1e3 for r in rs]
+    return {"turn": turn, "requests": len(rs), "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_share": cached / prompt if prompt else float("nan"), "ttft_ms_p50": median(ttft),
+            "ttft_ms_p99": percentile(ttft, 99), "stream_tok_s_p50": median([r.decode_tok_s() for r in rs])}
+
+
+def turn_stats(replies: Sequence[Reply], turns: int) -> list[dict[str, Any]]:
+    """Per turn (1-based), then ``"later"`` (turns 2 and on pooled): TTFT p50/p99 ms, hit share, tok/s."""
+    groups: list[tuple[int | str, list[Reply]]] = [(t, [r for r in replies if r.turn == t])
+                                                   for t in range(1, turns + 1)]
+    groups.append(("later", [r for r in replies if r.turn >= 2]))
+    return [_stats(turn, rs) for turn, rs in groups if rs]
+
+
+def _later(run: dict[str, Any]) -> dict[str, Any] | None:
+    return next((t for t in run.get("turns", []) if t["turn"] == "later"), None)
+
+
+def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Later-turn TTFT p50 and hit share of every run that served against the limit's and recompute's.
+
+    ``targets``: hkvd's three checks (``None`` where a run they need is missing), each with
+    the measured value, the bound and whether it is met.
+    """
+    later = {r["run"]: lt for r in runs if (lt := _later(r)) is not None}
+    out: dict[str, Any] = {"ttft_p50_vs_limit": {}, "ttft_p50_vs_recompute": {}, "hit_share": {}}
+    for name, lt in later.items():
+        out["hit_share"][name] = lt["hit_share"]
+        for ref in ("limit", "recompute"):
+            if ref in later and name != ref:
+                out[f"ttft_p50_vs_{ref}"][name] = lt["ttft_ms_p50"] / later[ref]["ttft_ms_p50"]
+    targets: dict[str, Any] = {}
+    if "hkvd" in later:
+        for ref in ("limit", "recompute"):
+            bound = TARGETS[f"hkvd_vs_{ref}_ttft"]
+            value = out[f"ttft_p50_vs_{ref}"].get("hkvd")
+            targets[f"hkvd_vs_{ref}_ttft"] = None if value is None else {
+                "value": value, "at_most": bound, "met": value <= bound}
+        if "limit" in later:
+            value, bound = later["hkvd"]["hit_share"], later["limit"]["hit_share"]
+            targets["hkvd_hit_share"] = {"value": value, "at_least": bound, "met": value >= bound}
+    out["targets"] = targets
+    return out
+
+
+def _play(server: VllmServer, workload: Workload, log: Log) -> dict[str, Any]:
+    """The workload against a started server: replies, per-turn stats and the server's counters."""
+    # One short request first (less than a block: nothing to cache) so one-off costs land on no turn.
+    stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(BLOCK // 2)], 2, REQUEST_TIMEOUT_S)
+    before = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
+    done: dict[int, list[Reply]] = {}
+    t0 = time.perf_counter()
+
+    def send(conv: int, turn: int, prompt: list[int]) -> Reply:
+        start = time.perf_counter() - t0
+        ttft, e2e, usage, tokens = stream_completion(HOST, server.port, MODEL_NAME, prompt, workload.answer_tokens,
+                                                     REQUEST_TIMEOUT_S)
+        if usage["prompt_tokens"] != len(prompt):
+            raise RuntimeError(f"the server counted {usage['prompt_tokens']} prompt tokens, {len(prompt)} were sent")
+        return Reply(conv, turn, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft,
+                     e2e, tuple(tokens))
+
+    def on_request(r: Reply) -> None:
+        done.setdefault(r.turn, []).append(r)
+        if len(done[r.turn]) == workload.conversations:
+            st = _stats(r.turn, done[r.turn])
+            log(f"    turn {r.turn}: {st['requests']} x {st['prompt_tokens'] // st['requests']} prompt tokens, "
+                f"TTFT p50 {st['ttft_ms_p50']:.0f} ms p99 {st['ttft_ms_p99']:.0f} ms, hit {st['hit_share']:.1%} "
+                f"({time.perf_counter() - t0:.0f} s)")
+
+    replies = converse(workload, send, on_request)
+    wall = time.perf_counter() - t0
+    after = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
+    counters = {k: after[k] - before[k] for k in after}
+    return {"replies": replies, "wall_s": wall, "counters": counters,
+            "output_tok_s": sum(r.completion_tokens for r in replies) / wall, "errors_logged": server.errors()}
+
+
+def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, workload: Workload, blocks: int,
+             hugepages: str, lmcache_venv: Path | None, log: Log) -> dict[str, Any]:
+    """One run in fresh processes; a run that cannot start or serve returns ``{"error": ...}``."""
+    base: dict[str, Any] = {"run": name, "label": RUNS[name], "kv_blocks": blocks}
+    t0 = time.perf_counter()
+
+    def serve(kv: dict[str, Any] | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+        with VllmServer(model_dir, max_len, BLOCK, blocks, kv, START_TIMEOUT_S, env) as server:
+            geo = server.geometry()
+            log(f"    server up in {server.startup_s:.0f} s: KV cache groups {geo['group_block_sizes']}, "
+                f"{blocks} blocks = {geo['kv_cache_tokens']} tokens by vLLM's count")
+            if geo["block"] != BLOCK or len(geo["group_block_sizes"] or ()) != model.kv_groups():
+                raise RuntimeError(f"vLLM chose block {geo['block']} and groups {geo['group_block_sizes']}; the bench "
+                                   f"sized the KV memory for block {BLOCK} and {model.kv_groups()} groups")
+            return {**_play(server, workload, log), "geometry": geo, "startup_s": server.startup_s}
+
+    try:
+        if name == "hkvd":
+            with Daemon("--chunk-size", str(BLOCK), pool_gb=2.0, hugepages=hugepages) as daemon:
+                kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
+                      "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
+                                                                          "require_daemon": True}}
+                res = serve(kv)
+                index = daemon.status()["index"]
+                res["daemon"] = {k: index[k] for k in ("entries", "bytes_stored", "evictions", "stores_dropped")}
+        elif name == "lmcache":
+            if lmcache_venv is None:
+                raise RuntimeError("no LMCache venv given: make bench-peers makes .bench-lmcache, which full mode "
+                                   "finds by itself (--lmcache-venv DIR for another, or with --quick)")
+            with LmcacheServer(lmcache_venv, BLOCK, START_TIMEOUT_S) as lm:
+                try:
+                    res = serve(lm.kv_transfer(), lmcache_env(lmcache_venv, lm.dir / "pythonpath"))
+                finally:
+                    lm_errors = lm.errors()
+                res["lmcache_errors_logged"] = lm_errors
+        else:
+            res = serve(None)
+    except Exception as e:  # recorded: a run that does not work is a result, and the others go on
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log(f"    {name} failed after {time.perf_counter() - t0:.0f} s: {msg}")
+        return {**base, "error": msg, "error_detail": str(e)[-4000:]}
+    replies: list[Reply] = res.pop("replies")
+    return {**base, **res, "turns": turn_stats(replies, workload.turns), "replies": [r.as_json() for r in replies]}
+
+
+def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: str | None = None,
+        model: str | None = None) -> dict[str, Any]:
+    if importlib.util.find_spec("vllm") is None:
+        log("  vLLM not installed: make vllm")
+        return {"skipped": "vllm not installed (make vllm)", "runs": []}
+    workload = QUICK if quick else FULL
+    bench_model = MODELS[model or ("qwen3_next" if quick else "qwen3_next_8l")]
+    if workload.context_tokens() > bench_model.max_len:
+        raise ValueError(f"conversations reach {workload.context_tokens()} tokens, over {bench_model.name}'s "
+                         f"{bench_model.max_len}")
+    root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
+    model_dir = model_path(bench_model, root)
+    blocks = kv_blocks(workload, BLOCK, bench_model.mamba_groups())
+    max_len = min(bench_model.max_len, -(-workload.context_tokens() // 256) * 256)
+    log(f"  {bench_model.name}: {workload.conversations} conversations x {workload.turns} turns, "
+        f"{workload.concurrency} at a time; prompts {workload.prompt_tokens(1)} -> "
+        f"{workload.prompt_tokens(workload.turns)} tokens, answers {workload.answer_tokens}")
+    log(f"  KV blocks of {BLOCK} tokens (attention, and 2 per Mamba group per request): one conversation "
+        f"{blocks['per_conversation']}, all {blocks['all_conversations']}; small {blocks['small']}, "
+        f"ample {blocks['ample']}; max model len {max_len}")
+    venv = Path(lmcache_venv) if lmcache_venv else None
+    runs: list[dict[str, Any]] = []
+    for i, name in enumerate(RUNS, 1):
+        size = blocks["ample"] if name == "limit" else blocks["small"]
+        log(f"  run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
+        runs.append(_one_run(name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log))
+    result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
+                         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                         "kv_blocks": blocks, "max_model_len": max_len,
+                         "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs"},
+              "runs": runs, "ratios": ratios(runs)}
+    for line in summary(result):
+        log(f"  {line}")
+    return result
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    """The later-turn ratios and the targets, one line each (printed after a run, and in the docs)."""
+    rt = result.get("ratios") or {}
+    lines = []
+    cfg = result.get("config") or {}
+    if cfg.get("kv_blocks"):
+        b = cfg["kv_blocks"]
+        lines.append(f"{cfg['model']}, KV memory in blocks of {cfg['block']} tokens: small {b['small']}, ample "
+                     f"{b['ample']}; one conversation needs {b['per_conversation']}, all of them "
+                     f"{b['all_conversations']}")
+    for name, v in (rt.get("ttft_p50_vs_limit") or {}).items():
+        vs_rc = (rt.get("ttft_p50_vs_recompute") or {}).get(name)
+        limit_share = rt["hit_share"].get("limit", float("nan"))
+        lines.append(f"{name}: later-turn TTFT p50 {v:.2f}x the limit's"
+                     + (f", {vs_rc:.2f}x recompute's" if vs_rc is not None else "")
+                     + f"; hit share {rt['hit_share'][name]:.1%} (limit {limit_share:.1%})")
+    for key, t in (rt.get("targets") or {}).items():
+        if t is None:
+            lines.append(f"target {key}: not measured (a run it needs failed)")
+        elif "at_most" in t:
+            lines.append(f"target {key}: {t['value']:.2f} (at most {t['at_most']}): {'met' if t['met'] else 'MISSED'}")
+        else:
+            lines.append(f"target {key}: {t['value']:.1%} (at least the limit's {t['at_least']:.1%}): "
+                         f"{'met' if t['met'] else 'MISSED'}")
+    by = {r["run"]: r for r in result.get("runs", [])}
+    later = {name: lt for name, r in by.items() if (lt := _later(r)) is not None}
+    kept = later["recompute"]["hit_share"] if "recompute" in later else 0.0
+    if "limit" in later and kept > 0.5 * later["limit"]["hit_share"]:
+        lines.append(f"the small KV memory did not evict: recompute still hit {kept:.1%} "
+                     "of the later turns' prompt tokens, so the small-memory runs do not measure a cache")
+    for r in by.values():
+        if "error" in r:
+            lines.append(f"{r['run']} ({r['label']}) did not run: {r['error']}")
+        elif r.get("counters"):
+            c = r["counters"]
+            lines.append(f"{r['run']}: of {c['prompt_tokens']:,.0f} prompt tokens, {c['local_hits']:,.0f} hit vLLM's "
+                         f"prefix cache and {c['external_hits']:,.0f} came from the KV connector; "
+                         f"{c['preemptions']:.0f} preemptions")
+    return lines
+
+
+def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    headers = ["run", "turn", "requests x prompt tokens", "hit share", "TTFT p50 ms", "TTFT p99 ms",
+               "stream tok/s p50"]
+    rows: list[list[Any]] = []
+    for r in result.get("runs", []):
+        if "error" in r:
+            rows.append([r["run"], "-", f"error: {r['error']}", "-", float("nan"), float("nan"), float("nan")])
+            continue
+        for t in r["turns"]:
+            turn = "2+" if t["turn"] == "later" else t["turn"]
+            size = f"{t['requests']} x {t['prompt_tokens'] // t['requests']}" if t["turn"] != "later" else \
+                f"{t['requests']} (all turns: {r['output_tok_s']:.1f} output tok/s)"
+            rows.append([r["run"], turn, size, f"{t['hit_share']:.1%}", t["ttft_ms_p50"], t["ttft_ms_p99"],
+                         t["stream_tok_s_p50"]])
+    if not rows:
+        rows.append(["-", "-", result.get("skipped", "no runs"), "", float("nan"), float("nan"), float("nan")])
+    return headers, rows
+
+
+def notes(result: dict[str, Any]) -> str:
+    """Text the report puts under the table: the ratios and the targets."""
+    lines = summary(result)
+    return "\n".join(f"- {ln}" for ln in lines)
+
+
+def plot(plt: Any, result: dict[str, Any], out_dir: Path) -> list[str]:
+    runs = [r for r in result.get("runs", []) if "error" not in r]
+    if not runs:
+        return []
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        ts = [t for t in r["turns"] if t["turn"] != "later"]
+        x = [t["turn"] for t in ts]
+        p50 = [t["ttft_ms_p50"] for t in ts]
+        line, = ax.plot(x, p50, marker="o", label=f"{r['run']} p50")
+        ax.plot(x, [t["ttft_ms_p99"] for t in ts], marker="x", linestyle=":", color=line.get_color(),
+                label=f"{r['run']} p99")
+        bx.plot(x, [t["hit_share"] * 100 for t in ts], marker="o", color=line.get_color(), label=r["run"])
+    cfg = result.get("config", {})
+    ax.set_title(f"TTFT by turn ({cfg.get('model', '?')})")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    bx.set_title("prompt tokens not computed (hit share)")
+    bx.set_xlabel("turn")
+    bx.set_ylabel("%")
+    bx.set_ylim(0, 100)
+    bx.legend(fontsize=7)
+    for a in (ax, bx):
+        a.set_xticks(sorted({t["turn"] for r in runs for t in r["turns"] if t["turn"] != "later"}))
+    path = out_dir / "serving.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]

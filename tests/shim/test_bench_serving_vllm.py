@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench serving against a real vLLM OpenAI server with hkvd: the client's contract with vLLM holds.
+
+One run of the bench's ``hkvd`` case (a real ``hkvd serve`` and vLLM's OpenAI server on the tiny
+Qwen3-Next, small KV memory) with a workload of three short conversations: the streamed token
+ids, ``prompt_tokens_details.cached_tokens``, /metrics' counters and the KV geometry the bench
+reads from vLLM's log are all there, and the small memory makes the second turns hit hkvd, not
+vLLM's own prefix cache. Correctness only; one server start (~45 s).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package (see tests/unit/test_bench.py)
+try:
+    from bench import serving
+    from bench.serving_client import Workload, kv_blocks
+finally:
+    sys.path.remove(str(ROOT))
+
+
+def test_hkvd_run_serves_later_turns_from_hkvd(tiny_models: dict[str, Path]) -> None:
+    w = Workload(conversations=3, concurrency=1, turns=2, first_tokens=300, user_tokens=50, answer_tokens=8)
+    model = serving.MODELS["qwen3_next"]
+    blocks = kv_blocks(w, serving.BLOCK, model.mamba_groups())
+    run = serving._one_run("hkvd", tiny_models["qwen3_next"], model, 512, w, blocks["small"], "off", None,
+                           lambda *_: None)
+    assert "error" not in run, run.get("error_detail")
+    assert run["geometry"]["block"] == 128 and len(run["geometry"]["group_block_sizes"]) == 4
+    assert len(run["replies"]) == 6 and all(len(r["token_ids"]) == 8 for r in run["replies"])
+    assert all(r["prompt_tokens"] == w.prompt_tokens(r["turn"]) for r in run["replies"])
+    first = [r for r in run["replies"] if r["turn"] == 1]
+    second = [r for r in run["replies"] if r["turn"] == 2]
+    assert all(r["cached_tokens"] == 0 for r in first)
+    assert all(r["cached_tokens"] == 256 for r in second)  # the first prompt's whole blocks: 2 x 128
+    c = run["counters"]
+    assert c["prompt_tokens"] == sum(w.prompt_tokens(t) for t in (1, 2)) * 3
+    assert c["local_hits"] + c["external_hits"] == 3 * 256
+    assert c["external_hits"] >= 256  # the small memory evicted at least the first conversation
+    assert run["daemon"]["entries"] > 0 and run["daemon"]["stores_dropped"] == 0
+    later = next(t for t in run["turns"] if t["turn"] == "later")
+    assert later["hit_share"] == 3 * 256 / (3 * w.prompt_tokens(2))

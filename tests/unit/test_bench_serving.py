@@ -1,0 +1,223 @@
+"""bench serving: the workload, the conversation scheduling, per-turn statistics, targets and the report.
+
+Correctness only, no timing assertions. The vLLM server is left out: ``converse`` takes the
+function that sends a turn, and these tests pass one that answers from the prompt, so the
+scheduling and prompt building are checked without 40 s server starts (``python -m bench
+serving --quick`` runs the real thing).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package (see tests/unit/test_bench.py)
+try:
+    from bench import report, serving
+    from bench.common import md_table
+    from bench.serving_client import Reply, Workload, cached_tokens, converse, kv_blocks, parse_metrics
+    from bench.serving_server import first_error
+finally:
+    sys.path.remove(str(ROOT))
+
+W = Workload(conversations=5, concurrency=2, turns=3, first_tokens=40, user_tokens=10, answer_tokens=4)
+
+
+def _answer(prompt: list[int], n: int) -> tuple[int, ...]:
+    return tuple((sum(prompt) + i) % 500 + 4 for i in range(n))
+
+
+def test_workload_messages_are_fixed_fresh_and_sized() -> None:
+    first = [W.message(c, 1) for c in range(W.conversations)]
+    assert [len(m) for m in first] == [40] * 5 and len(W.message(0, 2)) == 10
+    assert len({tuple(m) for m in first}) == 5  # every conversation starts differently
+    assert W.message(3, 2) == Workload(**W.__dict__).message(3, 2)  # same seed, same ids
+    assert W.message(3, 2) != W.message(3, 3)
+    assert all(4 <= t < 512 for m in first for t in m)  # no special tokens
+    assert [W.prompt_tokens(t) for t in (1, 2, 3)] == [40, 54, 68] and W.context_tokens() == 72
+    with pytest.raises(ValueError, match="concurrency 6 exceeds"):
+        Workload(conversations=5, concurrency=6, turns=1, first_tokens=1, user_tokens=1, answer_tokens=1)
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        Workload(conversations=5, concurrency=1, turns=0, first_tokens=1, user_tokens=1, answer_tokens=1)
+
+
+def test_kv_blocks_small_holds_the_running_conversations_and_not_all() -> None:
+    b = kv_blocks(serving.FULL, 128, 3)
+    # 1500 + 3 x (128 + 200) + 128 = 2612 tokens: 21 attention blocks, and 2 per Mamba group.
+    assert b == {"per_conversation": 27, "all_conversations": 216, "small": 135, "ample": 432}
+    with pytest.raises(ValueError, match=r"more conversations than 1\.25x the concurrency"):
+        kv_blocks(Workload(conversations=5, concurrency=4, turns=1, first_tokens=1, user_tokens=1,
+                           answer_tokens=1), 128, 3)
+
+
+def _fake_server(workload: Workload, delay_s: float = 0.0):  # type: ignore[no-untyped-def]
+    calls: list[tuple[int, int, list[int]]] = []
+    live = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def send(conv: int, turn: int, prompt: list[int]) -> Reply:
+        with lock:
+            calls.append((conv, turn, list(prompt)))
+            live["now"] += 1
+            live["peak"] = max(live["peak"], live["now"])
+        time.sleep(delay_s)
+        with lock:
+            live["now"] -= 1
+        return Reply(conv, turn, len(prompt), 0, workload.answer_tokens, 0.0, 0.01, 0.02,
+                     _answer(prompt, workload.answer_tokens))
+
+    return send, calls, live
+
+
+def test_converse_builds_each_prompt_from_the_last() -> None:
+    send, calls, live = _fake_server(W, delay_s=0.05)
+    seen: list[Reply] = []
+    replies = converse(W, send, seen.append)
+    assert len(replies) == len(calls) == 15 and seen == replies
+    assert live["peak"] == 2  # the concurrency, never more
+    prompts = {(c, t): p for c, t, p in calls}
+    for c in range(5):
+        assert prompts[(c, 1)] == W.message(c, 1)
+        for t in (2, 3):
+            prev = prompts[(c, t - 1)]
+            assert prompts[(c, t)] == prev + list(_answer(prev, 4)) + W.message(c, t)
+
+
+def test_converse_sends_the_conversation_that_waited_longest() -> None:
+    # One at a time the order is exact: every conversation's turn t, then every one's turn t + 1.
+    w = Workload(conversations=3, concurrency=1, turns=3, first_tokens=8, user_tokens=2, answer_tokens=2)
+    send, calls, live = _fake_server(w)
+    converse(w, send)
+    assert [(c, t) for c, t, _ in calls] == [(c, t) for t in (1, 2, 3) for c in range(3)]
+    assert live["peak"] == 1
+
+
+def test_converse_raises_a_failed_turn_and_a_short_answer() -> None:
+    def failing(conv: int, turn: int, prompt: list[int]) -> Reply:
+        if turn == 2:
+            raise TimeoutError("no reply within 1 s")
+        return Reply(conv, turn, len(prompt), 0, 4, 0.0, 0.01, 0.02, _answer(prompt, 4))
+
+    with pytest.raises(TimeoutError, match="no reply"):
+        converse(W, failing)
+
+    def short(conv: int, turn: int, prompt: list[int]) -> Reply:
+        return Reply(conv, turn, len(prompt), 0, 3, 0.0, 0.01, 0.02, _answer(prompt, 3))
+
+    with pytest.raises(RuntimeError, match="3 answer tokens, asked for 4"):
+        converse(W, short)
+
+
+def test_usage_and_metrics_parsing() -> None:
+    assert cached_tokens({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}}) == 8
+    with pytest.raises(RuntimeError, match="--enable-prompt-tokens-details"):
+        cached_tokens({"prompt_tokens": 10})
+    text = "\n".join([
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 512.0',
+        'vllm:prefix_cache_hits_total{engine="1",model_name="bench"} 128.0',
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="bench"} 1024.0',
+        'vllm:prompt_tokens_total{engine="0",model_name="bench"} 4096.0',
+        'vllm:prompt_tokens_created{engine="0",model_name="bench"} 1.7e9',
+    ])
+    m = parse_metrics(text)
+    assert m["local_hits"] == 640 and m["external_hits"] == 1024 and m["prompt_tokens"] == 4096
+    assert m["preemptions"] == 0
+
+
+def test_first_error_names_the_root_cause() -> None:
+    log = "\n".join([
+        "(APIServer pid=1) WARNING 11-25 [system_utils.py:255] can cause `OSError: [Errno 24] Too many open files`",
+        "(Worker pid=2) ERROR 11-25 [multiproc_executor.py:1063]   File \"x.py\", line 805, in register",
+        "(Worker pid=2) ERROR 11-25 [multiproc_executor.py:1063] ValueError: engine-driven transfer does not "
+        "support multiple KV transfer groups now",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert first_error(log) == ("ValueError: engine-driven transfer does not support multiple KV transfer "
+                                "groups now")
+    assert first_error("plain last line") == "plain last line"
+
+
+def _replies(ttft_later_s: float, hit_later: int, answer: tuple[int, ...] = (7, 8)) -> list[Reply]:
+    out = []
+    for c in range(4):
+        out.append(Reply(c, 1, 1000, 0, 2, 0.0, 1.0 + c / 10, 1.5 + c / 10, answer))
+        out.append(Reply(c, 2, 1200, hit_later, 2, 1.0, ttft_later_s + c / 100, ttft_later_s + 0.5, answer))
+    return out
+
+
+def _run(name: str, ttft_later_s: float, hit_later: int) -> dict:
+    rs = _replies(ttft_later_s, hit_later)
+    return {"run": name, "label": serving.RUNS[name], "turns": serving.turn_stats(rs, 2), "output_tok_s": 3.0,
+            "replies": [r.as_json() for r in rs]}
+
+
+def test_turn_stats_per_turn_and_later() -> None:
+    stats = serving.turn_stats(_replies(0.2, 1024), 2)
+    assert [s["turn"] for s in stats] == [1, 2, "later"]
+    t1, t2, later = stats
+    assert t1["requests"] == 4 and t1["hit_share"] == 0 and t1["prompt_tokens"] == 4000
+    assert t2["hit_share"] == pytest.approx(1024 / 1200) and later["hit_share"] == t2["hit_share"]
+    assert t1["ttft_ms_p50"] == pytest.approx(1150) and t1["ttft_ms_p99"] == pytest.approx(1300)
+    # One token after the first in 0.5 s - 0.01 s x conversation: the median of the four streams.
+    assert t2["stream_tok_s_p50"] == pytest.approx((1 / 0.49 + 1 / 0.48) / 2)
+
+
+def test_ratios_and_targets() -> None:
+    runs = [_run("limit", 0.10, 1024), _run("recompute", 1.00, 0), _run("hkvd", 0.105, 1024),
+            {"run": "lmcache", "label": serving.RUNS["lmcache"], "error": "ValueError: no multiple groups"}]
+    r = serving.ratios(runs)
+    assert r["ttft_p50_vs_limit"]["hkvd"] == pytest.approx(0.120 / 0.115)  # medians of 4 later turns
+    assert r["ttft_p50_vs_recompute"]["hkvd"] == pytest.approx(0.120 / 1.015)
+    assert "lmcache" not in r["hit_share"]
+    t = r["targets"]
+    assert t["hkvd_vs_limit_ttft"]["met"] and t["hkvd_vs_recompute_ttft"]["met"] and t["hkvd_hit_share"]["met"]
+    worse = serving.ratios([_run("limit", 0.10, 1024), _run("recompute", 0.3, 0), _run("hkvd", 0.2, 896)])["targets"]
+    assert not worse["hkvd_vs_limit_ttft"]["met"] and not worse["hkvd_vs_recompute_ttft"]["met"]
+    assert not worse["hkvd_hit_share"]["met"] and worse["hkvd_hit_share"]["at_least"] == pytest.approx(1024 / 1200)
+    alone = serving.ratios([_run("hkvd", 0.2, 896)])["targets"]
+    assert alone["hkvd_vs_limit_ttft"] is None and "hkvd_hit_share" not in alone
+
+
+def _result() -> dict:
+    runs = [_run("limit", 0.10, 1024), _run("recompute", 1.00, 0), _run("hkvd", 0.105, 1024),
+            {"run": "lmcache", "label": serving.RUNS["lmcache"], "kv_blocks": 440,
+             "error": "ValueError: engine-driven transfer does not support multiple KV transfer groups now"}]
+    config = {"model": "qwen3_next", "block": 128,
+              "kv_blocks": {"per_conversation": 13, "all_conversations": 52, "small": 33, "ample": 104}}
+    return {"config": config, "runs": runs, "ratios": serving.ratios(runs)}
+
+
+def test_table_notes_and_report_section() -> None:
+    result = _result()
+    text = md_table(*serving.table(result))
+    assert "| hkvd | 2+ | 4 (all turns: 3.0 output tok/s) | 85.3% | 120 | 135 |" in text
+    assert "| limit | 1 | 4 x 1000 | 0.0% | 1,150 | 1,300 |" in text
+    assert "| lmcache | - | error: ValueError: engine-driven transfer does not support multiple KV transfer groups " \
+        "now | - | - | - | - |" in text
+    notes = serving.notes(result)
+    assert notes.startswith("- qwen3_next, KV memory in blocks of 128 tokens: small 33, ample 104; one "
+                            "conversation needs 13, all of them 52\n")
+    assert "- target hkvd_vs_limit_ttft: 1.04 (at most 1.1): met" in notes
+    assert "- target hkvd_hit_share: 85.3% (at least the limit's 85.3%): met" in notes
+    assert "- lmcache (vLLM + LMCache MP, small KV memory) did not run: ValueError: engine-driven" in notes
+    payload = {"name": "serving", "quick": True, "date": "2026-11-25T00:00:00+00:00", "machine": {"cpus": 2},
+               **result}
+    section = report.section(payload)
+    assert section.startswith("### serving\n\n2026-11-25, quick run, 2 CPUs")
+    assert section.endswith(notes)
+    skipped = md_table(*serving.table({"skipped": "vllm not installed (make vllm)", "runs": []}))
+    assert "vllm not installed" in skipped
+
+
+def test_plot_is_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
+    from bench.common import try_pyplot
+
+    (path,) = serving.plot(try_pyplot(), _result(), tmp_path)
+    assert Path(path).name == "serving.png" and Path(path).stat().st_size > 1000
