@@ -42,6 +42,10 @@ class ShimConfig:
     # budget of one pull + load (the request waits in WAITING_FOR_REMOTE_KVS meanwhile).
     peer_address: str = ""
     pull_timeout_s: float = 30.0
+    # Store the chunks that fill while the engine generates (their attention KV, sliding-window
+    # blocks and the Mamba states vLLM offers there), under keys that continue the prompt's, so a
+    # chat's next turn (prompt + answer + new message) also hits the answer. False: prompt chunks only.
+    store_decode: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimConfig:
