@@ -11,11 +11,16 @@ emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from
 Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...]}``.
 
 Conversations (multi-turn chat): ``"conversations": [{"first": [ids...], "users": [[ids...], ...]}, ...]``
-instead of ``"prompts"``. Turn 1's prompt is ``first``; turn k+1's prompt is turn k's prompt, plus the
-tokens the engine generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, A2,
-B2, ...). ``"reset": false`` keeps vLLM's local cache between turns (the reference run of vLLM's own
-prefix cache); ``"connector": false`` starts the engine without hkvd. Output:
-``HKVD_RESULT {"conversations": [[{"tokens", "logprobs", "num_cached_tokens", "prompt_len"}...]...]}``.
+instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn).
+Turn 1's prompt is ``first``; turn k+1's prompt is turn k's prompt, plus the tokens the engine
+generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, A2, B2, ...).
+``"phases": [{"reset": bool}, ...]`` runs them all once per phase, from an emptied vLLM cache;
+``"reset": true`` empties it before every turn (hits come only from hkvd), ``false`` keeps it (the
+reference run of vLLM's own prefix cache).
+``"pause_before": [i]`` pauses before phase i (the test stops the daemon there, so the reference phase
+gets nothing from hkvd). ``"connector": false`` starts the engine without hkvd. Output:
+``HKVD_RESULT {"phases": [[[{"tokens", "logprobs", "gaps", "num_cached_tokens", "prompt_len"}, ...turns],
+...conversations], ...phases]}``.
 
 A prompt is a list of token ids, or a map: ``{"ids": [...]}`` or ``{"text": "..."}``, plus any of
 ``"salt"`` (vLLM's ``cache_salt``), ``"lora": [name, int_id, path]`` and ``"image": {"seed", "size"}``
@@ -71,7 +76,13 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=args.get("logprobs", 1),
                         ignore_eos=bool(args.get("ignore_eos", False)))
     if "conversations" in args:
-        print("HKVD_RESULT " + json.dumps({"conversations": _chat(llm, sp, args, TokensPrompt)}), flush=True)
+        phases = []
+        for i, phase in enumerate(args.get("phases", [{"reset": True}])):
+            if i in args.get("pause_before", []):
+                _handshake(args["sync_dir"], i)
+            llm.reset_prefix_cache()
+            phases.append(_chat(llm, sp, args["conversations"], bool(phase.get("reset", True)), TokensPrompt))
+        print("HKVD_RESULT " + json.dumps({"phases": phases}), flush=True)
         return
     results = []
     for i, spec in enumerate(args["prompts"]):
@@ -88,9 +99,8 @@ def main() -> None:
     print("HKVD_RESULT " + json.dumps({"results": results}), flush=True)
 
 
-def _chat(llm, sp, args, tokens_prompt):  # type: ignore[no-untyped-def]
+def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
     """Run the conversations turn by turn (see the module doc); one list of turn results per conversation."""
-    convs = args["conversations"]
     prompts = [list(c["first"]) for c in convs]
     out: list[list[dict]] = [[] for _ in convs]
     for turn in range(1 + max(len(c["users"]) for c in convs)):
@@ -99,9 +109,12 @@ def _chat(llm, sp, args, tokens_prompt):  # type: ignore[no-untyped-def]
                 continue
             if turn:
                 prompts[i] += out[i][-1]["tokens"] + list(c["users"][turn - 1])
-            if args.get("reset", True):
+            if reset:
                 llm.reset_prefix_cache()
-            res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], sp, use_tqdm=False)[0]
+            params = sp.clone()
+            wanted = c.get("max_tokens", sp.max_tokens)
+            params.max_tokens = wanted[turn] if isinstance(wanted, list) else wanted
+            res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
             comp = res.outputs[0]
             steps = list(zip(comp.token_ids, comp.logprobs or [], strict=False))
             # gaps: the top-1 minus the top-2 logprob at each step (needs "logprobs": 2); a near-tie

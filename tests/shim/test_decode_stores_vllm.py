@@ -277,3 +277,45 @@ def test_preempted_in_decode_serves_only_what_it_computed(h, tiny_models, daemon
     assert hit == 592  # KV through position 598: 37 chunks
     _check_bytes(h, run, items, truth)
     run.run()
+
+
+def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
+    """The keys of a request's answer chunks equal those the next turn's prompt (the same tokens, the
+    same image, LoRA adapter and cache_salt) computes, and differ under another adapter or salt."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    from hkvd.shim.config import ShimConfig
+    from hkvd.shim.identity import ChunkIdentity, prompt_tokens
+    from hkvd.shim.scheduler import SchedulerSide, _Req
+
+    side = SchedulerSide.__new__(SchedulerSide)  # only the keying half: no daemon, no vLLM config
+    side.cfg, side.chunk_size, side._identity = ShimConfig(socket_path="unused"), 16, ChunkIdentity()
+
+    def request(req_id: str, tokens: list[int], lora: str = "a", salt: str = "t1") -> Request:
+        image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",
+                                      mm_position=PlaceholderRange(offset=20, length=40))
+        return Request(req_id, tokens, SamplingParams(max_tokens=60), None, mm_features=[image],
+                       lora_request=LoRARequest(lora, 1 if lora == "a" else 2, f"/nonexistent/{lora}"),
+                       cache_salt=salt)
+
+    def keys(req: Request, n: int) -> list[bytes]:
+        st = _Req(tokens=prompt_tokens(req), num_tokens=req.num_prompt_tokens, request=req)
+        return side._keys_through(st, n)
+
+    first = request("turn1", list(range(10, 110)))  # 100 tokens: 6 full chunks, the image in chunks 1-3
+    for t in range(60):
+        first.append_output_token_ids(200 + t)
+    answer_keys = keys(first, 10)
+    assert len(answer_keys) == 10  # 160 tokens known
+    nxt = list(first.all_token_ids) + list(range(300, 340))
+    assert keys(request("turn2", nxt), 12)[:10] == answer_keys
+    for other in (request("lora-b", nxt, lora="b"), request("salt-2", nxt, salt="t2")):
+        assert all(a != b for a, b in zip(keys(other, 12), answer_keys, strict=False))
+    side.cfg = ShimConfig(socket_path="unused", store_decode=False)
+    off = request("off", list(range(10, 110)))
+    for t in range(60):
+        off.append_output_token_ids(200 + t)
+    assert keys(off, 10) == answer_keys[:6]  # prompt chunks only
