@@ -484,10 +484,11 @@ class SchedulerSide:
     def _store_on_finish(self, request: Any, st: _Req, block_ids: Any) -> None:
         """Store the computed chunks not stored yet, from the blocks the finished request hands back.
 
-        Under async scheduling a chunk whose last token was still a placeholder when it filled is
-        keyed here. Only tokens whose KV a scheduled forward computes count (``num_computed_tokens``
-        less the output placeholders still in flight); a preempted request has none beyond its
-        recomputed prefix. The caller delays the blocks' free (``had_copies``).
+        Under async scheduling a chunk whose last token was still a placeholder when it filled, and
+        whose request was not scheduled again, is keyed here. Only tokens up to vLLM's materialized
+        frontier count (``num_computed_tokens`` less the placeholders of steps still in flight); a
+        preempted request has none beyond its recomputed prefix. The caller delays the blocks' free
+        (``had_copies``).
         """
         C = self.chunk_size
         if not (self.cfg.store_decode and C and block_ids) or not isinstance(block_ids[0], list):
