@@ -95,7 +95,8 @@ OPTIONS: tuple[Option, ...] = (
            "control socket path, created 0660 ($XDG_RUNTIME_DIR/hkvd/hkvd.sock, or /run/hkvd/hkvd.sock as root)",
            "PATH", '"/run/hkvd/hkvd.sock"', essential=True, active=True),
     Option("--chunk-size", "chunk_size", int, "256",
-           "tokens per chunk: a multiple of vLLM's block size N (engines may register their own)", "N", "256",
+           "tokens per chunk of engines that register none; the vLLM shim registers vLLM's block size N "
+           "(or its chunk_size setting)", "N", "256",
            essential=True),
     Option("--l1-size-gb", "l1_size_bytes", _gib("--l1-size-gb", "4"), "1",
            "pool size in GiB; any mix of entry sizes of 32 KiB or more fills at least 7/8 of it, less one "

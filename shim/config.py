@@ -20,10 +20,11 @@ class ShimConfig:
     """``kv_connector_extra_config`` keys (all optional)."""
 
     socket_path: str = ""  # "" -> hkvd.transport.paths.default_socket_path(), as `hkvd serve`
-    # Tokens per chunk. 0 = auto: vLLM's block size N for models with Mamba/GDN layers, else the
-    # daemon's --chunk-size. Mamba states exist only at block boundaries and, with vLLM's default
-    # retention, only at the last one before the prompt's end, so any chunk larger than N makes
-    # about half of the prompts miss (601 tokens, N=128: 512 is a 256-multiple; 900: 896 is not).
+    # Tokens per chunk: a multiple of vLLM's block size N. 0 = auto: N, the granularity of vLLM's own
+    # prefix cache. A larger chunk means fewer, larger entries but rounds every hit down to its
+    # multiple: a 950-token prompt (N=128, chunk 256) leaves [768, 896) to vLLM alone, and for
+    # Mamba/GDN models, whose states exist only at block boundaries and (with vLLM's default
+    # retention) only at the last one before the prompt's end, about half of the prompts miss.
     chunk_size: int = 0
     connect_timeout_s: float = 5.0  # connect + register, and every blocking client call
     # A lookup is submitted when the request arrives (on_new_request); the scheduler then
@@ -44,6 +45,10 @@ class ShimConfig:
     # budget of one pull + load (the request waits in WAITING_FOR_REMOTE_KVS meanwhile).
     peer_address: str = ""
     pull_timeout_s: float = 30.0
+    # Store the chunks that fill while the engine generates (their attention KV, sliding-window
+    # blocks and the Mamba states vLLM offers there), under keys that continue the prompt's, so a
+    # chat's next turn (prompt + answer + new message) also hits the answer. False: prompt chunks only.
+    store_decode: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimConfig:
@@ -67,7 +72,7 @@ class ShimConfig:
         if not cfg.socket_path:
             cfg = _replace(cfg, socket_path=default_socket_path())
         if cfg.chunk_size < 0:
-            raise ValueError("hkvd: chunk_size must be >= 0 (0 = the daemon's --chunk-size)")
+            raise ValueError("hkvd: chunk_size must be >= 0 (0 = vLLM's block size N)")
         if cfg.load_failure_policy not in ("recompute", "fail"):
             raise ValueError("hkvd: load_failure_policy must be 'recompute' or 'fail'")
         for name in ("connect_timeout_s", "lookup_timeout_s", "load_timeout_s", "fence_timeout_s",

@@ -11,9 +11,9 @@ Use::
 Serving a hybrid model (N = the block size vLLM logs: "Setting attention block size to N tokens"
 for Mamba/GDN hybrids; 128 for the tiny CPU Qwen3-Next and Gemma3 of the tests)::
 
-    hkvd serve --chunk-size N
+    hkvd serve
     vllm serve MODEL --enable-prefix-caching --mamba-cache-mode align \
-        --max-num-batched-tokens N --prefix-cache-retention-interval N \
+        --prefix-cache-retention-interval N \
         --kv-transfer-config '{"kv_connector": "HkvdConnector", "kv_role": "kv_both",
                                "kv_connector_module_path": "hkvd.shim.connector"}'
 
@@ -21,9 +21,14 @@ for Mamba/GDN hybrids; 128 for the tiny CPU Qwen3-Next and Gemma3 of the tests):
 boundaries). ``--max-num-batched-tokens`` must be >= N; N (up to 2N-1) makes every prefill step
 end on a block boundary. ``--prefix-cache-retention-interval N`` makes vLLM offer every block
 boundary's state, so prompts that share only part of a long prefix still hit; with vLLM's
-default 0 only the last boundary before each prompt's end is offered. The shim's chunk size
-defaults to N for Mamba hybrids whatever ``--chunk-size`` says (``chunk_size`` in the extra
-config overrides it; it must be a multiple of N).
+default 0 only the last boundary before each prompt's end is offered. The shim's chunk size is
+N, the granularity of vLLM's own prefix cache, whatever ``--chunk-size`` says (``chunk_size`` in
+the extra config overrides it; it must be a multiple of N).
+
+Chunks that fill while the engine generates are stored like prompt chunks, under keys that
+continue the prompt's, so the next turn of a chat (prompt + answer + new message) hits through
+the answer; ``"store_decode": false`` in the extra config stores prompt chunks only
+(``hkvd.shim.scheduler``, docs/hybrid.md).
 
 vLLM builds two instances with the final ``KVCacheConfig``: the SCHEDULER one in EngineCore
 (``hkvd.shim.scheduler.SchedulerSide``: lookups, block tables -> items) and one WORKER per rank

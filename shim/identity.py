@@ -102,8 +102,11 @@ class ChunkIdentity:
     def __init__(self) -> None:
         self._warned: set[str] = set()
 
-    def extras(self, request: Any, chunk_size: int, n_chunks: int) -> list[bytes] | None:
-        """One entry per chunk (b"" where vLLM has no extra keys); None when the request has none at all."""
+    def extras(self, request: Any, chunk_size: int, n_chunks: int, first: int = 0) -> list[bytes] | None:
+        """One entry per chunk of ``[first, n_chunks)`` (b"" where vLLM has no extra keys); None when the
+        request has none at all. Chunks past the prompt (its output tokens) get the same kinds of keys
+        vLLM gives its own blocks there: the LoRA adapter on every chunk, a multimodal item only where
+        it overlaps, the ``cache_salt`` only in chunk 0."""
         if not _may_have_extras(request):
             return None
         try:
@@ -113,8 +116,8 @@ class ChunkIdentity:
         lora = getattr(request, "lora_request", None)
         lora_digest = adapter_digest(str(getattr(lora, "lora_path", "") or "")) if lora else ""
         out = []
-        mm_idx = 0
-        for i in range(n_chunks):
+        mm_idx = 0  # vLLM's scan hint: items that end before a chunk are skipped, so 0 is right for any first
+        for i in range(first, n_chunks):
             try:
                 extra, mm_idx = generate_block_hash_extra_keys(request, i * chunk_size, (i + 1) * chunk_size, mm_idx)
             except Exception as e:

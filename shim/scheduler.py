@@ -26,9 +26,19 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       request (``failed_recving``); a block-level load error (the sync-load path) stops the
       engine. A request whose load failed is recomputed from scratch and never offered an
       external hit again.
-    - Attention stores cover full chunks of the prompt only, from the blocks vLLM holds in
-      the step that completes them (sliding-window blocks are freed soon after). Mamba stores
-      come only from ``boundary_state_offloads`` at chunk boundaries.
+    - Attention stores cover full chunks, from the blocks vLLM holds in the step that completes
+      them (sliding-window blocks are freed soon after): the prompt's, and with ``store_decode``
+      (the default) also those that fill while the request generates. A chunk is stored once its
+      KV is computed (it ends at or before ``num_computed_tokens`` after the step) and every token
+      of it is known to the scheduler (it ends at or before ``request.num_tokens``; under async
+      scheduling the token a step feeds is still a placeholder, so its chunk waits a step), and
+      when the request finishes at the latest (``request_finished``: from the blocks it hands
+      back, whose free is delayed until the copies are done). Mamba stores come only from
+      ``boundary_state_offloads`` at chunk boundaries, prompt or output, and become visible only
+      through the step events' confirms (``hkvd.shim.worker``). Keys past the prompt continue its
+      rolling keys over the output tokens, with the same extra keys vLLM gives its own blocks
+      there (``ChunkIdentity.extras``), so the next turn of a chat (prompt + answer + new message)
+      hits them.
     - ``request_finished_all_groups`` delays the free of every request that had copies, until
       the worker reports it in ``finished_sending`` (stores done or failed). A producer
       (``kv_producer``) returns ``kv_transfer_params`` for a decode engine; a consumer given them
@@ -59,7 +69,7 @@ from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
 from hkvd.shim.results import LookupResult
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
 from hkvd.transport.errors import DaemonUnavailable
-from hkvd.transport.keys import chunk_keys
+from hkvd.transport.keys import ROOT_KEY, chunk_keys
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -85,7 +95,8 @@ class _Req:
     pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
     pull: Any = None  # pd.PullSpec until the load job that carries it is planned
     loading: bool = False  # a load (a pull first, for pd) is in flight: the worker reports its end
-    keys: list[bytes] = field(default_factory=list)  # chunk keys over the prompt's full chunks
+    # Chunk keys over the prompt's full chunks; with store_decode extended over known output tokens.
+    keys: list[bytes] = field(default_factory=list)
     request: Any = None  # vLLM's Request: its extra keys (LoRA, images, cache_salt) join the chunk keys
     uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
 
@@ -110,6 +121,7 @@ class SchedulerSide:
         self._by_lookup: dict[int, str] = {}
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
+        self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
         self._step = 0
         self._identity = ChunkIdentity()
         self.stats = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0, "offer_items": 0,
@@ -159,6 +171,52 @@ class SchedulerSide:
                 return []
             st.keys = chunk_keys(st.tokens, self.chunk_size, extras=extras)
         return st.keys
+
+    def _keys_through(self, st: _Req, n: int) -> list[bytes]:
+        """The chunk keys, extended past the prompt up to ``n`` chunks over the tokens vLLM knows.
+
+        Only with ``store_decode``; the extension continues the prompt's rolling keys, so the next
+        turn's prompt, which repeats these tokens, computes the same keys.
+        """
+        keys = self._keys(st)
+        C = self.chunk_size
+        if len(keys) >= n or not C or not self.cfg.store_decode or st.request is None or st.uncacheable:
+            return keys
+        tokens = st.request.all_token_ids  # prompt + output tokens sampled so far (no placeholders)
+        n = min(n, len(tokens) // C)
+        first = len(keys)
+        if n <= first:
+            return keys
+        try:
+            extras = self._identity.extras(st.request, C, n, first)
+        except Uncacheable as e:
+            self._note_uncacheable(st, e)
+            return keys
+        keys.extend(chunk_keys(list(tokens[first * C:n * C]), C, parent=keys[-1] if keys else ROOT_KEY,
+                               extras=extras))
+        return keys
+
+    def _known_tokens(self, st: _Req) -> int:
+        """Tokens a stored chunk may end at: the prompt's, and with store_decode the output tokens known."""
+        if self.cfg.store_decode and st.request is not None:
+            return max(st.num_tokens, int(st.request.num_tokens))
+        return st.num_tokens
+
+    def _store_items(self, st: _Req, table: Any, lo: int, hi: int) -> list[Item]:
+        """Store items for chunks [lo, hi) of every attention group, from block table ``table``."""
+        keys = self._keys_through(st, hi)
+        C = self.chunk_size
+        items: list[Item] = []
+        for i in range(lo, min(hi, len(keys))):
+            for g in self.groups:
+                if g.kind == "mamba":
+                    continue
+                bpe = C // g.block_size
+                ids = list(table[g.group_id][i * bpe:(i + 1) * bpe])
+                # Sliding-window blocks out of the window are already null: nothing to store.
+                if len(ids) == bpe and 0 not in ids:
+                    items.append(Item(g.group_id, i, keys[i], ids, _parent(keys, i)))
+        return items
 
     def _note_uncacheable(self, st: _Req, exc: Uncacheable) -> None:
         st.uncacheable = exc.reason
@@ -338,8 +396,9 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> HkvdConnectorMetadata:
         self._step += 1
         self._pump()
-        meta = HkvdConnectorMetadata(step=self._step, loads=self._loads, delayed_free=self._delayed)
-        self._loads, self._delayed = [], []
+        meta = HkvdConnectorMetadata(step=self._step, loads=self._loads, delayed_free=self._delayed,
+                                     stores=self._finish_stores)
+        self._loads, self._delayed, self._finish_stores = [], [], []
         # Blocks that may be written in this step: newly allocated ones (vLLM zeroes them and
         # the forward fills them). Copies still reading them must finish first.
         for r in so.scheduled_new_reqs:
@@ -360,22 +419,15 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is None or not attn:
                 continue
-            done_after = min(computed.get(req_id, 0) + n_sched, st.num_tokens)
+            # KV computed once this step's forward ran, and every token of the chunk known (see Contracts).
+            done_after = min(computed.get(req_id, 0) + n_sched, self._known_tokens(st))
             last = done_after // C
             if last <= st.next_store_chunk:
                 continue
             table = block_state.get_block_ids(req_id)
-            keys = self._keys(st)
             if table is None:
                 continue
-            items: list[Item] = []
-            for i in range(st.next_store_chunk, min(last, len(keys))):
-                for g in attn:
-                    bpe = C // g.block_size
-                    ids = list(table[g.group_id][i * bpe:(i + 1) * bpe])
-                    # Sliding-window blocks out of the window are already null: nothing to store.
-                    if len(ids) == bpe and 0 not in ids:
-                        items.append(Item(g.group_id, i, keys[i], ids, _parent(keys, i)))
+            items = self._store_items(st, table, st.next_store_chunk, last)
             st.next_store_chunk = last
             if items:
                 meta.stores.append(StoreJob(req_id, items))
@@ -385,13 +437,13 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is None:
                 continue
-            keys = self._keys(st)
             for group_id, block_id, boundary in offers:
                 if not block_id or boundary % C or boundary <= 0:
                     continue
                 ci = boundary // C - 1
+                keys = self._keys_through(st, ci + 1)
                 if ci >= len(keys):
-                    continue  # past the prompt's full chunks: no key
+                    continue  # no key: past the prompt with store_decode off, or tokens not known
                 meta.offers.append((req_id, Item(int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci))))
                 st.had_copies = True
                 self.stats["offer_items"] += 1
@@ -417,6 +469,7 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        self._store_on_finish(request, st, block_ids)
         if st.lookup_id is not None:
             self._by_lookup.pop(st.lookup_id, None)
         if st.lease_id and not st.lease_used:
@@ -433,6 +486,29 @@ class SchedulerSide:
             self._delayed.append(request.request_id)
             return True, params
         return False, params
+
+    def _store_on_finish(self, request: Any, st: _Req, block_ids: Any) -> None:
+        """Store the computed chunks not stored yet, from the blocks the finished request hands back.
+
+        Under async scheduling a chunk whose last token was still a placeholder when it filled, and
+        whose request was not scheduled again, is keyed here. Only tokens up to vLLM's materialized
+        frontier count (``num_computed_tokens`` less the placeholders of steps still in flight); a
+        preempted request has none beyond its recomputed prefix. The caller delays the blocks' free
+        (``had_copies``).
+        """
+        C = self.chunk_size
+        if not (self.cfg.store_decode and C and block_ids) or not isinstance(block_ids[0], list):
+            return
+        computed = int(request.num_computed_tokens) - int(getattr(request, "num_output_placeholders", 0) or 0)
+        last = min(computed, self._known_tokens(st)) // C
+        if last <= st.next_store_chunk:
+            return
+        items = self._store_items(st, block_ids, st.next_store_chunk, last)
+        st.next_store_chunk = last
+        if items:
+            self._finish_stores.append(StoreJob(request.request_id, items))
+            st.had_copies = True
+            self.stats["store_items"] += len(items)
 
     # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------
     def _plan_pull(self, request: Any, st: _Req) -> None:

@@ -149,12 +149,16 @@ def validate_vllm(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> No
 
 
 def effective_chunk_size(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> int:
-    """The chunk size the shim asks for (0 = the daemon's default); see ``ShimConfig.chunk_size``."""
-    if cfg.chunk_size:
-        return cfg.chunk_size
-    if any(i.kind == _KIND_MAMBA for i in group_infos(kv_cache_config)):
-        return int(vllm_config.cache_config.block_size)
-    return 0
+    """The chunk size the shim registers: ``chunk_size`` if set, else vLLM's block size N.
+
+    vLLM's own prefix cache hits at block granularity; a chunk of k blocks rounds every hit down to a
+    multiple of k blocks. A prompt whose last full block starts a chunk the prompt does not fill
+    (950 tokens, N=128, chunks of 256: [768, 1024)) leaves that block to vLLM alone, and the next
+    turn gets 768 tokens from hkvd where vLLM's own cache serves 896. Mamba states exist only at
+    block boundaries, so there a coarser chunk also loses every boundary between chunks.
+    """
+    del kv_cache_config  # every model gets N; the argument stays for the callers' symmetry
+    return cfg.chunk_size or int(vllm_config.cache_config.block_size)
 
 
 def layout_tag(kv_cache_config: Any) -> str:

@@ -10,6 +10,18 @@ Before every prompt the script calls ``llm.reset_prefix_cache()``: vLLM's local 
 emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from hkvd.
 Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...]}``.
 
+Conversations (multi-turn chat): ``"conversations": [{"first": [ids...], "users": [[ids...], ...]}, ...]``
+instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn).
+Turn 1's prompt is ``first``; turn k+1's prompt is turn k's prompt, plus the tokens the engine
+generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, A2, B2, ...).
+``"phases": [{"reset": bool}, ...]`` runs them all once per phase, from an emptied vLLM cache;
+``"reset": true`` empties it before every turn (hits come only from hkvd), ``false`` keeps it (the
+reference run of vLLM's own prefix cache).
+``"pause_before": [i]`` pauses before phase i (the test stops the daemon there, so the reference phase
+gets nothing from hkvd). ``"connector": false`` starts the engine without hkvd. Output:
+``HKVD_RESULT {"phases": [[[{"tokens", "logprobs", "gaps", "num_cached_tokens", "prompt_len"}, ...turns],
+...conversations], ...phases]}``.
+
 A prompt is a list of token ids, or a map: ``{"ids": [...]}`` or ``{"text": "..."}``, plus any of
 ``"salt"`` (vLLM's ``cache_salt``), ``"lora": [name, int_id, path]`` and ``"image": {"seed", "size"}``
 (a random RGB image, the same for the same seed). ``"llm"`` in the arguments passes more
@@ -53,17 +65,25 @@ def main() -> None:
         kw["prefix_cache_retention_interval"] = args["retention"]
     kw.update(args.get("llm", {}))
     kw.setdefault("max_model_len", 1024)
-    llm = LLM(
-        model=args["model"], enforce_eager=True, dtype="bfloat16",
-        enable_prefix_caching=True, max_num_batched_tokens=args.get("max_num_batched_tokens", 128),
-        seed=0, **kw,
-        kv_transfer_config={
+    if args.get("max_num_batched_tokens", 128):  # 0: vLLM's default budget
+        kw["max_num_batched_tokens"] = args.get("max_num_batched_tokens", 128)
+    if args.get("connector", True):
+        kw["kv_transfer_config"] = {
             "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
-        },
-    )
-    sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=1,
+        }
+    llm = LLM(model=args["model"], enforce_eager=True, dtype="bfloat16", enable_prefix_caching=True, seed=0, **kw)
+    sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=args.get("logprobs", 1),
                         ignore_eos=bool(args.get("ignore_eos", False)))
+    if "conversations" in args:
+        phases = []
+        for i, phase in enumerate(args.get("phases", [{"reset": True}])):
+            if i in args.get("pause_before", []):
+                _handshake(args["sync_dir"], i)
+            llm.reset_prefix_cache()
+            phases.append(_chat(llm, sp, args["conversations"], bool(phase.get("reset", True)), TokensPrompt))
+        print("HKVD_RESULT " + json.dumps({"phases": phases}), flush=True)
+        return
     results = []
     for i, spec in enumerate(args["prompts"]):
         if i in args.get("pause_before", []):
@@ -77,6 +97,37 @@ def main() -> None:
         results.append({"tokens": list(comp.token_ids), "logprobs": lps,
                         "num_cached_tokens": int(out.num_cached_tokens or 0)})
     print("HKVD_RESULT " + json.dumps({"results": results}), flush=True)
+
+
+def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
+    """Run the conversations turn by turn (see the module doc); one list of turn results per conversation."""
+    prompts = [list(c["first"]) for c in convs]
+    out: list[list[dict]] = [[] for _ in convs]
+    for turn in range(1 + max(len(c["users"]) for c in convs)):
+        for i, c in enumerate(convs):
+            if turn > len(c["users"]):
+                continue
+            if turn:
+                prompts[i] += out[i][-1]["tokens"] + list(c["users"][turn - 1])
+            if reset:
+                llm.reset_prefix_cache()
+            params = sp.clone()
+            wanted = c.get("max_tokens", sp.max_tokens)
+            params.max_tokens = wanted[turn] if isinstance(wanted, list) else wanted
+            res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
+            comp = res.outputs[0]
+            steps = list(zip(comp.token_ids, comp.logprobs or [], strict=False))
+            # gaps: the top-1 minus the top-2 logprob at each step (needs "logprobs": 2); a near-tie
+            # there may flip between runs whose KV differs by a bf16 rounding.
+            out[i].append({"tokens": list(comp.token_ids), "logprobs": [float(d[t].logprob) for t, d in steps],
+                           "gaps": [_gap(d) for _, d in steps], "prompt_len": len(prompts[i]),
+                           "num_cached_tokens": int(res.num_cached_tokens or 0)})
+    return out
+
+
+def _gap(top):  # type: ignore[no-untyped-def]
+    lps = sorted((float(x.logprob) for x in top.values()), reverse=True)
+    return lps[0] - lps[1] if len(lps) > 1 else None
 
 
 def _prompt(spec, tokens_prompt):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ MAMBA_BYTES = 512  # (4, 64) bf16
 
 
 def _make(model_dir: Any, socket: str, *, batched: int = 32, mamba_mode: str = "align",
-          extra: dict | None = None) -> tuple[Any, Any, Any]:
+          extra: dict | None = None, scheduler_cls: Any = None) -> tuple[Any, Any, Any]:
     import torch
     from vllm.config import (
         CacheConfig,
@@ -72,7 +72,7 @@ def _make(model_dir: Any, socket: str, *, batched: int = 32, mamba_mode: str = "
         kv_cache_groups=[KVCacheGroupSpec(["attn0"], attn), KVCacheGroupSpec(["mamba0"], mamba)],
         kv_cache_layout="LBHNC",
     )
-    sched = Scheduler(vcfg, kvc, StructuredOutputManager(vcfg), block_size=BLOCK)
+    sched = (scheduler_cls or Scheduler)(vcfg, kvc, StructuredOutputManager(vcfg), block_size=BLOCK)
     return vcfg, kvc, sched
 
 
@@ -96,7 +96,12 @@ class Runner:
                 "attn0": self.buf.view(NUM_BLOCKS, PAGE),
                 "mamba0": self.buf.view(NUM_BLOCKS, PAGE)[:, :MAMBA_BYTES],
             })
-        self.tokens: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}  # each request's tokens: its prompt, then what sample() gave
+
+    def sample(self, req_id: str) -> int:
+        """The token the fake model samples for ``req_id`` (appended to its tokens)."""
+        self.tokens[req_id].append(7)
+        return 7
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Any:
         from vllm import SamplingParams
@@ -149,7 +154,7 @@ class Runner:
         for rid in req_ids:
             req = self.sched.requests[rid]
             done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
-            sampled.append([7] if done else [])
+            sampled.append([self.sample(rid)] if done else [])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                 pooler_output=[], kv_connector_output=out_conn)
