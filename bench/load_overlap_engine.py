@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any
 
+from hkvd.shim.testing.vllm_cache import reset_prefix_cache
+
 
 def _answer(out: Any) -> dict[str, Any]:
     comp = out.outputs[0]
@@ -92,22 +94,8 @@ class Driver:
         return steps, [answers[r] for r in order]
 
     def reset(self, timeout_s: float = 60.0) -> None:
-        """Empty vLLM's prefix cache (hkvd keeps its entries).
-
-        vLLM refuses while a finished request still holds blocks: the connector delays the free of a
-        request whose stores are in flight until a later step reports them, and an idle engine takes
-        no step. One-token requests shorter than a chunk (nothing to store) drive those steps.
-        """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        deadline = time.monotonic() + timeout_s
-        while not self.llm.reset_prefix_cache():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's prefix cache could not be reset within {timeout_s:.0f} s")
-            self.llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1),
-                              use_tqdm=False)
-            time.sleep(0.01)
+        """Empty vLLM's prefix cache (hkvd keeps its entries); see ``hkvd.shim.testing.vllm_cache``."""
+        reset_prefix_cache(self.llm, timeout_s)
 
     def alone(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         from vllm.inputs import TokensPrompt

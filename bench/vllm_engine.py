@@ -27,6 +27,8 @@ import os
 import sys
 import time
 
+from hkvd.shim.testing.vllm_cache import reset_prefix_cache
+
 
 def main() -> None:
     args = json.loads(sys.argv[1])
@@ -50,12 +52,12 @@ def main() -> None:
               enable_prefix_caching=True, max_num_batched_tokens=block, seed=0, **kw)
     startup = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.reset_prefix_cache()
+    reset_prefix_cache(llm)
     llm.generate([TokensPrompt(prompt_token_ids=args["warmup_prompt"])], sp, use_tqdm=False)
     results = []
     for _ in range(int(args.get("repeats", 1))):
         for ids in args["prompts"]:
-            llm.reset_prefix_cache()
+            reset_prefix_cache(llm)
             t = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
             ttft = time.perf_counter() - t

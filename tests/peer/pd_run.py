@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from hkvd.shim.testing.vllm_cache import reset_prefix_cache
+
 
 def main() -> None:
     args = json.loads(sys.argv[1])
@@ -39,7 +41,7 @@ def main() -> None:
     )
     results = []
     for i, ids in enumerate(args["prompts"]):
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
         if role == "kv_producer":
             params: dict | None = {"do_remote_decode": True}
             max_tokens = 1

@@ -6,7 +6,8 @@ an empty vLLM prefix cache):
 
     python tests/shim/e2e_run.py '{"model": DIR, "socket": PATH, "prompts": [[ids...], ...], ...}'
 
-Before every prompt the script calls ``llm.reset_prefix_cache()``: vLLM's local cache is
+Before every prompt the script resets vLLM's prefix cache (``reset_prefix_cache``, which drives
+steps until vLLM accepts the reset): vLLM's local cache is
 emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from hkvd.
 Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...]}``.
 
@@ -33,6 +34,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+from hkvd.shim.testing.vllm_cache import reset_prefix_cache
 
 
 def _handshake(sync_dir: str, i: int) -> None:
@@ -80,7 +83,7 @@ def main() -> None:
         for i, phase in enumerate(args.get("phases", [{"reset": True}])):
             if i in args.get("pause_before", []):
                 _handshake(args["sync_dir"], i)
-            llm.reset_prefix_cache()
+            reset_prefix_cache(llm)
             phases.append(_chat(llm, sp, args["conversations"], bool(phase.get("reset", True)), TokensPrompt))
         print("HKVD_RESULT " + json.dumps({"phases": phases}), flush=True)
         return
@@ -89,7 +92,7 @@ def main() -> None:
         if i in args.get("pause_before", []):
             # The test restarts the daemon here, while this engine lives on.
             _handshake(args["sync_dir"], i)
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
         prompt, lora = _prompt(spec, TokensPrompt)
         out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
         comp = out.outputs[0]
@@ -110,7 +113,7 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
             if turn:
                 prompts[i] += out[i][-1]["tokens"] + list(c["users"][turn - 1])
             if reset:
-                llm.reset_prefix_cache()
+                reset_prefix_cache(llm)
             params = sp.clone()
             wanted = c.get("max_tokens", sp.max_tokens)
             params.max_tokens = wanted[turn] if isinstance(wanted, list) else wanted
