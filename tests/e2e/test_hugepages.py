@@ -66,18 +66,25 @@ def _free_huge_pages() -> int:
 
 @pytest.fixture
 def reserve_huge_pages() -> Iterator[Callable[[int], int]]:
-    """``reserve(n)``: n more 2 MiB pages free than before the test; the old total comes back after."""
+    """``reserve(n)``: exactly n 2 MiB pages free (pages already reserved and free on the machine are
+    counted, pages in use are kept); returns the new total. The old total comes back after."""
     _root()
     if pool_mod._meminfo().get("Hugepagesize") != HUGE_PAGE:
         pytest.skip("the default huge page size here is not 2 MiB")
     old = NR_HUGEPAGES.read_text().strip()
 
     def reserve(n: int) -> int:
-        want = int(old) + n
+        # Hand back every page first: free ones go at once, mapped ones (an exiting daemon's) once released.
+        NR_HUGEPAGES.write_text("0")
+        deadline = time.monotonic() + 30
+        while pool_mod._meminfo().get("HugePages_Total", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        want = pool_mod._meminfo().get("HugePages_Total", 0) + n  # pages another process keeps stay counted
         NR_HUGEPAGES.write_text(str(want))
         got = int(NR_HUGEPAGES.read_text())
         if got < want:
             pytest.skip(f"the kernel reserved only {got} of {want} huge pages (memory too fragmented)")
+        assert _free_huge_pages() == n, pool_mod._meminfo()
         return got
 
     try:
@@ -101,13 +108,18 @@ def thp_advise() -> Iterator[None]:
         pytest.skip("this kernel has no transparent huge pages")
     text = SHMEM_ENABLED.read_text()
     old = text[text.index("[") + 1 : text.index("]")]
+    total = NR_HUGEPAGES.read_text().strip()
     try:
         SHMEM_ENABLED.write_text("advise")
+        # Free hugetlb pages would back the pool under --hugepages auto: hand every one back while the test
+        # runs (pages still mapped, e.g. by an exiting daemon, become surplus and go when released).
+        NR_HUGEPAGES.write_text("0")
         if _free_huge_pages() * HUGE_PAGE >= POOL_MIB * MIB:
-            pytest.skip("hugetlb pages are free here: --hugepages auto would take them, not THP")
+            pytest.skip("hugetlb pages are free here and the kernel keeps them: --hugepages auto would take them")
         yield
     finally:
         SHMEM_ENABLED.write_text(old)
+        NR_HUGEPAGES.write_text(total)
         assert f"[{old}]" in SHMEM_ENABLED.read_text()
 
 
