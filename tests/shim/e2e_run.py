@@ -9,7 +9,7 @@ an empty vLLM prefix cache):
 Before every prompt the script resets vLLM's prefix cache (``reset_prefix_cache``, which drives
 steps until vLLM accepts the reset): vLLM's local cache is
 emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from hkvd.
-Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...]}``.
+Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...], "block_size": N}``.
 
 Conversations (multi-turn chat): ``"conversations": [{"first": [ids...], "users": [[ids...], ...]}, ...]``
 instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn).
@@ -99,7 +99,9 @@ def main() -> None:
         lps = [float(d[t].logprob) for t, d in zip(comp.token_ids, comp.logprobs or [], strict=False)]
         results.append({"tokens": list(comp.token_ids), "logprobs": lps,
                         "num_cached_tokens": int(out.num_cached_tokens or 0)})
-    print("HKVD_RESULT " + json.dumps({"results": results}), flush=True)
+    # vLLM's block size N (hybrids align it to the Mamba state page): the granularity of every hit.
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    print("HKVD_RESULT " + json.dumps({"results": results, "block_size": block_size}), flush=True)
 
 
 def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
