@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 WHEELS ?= /opt/wheels
 PIP := $(BIN)/pip install --find-links $(WHEELS)
 
-.PHONY: dev vllm cluster serve test test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
+.PHONY: dev vllm cluster serve test test-fast test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ cluster: dev
 # The full suite, as CI runs it (README's test command).
 test: vllm cluster
 	$(BIN)/pytest -q tests
+
+# In-process unit tests only (the `fast` marker, tests/unit/conftest.py): under a minute on 2 cores.
+test-fast: dev
+	$(BIN)/pytest -q -m fast tests
 
 test-unit: dev
 	$(BIN)/pytest -q tests/unit tests/e2e

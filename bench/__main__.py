@@ -1,4 +1,5 @@
-"""``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,load_overlap,...,serving,all} [--quick] [--out DIR]``.
+"""``python -m bench {store_retrieve,control_plane,scale,vllm_e2e,load_overlap,usable_prefix,...,serving,all} [--quick]
+[--out DIR]``.
 
 ``python -m bench report [--write]`` renders docs/benchmarks.md's tables from bench/results/*.json.
 
@@ -23,7 +24,7 @@ from bench import report
 from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
-        "load_overlap", "serving")
+        "load_overlap", "usable_prefix", "serving")
 # Not in `all --quick`: too slow for the 2-minute smoke.
 QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
 ALONE = ("serving",)  # not in `all`: four vLLM servers one after another, tens of minutes on 2 cores

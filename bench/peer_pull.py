@@ -69,12 +69,12 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
     import numpy as np
     from nixl_cu12 import nixl_agent, nixl_agent_config
 
-    from hkvd.daemon.peer_auth import client_proof, split_address
-    from hkvd.daemon.peer_client import merge, pair_extents
+    from hkvd.daemon.peers.auth import client_proof, split_address
+    from hkvd.daemon.peers.pulling import merge, pair_extents
     from hkvd.daemon.pool import HugePagePool
     from hkvd.transport.aio import FrameStream
-    from hkvd.transport.host_wire import unwrap_metadata
-    from hkvd.transport.nixl_transport import PROGRESS_DELAY_US, _progress_delay
+    from hkvd.transport.nixl.agent import PROGRESS_DELAY_US, _progress_delay
+    from hkvd.transport.nixl.host_wire import unwrap_metadata
     from hkvd.transport.wire.peer import (
         PEER_VERSION,
         PeerAuth,

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import Daemon, MiB, gbps, human_bytes, median, readline_timeout, stop_process
-from hkvd.daemon.cma import default_split_parts
+from hkvd.daemon.host_engine import default_split_parts
 from hkvd.daemon.pool import HugePagePool
 from hkvd.shim.ptrace import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine

@@ -59,9 +59,9 @@ from hkvd.cuda.descriptors import (
     launch_geometry,
     total_bytes,
 )
-from hkvd.cuda.events import IpcEventRing, OpenedEvents, wait_event_host
 from hkvd.cuda.hostreg import PinnedRegistration, PoolLike
 from hkvd.cuda.ipc import REGISTRY, check_region_fields, match_device, visible_device_uuids
+from hkvd.cuda.ipc_events import IpcEventRing, OpenedEvents, wait_event_host
 from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, KVError, RegistrationError
 

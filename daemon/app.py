@@ -24,39 +24,46 @@ Reload (SIGHUP)
     ``log-level``, ``lease-ttl-s`` (new leases only), and the cluster tier's fleet keys (both key
     files are read again, even under unchanged names). Every other changed key is logged as
     "needs a restart" and ignored. A config that fails to parse or validate, or a key file that
-    fails its checks, is logged and ignored.
+    fails its checks, is logged and ignored. The running config is one ``ConfigCell``
+    (``daemon/config.py``), swapped whole by a reload; the service reads it at each use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from hkvd.daemon.cluster_tier import ClusterSettings, ClusterTier
-from hkvd.daemon.cluster_value import ClusterKeyError, FleetKeys
-from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.copy_engine import make_copy_engine
-from hkvd.daemon.disk_tier import DiskTier
-from hkvd.daemon.errors import KVError, PoolError, StartupError
+from hkvd.daemon.config import ConfigCell, DaemonConfig
+from hkvd.daemon.engine_factory import make_copy_engine
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.heap import HeapPolicy
-from hkvd.daemon.http import HTTPEndpoint, build_registry
+from hkvd.daemon.http import HTTPEndpoint, build_registry, ipaddress_is_loopback, text
 from hkvd.daemon.index import Index
-from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.metrics import CounterStats, Metrics
 from hkvd.daemon.notify import Notifier
-from hkvd.daemon.peers import PeerService, peers_wanted
+from hkvd.daemon.peers.links import PeerService, peers_wanted
 from hkvd.daemon.pool import HugePagePool
 from hkvd.daemon.prefault import Prefaulter, default_threads, first_slice_bytes
 from hkvd.daemon.registry import Registry
-from hkvd.daemon.server import Server
+from hkvd.daemon.routing.announcer import Announcer
+from hkvd.daemon.routing.kv_events import MEDIUM_CLUSTER, MEDIUM_DISK, Batch, EventLog
+from hkvd.daemon.routing.usable_prefix import FormatBook, UsablePrefix
+from hkvd.daemon.routing.zmq_publisher import ZmqPublisher
+from hkvd.daemon.server import Server, ServerStats
 from hkvd.daemon.service import KVService
+from hkvd.daemon.service_stats import ServiceStats
+from hkvd.daemon.startup_errors import StartupError
+from hkvd.daemon.tiers.cluster import ClusterSettings, ClusterTier
+from hkvd.daemon.tiers.cluster_value import ClusterKeyError, FleetKeys
+from hkvd.daemon.tiers.disk import DiskTier
+from hkvd.transport.copy_engine import CopyEngine
+from hkvd.transport.errors import KVError, PoolError
+from hkvd.transport.stat_fields import metric, part
 
 log = logging.getLogger("hkvd")
 
@@ -70,10 +77,21 @@ CLUSTER_KEYS = ("cluster_key_file", "cluster_accept_key_file")  # reloadable, on
 RELOADABLE = ("log_level", "lease_ttl_s", *CLUSTER_KEYS)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DaemonStats:
+    """What /metrics exports: every counter, readiness, the service's statistics (also ``hkvd status``) once
+    it exists, the control socket's connections once it listens."""
+
+    counters: CounterStats = part()
+    ready: bool = metric("hkvd_ready", "1 while serving (pool pre-faulted, socket accepting)")
+    service: ServiceStats | None = part()
+    server: ServerStats | None = part()
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig, *, notifier: Notifier | None = None,
                  reload_config: Callable[[], DaemonConfig] | None = None) -> None:
-        self.cfg = cfg
+        self.config = ConfigCell(cfg)  # the one running config: reload swaps it, the service reads it
         self.metrics = Metrics()
         self.heap = HeapPolicy(cfg.gc_freeze_every, self.metrics)
         self.ready = asyncio.Event()
@@ -83,12 +101,21 @@ class Daemon:
         self.server: Server | None = None
         self.service: KVService | None = None
         self.disk: DiskTier | None = None
-        self.cluster: Any = None  # hkvd.daemon.cluster_tier.ClusterTier with --cluster
+        self.cluster: ClusterTier | None = None  # with --cluster
+        self.copy_engine: CopyEngine | None = None  # built here, closed here (shutdown, or a failed start)
         self.ready_hooks: list[Callable[[], None]] = []
         self.notifier = notifier if notifier is not None else Notifier()
         self.reload_config = reload_config
-        self.http = None  # hkvd.daemon.http.HTTPEndpoint when --metrics-port is set
-        self.peers: Any = None  # hkvd.daemon.peers.PeerService when --peer-listen or a peer token is set
+        self.http: HTTPEndpoint | None = None  # when --metrics-port is set
+        self.routing: UsablePrefix | None = None  # routers' lookups on the metrics port, once the service exists
+        self.peers: PeerService | None = None  # when --peer-listen or a peer token is set
+        self.publisher: ZmqPublisher | None = None  # with --kv-events-endpoint
+        self.announcer: Announcer | None = None
+
+    @property
+    def cfg(self) -> DaemonConfig:
+        """The running config (``config.current``); a reload replaces it."""
+        return self.config.current
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -101,16 +128,22 @@ class Daemon:
             return False, "starting: pre-faulting the pool" if self.server is None else "starting"
         return True, "ok"
 
+    def statistics(self) -> DaemonStats:
+        """What /metrics exports (``hkvd.daemon.http``); ``hkvd status`` is the service's part."""
+        return DaemonStats(counters=self.metrics.statistics(), ready=self.health()[0],
+                           service=self.service.statistics() if self.service is not None else None,
+                           server=self.server.statistics() if self.server is not None else None)
+
     def summary(self) -> str:
         """One line for STATUS=: engines, pool occupancy, chunk hit rate."""
         if self.service is None:
             return "starting"
-        s = self.service.status()
-        pool, c = s["pool"], s["counters"]
+        s = self.service.statistics()
+        pool, c = s.pool, s.counters
         hits, misses = c.get("lookup_hit_chunks", 0), c.get("lookup_miss_chunks", 0)
         rate = f"{hits / (hits + misses):.0%}" if hits + misses else "n/a"
-        used = pool["used_bytes"] / max(pool["total_bytes"], 1)
-        return f"serving {len(s['engines'])} engines; pool {used:.0%} used; chunk hit rate {rate}"
+        used = pool.used_bytes / max(pool.total_bytes, 1)
+        return f"serving {len(s.registry.engines)} engines; pool {used:.0%} used; chunk hit rate {rate}"
 
     async def _start_http(self) -> None:
         if not self.cfg.metrics_port:
@@ -118,10 +151,19 @@ class Daemon:
         from prometheus_client import generate_latest
 
 
-        registry = build_registry(self)
-        http = HTTPEndpoint(self.cfg.metrics_port, self.health, lambda: generate_latest(registry))
+        registry = build_registry(self.statistics)
+        http = HTTPEndpoint(self.cfg.metrics_port, self.health, lambda: generate_latest(registry),
+                            host=self.cfg.metrics_host)
+        # Routers' usable-prefix lookups (docs/routing.md): 503 until the service exists.
+        http.route("GET", "/v1/models", lambda req: self.routing.get_models(req) if self.routing is not None
+                   else text(503, "starting"))
+        http.route("POST", "/v1/usable_prefix", lambda req: self.routing.post(req) if self.routing is not None
+                   else text(503, "starting"))
         self.http = http
         await http.start()
+        if not ipaddress_is_loopback(self.cfg.metrics_host):
+            log.warning("the metrics port listens on %s: other hosts can read the metrics and the prefix lengths "
+                        "this node holds (--metrics-host)", self.cfg.metrics_host)
 
     async def serve(self) -> int:
         cfg = self.cfg
@@ -147,8 +189,11 @@ class Daemon:
             if self.http is not None:
                 await self.http.close()
             executor.shutdown(wait=True, cancel_futures=True)
+            self._close_copy_engine()  # no-op after a clean shutdown; no copy runs once the executor is down
             if self.peers is not None:  # before the pool goes: the transport may still write into it
                 await self.peers.aclose()
+            if self.publisher is not None:  # no-op after a clean shutdown
+                await asyncio.to_thread(self.publisher.close, 1.0)
             if self.disk is not None:
                 self.disk.close(timeout_s=1.0)  # no-op after a clean shutdown; start-up failures land here
             if self.cluster is not None:  # before the pool goes: Mooncake moves bytes in and out of it
@@ -189,19 +234,25 @@ class Daemon:
                 await self._open_disk(loop)
             if cfg.cluster:
                 self._open_cluster(loop)
-            copy_engine = make_copy_engine(cfg.copy_engine, self.pool, copy_timeout_s=cfg.copy_timeout_s)
+            # Built in dependency order, each given what it uses at construction (nothing is patched in
+            # later): pool -> tiers -> copy engine -> index -> registry -> KV events -> peers -> service
+            # -> routing, server.
+            self.copy_engine = copy_engine = make_copy_engine(cfg.copy_engine, self.pool,
+                                                              copy_timeout_s=cfg.copy_timeout_s)
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool)
-            self.service = KVService(cfg, index, registry, executor, self.metrics, disk=self.disk,
-                                     cluster=self.cluster)
-            self.service.heap = self.heap
-            self.server = Server(cfg, self.service)
+            announcer = self._start_kv_events(loop, index)
             if peers_wanted(cfg):
 
                 self.peers = PeerService(cfg, self.pool, index, registry, self.metrics)
                 await self.peers.start()
-                self.service.peers = self.peers
                 background.append(tg.create_task(self.peers.run()))
+            formats = FormatBook()
+            self.service = KVService(self.config, index, registry, executor, self.metrics, disk=self.disk,
+                                     cluster=self.cluster, peers=self.peers, heap=self.heap, formats=formats,
+                                     announcer=announcer, publisher=self.publisher)
+            self.routing = UsablePrefix(self.service, self.metrics, book=formats)
+            self.server = Server(cfg, self.service)
             await self.server.start()  # listening: connections are accepted from here on
             self.ready.set()
             for hook in self.ready_hooks:
@@ -221,6 +272,33 @@ class Daemon:
             await self._shutdown()
             for task in background:
                 task.cancel()
+
+    def _start_kv_events(self, loop: asyncio.AbstractEventLoop, index: Index) -> Announcer:
+        """KV events (docs/routing.md): kept for engines' polls always; published node-wide with
+        --kv-events-endpoint (bound here: a bad or busy endpoint fails the start). Before the service,
+        which is given the announcer and the publisher."""
+        cfg = self.cfg
+        if cfg.kv_events_endpoint:
+            self.publisher = ZmqPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
+                                          buffer_batches=cfg.kv_events_buffer)
+            self.publisher.start()
+        log_ = EventLog(cfg.kv_events_buffer, sink=self._publish if self.publisher is not None else None,
+                        schedule=loop.call_soon)
+        disk = self.disk
+        self.announcer = Announcer(index, log_, self.metrics, topic=cfg.kv_events_topic,
+                                   disk=disk.__contains__ if disk is not None else None)
+        announcer = self.announcer
+        if disk is not None:
+            disk.listener = lambda keys, present: announcer.tier_changed(MEDIUM_DISK, keys, present)
+        if self.cluster is not None:
+            self.cluster.listener = lambda keys, present: announcer.tier_changed(MEDIUM_CLUSTER, keys, present)
+        announcer.start()
+        return announcer
+
+    def _publish(self, batch: Batch) -> None:
+        assert self.publisher is not None
+        if not self.publisher.submit(batch):
+            self.metrics.inc("kv_event_batches_dropped")
 
     @staticmethod
     def _faulted_share(prefault: Prefaulter) -> str:
@@ -310,9 +388,9 @@ class Daemon:
         ids = [f"{i:08x}" for i in keys.ids()]
         log.info("cluster tier: sealing values with fleet key %s; accepting %s", ids[0], ", ".join(ids))
 
-    def _reload_cluster_keys(self, cfg: DaemonConfig) -> bool:
+    def _reload_cluster_keys(self, cluster: ClusterTier, cfg: DaemonConfig) -> bool:
         """SIGHUP: read the fleet keys again (a key change, docs/cluster.md); keep the old ones on an error."""
-        if not cfg.cluster_key_file and self.cluster.keys.public:
+        if not cfg.cluster_key_file and cluster.keys.public:
             return True  # --cluster-insecure, still without a key file: nothing to read
         if not cfg.cluster_key_file:
             log.error("SIGHUP: the reloaded config has no --cluster-key-file; keeping the running fleet keys "
@@ -323,7 +401,7 @@ class Daemon:
         except ClusterKeyError as e:
             log.error("SIGHUP: fleet keys not reloaded, keeping the running ones: %s", e)
             return False
-        self.cluster.set_keys(keys)
+        cluster.set_keys(keys)
         self._log_keys(keys)
         return True
 
@@ -337,12 +415,12 @@ class Daemon:
         while disk.pending() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         left = await asyncio.to_thread(disk.close, max(deadline - time.monotonic(), 0.5))
-        st = disk.stats()
+        st = disk.statistics()
         if left:
             log.warning("disk tier: %d entries not written within shutdown-timeout-s (%.0f s); a restart misses "
                         "them", left, self.cfg.shutdown_timeout_s)
         log.info("disk tier: %d entries (%.2f GiB) on disk; %d written, %d not flushed, %d dropped (queue full) "
-                 "since start", st["entries"], st["bytes"] / (1 << 30), st["writes"], left, st["queue_drops"])
+                 "since start", st.entries, st.bytes / (1 << 30), st.writes, left, st.queue_drops)
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half WatchdogSec, from the event loop: a hung loop stops the pings."""
@@ -382,13 +460,11 @@ class Daemon:
         changed = {f: (getattr(self.cfg, f), getattr(new, f)) for f in names
                    if getattr(self.cfg, f) != getattr(new, f)}
         # The key files are read again even under unchanged names; they apply only if they pass their checks.
-        keys_ok = self.cluster is not None and self._reload_cluster_keys(new)
+        keys_ok = self.cluster is not None and self._reload_cluster_keys(self.cluster, new)
         applied = {f: v for f, v in changed.items() if f in RELOADABLE and (keys_ok or f not in CLUSTER_KEYS)}
         ignored = sorted(f for f in changed if f not in RELOADABLE)
-        if applied:
-            self.cfg = self.cfg.replace(**{f: v[1] for f, v in applied.items()})
-            if self.service is not None:
-                self.service.cfg = self.service.cfg.replace(**{f: v[1] for f, v in applied.items()})
+        if applied:  # one swap: the service (and anything else holding the cell) reads the new values
+            self.config.swap(self.cfg.replace(**{f: v[1] for f, v in applied.items()}))
             if "log_level" in applied:
                 logging.getLogger().setLevel(self.cfg.log_level.upper())
                 log.debug("SIGHUP: log level is now %s", self.cfg.log_level)
@@ -414,5 +490,19 @@ class Daemon:
         for conn in list(self.server.connections.values()):
             self.service.disconnect(conn)
         self.server.close_connections()
-        with contextlib.suppress(Exception):
-            self.service.registry.copy_engine.close()
+        if self.announcer is not None:
+            self.announcer.close()  # AllBlocksCleared: what this run announced goes with its pool
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.close, max(deadline - time.monotonic(), 0.5))
+        self._close_copy_engine()
+
+    def _close_copy_engine(self) -> None:
+        """Close the copy engine this daemon built, once: at shutdown, or after a failed start (``serve``'s
+        ``finally``). A failure is logged: the pool is closed next either way."""
+        engine, self.copy_engine = self.copy_engine, None
+        if engine is None:
+            return
+        try:
+            engine.close()
+        except Exception:
+            log.exception("closing the %s copy engine failed", type(engine).__name__)

@@ -25,7 +25,7 @@ import os
 import platform
 from typing import NamedTuple
 
-from hkvd.daemon.errors import PoolError
+from hkvd.transport.errors import PoolError
 
 _NODE_ROOT = "/sys/devices/system/node"
 _MPOL_BIND = 2

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from hkvd.cuda._cupy import unshadow_nvidia_cuda
-from hkvd.daemon import descriptors
+from hkvd.daemon import fd_budget
 from hkvd.daemon.app import Daemon
-from hkvd.daemon.cluster_value import FleetKeys
 from hkvd.daemon.config import GIB, DaemonConfig
-from hkvd.daemon.copy_engine import check_copy_engine
-from hkvd.daemon.errors import StartupError
+from hkvd.daemon.engine_factory import check_copy_engine
 from hkvd.daemon.http import require_prometheus
 from hkvd.daemon.options import add_flags, load_toml, values_from
-from hkvd.daemon.peers import check_peer_config, peers_wanted
+from hkvd.daemon.peers.links import check_peer_config, peers_wanted
+from hkvd.daemon.startup_errors import StartupError
+from hkvd.daemon.tiers.cluster_value import FleetKeys
 from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_body, encode
 from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 from hkvd.transport.paths import default_socket_path
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         _preflight(cfg)
         setup_logging(cfg.log_level)
-        descriptors.raise_and_log(logging.getLogger("hkvd"))
+        fd_budget.raise_and_log(logging.getLogger("hkvd"))
         if os.geteuid() == 0:
             logging.getLogger("hkvd").warning(
                 "running as root: hkvd may then copy the memory of any process that connects as an allowed uid; "

@@ -42,8 +42,8 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from hkvd.daemon.descriptors import exhausted, exhausted_error
-from hkvd.daemon.errors import CopyFailedError, PermissionDenied, RegistrationError
+from hkvd.daemon.fd_budget import exhausted, exhausted_error
+from hkvd.transport.errors import CopyFailedError, PermissionDenied, RegistrationError
 
 SO_PEERPIDFD = 77  # Linux >= 6.5; not in Python 3.11's socket module
 

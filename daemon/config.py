@@ -15,10 +15,10 @@ import grp
 from dataclasses import dataclass, field
 from typing import Any
 
-from hkvd.daemon.errors import StartupError
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
-from hkvd.daemon.peer_auth import PeerConfigError, parse_allow, split_address
+from hkvd.daemon.peers.auth import PeerConfigError, parse_allow, split_address
 from hkvd.daemon.pool import MIN_SUPERBLOCK_BYTES
+from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.paths import default_socket_path
 
 GIB = 1 << 30
@@ -36,6 +36,7 @@ class ConfigError(StartupError, ValueError):
 COPY_ENGINES = ("host", "cuda")
 EVENT_LOOPS = ("uvloop", "asyncio")
 CLUSTER_PROTOCOLS = ("tcp", "rdma")
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
 # Addresses that mean "every interface" to bind(), and nothing a peer can connect to.
@@ -65,9 +66,10 @@ class DaemonConfig:
     prefault_threads: int = 0  # 0: min(cores, 8) (daemon/prefault.py)
     numa_node: int = -1  # -1: no binding; else mbind the pool to this node (daemon/backing.py)
     metrics_port: int = 0  # 0 = no metrics endpoint
+    metrics_host: str = "127.0.0.1"  # where the metrics port listens
     l2_path: str = ""  # empty: no disk tier
     l2_size_bytes: int = 0  # the disk tier's cap; required with l2_path
-    # Cluster tier (daemon/cluster_tier.py): entries shared by every node through Mooncake Store.
+    # Cluster tier (daemon/tiers/cluster.py): entries shared by every node through Mooncake Store.
     cluster: str = ""  # mooncake://MASTER_HOST:PORT; empty: no cluster tier
     cluster_segment_bytes: int = GIB  # memory this node contributes to the cluster
     cluster_protocol: str = "tcp"  # tcp or rdma
@@ -75,10 +77,10 @@ class DaemonConfig:
     cluster_local_host: str = ""  # the address other nodes reach this one at; empty: the route to the master
     cluster_replicas: int = 1  # copies of each value on distinct nodes (2: survives one node leaving)
     cluster_lookup_timeout_ms: float = 200.0  # one lookup's wait on the cluster (existence check + reads)
-    cluster_key_file: str = ""  # the fleet key (daemon/cluster_value.py); required with cluster unless insecure
+    cluster_key_file: str = ""  # the fleet key (daemon/tiers/cluster_value.py); required with cluster unless insecure
     cluster_accept_key_file: str = ""  # a second key accepted on reads during a key change
     cluster_insecure: bool = False  # no fleet key: values sealed with a public key
-    # Peer links (daemon/peers.py): serve leased entries to decode daemons, pull from prefill ones.
+    # Peer links (daemon/peers/links.py): serve leased entries to decode daemons, pull from prefill ones.
     peer_listen: str = ""  # HOST:PORT for peer daemons; empty: serve no peers
     peer_advertise: str = ""  # HOST:PORT engines hand to decode engines; default: peer_listen
     peer_token: str = field(default="", repr=False)  # prefer peer_token_file or $HKVD_PEER_TOKEN
@@ -86,12 +88,17 @@ class DaemonConfig:
     peer_allow: tuple[str, ...] = ()  # addresses / CIDRs that may connect; empty: loopback only
     peer_timeout_s: float = 10.0  # connect, handshake, each control request
     peer_pull_timeout_s: float = 20.0  # a whole pull (also capped below the serving lease's TTL)
-    # Open peer connections (daemon/peer_server.py). A pulling daemon holds one link per layout, so 16
+    # Open peer connections (daemon/peers/serving.py). A pulling daemon holds one link per layout, so 16
     # from one address covers a node of 8 engines with a link being replaced; the total is also held
     # to a quarter of the open-file limit, so idle peers never take the engines' descriptors.
     peer_max_connections: int = 128
     peer_max_connections_per_address: int = 16
     gc_freeze_every: int = DEFAULT_FREEZE_EVERY  # entries written between gc.freeze() calls (daemon/heap.py); 0 = off
+    # KV events (docs/routing.md): vLLM's ZMQ publisher protocol, node-wide; empty = not published.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_buffer: int = 10_000  # batches kept for replay and for engines' polls
+    kv_events_topic: str = ""  # "{model}" becomes the engine's model name
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +176,9 @@ class DaemonConfig:
                 raise ConfigError(str(e)) from None
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("--metrics-port must be 0 (off) or a TCP port")
+        if not self.metrics_host or len(self.metrics_host) > 255 or any(c.isspace() for c in self.metrics_host):
+            raise ConfigError(f"--metrics-host {self.metrics_host!r}: give one address (127.0.0.1, ::1, 0.0.0.0) or "
+                              "host name")
         if self.l2_path and self.l2_size_bytes <= 0:
             raise ConfigError(f"--l2-path {self.l2_path}: also set --l2-size-gb, the most disk the tier may use "
                               "(e.g. --l2-size-gb 100)")
@@ -194,6 +204,20 @@ class DaemonConfig:
         if self.cluster_lookup_timeout_ms <= 0:
             raise ConfigError(f"--cluster-lookup-timeout-ms {self.cluster_lookup_timeout_ms:g}: must be > 0 (e.g. "
                               "200: how long a lookup waits on the cluster)")
+        for flag, endpoint in (("--kv-events-endpoint", self.kv_events_endpoint),
+                               ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint)):
+            if endpoint and not endpoint.startswith(ZMQ_TRANSPORTS):
+                raise ConfigError(f"{flag} {endpoint!r}: expected a ZMQ endpoint to bind, e.g. tcp://127.0.0.1:5557 "
+                                  "(tcp://*:5557 for other hosts) or ipc:///run/hkvd/kv-events")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint (the events it replays); set "
+                              "it, or drop the replay endpoint")
+        if self.kv_events_replay_endpoint and self.kv_events_replay_endpoint == self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint must differ from --kv-events-endpoint")
+        if not 1 <= self.kv_events_buffer <= 1 << 20:
+            raise ConfigError(f"--kv-events-buffer {self.kv_events_buffer}: must be 1 to 1048576 batches")
+        if len(self.kv_events_topic) > 256:
+            raise ConfigError("--kv-events-topic: at most 256 characters")
         if self.l2_size_bytes and not self.l2_path:
             raise ConfigError("--l2-size-gb needs --l2-path DIR (the disk tier's directory); set it, or drop "
                               "--l2-size-gb")
@@ -206,3 +230,24 @@ class DaemonConfig:
 
     def replace(self, **changes: Any) -> DaemonConfig:
         return dataclasses.replace(self, **changes)
+
+
+class ConfigCell:
+    """The running config, held in one place. Event loop only.
+
+    The daemon builds one at start-up and hands it to the components that read reloadable values
+    (``RELOADABLE`` in ``daemon/app.py``: the service reads ``lease_ttl_s`` per lookup); they read
+    ``current`` at each use instead of keeping a copy. SIGHUP's reload ``swap``s in a whole new
+    ``DaemonConfig`` (still frozen): one assignment on the loop, so a reader sees the old config or
+    the new one, never a mix. Values read once at start-up (sockets, sizes) are not reloadable.
+    """
+
+    __slots__ = ("current",)
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.current = cfg
+
+    def swap(self, new: DaemonConfig) -> DaemonConfig:
+        """Make ``new`` the running config; return the one it replaced."""
+        old, self.current = self.current, new
+        return old

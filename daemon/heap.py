@@ -36,13 +36,26 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from hkvd.daemon.metrics import Metrics
+from hkvd.transport.stat_fields import status_only
 
 log = logging.getLogger("hkvd.heap")
 
 DEFAULT_FREEZE_EVERY = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class HeapStats:
+    """The collector's longest pause and what the policy froze (``hkvd status``: ``heap``); the collections
+    and their pauses are the ``gc_collections`` and ``gc_pause_seconds`` counters."""
+
+    freeze_every: int = status_only()  # entries written between freezes; 0: freezing off
+    freezes: int = status_only()
+    frozen_objects: int = status_only()
+    max_pause_ms: float = status_only()
 
 
 class HeapPolicy:
@@ -105,6 +118,6 @@ class HeapPolicy:
         self.freezes += 1
         return True
 
-    def status(self) -> dict[str, Any]:
-        return {"freeze_every": self.freeze_every, "freezes": self.freezes, "frozen_objects": gc.get_freeze_count(),
-                "max_pause_ms": round(self.max_pause_s * 1e3, 3)}
+    def statistics(self) -> HeapStats:
+        return HeapStats(freeze_every=self.freeze_every, freezes=self.freezes, frozen_objects=gc.get_freeze_count(),
+                         max_pause_ms=round(self.max_pause_s * 1e3, 3))

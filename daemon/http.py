@@ -1,11 +1,17 @@
-"""Loopback HTTP endpoint: Prometheus ``/metrics`` and ``/healthz`` on ``--metrics-port`` (127.0.0.1 only).
+"""The metrics port's HTTP endpoint: Prometheus ``/metrics``, ``/healthz`` and added routes on ``--metrics-port``.
 
 Role
-    A small asyncio HTTP/1.0 server: it reads one ``GET`` (or ``HEAD``) request line and its headers
-    within ``READ_TIMEOUT_S``, answers, and closes. ``/metrics`` is rendered by prometheus-client's
-    ``generate_latest`` from the daemon's ``Metrics`` and ``KVService.status()`` at scrape time;
-    ``/healthz`` is 503 until the pool is pre-faulted and the control socket accepts, 200 while
-    serving, 503 again once shutdown begins.
+    A small asyncio HTTP/1.1 server (an ``asyncio.Protocol``: keep-alive and pipelining, answers in
+    request order; HTTP/1.0 clients get one answer per connection unless they ask to keep it). It
+    listens on ``--metrics-host`` (127.0.0.1 unless configured). ``/metrics`` is rendered by
+    prometheus-client's ``generate_latest`` at scrape time from ``Daemon.statistics()``: each family
+    is declared by a stats field (``hkvd.transport.stat_fields``), none is named here. ``/healthz``
+    is 503 until the pool is pre-faulted and the control socket accepts, 200 while serving, 503
+    again once shutdown begins. Other features add routes
+    (``HTTPEndpoint.route``): the usable-prefix lookups for routers (``hkvd.daemon.routing``).
+    Bounds (module constants): request head, body size (``Content-Length`` only), answers waiting
+    per connection, open connections, read and idle timeouts. Bad input is a 4xx answer; a handler
+    bug is a 500 and a log line, never the daemon's end.
 
 Dependencies
     prometheus-client is optional (``pip install hkvd[metrics]``): it is imported only when this
@@ -16,81 +22,26 @@ Dependencies
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import ipaddress
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from hkvd.daemon.errors import StartupError
+from hkvd.daemon.startup_errors import StartupError
+from hkvd.transport.stat_fields import families
 
 log = logging.getLogger("hkvd.http")
 
-READ_TIMEOUT_S = 5.0
-MAX_REQUEST_BYTES = 8192
+READ_TIMEOUT_S = 5.0  # a request's head and body arrive within this
+IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with no request is closed after this
+MAX_REQUEST_BYTES = 8192  # request line and headers
+MAX_BODY_BYTES = 4 << 20  # a POST body (hkvd.daemon.routing takes up to 131072 token ids)
+MAX_PIPELINED = 64  # answers waiting on one connection before it stops reading
+MAX_CONNECTIONS = 256  # open connections; more are refused at accept
 HOST = "127.0.0.1"
-
-# Counters that always appear (0 until incremented), name -> help. Other Metrics counters are exported
-# too, generically, as hkvd_<name>_total with their labels.
-COUNTERS: dict[str, str] = {
-    "lookups": "Lookup requests served",
-    "lookup_hit_chunks": "Chunks that lookups found (the hybrid hit, in chunks)",
-    "lookup_miss_chunks": "Chunks that lookups did not find",
-    "stored_bytes": "Bytes stored into the pool, by group kind",
-    "retrieved_bytes": "Bytes retrieved from the pool, by group kind",
-    "retrieve_misses": "Retrieves of entries no longer in the pool",
-    "stores_dropped": "Entries not stored because the pool was full of pinned entries, by kind",
-    "step_events": "Step events, by outcome",
-    "step_event_gaps": "Step-event sequence gaps (unconfirmed Mamba states invalidated)",
-    "snapshots_invalidated": "Mamba snapshot jobs invalidated",
-    "leases_expired": "Lookup leases that expired unreleased",
-    "errors": "Errors sent to clients, by code",
-    "internal_errors": "Internal errors (bugs)",
-    "copy_timeouts": "Copies that exceeded their timeout",
-    "copy_errors": "Copies that failed",
-    "engines_registered": "Engine registrations",
-    "lookup_hit_entries": "Entries the served hits load, by group kind",
-    "lookup_miss_entries": "Entries whose absence cut a lookup's hit short, by group kind",
-    "uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
-    "connections_refused": "Engine connections refused at their Hello, by reason (descriptors: the open-file "
-                           "limit's reserve was reached; raise LimitNOFILE)",
-}
-HELP = {
-    **COUNTERS,
-    "l2_hits": "Entries read from the disk tier into the pool for a lookup, by group kind",
-    "l2_read_failures": "Disk-tier reads not served (checksum, truncated, io, timeout, pool_full), by reason",
-    "cluster_hits": "Entries read from the cluster tier into the pool for a lookup, by group kind",
-    "cluster_read_failures": "Cluster-tier reads not served (mac, size, header, gone, io, timeout, pool_full), by "
-                             "reason",
-    "gc_collections": "Cyclic garbage collections, by generation",
-    "gc_pause_seconds": "Seconds the event loop stood still in garbage collections, by generation",
-}
-# The disk tier's counters (status()["l2"]), exported as hkvd_l2_<name>_total.
-L2_COUNTERS = {
-    "writes": "Entries written to the disk tier",
-    "write_bytes": "Bytes written to the disk tier (headers included)",
-    "write_errors": "Disk-tier writes that failed (disk full, I/O error)",
-    "queue_drops": "Entries not written because the write-behind queue was full",
-    "evictions": "Disk-tier files deleted to stay under --l2-size-gb",
-    "reads": "Disk-tier files read and verified",
-    "read_bytes": "Payload bytes read from the disk tier",
-    "read_errors": "Disk-tier reads that failed with an I/O error",
-}
-# The cluster tier's counters (status()["cluster"]), exported as hkvd_cluster_<name>_total.
-CLUSTER_COUNTERS = {
-    "puts": "Entries put in the cluster (write-behind)",
-    "put_bytes": "Bytes put in the cluster (headers included)",
-    "gets": "Entries read from the cluster and verified",
-    "get_bytes": "Payload bytes read from the cluster",
-    "misses": "Entries a lookup asked the cluster for that it did not hold",
-    "reconnects": "Times the master became reachable again after an outage",
-}
-CLUSTER_BY_REASON = {
-    "skips": "Offers not put in the cluster (queue_full, unavailable, cluster_full, busy), by reason",
-    "errors": "Cluster calls that failed (connect, exist, put, get), by operation",
-    "corrupt": "Cluster values found unusable (mac: not sealed with a fleet key this node holds, or damaged; "
-               "size, header) and removed, by reason",
-}
-GAUGE_COUNTERS = {"prefault_gbps"}  # kept with Metrics.inc once, exported as gauges
 
 
 class PrometheusMissing(StartupError, RuntimeError):
@@ -107,145 +58,79 @@ def require_prometheus() -> None:
                                 "(or prometheus-client), or leave --metrics-port unset") from None
 
 
-class DaemonCollector:
-    """Reads the daemon's state at scrape time; ``daemon`` is ``hkvd.daemon.app.Daemon``."""
+class StatsCollector:
+    """A prometheus-client collector: at each scrape, the families ``statistics()``'s fields declare
+    (``hkvd.transport.stat_fields``; the daemon's: ``hkvd.daemon.app.DaemonStats``)."""
 
-    def __init__(self, daemon: Any) -> None:
-        self.daemon = daemon
+    def __init__(self, statistics: Callable[[], object]) -> None:
+        self.statistics = statistics
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily, Metric
+        from prometheus_client.core import Metric
 
-        d = self.daemon
-        snap = d.metrics.snapshot()
-        for name in sorted(set(COUNTERS) | set(snap)):
-            if name in GAUGE_COUNTERS:
-                continue
-            m = Metric(f"hkvd_{name}", HELP.get(name, name.replace("_", " ")), "counter")
-            series = snap.get(name) or {(): 0.0}
-            for labels, value in sorted(series.items()):
-                m.add_sample(f"hkvd_{name}_total", dict(labels), value)
+        for fam in families(self.statistics()):
+            m = Metric(fam.name, fam.help, fam.type)
+            sample = f"{fam.name}_total" if fam.type == "counter" else fam.name
+            for labels, value in fam.samples:
+                m.add_sample(sample, labels, value)
             yield m
-        yield GaugeMetricFamily("hkvd_ready", "1 while serving (pool pre-faulted, socket accepting)",
-                                value=1.0 if d.health()[0] else 0.0)
-        yield GaugeMetricFamily("hkvd_prefault_gbps", "Pool pre-fault bandwidth at start-up",
-                                value=d.metrics.total("prefault_gbps"))
-        service = d.service
-        if service is None:
-            return
-        s = service.status()
-        pool, idx = s["pool"], s["index"]
-        g = GaugeMetricFamily("hkvd_pool_bytes", "Pool bytes by state", labels=["state"])
-        for state in ("total", "used", "free", "faulted"):
-            g.add_metric([state], pool[f"{state}_bytes"])
-        yield g
-        g = GaugeMetricFamily("hkvd_pool_page_size_bytes", "Page size backing the pool, by the kind the kernel "
-                              "reports (hugetlb, thp or plain; /proc/self/smaps)", labels=["kind"])
-        g.add_metric([pool["kind"]], pool["page_size"])
-        yield g
-        yield GaugeMetricFamily("hkvd_pool_huge_bytes", "Pool bytes backed by huge pages (hugetlb or THP)",
-                                value=pool["huge_bytes"])
-        yield GaugeMetricFamily("hkvd_pool_occupancy_ratio", "Used / total pool bytes",
-                                value=pool["used_bytes"] / max(pool["total_bytes"], 1))
-        g = GaugeMetricFamily("hkvd_entries", "Index entries by state", labels=["state"])
-        for state in ("ready", "pending", "writing"):
-            g.add_metric([state], idx[state])
-        yield g
-        g = GaugeMetricFamily("hkvd_entries_by_kind", "Index entries by group kind", labels=["kind"])
-        for kind, n in sorted(idx.get("by_kind", {}).items()):
-            g.add_metric([str(kind)], n)
-        yield g
-        yield GaugeMetricFamily("hkvd_bytes_stored", "Bytes held by index entries", value=idx["bytes_stored"])
-        for name, help_ in (("evictions", "Entries evicted"), ("orphans_dropped", "Orphaned entries dropped"),
-                            ("orphans_marked", "Entries found unable to serve any hit (evicted first by hybrid)"),
-                            ("index_stores_dropped", "Stores the index dropped (pool full)")):
-            m = Metric(f"hkvd_{name}", help_, "counter")
-            m.add_sample(f"hkvd_{name}_total", {}, idx[name.removeprefix("index_")])
-            yield m
-        yield GaugeMetricFamily("hkvd_leases", "Lookup leases held", value=idx["leases"])
-        yield GaugeMetricFamily("hkvd_pinned_entries", "Entries pinned by a copy or a lease",
-                                value=idx["pinned_entries"])
-        g = GaugeMetricFamily("hkvd_engines", "Registered engines by role", labels=["role"])
-        roles: dict[str, int] = {"worker": 0, "scheduler": 0}
-        for e in s["engines"]:
-            roles[e["role"]] = roles.get(e["role"], 0) + 1
-        for role, n in sorted(roles.items()):
-            g.add_metric([role], n)
-        yield g
-        g = GaugeMetricFamily("hkvd_copy_gbps", "Copy throughput of the last 64 copies (submit to done), by "
-                              "direction", labels=["direction"])
-        for direction, gbps in sorted(s["rates"]["copy_gbps"].items()):
-            g.add_metric([direction], gbps)
-        yield g
-        if s.get("l2") is not None:
-            yield from self._l2(s["l2"])
-        if s.get("cluster") is not None:
-            yield from self._cluster(s["cluster"])
-        fds = s["descriptors"]  # used and the limit: hkvd_process_open_fds and hkvd_process_max_fds
-        yield GaugeMetricFamily("hkvd_descriptor_reserve", "Descriptors kept free for the engines served: new "
-                                "engines are refused once fewer are left", value=fds["reserve"])
-        server = d.server
-        if server is not None:
-            yield GaugeMetricFamily("hkvd_connections", "Open control connections",
-                                    value=len(server.connections))
-            yield GaugeMetricFamily("hkvd_inflight_copies", "Copies running now",
-                                    value=sum(c.inflight for c in server.connections.values()))
 
 
-    @staticmethod
-    def _l2(l2: dict[str, Any]) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        for name, help_ in L2_COUNTERS.items():
-            yield CounterMetricFamily(f"hkvd_l2_{name}", help_, value=l2[name])
-        c = CounterMetricFamily("hkvd_l2_corrupt_files", "Disk-tier files skipped as unusable (and deleted, "
-                                "except another format version), by reason", labels=["reason"])
-        for reason, n in sorted(l2["corrupt"].items()):
-            c.add_metric([reason], n)
-        yield c
-        for name, help_, value in (
-                ("entries", "Entries in the disk tier's catalog", l2["entries"]),
-                ("bytes", "Bytes of the disk tier's files", l2["bytes"]),
-                ("capacity_bytes", "The disk tier's cap (--l2-size-gb)", l2["cap_bytes"]),
-                ("queued_entries", "Entries waiting in the write-behind queue", l2["queued"]),
-                ("write_gbps", "Disk-tier write throughput, last 64 files", l2["write_gbps"]),
-                ("read_gbps", "Disk-tier read throughput, last 64 files", l2["read_gbps"])):
-            yield GaugeMetricFamily(f"hkvd_l2_{name}", help_, value=value)
-
-
-    @staticmethod
-    def _cluster(c: dict[str, Any]) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        for name, help_ in CLUSTER_COUNTERS.items():
-            yield CounterMetricFamily(f"hkvd_cluster_{name}", help_, value=c[name])
-        for name, help_ in CLUSTER_BY_REASON.items():
-            m = CounterMetricFamily(f"hkvd_cluster_{name}", help_, labels=["reason"])
-            for reason, n in sorted(c[name].items()):
-                m.add_metric([reason], n)
-            yield m
-        for name, help_, value in (
-                ("connected", "1 while the cluster's master answers", 1.0 if c["connected"] else 0.0),
-                ("insecure", "1 when values are sealed with the public key (--cluster-insecure)",
-                 1.0 if c["insecure"] else 0.0),
-                ("queued_entries", "Entries waiting in the cluster write-behind queue", c["queued"]),
-                ("put_gbps", "Cluster put throughput, last 64 batches", c["put_gbps"]),
-                ("get_gbps", "Cluster get throughput, last 64 batches", c["get_gbps"])):
-            yield GaugeMetricFamily(f"hkvd_cluster_{name}", help_, value=value)
-
-
-def build_registry(daemon: Any) -> Any:
+def build_registry(statistics: Callable[[], object]) -> Any:
     require_prometheus()
     from prometheus_client import CollectorRegistry, ProcessCollector
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon))
+    registry.register(StatsCollector(statistics))
     ProcessCollector(namespace="hkvd", registry=registry)
     return registry
 
 
+@dataclass(slots=True)
+class Request:
+    """One HTTP request as a route handler sees it (header names lower-case)."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+    version: str = "HTTP/1.1"
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    content_type: str
+    body: bytes
+
+
+#: A route handler answers at once, or returns the awaitable that will (responses still go out in order).
+Handler = Callable[[Request], "Response | Awaitable[Response]"]
+
+REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
+           415: "Unsupported Media Type", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+
+
+def text(status: int, message: str) -> Response:
+    return Response(status, "text/plain", (message + "\n").encode())
+
+
+def ipaddress_is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class HTTPEndpoint:
-    """``/metrics`` and ``/healthz`` on 127.0.0.1:port. ``health()`` -> (ok, reason)."""
+    """``/metrics``, ``/healthz`` and the added routes on ``host:port`` (loopback unless configured).
+    ``health()`` -> (ok, reason)."""
 
     def __init__(self, port: int, health: Callable[[], tuple[bool, str]], metrics_body: Callable[[], bytes],
                  host: str = HOST) -> None:
@@ -253,68 +138,259 @@ class HTTPEndpoint:
         self.host = host
         self.health = health
         self.metrics_body = metrics_body
+        self.routes: dict[tuple[str, str], Handler] = {}
+        self.connections: set[_HTTPConnection] = set()
         self._server: asyncio.Server | None = None
 
+    def route(self, method: str, path: str, handler: Handler) -> None:
+        """Serve ``method path`` (``GET`` routes answer ``HEAD`` too) with ``handler``."""
+        self.routes[(method, path)] = handler
+
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_client, self.host, self.port, reuse_address=True)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _HTTPConnection(self), self.host, self.port,
+                                                reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("metrics and health on http://%s:%d/metrics and /healthz", self.host, self.port)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for conn in list(self.connections):
+                conn.close()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(2.0):
                     await self._server.wait_closed()
             self._server = None
 
-    def _respond(self, method: str, path: str) -> tuple[int, str, bytes]:
-        path = path.split("?", 1)[0]
-        if method not in ("GET", "HEAD"):
-            return 405, "text/plain", b"only GET and HEAD\n"
+    def dispatch(self, req: Request) -> Response | Awaitable[Response]:
+        path = req.path
+        method = "GET" if req.method == "HEAD" else req.method
+        handler = self.routes.get((method, path))
+        if handler is not None:
+            return handler(req)
+        if any(p == path for _m, p in self.routes):
+            allowed = sorted({m for m, p in self.routes if p == path})
+            return text(405, f"{path} takes {' or '.join(allowed)}")
+        if method != "GET":
+            return text(405, "only GET and HEAD here")
         if path == "/healthz":
             ok, reason = self.health()
-            return (200 if ok else 503), "text/plain", (reason + "\n").encode()
+            return text(200 if ok else 503, reason)
         if path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST
 
-            return 200, CONTENT_TYPE_LATEST, self.metrics_body()
-        return 404, "text/plain", b"try /metrics or /healthz\n"
+            return Response(200, CONTENT_TYPE_LATEST, self.metrics_body())
+        return text(404, "try /metrics or /healthz" + "".join(f" or {m} {p}" for m, p in sorted(self.routes)))
 
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+
+class _HTTPConnection(asyncio.Protocol):
+    """One client: HTTP/1.1 with keep-alive and pipelining (HTTP/1.0 closes after each answer unless it
+    asks to keep the connection). Answers go out in request order, also when a handler awaits. Bounds:
+    a request head of ``MAX_REQUEST_BYTES``, a body of ``MAX_BODY_BYTES`` (``Content-Length`` only, no
+    chunked bodies), ``MAX_PIPELINED`` answers waiting (reading pauses beyond), a head or body must
+    arrive within ``READ_TIMEOUT_S`` and an idle connection is closed after ``IDLE_TIMEOUT_S``."""
+
+    def __init__(self, endpoint: HTTPEndpoint) -> None:
+        self.endpoint = endpoint
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.queue: collections.deque[tuple[asyncio.Future[Response], bool, bool, str]] = collections.deque()
+        self.closing = False  # the last answer carries Connection: close; nothing is read after it
+        self.continued = False  # "100 Continue" sent for the request whose body is awaited
+        self.read_paused = False
+        self.write_paused = False
+        self.started = 0.0  # when the unfinished request's first byte came (0: none pending)
+        self.last = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    # ---- asyncio.Protocol ------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are no asyncio.Transport
+        if len(self.endpoint.connections) >= MAX_CONNECTIONS:
+            log.warning("metrics port: %d connections open; refusing another", MAX_CONNECTIONS)
+            self.transport.abort()  # type: ignore[union-attr]
+            return
+        self.endpoint.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self.last = loop.time()
+        self.timer = loop.call_later(READ_TIMEOUT_S, self._check_timeouts)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.endpoint.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        for fut, *_ in self.queue:
+            fut.cancel()
+        self.queue.clear()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._update_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.buf += data
+        now = asyncio.get_running_loop().time()
+        self.last = now
+        if not self.started:
+            self.started = now
+        out: list[bytes] = []
+        parsed = False
+        while not self.closing and self.buf:
+            req = self._parse()
+            if req is None:
+                break
+            parsed = True
+            self._answer(req, out)
+        if not self.buf:
+            self.started = 0.0
+        elif parsed:  # what is left is the start of the next request
+            self.started = now
+        if out and self.transport is not None:
+            self.transport.write(b"".join(out))
+        if self.closing and not self.queue and self.transport is not None:
+            self.transport.close()
+        self._update_reading()
+
+    # ---- parsing -----------------------------------------------------------------------------------------
+    def _parse(self) -> Request | tuple[int, str] | None:
+        """The next complete request; (status, message) for a bad one (answered, then closed); None: wait."""
+        buf = self.buf
+        end = buf.find(b"\r\n\r\n", 0, MAX_REQUEST_BYTES + 4)
+        if end < 0:
+            if len(buf) > MAX_REQUEST_BYTES:
+                return 431, f"request head over {MAX_REQUEST_BYTES} bytes"
+            return None
+        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            return 400, "bad request"
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                return 400, "bad request: a header line without a colon"
+            headers[name.strip().lower()] = value.strip()
+        if "transfer-encoding" in headers:
+            return 411, "send the body with a Content-Length (chunked bodies are not taken)"
+        length = headers.get("content-length", "0")
+        if not length.isdigit():
+            return 400, "bad request: Content-Length is not a number"
+        n = int(length)
+        if n > MAX_BODY_BYTES:
+            return 413, f"the body is {n} bytes; at most {MAX_BODY_BYTES} are taken"
+        start = end + 4
+        if len(buf) < start + n:
+            if not self.continued and headers.get("expect", "").lower() == "100-continue" and not self.queue:
+                self.continued = True  # the client waits for this before it sends the body
+                if self.transport is not None:
+                    self.transport.write(parts[2].encode() + b" 100 Continue\r\n\r\n")
+            return None
+        self.continued = False
+        body = bytes(buf[start:start + n])
+        del buf[:start + n]
+        path, _, query = parts[1].partition("?")
+        return Request(parts[0], path, query, headers, body, "HTTP/1.0" if parts[2] == "HTTP/1.0" else "HTTP/1.1")
+
+    # ---- answering ---------------------------------------------------------------------------------------
+    def _answer(self, req: Request | tuple[int, str], out: list[bytes]) -> None:
+        if isinstance(req, tuple):
+            self.buf.clear()
+            self.closing = True
+            self._emit(text(*req), "HTTP/1.0", False, True, out)
+            return
+        version = req.version
+        conn = req.headers.get("connection", "").lower()
+        keep = (conn != "close") if version == "HTTP/1.1" else (conn == "keep-alive")
+        if not keep:
+            self.closing = True
+        head = req.method == "HEAD"
         try:
-            try:
-                async with asyncio.timeout(READ_TIMEOUT_S):
-                    head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.LimitOverrunError:
-                head = b""
-            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-                return
-            if len(head) > MAX_REQUEST_BYTES:
-                head = b""
-            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
-            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-                code, ctype, body = 400, "text/plain", b"bad request\n"
-                method = "GET"
+            got = self.endpoint.dispatch(req)
+        except Exception:  # an answer must never take the daemon down
+            log.exception("error answering %s %s", req.method, req.path)
+            got = text(500, "internal error")
+        if isinstance(got, Response):
+            self._emit(got, version, head, not keep, out)
+            return
+        fut = asyncio.ensure_future(got)
+        self.queue.append((fut, head, not keep, version))
+        fut.add_done_callback(self._flush)
+
+    def _emit(self, resp: Response, version: str, head: bool, close: bool, out: list[bytes]) -> None:
+        if self.queue:  # an earlier answer is still being worked out: this one waits its turn
+            fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+            fut.set_result(resp)
+            self.queue.append((fut, head, close, version))
+            return
+        out.append(_head(resp, version, close))
+        if not head:
+            out.append(resp.body)
+
+    def _flush(self, _fut: object = None) -> None:
+        out: list[bytes] = []
+        while self.queue and self.queue[0][0].done():
+            fut, head, close, version = self.queue.popleft()
+            if fut.cancelled():
+                continue
+            exc = fut.exception()
+            if exc is not None:
+                log.error("error answering a request", exc_info=exc)
+                resp = text(500, "internal error")
             else:
-                method = parts[0]
-                try:
-                    code, ctype, body = self._respond(method, parts[1])
-                except Exception:  # a scrape must never take the daemon down
-                    log.exception("error answering %s %s", parts[0], parts[1])
-                    code, ctype, body = 500, "text/plain", b"internal error\n"
-            reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                      500: "Internal Server Error", 503: "Service Unavailable"}[code]
-            writer.write(f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\n"
-                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
-            if method != "HEAD":
-                writer.write(body)
-            async with asyncio.timeout(READ_TIMEOUT_S):
-                await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await writer.wait_closed()
+                resp = fut.result()
+            out.append(_head(resp, version, close))
+            if not head:
+                out.append(resp.body)
+        if self.transport is None:
+            return
+        if out:
+            self.transport.write(b"".join(out))
+        if self.closing and not self.queue:
+            self.transport.close()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        pause = self.write_paused or len(self.queue) >= MAX_PIPELINED
+        if pause and not self.read_paused:
+            t.pause_reading()
+            self.read_paused = True
+        elif not pause and self.read_paused:
+            t.resume_reading()
+            self.read_paused = False
+
+    def _check_timeouts(self) -> None:
+        self.timer = None
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self.started and now - self.started > READ_TIMEOUT_S and not self.queue:
+            t.close()  # a request that does not arrive whole in time
+            return
+        if not self.buf and not self.queue and now - self.last > IDLE_TIMEOUT_S:
+            t.close()
+            return
+        self.timer = loop.call_later(READ_TIMEOUT_S, self._check_timeouts)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _head(resp: Response, version: str, close: bool) -> bytes:
+    return (f"{version} {resp.status} {REASONS.get(resp.status, 'Unknown')}\r\nContent-Type: {resp.content_type}\r\n"
+            f"Content-Length: {len(resp.body)}\r\n{'Connection: close' if close else 'Connection: keep-alive'}"
+            "\r\n\r\n").encode()

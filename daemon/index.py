@@ -5,7 +5,9 @@ Role
     but not yet confirmed by its engine) -> READY (visible to lookups) -> gone. Allocation evicts
     through the configured policy, passing over entries whose freeing would make no room for it
     (another size class, in a superblock that stays in use; see ``_alloc_evicting``); an entry is
-    never evicted or reused while a copy pins it or a lease holds it.
+    never evicted or reused while a copy pins it or a lease holds it. The lease table and its
+    rules (ids, TTL, uses, owners) live in ``daemon/leases.py``; the index owns one ``Leases`` and
+    keeps each entry's hold count, which the eviction walk reads.
 
 Threading
     Event-loop only. Copies run on threads but only touch pool bytes; every state change comes
@@ -19,15 +21,16 @@ Keys
 from __future__ import annotations
 
 import enum
-import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hkvd.daemon.chains import ChainChange, ChainTracker, Groups
-from hkvd.daemon.errors import LeaseExpired, PoolFull
 from hkvd.daemon.eviction import EvictionPolicy
+from hkvd.daemon.leases import Lease, Leases
 from hkvd.daemon.pool import Allocation, HugePagePool
+from hkvd.transport.errors import PoolFull
+from hkvd.transport.stat_fields import metric, status_only
 
 EntryKey = tuple[bytes, int, bytes]
 _NO_GROUPS: Groups = (frozenset(), frozenset())
@@ -53,37 +56,28 @@ class Entry:
     tracked: bool = False  # READY and known to the chain tracker
 
 
-@dataclass(slots=True)
-class Lease:
-    lease_id: int
-    keys: list[EntryKey]
-    expires_at: float
-    owner: int  # connection id
-    # Retrieves it serves before it ends by itself: one per rank of a tensor-parallel engine, each
-    # loading its own rank's entries (a release or the TTL ends it sooner).
-    uses: int = 1
-
-    def uncovered(self, keys: Iterable[EntryKey]) -> EntryKey | None:
-        """The first of ``keys`` this lease does not hold, or None."""
-        held = set(self.keys)
-        return next((k for k in keys if k not in held), None)
+_ENTRIES = "Index entries by state"
 
 
 @dataclass(frozen=True, slots=True)
 class IndexStats:
-    entries: int
-    ready: int
-    pending: int
-    writing: int
-    bytes_stored: int
-    leases: int
-    pinned_entries: int
-    evictions: int
-    orphans_dropped: int
-    orphans_marked: int
-    chain_nodes: int
-    stores_dropped: int
-    by_kind: dict[str, int] = field(default_factory=dict)
+    """The index's entries by state and kind, its leases, pins and drops (``hkvd status``: ``index``)."""
+
+    entries: int = status_only()
+    ready: int = metric("hkvd_entries", _ENTRIES, labels={"state": "ready"})
+    pending: int = metric("hkvd_entries", _ENTRIES, labels={"state": "pending"})
+    writing: int = metric("hkvd_entries", _ENTRIES, labels={"state": "writing"})
+    bytes_stored: int = metric("hkvd_bytes_stored", "Bytes held by index entries")
+    leases: int = metric("hkvd_leases", "Lookup leases held")
+    pinned_entries: int = metric("hkvd_pinned_entries", "Entries pinned by a copy or a lease")
+    evictions: int = metric("hkvd_evictions", "Entries evicted", "counter")
+    orphans_dropped: int = metric("hkvd_orphans_dropped", "Orphaned entries dropped", "counter")
+    orphans_marked: int = metric("hkvd_orphans_marked", "Entries found unable to serve any hit (evicted first by "
+                                 "hybrid)", "counter")
+    chain_nodes: int = status_only()
+    stores_dropped: int = metric("hkvd_index_stores_dropped", "Stores the index dropped (pool full)", "counter")
+    by_kind: dict[str, int] = metric("hkvd_entries_by_kind", "Index entries by group kind", key="kind",
+                                     default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -101,15 +95,19 @@ class Index:
         self.policy = policy
         self.clock = clock
         self._entries: dict[EntryKey, Entry] = {}
-        self._leases: dict[int, Lease] = {}
+        self.leases: Leases[EntryKey] = Leases(self._hold, self._unhold, clock)
         self._evictions = 0
         self._orphans_dropped = 0
         self._orphans_marked = 0
-        self.stores_dropped = 0
+        self._stores_dropped = 0
         self.writes = 0  # entries begun since start (the heap policy freezes by it)
         self._groups: dict[bytes, Groups] = {}  # fingerprint -> (full-attention, Mamba) group ids
         self._siblings: dict[bytes, tuple[bytes, ...]] = {}  # fingerprint -> the other ranks' fingerprints
         self._chains = ChainTracker(lambda fp: self._groups.get(fp, _NO_GROUPS))
+        # Observers (KV events, daemon/routing/announcer.py): ``on_ready`` after an entry turns READY,
+        # ``on_drop`` after any entry left the index, whatever its state. They only read the index.
+        self.on_ready: Callable[[Entry], None] | None = None
+        self.on_drop: Callable[[Entry], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Entry | None:
@@ -226,6 +224,8 @@ class Index:
         if self.policy.uses_orphans:
             entry.tracked = True
             self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
+        if self.on_ready is not None:
+            self.on_ready(entry)
 
     def drop(self, entry: Entry) -> None:
         """Remove an entry now (failed copy, invalidated snapshot). Must not be pinned by a reader."""
@@ -237,6 +237,8 @@ class Index:
         if entry.tracked:
             entry.tracked = False
             self._apply(self._chains.remove(entry.key, entry.kind))
+        if self.on_drop is not None:
+            self.on_drop(entry)
 
     def _apply(self, change: ChainChange) -> None:
         for k in change.revived:
@@ -264,69 +266,42 @@ class Index:
         for entry in entries:
             entry.pins -= 1
 
-    # ---- leases --------------------------------------------------------------------------------
+    # ---- leases (the table and its rules: daemon/leases.py) --------------------------------------
     def lease(self, keys: Iterable[EntryKey], owner: int, ttl_s: float, uses: int = 1) -> int:
         """Hold the READY ones of ``keys`` against eviction for ``ttl_s`` or ``uses`` retrieves (``use_lease``)."""
-        held = []
-        for k in keys:
-            e = self._entries.get(k)
-            if e is not None and e.state is EntryState.READY:
-                e.leases += 1
-                self.policy.touch(k)
-                held.append(k)
-        lease_id = self._new_lease_id()
-        self._leases[lease_id] = Lease(lease_id, held, self.clock() + ttl_s, owner, uses)
-        return lease_id
-
-    def _new_lease_id(self) -> int:
-        """A random non-zero 63-bit id: a neighbour cannot guess another engine's lease."""
-        while True:
-            lease_id = secrets.randbits(63)
-            if lease_id and lease_id not in self._leases:
-                return lease_id
+        return self.leases.take(keys, owner, ttl_s, uses)
 
     def use_lease(self, lease_id: int) -> None:
         """One retrieve served from the lease: it ends after its last use."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            return
-        lease.uses -= 1
-        if lease.uses <= 0:
-            self.release(lease_id)
+        self.leases.use(lease_id)
 
-    def check_lease(self, lease_id: int) -> Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.expires_at < self.clock():
-            if lease is not None:
-                self.release(lease_id)
-            raise LeaseExpired(f"lease {lease_id} expired or unknown; look up again (leases last "
-                               "--lease-ttl-s seconds)")
-        return lease
+    def check_lease(self, lease_id: int) -> Lease[EntryKey]:
+        """The live lease; raises LeaseExpired when it is unknown or expired."""
+        return self.leases.check(lease_id)
 
     def release(self, lease_id: int, owner: int | None = None) -> bool:
         """End a lease; with ``owner``, only if that connection took it (False otherwise)."""
-        lease = self._leases.get(lease_id)
-        if lease is None or (owner is not None and lease.owner != owner):
-            return False
-        del self._leases[lease_id]
-        for k in lease.keys:
-            e = self._entries.get(k)
-            if e is not None:
-                e.leases -= 1
-        return True
+        return self.leases.release(lease_id, owner)
 
     def release_owner(self, owner: int) -> int:
-        ids = [lid for lid, lease in self._leases.items() if lease.owner == owner]
-        for lid in ids:
-            self.release(lid)
-        return len(ids)
+        return self.leases.release_owner(owner)
 
     def expire_leases(self) -> int:
-        now = self.clock()
-        ids = [lid for lid, lease in self._leases.items() if lease.expires_at < now]
-        for lid in ids:
-            self.release(lid)
-        return len(ids)
+        return self.leases.expire()
+
+    def _hold(self, key: EntryKey) -> bool:
+        """A lease takes ``key``: held against eviction if it is READY (False if there is no such entry)."""
+        e = self._entries.get(key)
+        if e is None or e.state is not EntryState.READY:
+            return False
+        e.leases += 1
+        self.policy.touch(key)
+        return True
+
+    def _unhold(self, key: EntryKey) -> None:
+        e = self._entries.get(key)
+        if e is not None:
+            e.leases -= 1
 
     # ---- eviction ------------------------------------------------------------------------------
     def _evictable(self, e: Entry) -> bool:
@@ -436,6 +411,11 @@ class Index:
                 self._siblings[fp] = tuple(f for f in fingerprints if f != fp)
 
     # ---- stats ---------------------------------------------------------------------------------
+    def note_store_dropped(self, n: int = 1) -> None:
+        """Count ``n`` store items the pool had no room for (``begin_writes`` answered ``PoolFull``):
+        the caller decides which refusals are dropped stores (a peer pull's are not)."""
+        self._stores_dropped += n
+
     def statistics(self) -> IndexStats:
         states = dict.fromkeys(EntryState, 0)
         kinds: dict[str, int] = {}
@@ -448,8 +428,8 @@ class Index:
             total += e.nbytes
         return IndexStats(
             entries=len(self._entries), ready=states[EntryState.READY], pending=states[EntryState.PENDING],
-            writing=states[EntryState.WRITING], bytes_stored=total, leases=len(self._leases),
+            writing=states[EntryState.WRITING], bytes_stored=total, leases=len(self.leases),
             pinned_entries=pinned, evictions=self._evictions, orphans_dropped=self._orphans_dropped,
             orphans_marked=self._orphans_marked, chain_nodes=len(self._chains),
-            stores_dropped=self.stores_dropped, by_kind=kinds,
+            stores_dropped=self._stores_dropped, by_kind=kinds,
         )

@@ -136,8 +136,11 @@ OPTIONS: tuple[Option, ...] = (
            "how long a client may take to send Hello, or leave its replies unread, before it is disconnected",
            "S"),
     Option("--metrics-port", "metrics_port", int, "0",
-           "loopback port for Prometheus /metrics and /healthz; 0 = off (needs hkvd[metrics])", "PORT", "9464",
-           active=True),
+           "port for Prometheus /metrics, /healthz and routers' usable-prefix lookups (docs/routing.md); 0 = off "
+           "(needs hkvd[metrics])", "PORT", "9464", active=True),
+    Option("--metrics-host", "metrics_host", str, "127.0.0.1",
+           "address the metrics port listens on; another than loopback lets other hosts read the metrics and "
+           "the prefix lengths this node holds (never keys or bytes)", "HOST", '"127.0.0.1"'),
     Option("--l2-path", "l2_path", str, "",
            "disk tier directory: entries are written behind and served after a restart; empty = off "
            "(docs/operating.md)", "DIR", '"/var/cache/hkvd"', essential=True),
@@ -190,6 +193,18 @@ OPTIONS: tuple[Option, ...] = (
            "at accept)", "N"),
     Option("--peer-max-connections-per-address", "peer_max_connections_per_address", int, "16",
            "open peer connections from one address (a pulling daemon holds one per layout)", "N"),
+    Option("--kv-events-endpoint", "kv_events_endpoint", str, "",
+           "publish KV events (vLLM's ZMQ format: what this node's pool, disk and cluster tiers hold, under vLLM's "
+           "block hashes) on this ZMQ endpoint; empty = off (docs/routing.md)", "ENDPOINT",
+           '"tcp://127.0.0.1:5557"', essential=True),
+    Option("--kv-events-replay-endpoint", "kv_events_replay_endpoint", str, "",
+           "ZMQ endpoint where a subscriber that joined late or missed batches asks for them again by sequence "
+           "number; empty = no replay", "ENDPOINT", '"tcp://127.0.0.1:5558"'),
+    Option("--kv-events-buffer", "kv_events_buffer", int, "10000",
+           "event batches kept for replay and for engines that poll them", "N"),
+    Option("--kv-events-topic", "kv_events_topic", str, "",
+           "ZMQ topic of the events; {model} becomes the engine's model name (e.g. kv@NODE@{model})", "TOPIC",
+           '"kv@10.0.0.2@{model}"'),
     Option("--gc-freeze-every", "gc_freeze_every", int, "10000",
            "entries written between moves of the heap out of Python's cyclic collector (docs/operating.md); "
            "0 = off", "N"),

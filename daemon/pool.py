@@ -25,10 +25,11 @@ Allocator
     by history. ``alloc`` is O(k + log S), ``free`` O(k + log S) for S superblocks.
 
     Superblock size (``superblock_bytes_for``): 1/64 of the pool, rounded down to a power of
-    two and clamped to [2 MiB, 32 MiB]: 2 MiB up to a 256 MiB pool (32 superblocks in a 64 MiB
-    one), 16 MiB for the default 1 GiB, 32 MiB from 2 GiB on. Always a multiple of 2 MiB, so a
-    superblock never shares a huge page with another. A fixed 32 MiB made a 64 MiB pool two
-    superblocks: four entry sizes need four, and one hybrid chunk did not fit.
+    two and clamped to [2 MiB, 32 MiB]: 2 MiB below a 256 MiB pool (32 superblocks in a 64 MiB
+    one), 4 MiB at 256 MiB, 16 MiB for the default 1 GiB, 32 MiB from 2 GiB on. Always a
+    multiple of 2 MiB, so a superblock never shares a huge page with another. A fixed 32 MiB
+    made a 64 MiB pool two superblocks: four entry sizes need four, and one hybrid chunk did
+    not fit.
 
 Overhead bound (what "fits by bytes" means)
     - Slot rounding: for entries of 32 KiB or more (every KV entry of a real model), a class's
@@ -89,8 +90,9 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from hkvd.daemon.backing import Backing, bind, observe, thp_page_size
-from hkvd.daemon.errors import PoolError
-from hkvd.daemon.prefault import Prefaulter
+from hkvd.daemon.prefault import Prefaulter, PrefaultStats
+from hkvd.transport.errors import PoolError
+from hkvd.transport.stat_fields import Metric, Sample, metric, metrics, part, status_only
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024
@@ -127,27 +129,67 @@ class Allocation:
 
 
 @dataclass(frozen=True, slots=True)
-class ClassStatistics:
-    slot_bytes: int
-    slots_per_superblock: int
-    superblocks: int
-    used_slots: int
-    free_slots: int
+class SizeClassStats:
+    """One size class of the allocator: its slots and the superblocks they take."""
+
+    slot_bytes: int = status_only()
+    slots_per_superblock: int = status_only()
+    superblocks: int = status_only()
+    used_slots: int = status_only()
+    free_slots: int = status_only()
 
 
 @dataclass(frozen=True, slots=True)
-class PoolStatistics:
-    total_bytes: int  # allocator capacity: whole superblocks only
-    used_bytes: int  # payload bytes of live allocations
-    reserved_bytes: int  # slot bytes held by live allocations (>= used_bytes: 4 KiB rounding)
-    free_bytes: int  # total - reserved: every byte no live allocation holds
-    free_superblock_bytes: int  # available to any size class right now
-    superblock_bytes: int
-    superblocks_total: int
-    superblocks_free: int
-    allocations: int
-    admitted_bytes: int = 0  # whole superblocks alloc may use: in the daemon, those faulted in so far
-    classes: tuple[ClassStatistics, ...] = field(default=())
+class AllocatorStats:
+    """The allocator's occupancy (``SlabAllocator.statistics()``); ``PoolStats`` shows part of it."""
+
+    total_bytes: int = status_only()  # allocator capacity: whole superblocks only
+    used_bytes: int = status_only()  # payload bytes of live allocations
+    reserved_bytes: int = status_only()  # slot bytes held by live allocations (>= used_bytes: 4 KiB rounding)
+    free_bytes: int = status_only()  # total - reserved: every byte no live allocation holds
+    free_superblock_bytes: int = status_only()  # available to any size class right now
+    superblock_bytes: int = status_only()
+    superblocks_total: int = status_only()
+    superblocks_free: int = status_only()
+    allocations: int = status_only()
+    # whole superblocks alloc may use: in the daemon, those faulted in so far
+    admitted_bytes: int = status_only(default=0)
+    classes: tuple[SizeClassStats, ...] = status_only(default=())
+
+
+def _occupancy(used: int, pool: PoolStats) -> list[Sample]:
+    return [({}, used / max(pool.total_bytes, 1))]
+
+
+def _page_size(page_size: int, pool: PoolStats) -> list[Sample]:
+    return [({"kind": pool.kind}, float(page_size))]
+
+
+_POOL_BYTES = "Pool bytes by state"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """The pool as ``hkvd status`` shows it (``pool``): occupancy, the backing the kernel reports
+    (``kind``, ``page_size``: daemon/backing.py), what was asked (``hugepages``), the faulted share and
+    the pre-fault's state, the NUMA placement."""
+
+    total_bytes: int = metric("hkvd_pool_bytes", _POOL_BYTES, labels={"state": "total"})
+    used_bytes: int = metrics(Metric("hkvd_pool_bytes", _POOL_BYTES, labels=(("state", "used"),)),
+                              Metric("hkvd_pool_occupancy_ratio", "Used / total pool bytes", samples=_occupancy))
+    free_bytes: int = metric("hkvd_pool_bytes", _POOL_BYTES, labels={"state": "free"})
+    kind: str = status_only()  # hugetlb, thp or plain, as the kernel reports it
+    page_size: int = metric("hkvd_pool_page_size_bytes", "Page size backing the pool, by the kind the kernel "
+                            "reports (hugetlb, thp or plain; /proc/self/smaps)", samples=_page_size)
+    huge_bytes: int = metric("hkvd_pool_huge_bytes", "Pool bytes backed by huge pages (hugetlb or THP)")
+    hugepages: str = status_only()  # --hugepages: what was asked
+    mapped_kind: str = status_only()  # what the mapping was made as
+    superblock_bytes: int = status_only()
+    faulted_bytes: int = metric("hkvd_pool_bytes", _POOL_BYTES, labels={"state": "faulted"})
+    prefault: PrefaultStats | None = part()  # None: no pre-fault started
+    numa_node: int | None = status_only()
+    numa_policy: str = status_only()
+    node_bytes: dict[str, int] = status_only()  # resident bytes per NUMA node
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -413,10 +455,10 @@ class SlabAllocator:
             self._reserved_bytes -= len(allocation.extents) * slot
             self._allocations -= 1
 
-    def statistics(self) -> PoolStatistics:
+    def statistics(self) -> AllocatorStats:
         with self._lock:
             classes = tuple(
-                ClassStatistics(
+                SizeClassStats(
                     slot_bytes=c.slot_bytes,
                     slots_per_superblock=c.per_superblock,
                     superblocks=c.superblocks,
@@ -426,7 +468,7 @@ class SlabAllocator:
                 for c in sorted(self._classes.values(), key=lambda c: c.slot_bytes)
             )
             n_free = len(self._free_superblocks)
-            return PoolStatistics(
+            return AllocatorStats(
                 total_bytes=self.capacity,
                 used_bytes=self._used_bytes,
                 reserved_bytes=self._reserved_bytes,
@@ -647,21 +689,6 @@ class HugePagePool:
             self._backing = observe(self.base_addr, thp_page=thp_page_size())
         return self._backing
 
-    def describe(self) -> dict[str, object]:
-        """For status and /metrics: the backing the kernel reports (``kind``, ``page_size``), what
-        was asked (``hugepages``), the faulted share and the pre-fault's state, the NUMA placement."""
-        b = self.backing()
-        pf = self._prefaulter.progress() if self._prefaulter is not None else None
-        return {
-            "kind": b.kind, "page_size": b.page_size, "huge_bytes": b.huge_bytes, "hugepages": self.hugepages,
-            "mapped_kind": self.kind, "superblock_bytes": self.allocator.superblock_bytes,
-            "faulted_bytes": pf.faulted_bytes if pf is not None else 0,
-            "prefault": None if pf is None else {"threads": pf.threads, "done": pf.done, "error": pf.error,
-                                                 "seconds": round(pf.elapsed_s, 3), "gbps": round(pf.gbps, 3)},
-            "numa_node": self.numa_node, "numa_policy": b.numa_policy,
-            "node_bytes": {str(n): v for n, v in sorted(b.node_bytes.items())},
-        }
-
     def _touch(self, start: int, n: int) -> None:
         import numpy as np  # only on the fallback path; keeps importing this module cheap
 
@@ -682,8 +709,17 @@ class HugePagePool:
     def free(self, allocation: Allocation) -> None:
         self.allocator.free(allocation)
 
-    def statistics(self) -> PoolStatistics:
-        return self.allocator.statistics()
+    def statistics(self) -> PoolStats:
+        """Occupancy, backing, pre-fault, placement; the allocator's own: ``allocator.statistics()``."""
+        a = self.allocator.statistics()
+        b = self.backing()
+        pf = self._prefaulter.progress() if self._prefaulter is not None else None
+        return PoolStats(
+            total_bytes=a.total_bytes, used_bytes=a.used_bytes, free_bytes=a.free_bytes, kind=b.kind,
+            page_size=b.page_size, huge_bytes=b.huge_bytes, hugepages=self.hugepages, mapped_kind=self.kind,
+            superblock_bytes=self.allocator.superblock_bytes, faulted_bytes=pf.faulted_bytes if pf is not None else 0,
+            prefault=PrefaultStats.of(pf) if pf is not None else None, numa_node=self.numa_node,
+            numa_policy=b.numa_policy, node_bytes={str(n): v for n, v in sorted(b.node_bytes.items())})
 
     # -- lifetime -----------------------------------------------------------------------------
 

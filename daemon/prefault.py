@@ -30,7 +30,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
+
+from hkvd.transport.stat_fields import status_only
 
 # More threads than this stop helping: page faults contend on the shmem / hugetlb locks of one
 # file (measured on this VM in bench/prefault.py; bare-metal reports show the same knee near 8).
@@ -66,6 +69,21 @@ class PrefaultProgress(NamedTuple):
     @property
     def gbps(self) -> float:
         return self.faulted_bytes / max(self.elapsed_s, 1e-9) / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class PrefaultStats:
+    """The pre-fault's state (``hkvd status``: ``pool.prefault``); times and rates to 3 decimals."""
+
+    threads: int = status_only()
+    done: bool = status_only()
+    error: str = status_only()  # empty unless a populate failed
+    seconds: float = status_only()
+    gbps: float = status_only()
+
+    @classmethod
+    def of(cls, p: PrefaultProgress) -> PrefaultStats:
+        return cls(p.threads, p.done, p.error, round(p.elapsed_s, 3), round(p.gbps, 3))
 
 
 class Prefaulter:
@@ -139,6 +157,9 @@ class Prefaulter:
             end = self._end if done else time.perf_counter()
             return PrefaultProgress(self._faulted, self.total_bytes, self.threads, done, self._error,
                                     end - self._start)
+
+    def statistics(self) -> PrefaultStats:
+        return PrefaultStats.of(self.progress())
 
     def wait_for(self, nbytes: int, timeout_s: float) -> PrefaultProgress:
         """Block until ``nbytes`` are admitted, the workers are done, or ``timeout_s`` passed."""

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import msgpack
 
 from hkvd.daemon.client_process import ClientProcess
-from hkvd.daemon.errors import OutOfRange, RegistrationError
 from hkvd.daemon.hybrid import GroupRule
 from hkvd.daemon.pool import HugePagePool, smallest_pool_bytes, superblocks_needed
 from hkvd.daemon.validation import validate_hybrid
 from hkvd.transport import layout
 from hkvd.transport.copy_engine import Attachment, CopyEngine
+from hkvd.transport.errors import OutOfRange, RegistrationError
 from hkvd.transport.layout import GroupSpec
+from hkvd.transport.stat_fields import Sample, metric, status_only
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
@@ -60,6 +61,46 @@ def rank_fingerprints(spec: EngineSpec, chunk_size: int, ranks: Iterable[int]) -
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineGroupStats:
+    """One KV-cache group of a registered engine."""
+
+    group_id: int = status_only()
+    kind: str = status_only()  # full, swa, mamba
+    tokens_per_block: int = status_only()
+    window_tokens: int = status_only()
+    entry_bytes: int = status_only()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One registered engine (``hkvd status``: an item of ``engines``)."""
+
+    engine_id: int = status_only()
+    pid: int = status_only()
+    model: str = status_only()
+    rank: int = status_only()
+    world_size: int = status_only()
+    chunk_size: int = status_only()
+    fingerprint: str = status_only()  # hex
+    role: str = status_only()  # worker (it registered KV memory: copies) or scheduler (lookups only)
+    groups: tuple[EngineGroupStats, ...] = status_only()
+
+
+def _engines_by_role(engines: tuple[EngineStats, ...], _owner: object) -> list[Sample]:
+    roles = {"worker": 0, "scheduler": 0}
+    for e in engines:
+        roles[e.role] = roles.get(e.role, 0) + 1
+    return [({"role": role}, float(n)) for role, n in sorted(roles.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryStats:
+    """The registered engines (``hkvd status``: ``engines``)."""
+
+    engines: tuple[EngineStats, ...] = metric("hkvd_engines", "Registered engines by role", samples=_engines_by_role)
+
+
 @dataclass(slots=True)
 class EngineState:
     engine_id: int
@@ -82,15 +123,15 @@ class EngineState:
     def can_copy(self) -> bool:
         return self.attachment is not None
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "engine_id": self.engine_id, "pid": self.pid, "model": self.spec.model,
-            "rank": self.spec.rank, "world_size": self.spec.world_size, "chunk_size": self.chunk_size,
-            "fingerprint": self.fingerprint.hex(), "role": "worker" if self.can_copy else "scheduler",
-            "groups": [{"group_id": g.group_id, "kind": g.kind, "tokens_per_block": g.tokens_per_block,
-                        "window_tokens": g.window_tokens, "entry_bytes": self.entry_bytes[g.group_id]}
-                       for g in self.groups.values()],
-        }
+    def statistics(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.engine_id, pid=self.pid, model=self.spec.model, rank=self.spec.rank,
+            world_size=self.spec.world_size, chunk_size=self.chunk_size, fingerprint=self.fingerprint.hex(),
+            role="worker" if self.can_copy else "scheduler",
+            groups=tuple(EngineGroupStats(group_id=g.group_id, kind=g.kind, tokens_per_block=g.tokens_per_block,
+                                          window_tokens=g.window_tokens, entry_bytes=self.entry_bytes[g.group_id])
+                         for g in self.groups.values()),
+        )
 
     def check_item(self, item: Item) -> GroupSpec:
         """Bounds-check one item against this engine's registration (never trust the client)."""
@@ -186,3 +227,6 @@ class Registry:
 
     def engines(self) -> list[EngineState]:
         return list(self._engines.values())
+
+    def statistics(self) -> RegistryStats:
+        return RegistryStats(tuple(e.statistics() for e in self._engines.values()))

@@ -20,7 +20,7 @@ Threading and flow
 
 Open-file descriptors
     A connection accepted with fewer than the budget's reserve of descriptors free
-    (``daemon/descriptors.py``) pins nothing: at its Hello, an engine is refused with
+    (``daemon/fd_budget.py``) pins nothing: at its Hello, an engine is refused with
     ``ResourceExhausted`` (naming LimitNOFILE) and closed, while a tool (``hkvd status``) is served,
     up to ``MAX_RESERVE_TOOLS`` at once, and may not register. Running out while pinning an engine
     (EMFILE) is the same refusal. Connections already served are never touched. Should ``accept()``
@@ -48,12 +48,15 @@ import struct
 import time
 import uuid
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.errors import (
+from hkvd.daemon.service import Conn, KVService, request_log
+from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.errors import (
     FrameTooLarge,
     InternalError,
     KVError,
@@ -62,8 +65,7 @@ from hkvd.daemon.errors import (
     ResourceExhausted,
     UnsupportedVersion,
 )
-from hkvd.daemon.service import Conn, KVService, request_log
-from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.stat_fields import metric
 from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
 
 log = logging.getLogger("hkvd.server")
@@ -83,6 +85,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", creds)
     return pid, uid, gid
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """The control socket's connections now (/metrics only)."""
+
+    connections: int = metric("hkvd_connections", "Open control connections")
+    inflight_copies: int = metric("hkvd_inflight_copies", "Copies running now")
 
 
 class Server:
@@ -137,6 +147,10 @@ class Server:
             self._server = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.socket_path)
+
+    def statistics(self) -> ServerStats:
+        return ServerStats(connections=len(self.connections),
+                           inflight_copies=sum(c.inflight for c in self.connections.values()))
 
     def close_connections(self) -> None:
         """Close every client connection (shutdown, after its copies drained)."""

@@ -8,7 +8,7 @@ Threading
     Event loop only. Copies run on the daemon's copy thread pool through ``_run_copy`` with a
     timeout; a copy that outlives its timeout keeps its pins until the thread returns (the pool
     pages are in use), and its job fails with ``KVTimeout``. With a disk or cluster tier, a lookup
-    whose hit needs entries only they have awaits their reads (``daemon/tiers.py``, each tier's
+    whose hit needs entries only they have awaits their reads (``daemon/tiers/promotion.py``, each tier's
     budget) before it replies; ``handle`` returns that part as a coroutine, so the connection's
     later requests are not held behind it.
 
@@ -27,13 +27,26 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hkvd.daemon.client_process import ClientProcess
-from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.descriptors import DescriptorBudget
-from hkvd.daemon.disk_tier import DiskTier
-from hkvd.daemon.errors import (
+from hkvd.daemon.config import ConfigCell, DaemonConfig
+from hkvd.daemon.fd_budget import DescriptorBudget
+from hkvd.daemon.heap import HeapPolicy
+from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
+from hkvd.daemon.index import Entry, EntryState, Index
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.pool import Extent
+from hkvd.daemon.registry import EngineState, Registry
+from hkvd.daemon.routing.announcer import Announcer
+from hkvd.daemon.service_stats import KVEventsStats, RateStats, ServiceStats
+from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
+from hkvd.daemon.tiers.contract import Tier
+from hkvd.daemon.tiers.disk import DiskTier
+from hkvd.daemon.tiers.promotion import Promoter
+from hkvd.transport import layout
+from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
+from hkvd.transport.errors import (
     Aborted,
     CopyFailedError,
     KVError,
@@ -47,18 +60,18 @@ from hkvd.daemon.errors import (
     RegistrationError,
     ShuttingDown,
 )
-from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
-from hkvd.daemon.index import Entry, EntryState, Index
-from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import Extent
-from hkvd.daemon.registry import EngineState, Registry
-from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
-from hkvd.daemon.tiers import Promoter, Tier
-from hkvd.transport import layout
-from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
 from hkvd.transport.layout import GroupSpec
+from hkvd.transport.stat_fields import status_dict
 from hkvd.transport.wire import Message, control, events, kv, peer
+from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.kv import Item
+from hkvd.transport.wire.replies import Acknowledged, RetrieveResult, StepResult, StoreResult
+
+if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py does), and they import NIXL's host, zmq
+    from hkvd.daemon.peers.links import PeerService
+    from hkvd.daemon.routing.usable_prefix import FormatBook
+    from hkvd.daemon.routing.zmq_publisher import ZmqPublisher
+    from hkvd.daemon.tiers.cluster import ClusterStats
 
 log = logging.getLogger("hkvd.service")
 
@@ -96,22 +109,44 @@ def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
 
 
 class KVService:
-    def __init__(self, cfg: DaemonConfig, index: Index, registry: Registry, executor: Executor,
-                 metrics: Metrics, disk: DiskTier | None = None, cluster: Tier | None = None) -> None:
-        self.cfg = cfg
+    """Built whole by ``daemon/app.py``, its collaborators given at construction and never swapped:
+
+    - ``config``: the running config, read at each use (``cfg``); SIGHUP swaps it (``ConfigCell``);
+    - ``disk``, ``cluster``: the tiers below the pool, or None;
+    - ``peers``: peer links (pulls), or None: a ``Pull`` is refused;
+    - ``heap``: the GC policy, for ``status`` only;
+    - ``formats``: engines' formats by model, for routers (``daemon/routing/usable_prefix.py``);
+    - ``announcer``, ``publisher``: KV events (``daemon/routing``). No announcer: registrations say KV
+      events are unsupported, and notes are ignored; no publisher: they are kept for polls only.
+    """
+
+    def __init__(self, config: ConfigCell, index: Index, registry: Registry, executor: Executor,
+                 metrics: Metrics, *, disk: DiskTier | None = None, cluster: Tier[ClusterStats] | None = None,
+                 peers: PeerService | None = None, heap: HeapPolicy | None = None,
+                 formats: FormatBook | None = None, announcer: Announcer | None = None,
+                 publisher: ZmqPublisher | None = None) -> None:
+        self.config = config
         self.index = index
         self.registry = registry
         self.executor = executor
         self.metrics = metrics
         self.disk = disk  # the cold-restart tier (--l2-path), or None
         self.cluster = cluster  # the cluster tier (--cluster), or None
-        self.tiers: list[Tier] = [t for t in (disk, cluster) if t is not None]  # local before remote
+        self.tiers: list[Tier[object]] = [t for t in (disk, cluster) if t is not None]  # local before remote
         self.promoter = Promoter(index, metrics, self.tiers)
         self.shutting_down = False
-        self.peers: Any = None  # hkvd.daemon.peers.PeerService when peer links are on (daemon/app.py)
-        self.heap: Any = None  # hkvd.daemon.heap.HeapPolicy, set by daemon/app.py
-        self.copy_timeout_s = cfg.copy_timeout_s
+        self.peers = peers
+        self.heap = heap
+        self.formats = formats
+        self.announcer = announcer
+        self.publisher = publisher
+        self.copy_timeout_s = config.current.copy_timeout_s  # not reloadable
         self.descriptors = DescriptorBudget.current()  # the control socket's share (daemon/server.py)
+
+    @property
+    def cfg(self) -> DaemonConfig:
+        """The running config: read it at each use (a reload replaces it), never keep it."""
+        return self.config.current
 
     # ---- dispatch ------------------------------------------------------------------------------
     def handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
@@ -136,6 +171,8 @@ class KVService:
             case events.StepEvent():
                 conn.jobs.add(msg.req_id)
                 return self._step_event(conn, msg)
+            case events.KVEventsPoll():
+                self._poll_events(conn, msg)
             case control.Ping():
                 conn.send(control.Pong(msg.req_id))
             case kv.Release():
@@ -152,7 +189,7 @@ class KVService:
                 self._register(conn, msg)
             case control.Unregister():
                 self.disconnect(conn)
-                conn.send(kv.Done(msg.req_id, 0, {}))
+                conn.send(Acknowledged().to_done(msg.req_id))
             case control.Status():
                 conn.send(control.StatusReply(msg.req_id, self.status()))
             case control.Hello() | control.Bye():
@@ -166,7 +203,7 @@ class KVService:
         if self.peers is None:
             raise PermissionDenied("this hkvd does not pull from peers; start it with --peer-token-file (the "
                                    "token of the prefill node's daemon)")
-        self.peers.submit_pull(conn, msg)
+        self.peers.submit_pull(conn.engine, msg, conn)
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, conn: Conn, msg: control.Register) -> None:
@@ -182,7 +219,11 @@ class KVService:
         conn.engine = state
         if self.peers is not None:  # peers can serve its entries after it leaves
             self.peers.layouts.add(state)
+        if self.formats is not None:  # routers name it by model and format (daemon/routing/usable_prefix.py)
+            self.formats.add(state)
         conn.snapshots = SnapshotOrdering(state.engine_id)
+        if self.announcer is not None:
+            self.announcer.register(state)
         for fp in state.rank_fingerprints:  # every rank's entries have this rank's format
             self.index.set_groups(fp, state.kinds)
         self.index.set_ranks(state.rank_fingerprints)
@@ -190,7 +231,14 @@ class KVService:
         log.info("registered engine %d (pid %d, model %s, rank %d/%d, %s, %d groups, fingerprint %s)",
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
-        conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size))
+        conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
+                                      self.kv_events_mode()))
+
+    def kv_events_mode(self) -> int:
+        """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""
+        if self.announcer is None:
+            return control.KV_EVENTS_UNSUPPORTED
+        return control.KV_EVENTS_PUBLISHED if self.publisher is not None else control.KV_EVENTS_ACCEPTED
 
     def _engine(self, conn: Conn, *, copy: bool) -> EngineState:
         if conn.engine is None:
@@ -254,7 +302,7 @@ class KVService:
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s))
 
-    # ---- lower tiers: write-behind on READY (reads: daemon/tiers.py) ----------------------------------
+    # ---- lower tiers: write-behind on READY (reads: daemon/tiers/promotion.py) ------------------------
     def _write_behind(self, entries: list[Entry]) -> None:
         """Offer READY entries to each lower tier; an entry stays pinned until each tier that took it is done."""
         for tier in self.tiers:
@@ -274,13 +322,17 @@ class KVService:
     async def _store(self, conn: Conn, msg: kv.Store) -> None:
         engine = self._engine(conn, copy=True)
         items = msg.parsed()
-        nbytes, info, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
-                                                  wait_event=msg.wait_event)
-        conn.send(kv.Done(msg.req_id, nbytes, info))
+        notes = self._check_notes(engine, msg.parsed_notes(), items)
+        stored, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
+                                            wait_event=msg.wait_event, notes=notes)
+        conn.send(stored.to_done(msg.req_id))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
-                           pending: bool, wait_event: bytes = b"") -> tuple[int, dict[str, Any], list[Entry]]:
+                           pending: bool, wait_event: bytes = b"",
+                           notes: list[BlockNote] | None = None) -> tuple[StoreResult, list[Entry]]:
+        """Copy ``items`` into new pool entries; their counts for the reply, and the entries written."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
+        announcer = self.announcer if notes else None
         skipped = dropped = thinned = 0
         keep: list[tuple[Item, GroupSpec]] = []
         for it, g in zip(items, groups, strict=True):
@@ -300,7 +352,7 @@ class KVService:
                 skipped += 1
             elif isinstance(got, PoolFull):
                 dropped += 1
-                self.index.stores_dropped += 1
+                self.index.note_store_dropped()
                 self.metrics.inc("stores_dropped", kind=g.kind)
             else:
                 entries.append(got)
@@ -320,12 +372,15 @@ class KVService:
                 self.index.abandon_write(e)
             conn.aborted.discard(job_id)
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
+        # Notes first: the entries are announced as they turn READY (stored; Mamba states on confirmation).
+        noted = announcer.accept(engine, notes or []) if announcer is not None else []
         self.index.finish_writes(entries, pending=pending)
+        if announcer is not None:
+            announcer.settle(engine, noted)
         if not pending:
             self._write_behind(entries)
         self._count_bytes("stored_bytes", entries)
-        info = {"stored": len(entries), "skipped": skipped, "dropped": dropped, "thinned": thinned}
-        return nbytes, info, entries
+        return StoreResult(nbytes, len(entries), skipped, dropped, thinned), entries
 
     def _count_bytes(self, name: str, entries: list[Entry]) -> None:
         by_kind: dict[str, int] = {}
@@ -364,10 +419,7 @@ class KVService:
             if msg.lease_id:
                 self.index.use_lease(msg.lease_id)
         self._count_bytes("retrieved_bytes", entries)
-        info: dict[str, Any] = {"entries": len(entries)}
-        if result.done_event:  # the engine's stream waits on it before a forward reads the blocks
-            info["event"] = result.done_event
-        conn.send(kv.Done(msg.req_id, result.nbytes, info))
+        conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event).to_done(msg.req_id))
 
     # ---- step events (Mamba boundary states) ---------------------------------------------------
     async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:
@@ -378,6 +430,7 @@ class KVService:
             if engine.check_item(it).kind != "mamba":
                 raise ProtocolViolation(f"StepEvent offers carry Mamba states only; group {it.group_id} is "
                                         f"{engine.groups[it.group_id].kind}")
+        notes = self._check_notes(engine, msg.parsed_notes(), offers)
         decision = conn.snapshots.on_step_event(msg.seq, msg.step, msg.req_id, offers, list(msg.confirms))
         for job in decision.visible:
             for e in conn.pending.pop(job, []):
@@ -388,11 +441,11 @@ class KVService:
         if decision.outcome is StepOutcome.GAP:
             self.metrics.inc("step_event_gaps")
         if not decision.start_copies:
-            conn.send(kv.Done(msg.req_id, 0, {"outcome": decision.outcome.value}))
+            conn.send(StepResult(0, decision.outcome.value).to_done(msg.req_id))
             return
         try:
-            nbytes, info, written = await self._write_items(conn, engine, offers, job_id=msg.req_id,
-                                                            pending=True, wait_event=msg.wait_event)
+            copied, written = await self._write_items(conn, engine, offers, job_id=msg.req_id,
+                                                      pending=True, wait_event=msg.wait_event, notes=notes)
         except BaseException:
             conn.snapshots.on_copy_failed(msg.req_id)
             raise
@@ -401,8 +454,21 @@ class KVService:
         else:  # invalidated while copying: the block may have been reused under us
             for e in written:
                 self.index.drop(e)
-        info["outcome"] = decision.outcome.value
-        conn.send(kv.Done(msg.req_id, nbytes, info))
+        conn.send(StepResult.after_copy(decision.outcome.value, copied).to_done(msg.req_id))
+
+    def _check_notes(self, engine: EngineState, notes: list[BlockNote], items: list[Item]) -> list[BlockNote]:
+        """The message's KV-event notes, checked against the engine and its items (``OutOfRange``); none
+        when this daemon keeps no KV events."""
+        if not notes or self.announcer is None:
+            return []
+        self.announcer.check(engine, notes, items)
+        return notes
+
+    def _poll_events(self, conn: Conn, msg: events.KVEventsPoll) -> None:
+        engine = self._engine(conn, copy=False)
+        if self.announcer is None:
+            raise NotFound("this hkvd keeps no KV events (its RegisterAck said so); do not poll it")
+        conn.send(self.announcer.poll(engine, msg.req_id, msg.since))
 
     def _drop_jobs(self, conn: Conn, job_ids: list[int]) -> None:
         for job in job_ids:
@@ -480,27 +546,30 @@ class KVService:
             conn.process.close()
             conn.process = None
 
+    def statistics(self) -> ServiceStats:
+        """Every component's ``statistics()``; ``status()`` and /metrics are derived from it."""
+        kv_events = None
+        if self.announcer is not None:
+            kv_events = KVEventsStats(self.announcer.statistics(),
+                                      self.publisher.statistics() if self.publisher is not None else None)
+        return ServiceStats(
+            registry=self.registry.statistics(),
+            pool=self.index.pool.statistics(),
+            index=self.index.statistics(),
+            counters={name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
+            by_kind={name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits",
+                                                             "cluster_hits")},
+            uncacheable_requests=self._by_label("uncacheable_requests", "reason"),
+            rates=RateStats({d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}),
+            l2=self.disk.statistics() if self.disk is not None else None,
+            cluster=self.cluster.statistics() if self.cluster is not None else None,
+            peer=self.peers.statistics() if self.peers is not None else None,
+            heap=self.heap.statistics() if self.heap is not None else None,
+            kv_events=kv_events,
+            descriptors=self.descriptors.statistics(),
+            shutting_down=self.shutting_down,
+        )
+
     def status(self) -> dict[str, Any]:
-        pool = self.index.pool.statistics()
-        idx = self.index.statistics()
-        return {
-            "engines": [e.describe() for e in self.registry.engines()],
-            "pool": {"total_bytes": pool.total_bytes, "used_bytes": pool.used_bytes, "free_bytes": pool.free_bytes,
-                     **self.index.pool.describe()},  # kind, page_size: what the kernel backs it with
-            "index": {"entries": idx.entries, "ready": idx.ready, "pending": idx.pending, "writing": idx.writing,
-                      "bytes_stored": idx.bytes_stored, "leases": idx.leases, "pinned_entries": idx.pinned_entries,
-                      "evictions": idx.evictions, "orphans_dropped": idx.orphans_dropped,
-                      "orphans_marked": idx.orphans_marked, "chain_nodes": idx.chain_nodes,
-                      "stores_dropped": idx.stores_dropped, "by_kind": idx.by_kind},
-            "counters": {name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
-            "by_kind": {name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits",
-                                                                "cluster_hits")},
-            "uncacheable_requests": self._by_label("uncacheable_requests", "reason"),
-            "rates": {"copy_gbps": {d.value: self.metrics.rate("copy", direction=d.value) for d in Direction}},
-            "l2": self.disk.stats() if self.disk is not None else None,
-            "cluster": self.cluster.stats() if self.cluster is not None else None,
-            "peer": self.peers.status() if self.peers is not None else None,
-            "heap": self.heap.status() if self.heap is not None else None,
-            "descriptors": self.descriptors.status(),
-            "shutting_down": self.shutting_down,
-        }
+        """The status JSON (``hkvd status``, the control socket's ``StatusReply``): ``statistics()`` as dicts."""
+        return status_dict(self.statistics())

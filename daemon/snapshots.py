@@ -57,6 +57,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from hkvd.transport.stat_fields import status_only
+
 JobId = int
 
 # A copy must finish before the engine reports step s + COPY_DEADLINE_STEPS: vLLM keeps the
@@ -99,17 +101,19 @@ class StepDecision(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class SnapshotStatistics:
-    events: int = 0  # step events processed, duplicates excluded
-    duplicates: int = 0
-    gaps: int = 0
-    late_offers: int = 0  # events whose offers were refused as late
-    jobs_started: int = 0
-    invalidated: int = 0  # jobs invalidated for any reason (deadline, gap, abort, disconnect)
-    confirmed: int = 0  # jobs made visible
-    ignored_confirms: int = 0  # confirms for jobs not PENDING (never resurrect)
-    copy_failures: int = 0
-    discarded_copies: int = 0  # copies that finished after their job was invalidated
+class SnapshotStats:
+    """One engine's step-event ordering: events, gaps, jobs started, invalidated and confirmed."""
+
+    events: int = status_only(default=0)  # step events processed, duplicates excluded
+    duplicates: int = status_only(default=0)
+    gaps: int = status_only(default=0)
+    late_offers: int = status_only(default=0)  # events whose offers were refused as late
+    jobs_started: int = status_only(default=0)
+    invalidated: int = status_only(default=0)  # jobs invalidated for any reason (deadline, gap, abort, disconnect)
+    confirmed: int = status_only(default=0)  # jobs made visible
+    ignored_confirms: int = status_only(default=0)  # confirms for jobs not PENDING (never resurrect)
+    copy_failures: int = status_only(default=0)
+    discarded_copies: int = status_only(default=0)  # copies that finished after their job was invalidated
 
 
 @dataclass(slots=True)
@@ -127,7 +131,7 @@ class SnapshotOrdering:
         self._max_step: int | None = None  # highest step the engine has reported
         self._jobs: dict[JobId, _Job] = {}
         self._closed = False
-        self._counts: dict[str, int] = {f.name: 0 for f in fields(SnapshotStatistics)}
+        self._counts: dict[str, int] = {f.name: 0 for f in fields(SnapshotStats)}
 
     # ------------------------------------------------------------------ events
 
@@ -257,8 +261,8 @@ class SnapshotOrdering:
     def max_step(self) -> int | None:
         return self._max_step
 
-    def statistics(self) -> SnapshotStatistics:
-        return SnapshotStatistics(**self._counts)
+    def statistics(self) -> SnapshotStats:
+        return SnapshotStats(**self._counts)
 
     # ------------------------------------------------------------------ internals
 

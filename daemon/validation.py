@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from hkvd.daemon.errors import RegistrationError
+from hkvd.transport.errors import RegistrationError
 
 SUPPORTED_KINDS: tuple[str, ...] = ("full", "swa", "mamba")
 # vLLM keeps reusable Mamba states at block boundaries only in "align" mode; "none" keeps a

@@ -29,17 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hkvd.shim.results import (
-    Acknowledged,
-    Completion,
-    LookupResult,
-    PullResult,
-    RegisterAck,
-    Result,
-    RetrieveResult,
-    StepResult,
-    StoreResult,
-)
+from hkvd.shim.results import Completion, KVEventsResult, LookupResult, RegisterAck, Result
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import (
     DaemonUnavailable,
@@ -50,15 +40,12 @@ from hkvd.transport.errors import (
 )
 from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
 from hkvd.transport.wire import peer as peer_wire
+from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item, items_to_wire
+from hkvd.transport.wire.replies import REPLIES, Acknowledged
 
 READ_BYTES = 1 << 16
-
-
-# Which result a Done answers with, by the request it answers.
-_DONE_RESULTS: dict[type, Any] = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult,
-                                  events.StepEvent: StepResult, peer_wire.Pull: PullResult}
 
 
 class DaemonClient:
@@ -145,17 +132,24 @@ class DaemonClient:
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
         return self._submit(lambda r: kv.Lookup(r, list(keys), lease))
 
-    def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"") -> int:
-        """``wait_event``: IPC handle of the step-end CUDA event to order the copy after (GPU KV only)."""
-        return self._submit(lambda r: kv.Store(r, items_to_wire(_items(items)), wait_event))
+    def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"",
+                     notes: Sequence[BlockNote] | None = None) -> int:
+        """``wait_event``: IPC handle of the step-end CUDA event to order the copy after (GPU KV only).
+        ``notes``: vLLM's names of the chunks, for KV events; only to a daemon whose RegisterAck takes them."""
+        return self._submit(lambda r: kv.Store(r, items_to_wire(_items(items)), wait_event, _notes(notes)))
 
     def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
         return self._submit(lambda r: kv.Retrieve(r, lease_id, items_to_wire(_items(items))))
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
-                          confirms: Iterable[int] = (), wait_event: bytes = b"") -> int:
+                          confirms: Iterable[int] = (), wait_event: bytes = b"",
+                          notes: Sequence[BlockNote] | None = None) -> int:
         return self._submit(lambda r: events.StepEvent(r, seq, step, items_to_wire(_items(offers)),
-                                                       list(confirms), wait_event))
+                                                       list(confirms), wait_event, _notes(notes)))
+
+    def submit_events_poll(self, since: int) -> int:
+        """Ask for the KV event batches of this engine's layout numbered ``since`` and later."""
+        return self._submit(lambda r: events.KVEventsPoll(r, since))
 
     def submit_pull(self, peer: str, keys: Sequence[bytes], max_chunks: int = 0, release_lease: int = 0) -> int:
         """Ask the daemon to pull ``keys``' entries from the peer daemon at ``peer`` (HOST:PORT) into its
@@ -317,12 +311,11 @@ class DaemonClient:
 
     def _done_result(self, msg: kv.Done) -> None:
         request = self._outstanding.get(msg.req_id)
-        make = _DONE_RESULTS.get(request) if request is not None else None
-        if make is None:  # unregister: nothing to report but that it was done
-            self._complete(msg.req_id, Acknowledged())
+        if request is None:  # not ours (or already failed): nothing to complete
             return
+        reply = REPLIES.get(request, Acknowledged)  # which typed reply this request's Done carries
         try:
-            self._complete(msg.req_id, make.from_done(msg.nbytes, msg.info))
+            self._complete(msg.req_id, reply.from_done(msg.nbytes, msg.info))
         except ProtocolViolation as e:
             self._complete(msg.req_id, None, e)
 
@@ -332,6 +325,8 @@ class DaemonClient:
                 self._done_result(msg)
             case kv.LookupReply():
                 self._complete(msg.req_id, LookupResult(msg.hit_chunks, msg.lease_id, msg.lease_ttl_s))
+            case events.KVEvents():
+                self._complete(msg.req_id, KVEventsResult(msg.next, msg.lost, list(msg.batches)))
             case kv.Error() if msg.req_id in self._outstanding:
                 self._complete(msg.req_id, None, error_from_wire(msg.code, msg.message))
             case kv.Error():
@@ -340,7 +335,8 @@ class DaemonClient:
             case kv.AbortAck():
                 pass
             case control.RegisterAck():
-                self._complete(msg.req_id, RegisterAck(msg.engine_id, msg.fingerprint, msg.chunk_size))
+                self._complete(msg.req_id, RegisterAck(msg.engine_id, msg.fingerprint, msg.chunk_size,
+                                                       msg.kv_events))
             case control.StatusReply():
                 self._complete(msg.req_id, msg.status)
             case control.Pong():
@@ -363,5 +359,9 @@ class DaemonClient:
 
 def _items(items: Sequence[Item | Sequence[Any]]) -> list[Item]:
     return [it if isinstance(it, Item) else Item(*it) for it in items]
+
+
+def _notes(notes: Sequence[BlockNote] | None) -> list[list[Any]] | None:
+    return [n.to_wire() for n in notes] if notes else None
 
 

@@ -18,12 +18,15 @@ for Mamba/GDN hybrids; 128 for the tiny CPU Qwen3-Next and Gemma3 of the tests):
                                "kv_connector_module_path": "hkvd.shim.connector"}'
 
 ``--mamba-cache-mode align`` is required for Mamba/GDN layers (their states exist only at block
-boundaries). ``--max-num-batched-tokens`` must be >= N; N (up to 2N-1) makes every prefill step
-end on a block boundary. ``--prefix-cache-retention-interval N`` makes vLLM offer every block
-boundary's state, so prompts that share only part of a long prefix still hit; with vLLM's
-default 0 only the last boundary before each prompt's end is offered. The shim's chunk size is
-N, the granularity of vLLM's own prefix cache, whatever ``--chunk-size`` says (``chunk_size`` in
-the extra config overrides it; it must be a multiple of N).
+boundaries). The shim needs no particular ``--max-num-batched-tokens``: a prefill step may end
+anywhere, and each chunk is stored in the step that completes it (``hkvd.shim.scheduler``). For
+Mamba/GDN hybrids the daemon refuses a budget below N at registration; a budget in [N, 2N) gives
+every block boundary a state but serialises prefill (docs/hybrid.md, "Batched-token budget").
+``--prefix-cache-retention-interval N`` makes vLLM offer every block boundary's state, so prompts
+that share only part of a long prefix still hit; with vLLM's default 0 only the last boundary
+before each prompt's end is offered. The shim's chunk size is N, the granularity of vLLM's own
+prefix cache, whatever ``--chunk-size`` says (``chunk_size`` in the extra config overrides it; it
+must be a multiple of N).
 
 Chunks that fill while the engine generates are stored like prompt chunks, under keys that
 continue the prompt's, so the next turn of a chat (prompt + answer + new message) hits through
@@ -42,13 +45,14 @@ engine returns ``kv_transfer_params`` naming its daemon's peer listener and the 
 engine with ``"kv_role": "kv_consumer"`` given those params has its own daemon pull the chunks from
 that daemon (the request waits in WAITING_FOR_REMOTE_KVS), loads them, and recomputes on any failure.
 
-Every hook of the other role is a no-op. Configuration: ``hkvd.shim.config.ShimConfig``.
+Every hook of the other role is a no-op. Configuration: ``hkvd.shim.shim_config.ShimConfig``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -58,10 +62,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hkvd.shim.config import ShimConfig
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.scheduler import SchedulerSide
+from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.worker import WorkerSide
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only (the hooks' signatures in KVConnectorBase_V1)
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -69,7 +85,7 @@ __all__ = ["HkvdConnector", "HkvdConnectorMetadata"]
 
 
 class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ShimConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._sched: SchedulerSide | None = None
@@ -89,42 +105,49 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a best-effort cache: a dropped store is a future miss
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # views are registered per layer, any layer-major layout works
 
     # ---- scheduler side ------------------------------------------------------------------------
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         if self._sched is not None:
             self._sched.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
             self._sched.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
     def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """hkvd's KV events for this engine (its tiers' stores and removals), published by vLLM beside its
+        own when the engine runs with ``kv_events_config`` (hkvd.shim.kv_event_feed)."""
+        if self._sched is None:
+            return ()
+        return self._sched.take_events()
+
     # ---- worker side ---------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
@@ -137,14 +160,15 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(kv_connector_metadata, HkvdConnectorMetadata):
             self._worker.handle_preemptions(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # no forward reads a block being loaded: its request waits until get_transfer_results
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
         return  # stores are submitted in bulk after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:

@@ -24,12 +24,15 @@ Verification
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from hkvd.cuda.events import IpcEventRing, OpenedEvents
+from hkvd.cuda.ipc_events import IpcEventRing, OpenedEvents
+
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
 
 
-def one_device(tensors: dict[str, Any]) -> int:
+def one_device(tensors: dict[str, torch.Tensor]) -> int:
     """The GPU every KV tensor of this rank lives on (one rank, one device)."""
     devices = {t.device.index for t in tensors.values()}
     if len(devices) != 1:

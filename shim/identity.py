@@ -13,10 +13,11 @@ Two questions decide whether an entry may be served:
 - **Same prompt?** ``ChunkIdentity.extras`` turns vLLM's own per-range extra keys
   (``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys``: the LoRA adapter, the multimodal
   items overlapping the range with their offsets, the ``cache_salt`` in the first range, prompt-embedding
-  digests) into one canonical byte string per chunk, which ``hkvd.transport.keys.chunk_keys`` mixes
-  into the rolling key. vLLM's block hashes are not used: their seed is random per process. LoRA
-  adapters are also keyed by a digest of their files, so re-pointing or rewriting an adapter under
-  the same name and path never serves the old adapter's KV.
+  digests) into one canonical byte string per chunk (``hkvd.transport.extras.encode_extra``, which the
+  daemon shares to answer routers), which ``hkvd.transport.keys.chunk_keys`` mixes into the rolling
+  key. vLLM's block hashes are not used: their seed is random per process. LoRA adapters are also
+  keyed by a digest of their files, so re-pointing or rewriting an adapter under the same name and
+  path never serves the old adapter's KV.
 
 A request whose extra keys hkvd cannot encode safely (a tag or a value type it does not know) raises
 ``Uncacheable``: the scheduler side then neither looks it up nor stores it, counts it and logs the
@@ -31,64 +32,37 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import msgpack
+# The canonical extra-key encoding and the file digests live in transport/ (the daemon computes the
+# same keys for routers); the names stay importable from here.
+from hkvd.transport.extras import (
+    EXTRA_FORMAT,
+    KNOWN_TAGS,
+    SAMPLE_BYTES,
+    SAMPLES,
+    Uncacheable,
+    adapter_digest,
+    encode_extra,
+    files_digest,
+)
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is imported where it is used)
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.request import Request
+
+__all__ = ["EXTRA_FORMAT", "KNOWN_TAGS", "SAMPLES", "SAMPLE_BYTES", "ChunkIdentity", "Uncacheable", "adapter_digest",
+           "encode_extra", "engine_identity", "files_digest", "prompt_tokens"]
 
 logger = logging.getLogger("hkvd.shim")
 
-# The tags of vLLM 0.32's extra keys. Any other tag is a kind of identity hkvd does not know yet.
-KNOWN_TAGS = ("lora", "mm", "cache_salt", "prompt_embeds")
-EXTRA_FORMAT = b"hkvd-extra-1"
 _DIGEST = 16
-# Per weight file: this many evenly spaced samples of SAMPLE_BYTES, plus the last SAMPLE_BYTES.
-SAMPLES = 16
-SAMPLE_BYTES = 4096
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_INDEX_SUFFIX = ".index.json"
-
-
-class Uncacheable(Exception):
-    """A request hkvd cannot key safely; ``reason`` is a short label for counters and logs."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 # --------------------------------------------------------------------------- per-chunk extras
 
 
-def encode_extra(extra: tuple[Any, ...] | None, lora_digest: str = "") -> bytes:
-    """The canonical bytes of one range's extra keys (b"" for none); raise ``Uncacheable`` if unknown."""
-    if not extra:
-        return b""
-    parts: list[list[Any]] = []
-    for key in extra:
-        if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
-            raise Uncacheable("unknown_extra_key", f"extra key {key!r} is not a tagged tuple")
-        tag = key[0]
-        if tag not in KNOWN_TAGS:
-            raise Uncacheable(f"unknown_extra_key_{_label(tag)}",
-                              f"vLLM keys this request with a {tag!r} extra key, which this hkvd does not know")
-        values = list(key)
-        for v in values:
-            if not isinstance(v, (str, bytes)) and (type(v) is not int):
-                raise Uncacheable(f"extra_key_type_{_label(type(v).__name__)}",
-                                  f"a {tag!r} extra key holds a {type(v).__name__}, which has no canonical encoding")
-        if tag == "lora":
-            values.append(lora_digest)
-        parts.append(values)
-    return EXTRA_FORMAT + msgpack.packb(parts, use_bin_type=True)
-
-
-def _label(text: str) -> str:
-    """``text`` as a counter label: lower-case ASCII letters, digits and ``_`` (the wire's rule)."""
-    return "".join(c if c.isascii() and c.isalnum() else "_" for c in text.lower())[:32]
-
-
-def prompt_tokens(request: Any) -> list[int]:
+def prompt_tokens(request: Request) -> list[int]:
     """The prompt's token ids as vLLM hashes them (placeholders 0 where prompt embeddings stand)."""
     if getattr(request, "prompt_embeds", None) is not None:
         n = int(request.num_prompt_tokens)
@@ -102,7 +76,7 @@ class ChunkIdentity:
     def __init__(self) -> None:
         self._warned: set[str] = set()
 
-    def extras(self, request: Any, chunk_size: int, n_chunks: int, first: int = 0) -> list[bytes] | None:
+    def extras(self, request: Request, chunk_size: int, n_chunks: int, first: int = 0) -> list[bytes] | None:
         """One entry per chunk of ``[first, n_chunks)`` (b"" where vLLM has no extra keys); None when the
         request has none at all. Chunks past the prompt (its output tokens) get the same kinds of keys
         vLLM gives its own blocks there: the LoRA adapter on every chunk, a multimodal item only where
@@ -136,7 +110,7 @@ class ChunkIdentity:
                        exc.reason)
 
 
-def _may_have_extras(request: Any) -> bool:
+def _may_have_extras(request: Request) -> bool:
     return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
                 or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None)
 
@@ -144,7 +118,7 @@ def _may_have_extras(request: Any) -> bool:
 # --------------------------------------------------------------------------- engine identity
 
 
-def engine_identity(vllm_config: Any) -> str:
+def engine_identity(vllm_config: VllmConfig) -> str:
     """Hex digest of what changes an engine's KV bytes beyond the registered layout (see module doc)."""
     model_cfg = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -181,7 +155,7 @@ def _platform() -> str:
     return str(current_platform.device_type)
 
 
-def _model_dir(model_cfg: Any) -> Path | None:
+def _model_dir(model_cfg: ModelConfig) -> Path | None:
     path = Path(str(model_cfg.model))
     if path.is_dir():
         return path
@@ -194,7 +168,7 @@ def _model_dir(model_cfg: Any) -> Path | None:
         return None
 
 
-def _config_digest(model_cfg: Any, model_dir: Path | None) -> str:
+def _config_digest(model_cfg: ModelConfig, model_dir: Path | None) -> str:
     if model_dir is not None and (model_dir / "config.json").is_file():
         return hashlib.blake2b((model_dir / "config.json").read_bytes(), digest_size=_DIGEST).hexdigest()
     hf = getattr(model_cfg, "hf_config", None)
@@ -207,53 +181,3 @@ def _unresolved(model: str) -> str:
     logger.warning("hkvd: the files of model %s are not on this machine's disk; its cache entries are identified "
                    "by name, revision and config only, so serve new weights under a new name or revision", model)
     return "unresolved"
-
-
-@functools.cache
-def adapter_digest(path: str) -> str:
-    """Digest of a LoRA adapter's files ("" when the path is not a local folder: name and path only)."""
-    return files_digest(path) if path and Path(path).is_dir() else ""
-
-
-@functools.cache
-def files_digest(folder: str) -> str:
-    """Digest of a model or adapter folder's config and weight files without reading them whole.
-
-    Every ``*.json`` config or index file is hashed whole; every weight file contributes its name, its
-    size, its safetensors header (names, dtypes, shapes, offsets) and ``SAMPLES`` evenly spaced
-    ``SAMPLE_BYTES`` samples of its data plus its last bytes. Retrained or re-quantized weights change
-    every sample; only an edit confined to a few unsampled bytes could go unseen.
-    """
-    root = Path(folder)
-    h = hashlib.blake2b(digest_size=_DIGEST)
-    for p in sorted(root.iterdir()):
-        if not p.is_file():
-            continue
-        name = p.name
-        if name.endswith(_INDEX_SUFFIX) or name in ("config.json", "adapter_config.json"):
-            h.update(b"json\0" + name.encode() + b"\0" + p.read_bytes())
-        elif name.endswith(_WEIGHT_SUFFIXES):
-            h.update(b"weights\0" + name.encode() + b"\0")
-            _sample_file(p, h)
-    return h.hexdigest()
-
-
-def _sample_file(path: Path, h: Any) -> None:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h.update(size.to_bytes(8, "little"))
-        start = 0
-        if path.suffix == ".safetensors" and size >= 8:
-            n = int.from_bytes(f.read(8), "little")
-            if 0 < n <= size - 8:
-                h.update(f.read(n))
-                start = 8 + n
-        span = size - start
-        if span <= 0:
-            return
-        step = max(span // SAMPLES, 1)
-        for off in range(start, size, step):
-            f.seek(off)
-            h.update(f.read(SAMPLE_BYTES))
-        f.seek(max(start, size - SAMPLE_BYTES))
-        h.update(f.read(SAMPLE_BYTES))

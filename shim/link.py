@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hkvd.shim.client import DaemonClient
-from hkvd.shim.config import ShimConfig
+from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.errors import KVError, RegistrationError
 
 logger = logging.getLogger("hkvd.shim")

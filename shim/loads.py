@@ -34,16 +34,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hkvd.shim.results import RetrieveResult
+from hkvd.transport.wire.replies import RetrieveResult
+
+if TYPE_CHECKING:  # metadata imports pd, which imports this module
+    from hkvd.shim.metadata import LoadJob
 
 logger = logging.getLogger("hkvd.shim")
 
 
 @dataclass(slots=True)
 class _Load:
-    job: Any  # hkvd.shim.metadata.LoadJob
+    job: LoadJob
     deadline: float
     budget: str  # the setting whose time ran out, for the warning
     aborted: bool = False
@@ -68,7 +71,7 @@ class Loads:
         """The requests whose loads are in flight (the daemon may be writing into their blocks)."""
         return {p.job.req_id for p in self._flying.values()}
 
-    def start(self, client: Any, job: Any, lease_id: int, deadline: float = 0.0,
+    def start(self, client: Any, job: LoadJob, lease_id: int, deadline: float = 0.0,
               budget: str = "load_timeout_s") -> None:
         """Submit ``job``'s Retrieve; the client's error (connection lost) propagates, nothing is kept."""
         rid = client.submit_retrieve(job.items, lease_id)
@@ -109,7 +112,7 @@ class Loads:
                 except Exception:  # the connection is gone: the worker's next poll forgets every load
                     logger.debug("hkvd: abort of load %d failed", rid, exc_info=True)
 
-    def fail(self, job: Any, why: str) -> None:
+    def fail(self, job: LoadJob, why: str) -> None:
         """Report ``job`` failed (vLLM recomputes it) without a copy in flight."""
         self.stats["loads_failed"] += 1
         logger.info("hkvd: load for %s failed (%s); vLLM recomputes it", job.req_id, why)

@@ -10,10 +10,11 @@ block) never appears in an item.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from hkvd.shim.pd import PullSpec
+from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.kv import Item
 
 
@@ -31,7 +32,7 @@ class LoadJob:
     # Every block the load writes (a failed load is reported per request: vLLM recomputes it).
     block_ids: list[int]
     # Prefill/decode: pull these chunks from the prefill engine's daemon first (hkvd.shim.pd).
-    pull: Any = None
+    pull: PullSpec | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class StoreJob:
 
     req_id: str
     items: list[Item]
+    # vLLM's names of the chunks, one per chunk key, sent with the store for KV events (docs/routing.md).
+    notes: list[BlockNote] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -49,6 +52,7 @@ class HkvdConnectorMetadata(KVConnectorMetadata):
     stores: list[StoreJob] = field(default_factory=list)
     # Mamba boundary states offered this step: (req_id, item). Sent as one StepEvent.
     offers: list[tuple[str, Item]] = field(default_factory=list)
+    offer_notes: list[BlockNote] = field(default_factory=list)  # the offered chunks' notes, as StoreJob.notes
     # Blocks this step's forward (or vLLM's zeroing before it) may write: newly allocated ones.
     # In-flight copies out of them must finish first (handle_preemptions).
     fence_blocks: set[int] = field(default_factory=set)

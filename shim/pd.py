@@ -27,10 +27,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hkvd.shim.loads import Loads
-from hkvd.shim.results import PullResult
+from hkvd.transport.wire.replies import PullResult
+
+if TYPE_CHECKING:  # metadata imports this module (PullSpec)
+    from hkvd.shim.metadata import LoadJob
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -96,7 +99,8 @@ def consumer_plan(params: dict[str, Any] | None, keys: list[bytes], max_chunks: 
 
 @dataclass(slots=True)
 class _Pending:
-    job: Any  # hkvd.shim.metadata.LoadJob with .pull set
+    job: LoadJob
+    spec: PullSpec  # job.pull
     deadline: float
 
 
@@ -121,14 +125,17 @@ class PullLoads:
     def in_flight(self) -> int:
         return len(self._pulls)
 
-    def start(self, client: Any, job: Any) -> None:
-        spec: PullSpec = job.pull
+    def start(self, client: Any, job: LoadJob) -> None:
+        """Pull ``job.pull`` first, then load ``job``."""
+        spec = job.pull
+        if spec is None:  # the worker starts here only the loads that pull
+            raise ValueError(f"hkvd: load {job.req_id} has no pull to start")
         try:
             rid = client.submit_pull(spec.peer, spec.keys, len(spec.keys), spec.release_lease)
         except Exception as e:
             self._fail(job, f"could not ask the daemon to pull: {e}")
             raise
-        self._pulls[rid] = _Pending(job, time.monotonic() + self.timeout_s)
+        self._pulls[rid] = _Pending(job, spec, time.monotonic() + self.timeout_s)
 
     def absorb(self, c: Any, client: Any) -> bool:
         """Handle one completion if it is one of our pulls'; True when it was."""
@@ -144,15 +151,15 @@ class PullLoads:
         return True
 
     def _pulled(self, p: _Pending, c: Any, client: Any) -> None:
-        job, want = p.job, len(p.job.pull.keys)
+        job, want = p.job, len(p.spec.keys)
         if not c.ok:
-            self._fail(job, f"pull from {job.pull.peer} failed: {c.error}")
+            self._fail(job, f"pull from {p.spec.peer} failed: {c.error}")
             return
         pulled = c.get(PullResult)
         hit, lease = pulled.hit_chunks, pulled.lease_id
         if hit < want:
             _release(client, lease)
-            self._fail(job, f"the prefill daemon at {job.pull.peer} had {hit} of {want} chunks")
+            self._fail(job, f"the prefill daemon at {p.spec.peer} had {hit} of {want} chunks")
             return
         self.stats["pulls_ok"] += 1
         self.stats["pulled_chunks"] += want
@@ -182,7 +189,7 @@ class PullLoads:
         self._pulls.clear()
         self._late.clear()
 
-    def _fail(self, job: Any, why: str) -> None:
+    def _fail(self, job: LoadJob, why: str) -> None:
         self.stats["pulls_failed"] += 1
         logger.warning("hkvd: remote prefill for %s not loaded (%s); vLLM recomputes it", job.req_id, why)
         self.loads.fail(job, why)

@@ -47,6 +47,11 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       the worker reports it in ``finished_recving``, once the daemon has ended the copy.
     - Leases the daemon granted for hits that are not loaded (local cache won, request
       finished before allocation) are released at once; a retrieve releases its own lease.
+    - KV events (docs/routing.md): when the daemon publishes them node-wide, or the engine runs
+      with ``kv_events_config``, every store and offer carries a note per chunk with vLLM's own
+      block hashes for it (``hkvd.shim.kv_event_notes``); with ``kv_events_config``,
+      ``take_events`` also returns the daemon's events for this engine's layout
+      (``hkvd.shim.kv_event_feed``).
 
 Failure handling
     Daemon down: every lookup is a miss (recompute) and the link retries in the background of
@@ -58,18 +63,32 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hkvd.shim import pd
-from hkvd.shim.config import ShimConfig
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
+from hkvd.shim.kv_event_feed import EventFeed
+from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
 from hkvd.shim.results import LookupResult
+from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
 from hkvd.transport.errors import DaemonUnavailable
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
+from hkvd.transport.wire.block_notes import BlockNote
+from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -93,16 +112,16 @@ class _Req:
     had_copies: bool = False
     load_failed: bool = False  # its load failed once: recompute, never load it again
     pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
-    pull: Any = None  # pd.PullSpec until the load job that carries it is planned
+    pull: pd.PullSpec | None = None  # until the load job that carries it is planned
     loading: bool = False  # a load (a pull first, for pd) is in flight: the worker reports its end
     # Chunk keys over the prompt's full chunks; with store_decode extended over known output tokens.
     keys: list[bytes] = field(default_factory=list)
-    request: Any = None  # vLLM's Request: its extra keys (LoRA, images, cache_salt) join the chunk keys
+    request: Request | None = None  # its extra keys (LoRA, images, cache_salt) join the chunk keys
     uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ShimConfig) -> None:
         validate_vllm(vllm_config, kv_cache_config, cfg)
         self.cfg = cfg
         self.groups: list[GroupInfo] = group_infos(kv_cache_config)
@@ -125,7 +144,12 @@ class SchedulerSide:
         self._step = 0
         self._identity = ChunkIdentity()
         self.stats = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0, "offer_items": 0,
-                      "uncacheable": 0}
+                      "uncacheable": 0, "notes": 0}
+        # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
+        events_cfg = getattr(vllm_config, "kv_events_config", None)
+        self.engine_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
+        self._notes = NoteMaker(self.block_size, getattr(kv_cache_config, "hash_block_size", None))
+        self.feed = EventFeed()
         self._connect(startup=True)
 
     # ---- link ----------------------------------------------------------------------------------
@@ -202,7 +226,7 @@ class SchedulerSide:
             return max(st.num_tokens, int(st.request.num_tokens))
         return st.num_tokens
 
-    def _store_items(self, st: _Req, table: Any, lo: int, hi: int) -> list[Item]:
+    def _store_items(self, st: _Req, table: Sequence[Sequence[int]], lo: int, hi: int) -> list[Item]:
         """Store items for chunks [lo, hi) of every attention group, from block table ``table``."""
         keys = self._keys_through(st, hi)
         C = self.chunk_size
@@ -241,6 +265,8 @@ class SchedulerSide:
             self.link.lost(e)
             return
         for c in done:
+            if self.feed.on_completion(c):
+                continue
             req_id = self._by_lookup.pop(c.req_id, None)
             st = self._reqs.get(req_id) if req_id is not None else None
             if st is None:
@@ -259,6 +285,7 @@ class SchedulerSide:
                     logger.debug("hkvd: lookup for %s failed: %s", req_id, c.error)
         if not client.connected:
             self.link.lost(ConnectionError("connection lost"))
+            self.feed.lost_connection()
 
     def _release(self, lease_id: int) -> None:
         if not lease_id or self.link.client is None:
@@ -298,14 +325,14 @@ class SchedulerSide:
         self.stats["lookups"] += 1
 
     # ---- vLLM hooks ----------------------------------------------------------------------------
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         tokens = prompt_tokens(request)
         st = _Req(tokens=tokens, num_tokens=len(tokens), request=request)
         self._reqs[request.request_id] = st
         if tokens:
             self._submit_lookup(request.request_id, st)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:  # a request vLLM never announced (resumed after a reset): look it up now
             self.on_new_request(request)
@@ -336,7 +363,7 @@ class SchedulerSide:
             return 0, False
         return hit_tokens - num_computed_tokens, True  # async: see "Contracts" above
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
@@ -393,7 +420,7 @@ class SchedulerSide:
         self.stats["load_jobs"] += 1
         self.stats["hit_tokens"] += num_external_tokens
 
-    def build_connector_meta(self, so: Any) -> HkvdConnectorMetadata:
+    def build_connector_meta(self, so: SchedulerOutput) -> HkvdConnectorMetadata:
         self._step += 1
         self._pump()
         meta = HkvdConnectorMetadata(step=self._step, loads=self._loads, delayed_free=self._delayed,
@@ -430,7 +457,7 @@ class SchedulerSide:
             items = self._store_items(st, table, st.next_store_chunk, last)
             st.next_store_chunk = last
             if items:
-                meta.stores.append(StoreJob(req_id, items))
+                meta.stores.append(StoreJob(req_id, items, self._notes_for(st, items)))
                 st.had_copies = True
                 self.stats["store_items"] += len(items)
         for req_id, offers in (block_state.boundary_state_offloads or {}).items():
@@ -444,12 +471,14 @@ class SchedulerSide:
                 keys = self._keys_through(st, ci + 1)
                 if ci >= len(keys):
                     continue  # no key: past the prompt with store_decode off, or tokens not known
-                meta.offers.append((req_id, Item(int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci))))
+                offer = Item(int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci))
+                meta.offers.append((req_id, offer))
+                meta.offer_notes.extend(self._notes_for(st, [offer], skip={n.key for n in meta.offer_notes}))
                 st.had_copies = True
                 self.stats["offer_items"] += 1
         return meta
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in getattr(output, "finished_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
@@ -457,7 +486,7 @@ class SchedulerSide:
         self._note_failed_loads(getattr(output, "failed_recving", None) or ())
         self._pump()
 
-    def _note_failed_loads(self, req_ids: Any) -> None:
+    def _note_failed_loads(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             st = self._reqs.get(req_id)
             if st is not None:
@@ -465,7 +494,8 @@ class SchedulerSide:
                 st.hit_chunks, st.lease_id = 0, 0
                 st.next_store_chunk = 0  # recomputed from scratch: store it again (a new daemon lacks it)
 
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -487,7 +517,7 @@ class SchedulerSide:
             return True, params
         return False, params
 
-    def _store_on_finish(self, request: Any, st: _Req, block_ids: Any) -> None:
+    def _store_on_finish(self, request: Request, st: _Req, block_ids: list[int] | tuple[list[int], ...]) -> None:
         """Store the computed chunks not stored yet, from the blocks the finished request hands back.
 
         Under async scheduling a chunk whose last token was still a placeholder when it filled, and
@@ -506,12 +536,12 @@ class SchedulerSide:
         items = self._store_items(st, block_ids, st.next_store_chunk, last)
         st.next_store_chunk = last
         if items:
-            self._finish_stores.append(StoreJob(request.request_id, items))
+            self._finish_stores.append(StoreJob(request.request_id, items, self._notes_for(st, items)))
             st.had_copies = True
             self.stats["store_items"] += len(items)
 
     # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------
-    def _plan_pull(self, request: Any, st: _Req) -> None:
+    def _plan_pull(self, request: Request, st: _Req) -> None:
         """A consumer's request carrying a producer's params: claim its chunks, pull them first."""
         if self.kv_role == "kv_producer" or not self.chunk_size:
             return
@@ -564,6 +594,44 @@ class SchedulerSide:
             logger.debug("hkvd: no hold lease for the decode side: %s", e)
             return 0
         return c.get(LookupResult).lease_id if c.ok else 0
+
+    # ---- KV events (docs/routing.md) ------------------------------------------------------------
+    def _wants_notes(self) -> bool:
+        """Notes go with stores when the daemon publishes node-wide, or this engine publishes (and polls)."""
+        mode = int(getattr(self.link.ack, "kv_events", 0) or 0) if self.link.up else 0
+        return mode >= KV_EVENTS_PUBLISHED or (mode >= KV_EVENTS_ACCEPTED and self.engine_events)
+
+    def _notes_for(self, st: _Req, items: list[Item], skip: set[bytes] | frozenset[bytes] = frozenset()
+                   ) -> list[BlockNote]:
+        """One note per chunk key of ``items`` (vLLM's hashes for its blocks), or none."""
+        if not items or st.request is None or not self._wants_notes():
+            return []
+        out: list[BlockNote] = []
+        seen = set(skip)
+        for it in items:
+            if it.key in seen:
+                continue
+            seen.add(it.key)
+            note = self._notes.note(st.request, it.key, it.chunk_index, self.chunk_size)
+            if note is not None:
+                out.append(note)
+        self.stats["notes"] += len(out)
+        return out
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The daemon's KV events for this engine's layout that arrived since the last call (see
+        hkvd.shim.kv_event_feed); polls again. Nothing unless the engine publishes KV events."""
+        if not self.engine_events:
+            return []
+        self._pump()
+        client = self.link.client
+        if client is not None and int(getattr(self.link.ack, "kv_events", 0) or 0) >= KV_EVENTS_ACCEPTED:
+            try:
+                self.feed.maybe_poll(client)
+            except Exception as e:
+                self.link.lost(e)
+                self.feed.lost_connection()
+        return self.feed.take()
 
     def shutdown(self) -> None:
         self.link.close()

@@ -20,12 +20,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from hkvd.shim.config import ShimConfig
 from hkvd.shim.identity import engine_identity
+from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.control import EngineSpec
+
+if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only (vLLM is imported where it is used)
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+    from hkvd.transport.copy_engine import Region
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -43,11 +50,11 @@ class GroupInfo:
     window_tokens: int  # swa only, else 0
 
 
-def _dtype_name(dt: Any) -> str:
+def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
+def group_infos(kv_cache_config: KVCacheConfig) -> list[GroupInfo]:
     """Classify vLLM's KV-cache groups; raise (with the fix) on kinds hkvd cannot cache."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -71,20 +78,22 @@ def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
     return out
 
 
-def _page_and_dtype(spec: Any) -> tuple[int, str]:
-    from vllm.v1.kv_cache_interface import MambaSpec
+def _page_and_dtype(spec: KVCacheSpec) -> tuple[int, str]:
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     if isinstance(spec, MambaSpec):
         # The real state bytes only: the padding up to the attention page size is never read.
         shapes = ";".join(f"{_dtype_name(d)}{list(s)}" for s, d in zip(spec.shapes, spec.dtypes, strict=True))
         return int(spec.real_page_size_bytes), f"state:{shapes}"
+    if not isinstance(spec, AttentionSpec):  # group_infos refused every other kind before this
+        raise ValueError(f"hkvd: a {type(spec).__name__} group has no page format hkvd knows")
     return int(spec.real_page_size_bytes), _dtype_name(spec.dtype)
 
 
 LayerAddr = Callable[[str], tuple[int, int]]  # layer name -> (region_id, byte offset in region)
 
 
-def build_groups(kv_cache_config: Any, layer_addr: LayerAddr | None = None) -> list[Any]:
+def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = None) -> list[GroupSpec]:
     """Our ``GroupSpec`` list: one ``View`` per layer, in ``group.layer_names`` order.
 
     ``layer_addr=None`` (scheduler side) places layer l of a ``KVCacheTensor`` at
@@ -116,7 +125,7 @@ def build_groups(kv_cache_config: Any, layer_addr: LayerAddr | None = None) -> l
     return groups
 
 
-def validate_vllm(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> None:
+def validate_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ShimConfig) -> None:
     """Checks on vLLM's own settings that make hkvd useless or wrong; raise with the fix."""
     infos = group_infos(kv_cache_config)
     cache = vllm_config.cache_config
@@ -148,7 +157,7 @@ def validate_vllm(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> No
             )
 
 
-def effective_chunk_size(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> int:
+def effective_chunk_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ShimConfig) -> int:
     """The chunk size the shim registers: ``chunk_size`` if set, else vLLM's block size N.
 
     vLLM's own prefix cache hits at block granularity; a chunk of k blocks rounds every hit down to a
@@ -161,7 +170,7 @@ def effective_chunk_size(vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig
     return cfg.chunk_size or int(vllm_config.cache_config.block_size)
 
 
-def layout_tag(kv_cache_config: Any) -> str:
+def layout_tag(kv_cache_config: KVCacheConfig) -> str:
     from vllm.platforms import current_platform
 
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
@@ -178,8 +187,9 @@ def _worker_rank() -> int:
 
 
 def build_engine_spec(
-    vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig, *, regions: list[Any], layer_addr: LayerAddr | None,
-) -> Any:
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ShimConfig, *, regions: list[Region],
+    layer_addr: LayerAddr | None,
+) -> EngineSpec:
 
     par = vllm_config.parallel_config
     return EngineSpec(
@@ -195,4 +205,17 @@ def build_engine_spec(
         regions=regions,
         groups=build_groups(kv_cache_config, layer_addr),
         identity=engine_identity(vllm_config),
+        event_groups=event_groups(kv_cache_config),
     )
+
+
+def event_groups(kv_cache_config: KVCacheConfig) -> list[tuple[int, str, int | None]]:
+    """How vLLM names each KV-cache group in its KV events: (group index, kv_cache_spec_kind, sliding window),
+    as its KV-cache manager annotates its own ``BlockStored`` events. [] with a vLLM that names none."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:
+        return []
+    return [(gid, str(get_kv_cache_spec_kind(g.kv_cache_spec).value),
+             get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for gid, g in enumerate(kv_cache_config.kv_cache_groups)]

@@ -42,20 +42,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hkvd.cuda.export import export_tensor
-from hkvd.shim.config import ShimConfig
 from hkvd.shim.gpu import GpuOrdering, one_device
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
-from hkvd.shim.results import RetrieveResult, StepResult, StoreResult
+from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import build_engine_spec, validate_vllm
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
+from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult
+
+if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -68,14 +74,17 @@ class _Job:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ShimConfig) -> None:
-        if vllm_config is not None:
+    def __init__(self, vllm_config: VllmConfig | None, kv_cache_config: KVCacheConfig | None,
+                 cfg: ShimConfig) -> None:
+        """``vllm_config`` and ``kv_cache_config`` are None only in tests that script the daemon and
+        never register KV caches."""
+        if vllm_config is not None and kv_cache_config is not None:
             # Workers start (and allocate KV) before the scheduler: fail here, with the fix.
             validate_vllm(vllm_config, kv_cache_config, cfg)
         self.cfg = cfg
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
-        self._regions: list[Any] = []
+        self._regions: list[Region] = []
         self._layer_addr: dict[str, tuple[int, int]] = {}
         self.link = DaemonLink(cfg, "worker", "vllm-worker", self._spec, on_connected=self._allow_daemon)
         self._gen = 0
@@ -86,14 +95,20 @@ class WorkerSide:
         self._confirmable: list[int] = []
         self.loads = Loads(cfg.load_timeout_s, on_loaded=self._loaded)  # every load in flight
         self._pd = PullLoads(cfg.pull_timeout_s, self.loads)  # prefill/decode loads that pull first (hkvd.shim.pd)
-        self._gpu: Any = None  # shim.gpu.GpuOrdering when the KV caches are on a GPU
+        self._gpu: GpuOrdering | None = None  # when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
                       "stored_bytes": 0}
 
     # ---- registration --------------------------------------------------------------------------
-    def _spec(self) -> Any:
-        return build_engine_spec(self._vllm_config, self._kv_cache_config, self.cfg, regions=self._regions,
+    def _configs(self) -> tuple[VllmConfig, KVCacheConfig]:
+        if self._vllm_config is None or self._kv_cache_config is None:
+            raise RuntimeError("hkvd worker: built without vLLM's configs, so it cannot register KV caches")
+        return self._vllm_config, self._kv_cache_config
+
+    def _spec(self) -> EngineSpec:
+        vllm_config, kv_cache_config = self._configs()
+        return build_engine_spec(vllm_config, kv_cache_config, self.cfg, regions=self._regions,
                                  layer_addr=lambda name: self._layer_addr[name])
 
     @staticmethod
@@ -101,16 +116,17 @@ class WorkerSide:
         if client.daemon_pid:
             allow_ptracer(int(client.daemon_pid))
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
 
-        block_strides = {name: t.block_stride for t in self._kv_cache_config.kv_cache_tensors for name in t.layers}
+        _, kv_cache_config = self._configs()
+        block_strides = {name: t.block_stride for t in kv_cache_config.kv_cache_tensors for name in t.layers}
         tensors = {name: (t[0] if isinstance(t, list | tuple) else t) for name, t in kv_caches.items()
                    if name in block_strides}
         device_types = {t.device.type for t in tensors.values()}
         if device_types - {"cpu", "cuda"} or len(device_types) > 1:
             raise ValueError(f"hkvd: KV caches on {sorted(device_types)}; hkvd registers either host (CPU) or "
                              "CUDA KV caches, one kind per engine. Remove the hkvd kv_transfer_config for others.")
-        export: Callable[[int, Any], Any] | None = None  # None: host memory, the storage's address here
+        export: Callable[[int, torch.Tensor], Region] | None = None  # None: host memory, the storage's address here
         if device_types == {"cuda"}:
 
             export = export_tensor
@@ -283,13 +299,13 @@ class WorkerSide:
             # GPU: the daemon's stream waits for the end of this step's forward before reading.
             event = self._gpu.step_end_event() if self._gpu is not None and (meta.stores or meta.offers) else b""
             for sj in meta.stores:
-                rid = client.submit_store(sj.items, wait_event=event)
+                rid = client.submit_store(sj.items, wait_event=event, notes=sj.notes)
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
             offers = [it for _, it in meta.offers]
             confirms, self._confirmable = self._confirmable, []
             self._seq += 1
             rid = client.submit_step_event(self._seq, meta.step, offers, confirms,
-                                           wait_event=event if offers else b"")
+                                           wait_event=event if offers else b"", notes=meta.offer_notes)
             self._track(rid, _Job("step", item_blocks(offers), {r for r, _ in meta.offers}))
             self.stats["step_events"] += 1
         except Exception as e:

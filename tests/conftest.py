@@ -54,3 +54,17 @@ def run_engine(socket_path: str, *args: str, timeout_s: float = 60.0) -> dict:
 @pytest.fixture
 def engine_proc() -> Callable[..., dict]:
     return run_engine
+
+
+# The fast tier lives in tests/unit alone (tests/unit/conftest.py lists its modules): under exactly
+# `-m fast`, the other folders are not even imported, which saves their collection (vLLM's import among it).
+_UNIT = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("markexpr") != "fast":
+        return None
+    path = collection_path.resolve()
+    if path == _UNIT or _UNIT in path.parents or path in _UNIT.parents:
+        return None
+    return True

@@ -1,6 +1,6 @@
 """Asyncio frame I/O over a stream: one message in, one message out, each with a time budget.
 
-Used by the peer link on both ends (``hkvd.daemon.peer_server`` / ``peer_client``). Framing and
+Used by the peer link on both ends (``hkvd.daemon.peers.serving`` / ``pulling``). Framing and
 validation are ``hkvd.transport.codec``'s; this only moves bytes.
 
 Errors

@@ -1,12 +1,12 @@
 """The data-transport interface: one-sided reads from a peer daemon's registered memory.
 
 Role
-    The peer link (``hkvd.daemon.peer_client`` / ``peer_server``) decides *what* to move: which
+    The peer link (``hkvd.daemon.peers.pulling`` / ``serving``) decides *what* to move: which
     leased pool entries of the serving daemon land in which freshly allocated entries of the
     pulling daemon. A ``DataTransport`` only moves the bytes: it registers the local pool, exports
     the metadata a peer needs to reach it, loads a peer's metadata, and READs lists of
     ``Desc(remote_addr, local_addr, nbytes)``. The daemon core never imports NIXL or UCX; it sees
-    this interface (``hkvd.transport.nixl_transport`` implements it).
+    this interface (``hkvd.transport.nixl.agent`` implements it).
 
 Threading
     Every method is called from the event loop and never blocks it: implementations run the
@@ -15,7 +15,7 @@ Threading
 Lifecycle
     ``start`` -> ``register`` (the pool, once) -> ``supervise`` (a task of the owner's, for the
     transport's lifetime) -> ``add_peer`` per peer -> ``read``... -> ``aclose`` (idempotent). A
-    transport that recovers from library crashes (``hkvd.transport.hosted``) bumps ``generation``
+    transport that recovers from library crashes (``hkvd.transport.nixl.hosted``) bumps ``generation``
     and changes ``agent_name`` and ``metadata`` when it does: names from an earlier ``add_peer``
     are then gone. Memory registered with a transport must stay mapped until ``aclose``
     has returned: a transport may still be writing into it until then.
@@ -28,7 +28,7 @@ Contracts
       it failed. There is no partial success.
     - ``Transfer.wait(timeout_s)`` bounds the caller's wait. A timeout raises ``KVTimeout`` but
       does not make the local memory reusable: the caller keeps the destination pages out of
-      use until ``settled`` resolves (``hkvd.daemon.peer_client`` quarantines them).
+      use until ``settled`` resolves (``hkvd.daemon.peers.pulling`` quarantines them).
     - ``Transfer.abort`` records that nobody waits for the result any more. A transport that can
       cancel in flight does so; one that cannot (NIXL, see its module) still settles later.
     - ``reset`` makes every READ in flight settle now (a hosted transport kills its process) when
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hkvd.transport.errors import KVTimeout
+from hkvd.transport.stat_fields import status_only
 
 
 class Desc(NamedTuple):
@@ -84,15 +85,19 @@ class Transfer:
         self.abort_reason = reason
 
 
-class TransportStats(NamedTuple):
-    reads: int
-    reads_failed: int
-    reads_aborted: int
-    bytes_read: int
-    in_flight: int
-    peers: int
-    host_restarts: int = 0  # transport hosts started after one died (``hkvd.transport.hosted``)
-    host_pid: int = 0  # the transport host serving now; 0: in-process, or restarting
+@dataclass(frozen=True, slots=True)
+class TransportStats:
+    """A transport's READ counters (``hkvd status``: ``peer.transport``)."""
+
+    reads: int = status_only()
+    reads_failed: int = status_only()
+    reads_aborted: int = status_only()
+    bytes_read: int = status_only()
+    in_flight: int = status_only()
+    peers: int = status_only()
+    # transport hosts started after one died (``hkvd.transport.nixl.hosted``)
+    host_restarts: int = status_only(default=0)
+    host_pid: int = status_only(default=0)  # the transport host serving now; 0: in-process, or restarting
 
 
 class ReadCounters:
@@ -115,7 +120,7 @@ class ReadCounters:
         else:
             self.bytes += f.result()
 
-    def stats(self, peers: int, **more: int) -> TransportStats:
+    def statistics(self, peers: int, **more: int) -> TransportStats:
         return TransportStats(reads=self.reads, reads_failed=self.failed, reads_aborted=self.aborted,
                               bytes_read=self.bytes, in_flight=self.in_flight, peers=peers, **more)
 
@@ -126,7 +131,7 @@ class DataTransport(ABC):
     name: str = "abstract"
     # This end's name in peer handshakes (``PeerWelcome.agent``), so a daemon can tell a link to itself.
     agent_name: str = ""
-    # Bumped each time the library restarts after a crash (``hkvd.transport.hosted``): peer names
+    # Bumped each time the library restarts after a crash (``hkvd.transport.nixl.hosted``): peer names
     # from ``add_peer`` of an earlier generation are gone, and peers must load our new metadata.
     generation: int = 0
 

@@ -3,7 +3,8 @@
 key(i) = blake2b-128(key(i-1) || tokens of chunk i as little-endian uint32 || extra(i)), key(-1) = 16
 zero bytes. ``extra(i)`` is the canonical encoding of whatever else changes the KV of chunk i's token
 range (the LoRA adapter, images overlapping the chunk, the tenant's ``cache_salt``, prompt embeddings;
-``hkvd.shim.identity`` builds it from vLLM's own per-range extra keys), or nothing. A chunk's token
+``hkvd.transport.extras`` encodes it, from vLLM's own per-range extra keys in the shim and from a
+router's request in the daemon), or nothing. A chunk's token
 bytes have a fixed length (the chunk size, part of the engine fingerprint), so appending the extra
 bytes is unambiguous. Only full chunks get a key. The same prefix with the same extras gives the same
 keys in every process and on every node, which is what lets a fresh engine (or a peer daemon) hit what
@@ -30,14 +31,26 @@ def chunk_keys(token_ids: Sequence[int], chunk_size: int, *, parent: bytes = ROO
     n_full = len(token_ids) // chunk_size
     if n_full == 0:
         return []
+    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4")
+    return chunk_keys_le32(tokens.tobytes(), chunk_size, parent=parent, extras=extras)
+
+
+def chunk_keys_le32(tokens: bytes | memoryview, chunk_size: int, *, parent: bytes = ROOT_KEY,
+                    extras: Sequence[bytes] | None = None) -> list[bytes]:
+    """``chunk_keys`` of token ids already packed as little-endian uint32 (4 bytes per token)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    step = 4 * chunk_size
+    n_full = len(tokens) // step
     if extras is not None and len(extras) < n_full:
         raise ValueError(f"extras cover {len(extras)} chunks, the tokens {n_full}")
-    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4")
+    view = memoryview(tokens)
+    blake2b = hashlib.blake2b
     keys = []
     prev = parent
     for i in range(n_full):
-        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
-        h.update(tokens[i * chunk_size:(i + 1) * chunk_size].tobytes())
+        h = blake2b(prev, digest_size=KEY_BYTES)
+        h.update(view[i * step:(i + 1) * step])
         if extras is not None and extras[i]:
             h.update(extras[i])
         prev = h.digest()

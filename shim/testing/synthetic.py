@@ -14,6 +14,7 @@ Run as a module for cross-process checks::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -25,12 +26,14 @@ import numpy as np
 
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.ptrace import allow_ptracer
-from hkvd.shim.results import Completion, LookupResult, StoreResult
+from hkvd.shim.results import Completion, LookupResult
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
+from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
+from hkvd.transport.wire.replies import StoreResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,7 @@ class SyntheticEngine:
         self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192,
                                mamba_cache_mode, [region], self.groups)
         ack = self.client.register(self.spec)
+        self.ack = ack
         self.chunk_size = ack.chunk_size
         self.fingerprint = ack.fingerprint
         self.timeout_s = timeout_s
@@ -125,8 +129,8 @@ class SyntheticEngine:
             raise c.error
         return c
 
-    def store(self, items: Sequence[Item]) -> Completion:
-        return self.run(self.client.submit_store(items))
+    def store(self, items: Sequence[Item], notes: Sequence[BlockNote] | None = None) -> Completion:
+        return self.run(self.client.submit_store(items, notes=notes))
 
     def retrieve(self, items: Sequence[Item], lease_id: int = 0) -> Completion:
         return self.run(self.client.submit_retrieve(items, lease_id))
@@ -155,6 +159,29 @@ def fetch_in_child(socket_path: str, shapes: list[GroupShape], engine_kw: dict[s
         out.put({"hit_chunks": hit, "error": repr(e)})
     finally:
         eng.close()
+
+
+def block_notes(keys: Sequence[bytes], tokens: Sequence[int], chunk_size: int, block_size: int,
+                *, salt: str = "") -> list[BlockNote]:
+    """Notes for KV events as the shim sends them, for chunks ``keys`` of ``tokens``. The block hashes
+    stand in for vLLM's: a chained blake2b of the block's tokens (and ``salt``, in the first block),
+    as unsigned 64-bit integers (vLLM's default event representation)."""
+    out = []
+    prev = b""
+    per = chunk_size // block_size
+    for c, key in enumerate(keys):
+        hashes: list[bytes | int] = []
+        parent = int.from_bytes(prev[:8], "big") if prev else None
+        for b in range(c * per, (c + 1) * per):
+            h = hashlib.blake2b(prev, digest_size=8)
+            h.update(np.asarray(tokens[b * block_size:(b + 1) * block_size], dtype="<u4").tobytes())
+            if b == 0 and salt:
+                h.update(salt.encode())
+            prev = h.digest()
+            hashes.append(int.from_bytes(prev, "big"))
+        chunk = np.asarray(tokens[c * chunk_size:(c + 1) * chunk_size], dtype="<u4").tobytes()
+        out.append(BlockNote(key, hashes, parent, chunk, None, None, None))
+    return out
 
 
 def prompt_tokens(n: int, seed: int) -> list[int]:

@@ -129,8 +129,8 @@ class Cluster:
         from any genuine value."""
         self._client(
             "import os\n"
-            "from hkvd.daemon.cluster_value import FleetKeys, MAGIC, VERSION\n"
-            "from hkvd.daemon.disk_tier import HEADER_BYTES, parse_head\n"
+            "from hkvd.daemon.tiers.cluster_value import FleetKeys, MAGIC, VERSION\n"
+            "from hkvd.daemon.tiers.disk import HEADER_BYTES, parse_head\n"
             f"genuine = s.get({key!r})\n"
             f"payload = s.get({payload_of!r})[HEADER_BYTES:]\n"
             "assert len(genuine) > HEADER_BYTES and len(payload) == len(genuine) - HEADER_BYTES\n"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hkvd.daemon.cluster_value import key_id, value_key
+from hkvd.daemon.tiers.cluster_value import key_id, value_key
 from hkvd.shim.testing.synthetic import SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item

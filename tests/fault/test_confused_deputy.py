@@ -213,10 +213,10 @@ def test_an_engine_that_exited_is_never_copied() -> None:
         os.read(r, 1)
         os._exit(0)
     os.close(r)
-    from hkvd.daemon.cma import HostCopyEngine
-    from hkvd.daemon.errors import CopyFailedError
+    from hkvd.daemon.host_engine import HostCopyEngine
     from hkvd.daemon.pool import HugePagePool
     from hkvd.transport.copy_engine import Direction, Segment
+    from hkvd.transport.errors import CopyFailedError
 
     pool = HugePagePool(32 << 20, "off")
     engine = HostCopyEngine(pool)

@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hkvd.daemon import validation
-from hkvd.daemon.peer_auth import client_proof
+from hkvd.daemon.peers.auth import client_proof
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.testing.launcher import DaemonProcess
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from hkvd.daemon.peer_auth import client_proof, server_proof
-from hkvd.daemon.peer_server import PREAUTH_MAX_FRAME_BYTES, REQUEST_MAX_FRAME_BYTES, fd_caps
+from hkvd.daemon.peers.auth import client_proof, server_proof
+from hkvd.daemon.peers.serving import PREAUTH_MAX_FRAME_BYTES, REQUEST_MAX_FRAME_BYTES, fd_caps
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import ErrorCode, PermissionDenied

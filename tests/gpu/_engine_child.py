@@ -26,8 +26,8 @@ def pattern(seed: int, n: int) -> np.ndarray:
 
 def serve(conn: Any) -> None:
     from hkvd.cuda._cupy import cupy
-    from hkvd.cuda.events import IpcEventRing, OpenedEvents
     from hkvd.cuda.export import export_pointer, export_tensor
+    from hkvd.cuda.ipc_events import IpcEventRing, OpenedEvents
 
     cp = cupy()
     rt = cp.cuda.runtime

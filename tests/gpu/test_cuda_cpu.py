@@ -36,12 +36,12 @@ from hkvd.cuda.descriptors import (
     launch_geometry,
     total_bytes,
 )
-from hkvd.cuda.events import check_event_handle
 from hkvd.cuda.export import PointerInfo, expandable_segments_enabled, plan_export
 from hkvd.cuda.hostreg import check_registrable
 from hkvd.cuda.ipc import IpcMemRegistry, match_device, normalize_uuid
-from hkvd.daemon.errors import CopyFailedError, RegistrationError
+from hkvd.cuda.ipc_events import check_event_handle
 from hkvd.transport.copy_engine import Direction, Region, Segment
+from hkvd.transport.errors import CopyFailedError, RegistrationError
 
 # ---------------------------------------------------------------------------------------------
 # Layouts: (name, region sizes, views as dicts, num_blocks, block ids, extents splitter)
@@ -167,7 +167,7 @@ def test_store_descriptors_follow_the_view_formula(case: Case) -> None:
 
 
 def test_descriptors_equal_what_the_host_engine_copies(case: Case) -> None:
-    cma = pytest.importorskip("hkvd.daemon.cma")
+    cma = pytest.importorskip("hkvd.daemon.host_engine")
 
     @dataclass
     class _Pool:
@@ -440,7 +440,7 @@ class _FakeCupy:
 @pytest.fixture
 def counting_runtime(monkeypatch: pytest.MonkeyPatch) -> _CountingRuntime:
     rt = _CountingRuntime()
-    for mod in ("hkvd.cuda.ipc", "hkvd.cuda.events", "hkvd.cuda.copy"):
+    for mod in ("hkvd.cuda.ipc", "hkvd.cuda.ipc_events", "hkvd.cuda.copy"):
         monkeypatch.setattr(f"{mod}.runtime", lambda: rt)
         monkeypatch.setattr(f"{mod}.cupy", lambda: _FakeCupy)
     monkeypatch.setattr(cuda_ipc, "REGISTRY", IpcMemRegistry())
@@ -548,7 +548,7 @@ def test_detach_during_a_copy_is_deferred_to_the_copy(
 def test_import_hkvd_cuda_does_not_import_cupy(tmp_path: Any) -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "import hkvd.cuda, hkvd.cuda.copy, hkvd.cuda.export, hkvd.cuda.events, hkvd.cuda.hostreg, "
+        "import hkvd.cuda, hkvd.cuda.copy, hkvd.cuda.export, hkvd.cuda.ipc_events, hkvd.cuda.hostreg, "
         "hkvd.cuda.ipc, hkvd.cuda.descriptors\n"
         "assert sys.modules['cupy'] is None\n"
         "from hkvd.cuda._cupy import CupyMissing, cupy, device_count\n"

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from hkvd.cuda._cupy import cupy_available, device_count
-from hkvd.daemon.errors import CopyFailedError
 from hkvd.transport.copy_engine import Direction, Region, Segment
+from hkvd.transport.errors import CopyFailedError
 
 pytestmark = pytest.mark.gpu
 
@@ -195,7 +195,7 @@ def test_store_retrieve_round_trip(engine: Engine, pool: MmapPool, method: str, 
 
 def test_store_waits_for_the_engines_step_event(engine: Engine, pool: MmapPool) -> None:
     from hkvd.cuda.copy import CudaCopyEngine
-    from hkvd.cuda.events import event_done
+    from hkvd.cuda.ipc_events import event_done
 
     nbytes = 8 << 20
     regions = engine.alloc(nbytes, seed=3)

@@ -109,7 +109,8 @@ async def test_http_endpoint_answers_health_states_and_survives_garbage():
 
         assert (await get(b"GET /healthz HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 503")
         state["ok"] = True
-        assert (await get(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.0 200")
+        assert (await get(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")).startswith(
+            b"HTTP/1.1 200")
         assert (await get(b"garbage\r\n\r\n")).startswith(b"HTTP/1.0 400")
         assert (await get(b"GET /metrics HTTP/1.0\r\n\r\n")).endswith(b"x 1\n")
     finally:

@@ -89,7 +89,7 @@ async def test_serves_after_the_first_slice_and_only_from_faulted_memory(tmp_pat
 
 async def test_a_populate_error_in_the_first_slice_fails_the_start(tmp_path, monkeypatch):
     def failing(self: HugePagePool, start: int, n: int) -> None:
-        from hkvd.daemon.errors import PoolError
+        from hkvd.transport.errors import PoolError
 
         raise PoolError(f"pre-faulting the plain pool failed at byte {start}: no memory")
 

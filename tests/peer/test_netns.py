@@ -5,7 +5,7 @@ link serves again once it is back up.
 
 Three namespaces (``multihomed``): a serving node with two interfaces and UCX pinned to one, a
 decode node behind each. The one behind the other interface can reach the serving daemon's UCX
-address but not the other way round; before the transport host (``hkvd.transport.hosted``) its pull
+address but not the other way round; before the transport host (``hkvd.transport.nixl.hosted``) its pull
 made the serving daemon segfault inside UCX (3 of 4 runs) or stalled for the whole pull timeout.
 
 Needs root (or CAP_NET_ADMIN) and iproute2; skips with the reason otherwise. Engines run in the

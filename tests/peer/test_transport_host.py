@@ -1,4 +1,4 @@
-"""The transport host (``hkvd.transport.hosted``): a crash of the NIXL agent's process, on either side
+"""The transport host (``hkvd.transport.nixl.hosted``): a crash of the NIXL agent's process, on either side
 of a pull, never takes a daemon down. A SIGSEGV is delivered to the host in the middle of a READ (the
 serving host is frozen with SIGSTOP first, which holds a READ over TCP mid-way): the pull fails
 within its timeout and the engine recomputes, nothing half-read becomes visible, every page is

@@ -19,7 +19,9 @@ generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, 
 ``"reset": true`` empties it before every turn (hits come only from hkvd), ``false`` keeps it (the
 reference run of vLLM's own prefix cache).
 ``"pause_before": [i]`` pauses before phase i (the test stops the daemon there, so the reference phase
-gets nothing from hkvd). ``"connector": false`` starts the engine without hkvd. Output:
+gets nothing from hkvd), or before prompt i; with ``"pause_after_reset": true`` the pause before a prompt
+comes after the reset of vLLM's cache (the previous prompt's stores are done, and no engine step runs until
+the prompt's own lookup). ``"connector": false`` starts the engine without hkvd. Output:
 ``HKVD_RESULT {"phases": [[[{"tokens", "logprobs", "gaps", "num_cached_tokens", "prompt_len"}, ...turns],
 ...conversations], ...phases]}``.
 
@@ -88,11 +90,14 @@ def main() -> None:
         print("HKVD_RESULT " + json.dumps({"phases": phases}), flush=True)
         return
     results = []
+    after_reset = bool(args.get("pause_after_reset"))
     for i, spec in enumerate(args["prompts"]):
-        if i in args.get("pause_before", []):
+        if i in args.get("pause_before", []) and not after_reset:
             # The test restarts the daemon here, while this engine lives on.
             _handshake(args["sync_dir"], i)
         reset_prefix_cache(llm)
+        if i in args.get("pause_before", []) and after_reset:
+            _handshake(args["sync_dir"], i)
         prompt, lora = _prompt(spec, TokensPrompt)
         out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
         comp = out.outputs[0]

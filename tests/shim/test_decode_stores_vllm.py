@@ -287,9 +287,9 @@ def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
-    from hkvd.shim.config import ShimConfig
     from hkvd.shim.identity import ChunkIdentity, prompt_tokens
     from hkvd.shim.scheduler import SchedulerSide, _Req
+    from hkvd.shim.shim_config import ShimConfig
 
     side = SchedulerSide.__new__(SchedulerSide)  # only the keying half: no daemon, no vLLM config
     side.cfg, side.chunk_size, side._identity = ShimConfig(socket_path="unused"), 16, ChunkIdentity()

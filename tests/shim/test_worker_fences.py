@@ -35,20 +35,22 @@ class ScriptedClient:
         self.sent.append((self.next_id, *what))
         return self.next_id
 
-    def submit_store(self, items: Any, wait_event: bytes = b"") -> int:
+    def submit_store(self, items: Any, wait_event: bytes = b"", notes: Any = None) -> int:
         assert wait_event == b""  # host KV caches: no GPU events
         return self._id(("store", items))
 
     def submit_retrieve(self, items: Any, lease_id: int) -> int:
         return self._id(("retrieve", items, lease_id))
 
-    def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any, wait_event: bytes = b"") -> int:
+    def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any, wait_event: bytes = b"",
+                          notes: Any = None) -> int:
         assert wait_event == b""
         return self._id(("step", seq, step, offers, list(confirms)))
 
     def complete(self, rid: int, ok: bool = True) -> None:
-        from hkvd.shim.results import Completion, RetrieveResult, StepResult, StoreResult
+        from hkvd.shim.results import Completion
         from hkvd.transport.errors import NotFound
+        from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult
 
         kind = next(s[1] for s in self.sent if s[0] == rid)
         result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1, self.event),
@@ -80,7 +82,7 @@ class ScriptedClient:
 
 
 def _side() -> tuple[Any, ScriptedClient]:
-    from hkvd.shim.config import ShimConfig
+    from hkvd.shim.shim_config import ShimConfig
     from hkvd.shim.worker import WorkerSide
 
     side = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent", fence_timeout_s=0.01))

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon.cluster_value import ClusterKeyError, FleetKeys, key_id, read_key
 from hkvd.daemon.config import ConfigError, DaemonConfig
-from hkvd.daemon.disk_tier import HEADER_BYTES, FormatError, Header
+from hkvd.daemon.tiers.cluster_value import ClusterKeyError, FleetKeys, key_id, read_key
+from hkvd.daemon.tiers.disk import HEADER_BYTES, FormatError, Header
+from hkvd.transport.stat_fields import status_dict
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
 HEADER = Header(b"f" * 16, 3, b"k" * 16, "full", 4096, 0, b"p" * 16)
@@ -98,8 +99,8 @@ def test_a_key_change_accepts_both_keys_and_seals_with_the_current_one() -> None
     assert during.seal(HEADER, _payload()) == by_new
     assert FleetKeys(A, (B,)).open(by_new, _payload).key == HEADER.key  # step 1: accepting the next key
     assert _reason(new, by_old, _payload()) == "mac"  # step 3: the old key dropped
-    assert during.describe() == {"key_id": f"{key_id(B):08x}", "accepted_key_ids": [f"{key_id(A):08x}"],
-                                 "insecure": False}
+    assert status_dict(during.statistics()) == {"key_id": f"{key_id(B):08x}", "accepted_key_ids": [f"{key_id(A):08x}"],
+                                                "insecure": False}
 
 
 def test_key_files_follow_the_secret_file_rules(tmp_path: Path) -> None:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from hkvd.daemon import cma
-from hkvd.daemon.cma import IOV_MAX, HostCopyEngine
-from hkvd.daemon.errors import CopyFailedError, RegistrationError
+from hkvd.daemon import host_engine
+from hkvd.daemon.host_engine import IOV_MAX, HostCopyEngine
 from hkvd.daemon.pool import HugePagePool
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.transport.copy_engine import Direction, Region, Segment
+from hkvd.transport.errors import CopyFailedError, RegistrationError
 
 MIB = 1 << 20
 REGION_SIZES = (256 * 1024, 96 * 1024 + 13)  # an odd size checks the last-byte probe
@@ -163,7 +163,7 @@ def test_short_transfers_resume_mid_iovec(
     child: Child, pool: HugePagePool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A syscall that moves at most 1000 bytes per call forces resumes inside iovecs."""
-    real_read = cma._libc.process_vm_readv
+    real_read = host_engine._libc.process_vm_readv
     calls = []
 
     def stingy(pid: int, local: ctypes.Array, lcnt: int, remote: ctypes.Array, rcnt: int, flags: int) -> int:
@@ -180,10 +180,10 @@ def test_short_transfers_resume_mid_iovec(
     class StingyLibc:
         process_vm_readv = staticmethod(stingy)
 
-    monkeypatch.setattr(cma, "_libc", StingyLibc())
+    monkeypatch.setattr(host_engine, "_libc", StingyLibc())
     engine = HostCopyEngine(pool)
     regions = child.regions()
-    att = cma.Attachment(pid=child.pid, regions={r.region_id: r for r in regions})
+    att = host_engine.Attachment(pid=child.pid, regions={r.region_id: r for r in regions})
     segs = [Segment(0, 0, 0, 3333), Segment(1, 100, 5000, 777), Segment(0, 50_000, 9000, 2500)]
     assert engine.copy(att, segs, Direction.TO_POOL) == 3333 + 777 + 2500
     assert len(calls) == 7  # ceil(6610 / 1000)
@@ -234,7 +234,7 @@ def test_split_rows_covers_every_byte_once() -> None:
         local = [x for i, n in enumerate(lens) for x in (1000 * i, n)]
         remote = [x for i, n in enumerate(lens) for x in (10**6 + 777 * i, n)]
         parts = rng.randint(1, 5)
-        pieces = cma.split_rows(local, remote, parts)
+        pieces = host_engine.split_rows(local, remote, parts)
 
         def expand(flat: list[int]) -> list[int]:
             return [b + i for b, n in zip(flat[::2], flat[1::2], strict=True) for i in range(n)]
@@ -253,7 +253,7 @@ def test_split_copy_to_exited_process_fails_after_every_part(pool: HugePagePool)
     engine = HostCopyEngine(pool, split_parts=2, split_min_bytes=4096)
     try:
         # Unpinned, so the split parts themselves meet the exited process (a pinned one is refused first).
-        att = cma.Attachment(pid=c.pid, regions={r.region_id: r for r in c.regions()})
+        att = host_engine.Attachment(pid=c.pid, regions={r.region_id: r for r in c.regions()})
         assert c.proc.stdin is not None
         c.proc.stdin.close()
         c.proc.wait(timeout=30)
@@ -312,9 +312,9 @@ def test_attach_refusals(child: Child, pool: HugePagePool) -> None:
 UNPRIVILEGED = textwrap.dedent(
     """
     import os, sys
-    from hkvd.daemon.cma import HostCopyEngine
+    from hkvd.daemon.host_engine import HostCopyEngine
     from hkvd.transport.copy_engine import Region
-    from hkvd.daemon.errors import RegistrationError
+    from hkvd.transport.errors import RegistrationError
     class P:
         base_addr, size = 0, 0
     pid, addr = int(sys.argv[1]), int(sys.argv[2])

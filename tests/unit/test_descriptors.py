@@ -15,7 +15,7 @@ import pytest
 CHILD = textwrap.dedent("""
     import os, resource, sys
     from hkvd.daemon.client_process import ClientProcess
-    from hkvd.daemon.errors import KVError
+    from hkvd.transport.errors import KVError
 
     target = int(sys.argv[1])
     proc = ClientProcess.open(target)  # pinned while descriptors are plenty

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon.disk_tier import (
+from hkvd.daemon.pool import Extent
+from hkvd.daemon.tiers.disk import (
     HEADER_BYTES,
     MAGIC,
     VERSION,
@@ -22,7 +23,6 @@ from hkvd.daemon.disk_tier import (
     relative_path,
     unpack_header,
 )
-from hkvd.daemon.pool import Extent
 
 FP = bytes(range(16))
 ENTRY = 8192
@@ -122,7 +122,7 @@ async def test_written_entries_survive_a_new_tier_and_read_back_byte_exact(tmp_p
     pool = Pool(8)
     tier = new_tier(tmp_path, pool)
     data = await write_entries(tier, pool, 4)
-    assert tier.stats()["writes"] == 4 and tier.stats()["entries"] == 4
+    assert tier.statistics().writes == 4 and tier.statistics().entries == 4
     assert not tier.offer(key(0), "full", ENTRY, b"", pool.extents(0), lambda: None)  # already on disk
     assert tier.close(5.0) == 0
 
@@ -154,7 +154,7 @@ async def test_a_flipped_payload_byte_is_caught_at_read_and_the_file_deleted(tmp
     [err] = again.read_batch([(key(1), stored, pool2.extents(0))])
     assert isinstance(err, FormatError) and err.reason == "checksum"
     assert key(1) not in again and not victim.exists()
-    assert again.stats()["corrupt"] == {"checksum": 1}
+    assert again.statistics().corrupt == {"checksum": 1}
     again.close(5.0)
 
 
@@ -179,7 +179,7 @@ async def test_scan_skips_counts_and_deletes_unusable_files_and_leaves_others_al
     again = new_tier(tmp_path, Pool(8))
     assert again.scan.entries == 1 and key(5) in again
     assert again.scan.corrupt == {"truncated": 2, "magic": 1, "version": 1, "name": 1}
-    assert again.stats()["corrupt"] == again.scan.corrupt
+    assert again.statistics().corrupt == again.scan.corrupt
     assert again.scan.tmp_removed == 1 and again.scan.ignored == 1
     assert not files[0].exists() and not files[1].exists() and not files[2].exists()
     assert files[3].exists()  # another version's file is left in place
@@ -193,8 +193,8 @@ async def test_size_cap_evicts_the_least_recently_used_files(tmp_path):
     per_file = HEADER_BYTES + ENTRY
     tier = new_tier(tmp_path, pool, cap=3 * per_file)
     await write_entries(tier, pool, 5)
-    st = tier.stats()
-    assert st["entries"] == 3 and st["bytes"] == 3 * per_file and st["evictions"] == 2
+    st = tier.statistics()
+    assert st.entries == 3 and st.bytes == 3 * per_file and st.evictions == 2
     assert [key(i) in tier for i in range(5)] == [False, False, True, True, True]
     assert sum(f.endswith(".hkv") for _, _, files in os.walk(tmp_path) for f in files) == 3
     tier.close(5.0)
@@ -211,7 +211,7 @@ def test_a_full_queue_skips_and_counts_instead_of_blocking(tmp_path):
     tier.open()  # writer not started: the queue cannot drain
     assert tier.offer(key(0), "full", ENTRY, b"", pool.extents(0), lambda: None)
     assert not tier.offer(key(1), "full", ENTRY, b"", pool.extents(1), lambda: None)
-    assert tier.stats()["queue_drops"] == 1 and tier.pending() == 1
+    assert tier.statistics().queue_drops == 1 and tier.pending() == 1
     assert tier.close(5.0) == 1  # shut down with the queue full: one entry not flushed
 
 
@@ -224,7 +224,7 @@ async def test_close_reports_entries_it_could_not_flush_and_runs_their_callbacks
         assert tier.offer(key(i), "full", ENTRY, b"", pool.extents(i), lambda i=i: ran.append(i))
     tier.start(asyncio.get_running_loop())  # and stop at once: whatever was not taken is not flushed
     left = await asyncio.to_thread(tier.close, 5.0)
-    assert left + tier.stats()["writes"] == 3
+    assert left + tier.statistics().writes == 3
     await asyncio.sleep(0.05)
     assert sorted(ran) == [0, 1, 2]
 
@@ -302,7 +302,7 @@ async def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_p
         final = root / relative_path(key(i))
         (final.parent / (final.name[: -len(".hkv")] + ".hkv.tmp")).symlink_to(victim)
     await write_entries(tier, pool, 2)
-    assert tier.stats()["writes"] == 2
+    assert tier.statistics().writes == 2
     assert victim.read_bytes() == b"secret"
     tier.close(5.0)
 

@@ -75,8 +75,8 @@ def test_policy_freezes_every_n_writes_and_counts_pauses(unfrozen):
         gc.collect()
         assert metrics.get("gc_collections", generation="2") >= 1
         assert metrics.total("gc_pause_seconds") > 0
-        st = heap.status()
-        assert st["freezes"] == 3 and st["frozen_objects"] == gc.get_freeze_count() and st["max_pause_ms"] > 0
+        st = heap.statistics()
+        assert st.freezes == 3 and st.frozen_objects == gc.get_freeze_count() and st.max_pause_ms > 0
     finally:
         heap.uninstall()
     assert heap._on_gc not in gc.callbacks

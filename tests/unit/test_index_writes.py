@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.errors import PoolFull
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Entry, EntryState, Index
 from hkvd.daemon.pool import PAGE, HugePagePool
+from hkvd.transport.errors import PoolFull
 
 FP = b"f" * 16
 SB = 32 << 20  # the pool's superblock: two of them make the smallest pool
@@ -54,7 +54,7 @@ def _outcome(r: Entry | PoolFull | None) -> str:
 
 
 def _state(index: Index) -> tuple:
-    stats = index.pool.statistics()
+    stats = index.pool.allocator.statistics()
     return (sorted(k[2] for k in index._entries), index.statistics().evictions, stats.used_bytes,
             stats.allocations, index.writes)
 
@@ -106,7 +106,7 @@ def test_mixed_sizes_keep_the_pool_exact(pools, existing, wanted):
             if isinstance(r, Entry):
                 made.add(i)
         live = list(index._entries.values())
-        stats = index.pool.statistics()
+        stats = index.pool.allocator.statistics()
         assert stats.allocations == len(live)
         assert stats.used_bytes == sum(e.nbytes for e in live)
         # Refused only where eviction could make no room: entries that are left evictable free nothing
@@ -124,7 +124,7 @@ def test_repeated_and_existing_keys_are_skipped_and_finish_writes_publishes(pool
     got = index.begin_writes([(key(1), PAGE, "full", b""), (key(2), PAGE, "full", b""),
                               (key(2), PAGE, "full", b""), (key(3), PAGE, "mamba", key(2)[2])], 5)
     assert [_outcome(r) for r in got] == ["skip", "new", "skip", "new"]
-    assert index.pool.statistics().allocations == 3  # the repeat's room went back
+    assert index.pool.allocator.statistics().allocations == 3  # the repeat's room went back
     new = [r for r in got if isinstance(r, Entry)]
     index.finish_writes(new, pending=True)
     assert all(e.state is EntryState.PENDING and e.pins == 0 for e in new)

@@ -6,7 +6,12 @@
     shim/        the vLLM connector; imports transport/ (and cuda/ for the engine-side export)
     daemon/      imports transport/ and cuda/, never shim/
 
-Every ``import`` is read from the source (inside functions too), so the plan cannot drift.
+Every ``import`` is read from the source (inside functions too), so the plan cannot drift. An import
+under ``if TYPE_CHECKING:`` never runs: it obeys the layer rule but is no edge of a cycle. Importing a
+name from a package runs its ``__init__``: that is an edge to the package, also from inside it.
+
+No two product modules share a file name (package ``__init__.py`` and ``__main__.py`` aside), so a
+file's name says which module it is.
 """
 
 from __future__ import annotations
@@ -34,11 +39,21 @@ def _module(path: Path) -> str:
     return "hkvd." + ".".join(parts)
 
 
-def _imports(path: Path) -> list[tuple[str, int, bool]]:
-    """(imported hkvd module, line, at module level) for every import of ours in ``path``."""
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path) -> list[tuple[str, int, str]]:
+    """(imported hkvd module, line, where) for every import of ours in ``path``; where is "top" (runs
+    at import time), "typing" (under ``if TYPE_CHECKING:``, never runs) or "inner" (in a function)."""
     tree = ast.parse(path.read_text(), str(path))
-    top = {id(n) for n in tree.body}
-    top |= {id(n) for b in tree.body if isinstance(b, ast.If) for n in b.body}  # if TYPE_CHECKING:
+    where = {id(n): "top" for n in tree.body}
+    for b in tree.body:
+        if isinstance(b, ast.If):
+            where |= {id(n): "typing" if _type_checking(b) else "top" for n in b.body}
+            where |= {id(n): "top" for n in b.orelse}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -47,7 +62,7 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
             names = [f"{node.module}.{a.name}" for a in node.names]  # a name, or a submodule: trimmed below
         else:
             continue
-        found += [(n, node.lineno, id(node) in top) for n in names if n.startswith("hkvd.")]
+        found += [(n, node.lineno, where.get(id(node), "inner")) for n in names if n.startswith("hkvd.")]
     return found
 
 
@@ -81,13 +96,18 @@ def cycles(sources: list[Path]) -> list[list[str]]:
     graph: dict[str, set[str]] = {}
     for mod, path in modules.items():
         deps = set()
-        for target, _, at_top in _imports(path):
+        for target, _, where in _imports(path):
+            if where != "top":
+                continue
             while target and target not in modules:
                 target = target.rpartition(".")[0]
-            # Importing a.b.c runs the package a.b's __init__ first: that is an edge too.
-            for dep in (target, *(p for p in _parents(target) if p in modules)):
-                if at_top and dep and dep != mod and not mod.startswith(dep + "."):
-                    deps.add(dep)
+            if target and target != mod:
+                # A name taken from a package (``from a.b import X``) needs a.b's __init__ to have run
+                # that far: an edge, from a module inside a.b too.
+                deps.add(target)
+            # Importing a.b.c runs the package a.b's __init__ first: an edge too, except to the packages
+            # around the importer (Python imports them before it).
+            deps |= {p for p in _parents(target) if p in modules and p != mod and not mod.startswith(p + ".")}
         graph[mod] = deps
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -119,12 +139,25 @@ def cycles(sources: list[Path]) -> list[list[str]]:
     return out
 
 
+def same_names(sources: list[Path]) -> list[str]:
+    """Product modules that share a file name (package ``__init__.py`` and ``__main__.py`` aside)."""
+    by_name: dict[str, list[str]] = {}
+    for p in sources:
+        if p.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(p.name, []).append(str(p.relative_to(REPO)))
+    return [f"{name}: {', '.join(paths)}" for name, paths in sorted(by_name.items()) if len(paths) > 1]
+
+
 def test_each_layer_imports_only_the_layers_below_it():
     assert forbidden_edges(_sources()) == []
 
 
 def test_no_module_imports_in_a_circle():
     assert cycles(_sources()) == []
+
+
+def test_no_two_modules_share_a_file_name():
+    assert same_names(_sources()) == []
 
 
 # Imports of our own modules inside functions hide the plan (optional third-party packages, such as
@@ -134,7 +167,8 @@ NO_INNER_IMPORTS = LAYERS
 
 def test_no_import_of_ours_inside_a_function():
     inner = [f"{p.relative_to(REPO)}:{line} imports {target}" for p in _sources()
-             if p.relative_to(REPO).parts[0] in NO_INNER_IMPORTS for target, line, at_top in _imports(p) if not at_top]
+             if p.relative_to(REPO).parts[0] in NO_INNER_IMPORTS for target, line, where in _imports(p)
+             if where == "inner"]
     assert inner == []
 
 
@@ -151,6 +185,33 @@ def test_the_checks_see_a_forbidden_edge_and_a_cycle(tmp_path, monkeypatch):
     assert len(bad) == 2 and any("transport/a.py:2 imports hkvd.daemon.x" in b for b in bad)
     assert any("daemon/x.py:2 imports hkvd.shim.client" in b for b in bad)
     assert cycles(srcs) == [["hkvd.transport.a", "hkvd.transport.b"]]
+
+
+def test_the_checks_see_a_package_cycle_a_shared_name_and_skip_type_checking(tmp_path, monkeypatch):
+    # A package whose __init__ imports its submodule, which takes a name from the package: a cycle.
+    # A circle closed only under ``if TYPE_CHECKING:`` is none. Two modules named events.py clash.
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    for layer in LAYERS:
+        (tmp_path / layer).mkdir()
+    wire = tmp_path / "transport" / "wire"
+    wire.mkdir()
+    (wire / "__init__.py").write_text("class Message: ...\nfrom hkvd.transport.wire import kv\n")
+    (wire / "kv.py").write_text("from hkvd.transport.wire import Message\n")
+    (wire / "events.py").write_text("from hkvd.transport.wire.kv import thing\n")
+    (tmp_path / "transport" / "c.py").write_text("from hkvd.transport import d\n")
+    (tmp_path / "transport" / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hkvd.transport.c import thing\n")
+    (tmp_path / "cuda" / "events.py").write_text("")
+    srcs = _sources()
+    assert cycles(srcs) == [["hkvd.transport.wire", "hkvd.transport.wire.kv"]]
+    assert same_names(srcs) == ["events.py: transport/wire/events.py, cuda/events.py"]
+    assert forbidden_edges(srcs) == []
+    # The submodule that takes its base from a module of its own (not the package) closes no circle.
+    (wire / "message.py").write_text("class Message: ...\n")
+    (wire / "__init__.py").write_text(
+        "from hkvd.transport.wire import kv\nfrom hkvd.transport.wire.message import Message\n")
+    (wire / "kv.py").write_text("from hkvd.transport.wire.message import Message\n")
+    assert cycles(_sources()) == []
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -15,9 +15,10 @@ import pytest
 
 from hkvd.shim import pd
 from hkvd.shim.loads import Loads
-from hkvd.shim.results import Completion, PullResult, RetrieveResult
+from hkvd.shim.results import Completion
 from hkvd.transport.errors import Aborted, DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
+from hkvd.transport.wire.replies import PullResult, RetrieveResult
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
 

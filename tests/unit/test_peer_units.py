@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.errors import PoolFull
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import EntryState, Index
-from hkvd.daemon.peer_auth import (
+from hkvd.daemon.peers.auth import (
     PeerConfigError,
     allowed,
     client_proof,
@@ -22,11 +21,11 @@ from hkvd.daemon.peer_auth import (
     server_proof,
     split_address,
 )
-from hkvd.daemon.peer_client import begin_entries, merge, pair_extents
+from hkvd.daemon.peers.pulling import begin_entries, merge, pair_extents
 from hkvd.daemon.pool import PAGE, HugePagePool
 from hkvd.transport.base import Desc
 from hkvd.transport.codec import decode_body, encode
-from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.errors import PoolFull, ProtocolViolation
 from hkvd.transport.wire.peer import PeerLookup, PeerLookupReply, Pull, RemoteEntry, pack_entries
 
 

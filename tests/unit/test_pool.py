@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkvd.daemon import pool as pool_mod
-from hkvd.daemon.errors import PoolError
 from hkvd.daemon.pool import PAGE, Allocation, HugePagePool, SlabAllocator
+from hkvd.transport.errors import PoolError
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -221,7 +221,7 @@ def test_pool_off_is_plain_and_rounds_to_2mib() -> None:
     with HugePagePool(3 * MIB, hugepages="off", superblock_bytes=2 * MIB) as p:
         assert p.kind == "plain"
         assert p.size == 4 * MIB
-        assert p.statistics().superblocks_total == 2
+        assert p.allocator.statistics().superblocks_total == 2
 
 
 def test_prefault_reports_progress_and_keeps_contents() -> None:

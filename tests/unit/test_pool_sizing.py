@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.errors import PoolFull
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Index
 from hkvd.daemon.pool import (
@@ -20,6 +19,7 @@ from hkvd.daemon.pool import (
     superblock_bytes_for,
     superblocks_needed,
 )
+from hkvd.transport.errors import PoolFull
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -186,7 +186,7 @@ def test_unpinned_pools_always_make_room(writes: list[tuple[int, bool]]) -> None
             if touch_old and (old := index.get(_key(str(i // 2)))) is not None:
                 index.pin(old)  # a hit: moves it to the back of the LRU order
                 index.unpin(old)
-        stats = p.statistics()
+        stats = p.allocator.statistics()
         assert stats.used_bytes == index.statistics().bytes_stored
         assert stats.allocations == len(index)
 

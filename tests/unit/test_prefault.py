@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hkvd.daemon import backing
-from hkvd.daemon.errors import PoolError
 from hkvd.daemon.pool import HugePagePool, SlabAllocator
 from hkvd.daemon.prefault import Prefaulter, default_threads, first_slice_bytes
+from hkvd.transport.errors import PoolError
 
 MIB = 1 << 20
 
@@ -75,7 +75,7 @@ def test_populate_error_stops_the_fill_and_keeps_what_was_faulted() -> None:
         p.populate = failing  # type: ignore[method-assign]
         with pytest.raises(PoolError, match="populate failed"):
             p.prefault(threads=1)
-        stats = p.statistics()
+        stats = p.allocator.statistics()
         assert stats.admitted_bytes == 6 * MIB and p.prefaulter is not None
         assert p.prefaulter.progress().error.startswith("populate failed")
         assert len(p.alloc_many(2 * MIB, 10)) == 3  # only the faulted superblocks are handed out
@@ -120,7 +120,7 @@ def test_numa_bind_to_node_zero_and_refuse_a_node_without_memory() -> None:
         p.prefault()
         b = p.backing(refresh=True)
         assert b.numa_policy == f"bind:{nodes[0]}" and b.node_bytes == {nodes[0]: 8 * MIB}
-        assert p.describe()["numa_node"] == nodes[0]
+        assert p.statistics().numa_node == nodes[0]
     missing = max(nodes) + 1
     with pytest.raises(PoolError, match=rf"--numa-node {missing}: this machine has memory on NUMA node\(s\)"):
         HugePagePool(8 * MIB, "off", superblock_bytes=2 * MIB, faulted_only=True, numa_node=missing)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from hkvd.daemon.client_process import ClientProcess
-from hkvd.daemon.cma import HostCopyEngine
-from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.eviction import make_policy
+from hkvd.daemon.host_engine import HostCopyEngine
 from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.pool import HugePagePool
@@ -87,7 +87,7 @@ async def h() -> AsyncIterator[Harness]:
     copy_engine = HostCopyEngine(pool)
     index = Index(pool, make_policy("lru"))
     executor = ThreadPoolExecutor(2)
-    service = KVService(cfg, index, Registry(CHUNK, copy_engine, pool=pool), executor, Metrics())
+    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), executor, Metrics())
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
@@ -108,12 +108,13 @@ async def test_store_lookup_retrieve_round_trip(h: Harness) -> None:
     for b in src:
         h.engine.block(0, b)[:] = np.random.default_rng(b).integers(0, 256, PAGE, dtype=np.uint8)
     done = await h.call(kv.Store(2, _full(range(3), 1)))
-    assert isinstance(done, kv.Done) and done.info["stored"] == 3 and done.nbytes == 6 * PAGE
+    assert isinstance(done, kv.Done) and done.nbytes == 6 * PAGE
+    assert list(done.info.items()) == [("stored", 3), ("skipped", 0), ("dropped", 0), ("thinned", 0)]
     reply = await h.call(kv.Lookup(3, KEYS, True))
     assert isinstance(reply, kv.LookupReply) and reply.hit_chunks == 3 and reply.lease_id
     dst = _full(range(3), 11)
     done = await h.call(kv.Retrieve(4, reply.lease_id, dst))
-    assert isinstance(done, kv.Done) and done.info["entries"] == 3
+    assert isinstance(done, kv.Done) and done.info == {"entries": 3}  # no CUDA event from a host engine
     for s, d in zip(src, [b for it in dst for b in it[3]], strict=True):
         assert bytes(h.engine.block(0, d)) == bytes(h.engine.block(0, s))
 
@@ -123,10 +124,13 @@ async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness)
     await h.call(kv.Store(2, _full(range(2), 1)))
     offer = [[1, 1, KEYS[1], [5]]]  # the state after chunk 1
     done = await h.call(events.StepEvent(3, 0, 1, offer, []))
-    assert isinstance(done, kv.Done) and done.info["outcome"] == "accept"
+    assert isinstance(done, kv.Done)
+    assert list(done.info.items()) == [("stored", 1), ("skipped", 0), ("dropped", 0), ("thinned", 0),
+                                       ("outcome", "accept")]
     miss = await h.call(kv.Lookup(4, KEYS[:2], False))
     assert isinstance(miss, kv.LookupReply) and miss.hit_chunks == 0  # unconfirmed: not servable
-    await h.call(events.StepEvent(5, 1, 2, [], [3]))  # the next step confirms job 3
+    confirm = await h.call(events.StepEvent(5, 1, 2, [], [3]))  # the next step confirms job 3
+    assert isinstance(confirm, kv.Done) and confirm.info == {"outcome": "accept"}  # no offers: no counts
     hit = await h.call(kv.Lookup(6, KEYS[:2], False))
     assert isinstance(hit, kv.LookupReply) and hit.hit_chunks == 2
 

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from hkvd.daemon.errors import RegistrationError
 from hkvd.daemon.validation import (
     check_chunk_size,
     check_group_kinds,
     check_mamba,
     validate_hybrid,
 )
+from hkvd.transport.errors import RegistrationError
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ SAMPLES = [
     kv.Retrieve(3, 9, [[1, 0, KEY, [5]]]), kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
     kv.Error(2, 20, "m"), kv.Release(9), kv.Uncacheable("unknown_extra_key_x"),
     events.StepEvent(1, 0, 5, [[1, 3, KEY, [7]]], [2, 3]),
+    events.KVEventsPoll(6, 17), events.KVEvents(6, 19, 1, [b"\x92\xcb" + bytes(8) + b"\x90"]),
     peer.PeerHello(1, "node", b"n" * 32), peer.PeerChallenge(1, "node", b"s" * 32, b"p" * 32),
     peer.PeerAuth(b"p" * 32, [b"f" * 16]), peer.PeerWelcome("agent", b"md", [b"f" * 16], 30.0),
     peer.PeerLookup(1, b"f" * 16, [KEY], 1, 0.5, 0),
@@ -67,6 +68,55 @@ def test_oversized_length_is_refused_before_buffering():
 def test_garbage_never_crashes_the_decoder(data):
     with contextlib.suppress(KVError):
         decode_body(data)
+
+
+NOTE = [KEY, [2**64 - 1, 7], b"\x01" * 32, bytes(4 * 32), [None, ["lora-a", ["mm-id", 3]]], 3, "lora-a"]
+
+
+def test_notes_and_the_events_mode_ride_on_as_optional_trailing_fields():
+    for msg in (kv.Store(2, [[0, 0, KEY, [1, 2]]], b"", [NOTE]), events.StepEvent(1, 0, 5, [[1, 3, KEY, [7]]], [],
+                                                                                  b"", [NOTE]),
+                control.RegisterAck(1, 2, b"f" * 16, 256, control.KV_EVENTS_PUBLISHED)):
+        assert decode_body(FrameDecoder().feed(encode(msg))[0]) == msg
+    # Without notes, nothing is added to what an older daemon parses.
+    assert kv.Store(2, [[0, 0, KEY, [1, 2]]]).to_wire() == [int(MsgType.STORE), 2, [[0, 0, KEY, [1, 2]]]]
+    assert kv.Store(2, [[0, 0, KEY, [1, 2]]], b"", [NOTE]).parsed_notes()[0].lora_name == "lora-a"
+
+
+@pytest.mark.parametrize("note", [
+    NOTE[:6],                                          # too short
+    [KEY[:8], *NOTE[1:]],                              # short key
+    [KEY, [], *NOTE[2:]],                              # no hashes
+    [KEY, [2**64], *NOTE[2:]],                         # a hash past 64 bits
+    [KEY, [-1], *NOTE[2:]],                            # a negative hash
+    [KEY, [b""], *NOTE[2:]],                           # an empty hash
+    [KEY, [True], *NOTE[2:]],                          # a bool hash
+    [KEY, [b"h" * 65], *NOTE[2:]],                     # an oversized hash
+    [KEY, NOTE[1], "p", *NOTE[3:]],                    # a parent of another type
+    [*NOTE[:3], bytes(6), *NOTE[4:]],                  # tokens not uint32
+    [*NOTE[:3], [1, 2], *NOTE[4:]],                    # tokens as a list
+    [*NOTE[:4], [None], *NOTE[5:]],                    # extra keys not one per block
+    [*NOTE[:4], [None, ["x" * 5000]], *NOTE[5:]],      # an oversized extra key
+    [*NOTE[:4], [None, [{"a": 1}]], *NOTE[5:]],        # a map among extra keys
+    [*NOTE[:4], [None, [[1, [2]]]], *NOTE[5:]],        # nested too deep
+    [*NOTE[:5], -3, NOTE[6]],                          # a negative lora_id
+    [*NOTE[:6], 7],                                    # lora_name not a string
+], ids=str)
+def test_bad_notes_are_refused_when_decoded(note):
+    with pytest.raises(ProtocolViolation):
+        kv.Store.from_wire([2, [[0, 0, KEY, [1, 2]]], b"", [note]])
+    with pytest.raises(ProtocolViolation):
+        events.StepEvent.from_wire([1, 0, 5, [[1, 3, KEY, [7]]], [], b"", [note]])
+
+
+def test_event_groups_are_optional_and_checked():
+    wire = _spec_wire(2, 1)
+    assert control.EngineSpec.from_wire(wire).event_groups == []
+    named = {**wire, "event_groups": [[0, "sliding_window", 192], [1, "full_attention", None]]}
+    assert control.EngineSpec.from_wire(named).event_groups == [(0, "sliding_window", 192), (1, "full_attention", None)]
+    for bad in ([[0, "x", None]], [[0, "", None], [1, "x", None]], [[0, "x", -1], [1, "x", None]], [[0, "x"]]):
+        with pytest.raises(ProtocolViolation):
+            control.EngineSpec.from_wire({**wire, "event_groups": bad})
 
 
 def test_step_event_offers_name_one_block():

@@ -1,173 +1,25 @@
-"""hkvd's wire protocol: message types, versions and the message base class.
+"""hkvd's wire protocol: the base (``message``) and the message families, imported here so every
+class is registered before a frame is parsed.
 
-A frame is a 4-byte big-endian length followed by ``msgpack.packb([msg_type, *fields])``. Message
-types are explicit, append-only integers grouped by family (control 1-19, kv 20-39, events 40-49,
-peer 60-79): a number, once shipped, never changes meaning. Messages are frozen slotted dataclasses;
-``from_wire`` type-checks every field (bad input gets ``ProtocolViolation``, never a crash) and
-``validate`` checks the values.
+The base types live in ``hkvd.transport.wire.message``; the families (``control``, ``kv``, ``events``,
+``peer``) import them from there, never from this package, so nothing imports in a circle.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import typing
-from typing import Any, ClassVar
-
-from hkvd.transport.errors import ProtocolViolation, UnknownMessage
-
-# 2: EngineSpec.identity, Uncacheable, chunk keys with extra keys (LoRA, images, cache_salt).
-PROTOCOL_VERSION = 2
-DEFAULT_MAX_FRAME_BYTES = 16 << 20
-# Bounds on list fields: far above real use (a 1M-token prompt in 256-token chunks is 4096 keys),
-# low enough that one frame cannot make the daemon do unbounded work.
-MAX_KEYS = 1 << 16
-MAX_ITEMS = 1 << 16
-KEY_BYTES = 16
-
-
-class MsgType(enum.IntEnum):
-    # control
-    HELLO = 1
-    HELLO_ACK = 2
-    REGISTER = 3
-    REGISTER_ACK = 4
-    UNREGISTER = 5
-    BYE = 6
-    STATUS = 7
-    STATUS_REPLY = 8
-    PING = 9
-    PONG = 10
-    # kv
-    LOOKUP = 20
-    LOOKUP_REPLY = 21
-    STORE = 22
-    RETRIEVE = 23
-    DONE = 24
-    ABORT = 25
-    ABORT_ACK = 26
-    ERROR = 27
-    RELEASE = 28
-    UNCACHEABLE = 29
-    # events
-    STEP_EVENT = 40
-    # peer (transport/wire/peer.py): daemon <-> daemon, and the engine's Pull
-    PEER_HELLO = 60
-    PEER_CHALLENGE = 61
-    PEER_AUTH = 62
-    PEER_WELCOME = 63
-    PEER_LOOKUP = 64
-    PEER_LOOKUP_REPLY = 65
-    PEER_RELEASE = 66
-    PULL = 70
-
-
-MESSAGE_CLASSES: dict[int, type[Message]] = {}
-
-
-def _check(value: Any, hint: Any, where: str) -> None:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolViolation(f"{where}: expected a list, got {type(value).__name__}")
-        (inner,) = typing.get_args(hint)
-        if inner is not Any:
-            for i, v in enumerate(value):
-                _check(v, inner, f"{where}[{i}]")
-        return
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolViolation(f"{where}: expected a map, got {type(value).__name__}")
-        return
-    if hint is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ProtocolViolation(f"{where}: expected a number, got {type(value).__name__}")
-        return
-    if hint is int and isinstance(value, bool):
-        raise ProtocolViolation(f"{where}: expected an integer, got bool")
-    if not isinstance(value, hint):
-        raise ProtocolViolation(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-
-
-class Message:
-    """Base of every wire message. Subclasses are frozen slotted dataclasses with a ``TYPE``."""
-
-    __slots__ = ()
-    TYPE: ClassVar[MsgType]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "TYPE" in cls.__dict__:
-            prev = MESSAGE_CLASSES.get(cls.TYPE)
-            # dataclass(slots=True) rebuilds the class, so the same class arrives twice.
-            if prev is not None and prev.__qualname__ != cls.__qualname__:
-                raise TypeError(f"message type {cls.TYPE!r} defined twice")
-            MESSAGE_CLASSES[cls.TYPE] = cls
-
-    @classmethod
-    def _layout(cls) -> tuple[list[tuple[str, Any]], int, tuple[Any, ...]]:
-        """(name, type hint) of each field, how many fields are required, each field's default.
-
-        Computed once per class (to_wire and from_wire run for every frame). Fields added later get
-        defaults, so older peers still parse.
-        """
-        layout = cls.__dict__.get("_layout_cache")
-        if layout is None:
-            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-            resolved = typing.get_type_hints(cls)
-            required = len([f for f in fields
-                            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
-            layout = ([(f.name, resolved[f.name]) for f in fields], required, tuple(f.default for f in fields))
-            cls._layout_cache = layout  # type: ignore[attr-defined]
-        return layout
-
-    def to_wire(self) -> list[Any]:
-        hints, required, defaults = self._layout()
-        values = [getattr(self, name) for name, _ in hints]
-        # Trailing optional fields left at their default are not sent.
-        while len(values) > required and values[-1] == defaults[len(values) - 1]:
-            values.pop()
-        return [int(self.TYPE), *values]
-
-    @classmethod
-    def from_wire(cls, fields: list[Any]) -> Message:
-        hints, required, _ = cls._layout()
-        if not required <= len(fields) <= len(hints):
-            want = str(len(hints)) if required == len(hints) else f"{required} to {len(hints)}"
-            raise ProtocolViolation(f"{cls.__name__}: expected {want} fields, got {len(fields)}")
-        hints = hints[:len(fields)]
-        for value, (name, hint) in zip(fields, hints, strict=True):
-            _check(value, hint, f"{cls.__name__}.{name}")
-        msg = cls(*fields)
-        msg.validate()
-        return msg
-
-    def validate(self) -> None:
-        """Value checks beyond types; raise ProtocolViolation."""
-
-
-def message_from_wire(obj: Any) -> Message:
-    """Turn a decoded frame (a list) into a validated message."""
-    if not isinstance(obj, list) or not obj:
-        raise ProtocolViolation("a frame must be a non-empty array [msg_type, *fields]")
-    mtype = obj[0]
-    if not isinstance(mtype, int) or isinstance(mtype, bool):
-        raise ProtocolViolation("the first element of a frame must be the integer message type")
-    cls = MESSAGE_CLASSES.get(mtype)
-    if cls is None:
-        raise UnknownMessage(f"unknown message type {mtype}; this daemon speaks protocol {PROTOCOL_VERSION}")
-    return cls.from_wire(obj[1:])
-
-
-def check_u64(value: int, what: str) -> None:
-    if not 0 <= value < 1 << 64:
-        raise ProtocolViolation(f"{what} must be an unsigned 64-bit integer, got {value}")
-
-
-# Import the families so their classes register (kept at the end: they import Message from here).
-from hkvd.transport.wire import control, events, kv, peer  # noqa: E402
+from hkvd.transport.wire import control, events, kv, peer
+from hkvd.transport.wire.message import (
+    DEFAULT_MAX_FRAME_BYTES,
+    KEY_BYTES,
+    MAX_ITEMS,
+    MAX_KEYS,
+    MESSAGE_CLASSES,
+    PROTOCOL_VERSION,
+    Message,
+    MsgType,
+    check_u64,
+    message_from_wire,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "KEY_BYTES", "MAX_ITEMS", "MAX_KEYS", "MESSAGE_CLASSES", "PROTOCOL_VERSION",

@@ -13,7 +13,7 @@ from typing import Any
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.layout import GroupSpec, View
-from hkvd.transport.wire import Message, MsgType, check_u64
+from hkvd.transport.wire.message import Message, MsgType, check_u64
 
 ROLES = ("scheduler", "worker", "tool", "peer")
 REGION_KINDS = ("host", "cuda")
@@ -25,6 +25,13 @@ MAX_VIEWS = 4096
 MAX_TOTAL_VIEWS = 16384
 MAX_IDENTITY = 256
 MAX_WORLD_SIZE = 256
+MAX_EVENT_KIND = 64
+
+# RegisterAck.kv_events: what the daemon does with KV-event notes (docs/routing.md). An older daemon
+# sends nothing (0): a client then sends no notes, which that daemon would refuse.
+KV_EVENTS_UNSUPPORTED = 0
+KV_EVENTS_ACCEPTED = 1  # takes notes and answers KVEventsPoll (the connector's path)
+KV_EVENTS_PUBLISHED = 2  # also publishes them node-wide (hkvd serve --kv-events-endpoint)
 
 
 def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -53,6 +60,9 @@ class EngineSpec:
     # Digest of what changes the entries' bytes beyond the layout (weights, dtypes, backend, TP/PP:
     # hkvd.shim.identity.engine_identity); part of the daemon's fingerprint. "" for synthetic engines.
     identity: str = ""
+    # Per group, how vLLM names it in KV events: (group_id, kv_cache_spec_kind, sliding window or None).
+    # Not part of the fingerprint. Empty: derived from the group kinds (docs/routing.md).
+    event_groups: list[tuple[int, str, int | None]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -60,6 +70,7 @@ class EngineSpec:
             "layout_tag": self.layout_tag, "chunk_size": self.chunk_size, "block_size": self.block_size,
             "max_num_batched_tokens": self.max_num_batched_tokens, "mamba_cache_mode": self.mamba_cache_mode,
             "identity": self.identity,
+            **({"event_groups": [list(g) for g in self.event_groups]} if self.event_groups else {}),
             "regions": [
                 {"region_id": r.region_id, "kind": r.kind, "size": r.size, "addr": r.addr,
                  "handle": r.handle, "device_uuid": r.device_uuid, "offset": r.offset}
@@ -126,6 +137,7 @@ class EngineSpec:
             max_num_batched_tokens=_get(d, "max_num_batched_tokens", int, w),
             mamba_cache_mode=_get(d, "mamba_cache_mode", str, w), regions=regions, groups=groups,
             identity=_get(d, "identity", str, w),
+            event_groups=_event_groups(d.get("event_groups"), len(groups_raw), f"{w}.event_groups"),
         )
         spec.validate_shape()
         return spec
@@ -152,6 +164,24 @@ class EngineSpec:
             raise ProtocolViolation("an engine must register at least one KV-cache group")
         if len(self.identity) > MAX_IDENTITY:
             raise ProtocolViolation(f"identity: at most {MAX_IDENTITY} characters")
+        if self.event_groups and sorted(g[0] for g in self.event_groups) != sorted(gids):
+            raise ProtocolViolation("event_groups must name each registered group once")
+
+
+def _event_groups(raw: Any, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
+    """Optional; absent from older clients."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > n_groups:
+        raise ProtocolViolation(f"{where}: a list of at most one [group_id, kind, sliding_window] per group")
+    out: list[tuple[int, str, int | None]] = []
+    for i, g in enumerate(raw):
+        if (not isinstance(g, list) or len(g) != 3 or type(g[0]) is not int or type(g[1]) is not str
+                or not 0 < len(g[1]) <= MAX_EVENT_KIND or not (g[2] is None or (type(g[2]) is int and g[2] >= 0))):
+            raise ProtocolViolation(f"{where}[{i}]: expected [group_id, kind (1-{MAX_EVENT_KIND} characters), "
+                                    "sliding window (tokens) or nil]")
+        out.append((g[0], g[1], g[2]))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +225,7 @@ class RegisterAck(Message):
     engine_id: int
     fingerprint: bytes
     chunk_size: int
+    kv_events: int = KV_EVENTS_UNSUPPORTED  # KV_EVENTS_*: whether to send notes, and poll
 
 
 @dataclass(frozen=True, slots=True)

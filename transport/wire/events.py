@@ -4,6 +4,13 @@
 connection (a gap means an event was lost); ``offers`` are the boundary states this step computed,
 as store items (one block each); ``confirms`` are req_ids of earlier step events whose ``Done`` the
 engine saw before it let the offered blocks be reused. Only confirmed states become visible.
+Its optional ``notes`` name the offered chunks as vLLM does (``hkvd.transport.wire.block_notes``).
+
+KV events, the connector's path (docs/routing.md): a scheduler-side connection asks
+``KVEventsPoll(req_id, since)`` for the event batches of its engine's layout with sequence numbers
+from ``since`` on; the daemon answers ``KVEvents(req_id, next, lost, batches)``: each batch is the
+msgpack of one vLLM ``KVEventBatch``, ``next`` is the ``since`` of the next poll, ``lost`` counts the
+batches between ``since`` and the oldest one the daemon still keeps (the poller fell behind).
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire import MAX_ITEMS, Message, MsgType, check_u64
+from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
 from hkvd.transport.wire.kv import Item, check_event, checked_items, parse_items
+from hkvd.transport.wire.message import MAX_ITEMS, Message, MsgType, check_u64
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +33,7 @@ class StepEvent(Message):
     offers: list[Any]
     confirms: list[int]
     wait_event: bytes = b""  # the step's end event (CUDA IPC handle), as in Store.wait_event
+    notes: Any = None  # vLLM's names of the offered chunks, as in Store.notes
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -36,6 +45,41 @@ class StepEvent(Message):
         parsed = parse_items(self.offers, "StepEvent.offers")
         if any(len(it.block_ids) != 1 for it in parsed):
             raise ProtocolViolation("StepEvent.offers: a boundary state names exactly one block")
+        check_notes(self.notes, "StepEvent.notes")
 
     def parsed(self) -> list[Item]:
         return checked_items(self.offers)  # validated when decoded
+
+    def parsed_notes(self) -> list[BlockNote]:
+        return checked_notes(self.notes)
+
+
+# Batches one KVEvents reply carries at most; the poller asks again for the rest.
+MAX_POLL_BATCHES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsPoll(Message):
+    TYPE = MsgType.KV_EVENTS_POLL
+    req_id: int
+    since: int  # the first sequence number wanted; 0 on a new connection
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        check_u64(self.since, "since")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents(Message):
+    TYPE = MsgType.KV_EVENTS
+    req_id: int
+    next: int
+    lost: int
+    batches: list[bytes]
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        check_u64(self.next, "next")
+        check_u64(self.lost, "lost")
+        if len(self.batches) > MAX_POLL_BATCHES:
+            raise ProtocolViolation(f"KVEvents: at most {MAX_POLL_BATCHES} batches")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
+from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
+from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 MAX_BLOCKS_PER_ITEM = 4096
 
@@ -109,14 +110,21 @@ class Store(Message):
     # IPC handle of the engine's step-end CUDA event: the daemon's stream waits on it before reading
     # (cuda copy engine only; b"" = the blocks are already final, as on the host engine).
     wait_event: bytes = b""
+    # vLLM's names of the stored chunks, for KV events (hkvd.transport.wire.block_notes); nil: none.
+    # Sent only to a daemon whose RegisterAck.kv_events says it takes them.
+    notes: Any = None
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_items(self.items, "Store.items")
         check_event(self.wait_event, "Store.wait_event")
+        check_notes(self.notes, "Store.notes")
 
     def parsed(self) -> list[Item]:
         return checked_items(self.items)  # validated when decoded
+
+    def parsed_notes(self) -> list[BlockNote]:
+        return checked_notes(self.notes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +148,7 @@ class Done(Message):
     TYPE = MsgType.DONE
     req_id: int
     nbytes: int
-    info: dict[str, Any]
+    info: dict[str, Any]  # per request: a typed reply's to_info() (hkvd.transport.wire.replies)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,10 +35,10 @@ Requests (after the handshake; ``req_id`` chosen by the client, echoed in the re
     that or discards what it read.
 
 Engine -> its own daemon
-    ``Pull(req_id, peer, keys, max_chunks, release_lease)`` -> ``Done(req_id, nbytes, info)`` with
-    ``info = {hit_chunks, lease_id, lease_ttl_s, pulled, local}`` (the lease is on the pulling
-    daemon's entries, for the engine's Retrieve), or ``Error(req_id, ...)``: then nothing pulled
-    is visible.
+    ``Pull(req_id, peer, keys, max_chunks, release_lease)`` -> ``Done(req_id, nbytes, info)`` carrying
+    a ``hkvd.transport.wire.replies.PullResult`` (hit_chunks, lease_id, lease_ttl_s, pulled, local, ...;
+    the lease is on the pulling daemon's entries, for the engine's Retrieve), or ``Error(req_id, ...)``:
+    then nothing pulled is visible.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
+from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 PEER_VERSION = 3  # 2: PeerLookupReply carries packed entry arrays; 3: keys with extra keys, engine identity
 NONCE_BYTES = 32

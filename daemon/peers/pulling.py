@@ -1,0 +1,597 @@
+"""The pulling end of peer links: an engine's ``Pull`` -> entries READ from a peer into our pool.
+
+Role
+    For ``Pull(req_id, peer, keys, max_chunks, release_lease)`` from an engine registered here:
+    connect (or reuse a link) to the serving daemon, prove the token, agree on the engine's layout,
+    ``PeerLookup`` + lease, allocate local entries (``Index.begin_writes``), READ the leased pages
+    straight into them with the transport (in two batches: the first quarter's READ starts as soon
+    as its entries are allocated, so allocating the rest overlaps the copy), check sizes,
+    publish them all once every READ completed (``finish_writes``: READY),
+    release the remote lease, and answer with the hit the engine can now ``Retrieve`` locally (and
+    a local lease on it).
+
+Correctness rules
+    - Nothing pulled is visible before all its READs completed whole; a failed, timed-out or partial
+      pull abandons every entry it allocated and answers ``Error``: the engine recomputes.
+    - The serving daemon's lease protects the pages being read. It lasts ``lease_ttl_s`` from the
+      moment it was granted, which is after our request was sent, so a READ must complete within
+      ``LEASE_USE_FRACTION`` of the TTL counted from the send; bytes that arrive later are discarded.
+    - The transport cannot cancel a READ in flight (``hkvd.transport.nixl.agent``). When we stop
+      waiting (timeout, cancellation) the destination entries stay allocated, WRITING and invisible
+      ("quarantined") until the transport reports the READ over; only then are they freed.
+    - The peer's reply is checked against the engine's own layout: exactly the entries the hybrid
+      hit rule needs for the reported hit, each of the engine's entry size.
+    - A READ the transport failed (not a timeout) closes every link to that agent and unloads it:
+      the peer's transport host may have restarted with new metadata, or ours may have. A pull on a
+      link that had served before tries once more on a fresh link (``peer_pull_retries``).
+    - A READ still running ``ABANDONED_READ_RESET_TIMEOUTS`` pull timeouts after it was abandoned
+      (a peer UCX cannot route to stalls it until the serving agent goes away) resets the
+      transport, which settles it, so its quarantined pages come back (``peer_transport_resets``).
+
+Threading
+    Event loop only. One control request at a time per link (a lock); READs of many pulls overlap.
+
+Timeouts
+    Connect, handshake and each control request: ``peer_timeout_s``; the whole pull:
+    ``peer_pull_timeout_s`` (and the lease bound above).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+import time
+from typing import Any, NamedTuple
+
+from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.hybrid import HitPlan, plan_hit, required_chunks
+from hkvd.daemon.index import Entry, EntryState, Index
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.peers.auth import PeerConfigError, check_proof, client_proof, server_proof, split_address
+from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.registry import EngineState
+from hkvd.transport.aio import FrameStream
+from hkvd.transport.base import DataTransport, Desc, Transfer
+from hkvd.transport.errors import (
+    CopyFailedError,
+    DaemonUnavailable,
+    FrameTooLarge,
+    InternalError,
+    KVError,
+    KVTimeout,
+    OutOfRange,
+    PermissionDenied,
+    PoolFull,
+    ProtocolViolation,
+    UnsupportedVersion,
+    error_from_wire,
+)
+from hkvd.transport.stat_fields import status_only
+from hkvd.transport.wire import Message, kv
+from hkvd.transport.wire.peer import (
+    NONCE_BYTES,
+    PEER_VERSION,
+    PeerAuth,
+    PeerChallenge,
+    PeerHello,
+    PeerLookup,
+    PeerLookupReply,
+    PeerRelease,
+    PeerWelcome,
+    Pull,
+    RemoteEntry,
+)
+from hkvd.transport.wire.replies import PullResult
+
+log = logging.getLogger("hkvd.peer_client")
+
+LEASE_USE_FRACTION = 0.8
+# How long the serving daemon may wait for its hit to reach what we ask (Mamba states turn visible
+# when their engine confirms them, one or two steps after the copy).
+LOOKUP_WAIT_S = 1.0
+SETTLE_POLL_S = 0.02
+# An abandoned READ still running this many pull timeouts after it was abandoned resets the transport.
+ABANDONED_READ_RESET_TIMEOUTS = 2
+# A pull READs its entries in two batches: the first quarter of the bytes (at least 2 MiB) starts as
+# soon as it is allocated, and the rest is allocated while it runs. Allocating an entry costs 10-30 us
+# and READing 512 KiB over shared memory 100+ us, so the rest is ready before the first READ ends.
+# More, smaller batches were slower: while the event loop allocates, the transport's thread waits up
+# to the GIL switch interval (5 ms) to post each next READ.
+FIRST_BATCH_SHARE = 4
+FIRST_BATCH_MIN_BYTES = 2 << 20
+
+
+class ReadResult(NamedTuple):
+    nbytes: int
+    pulled: int  # entries written
+    seconds: float  # the READ alone
+    descs: int
+
+
+class PeerLink:
+    """One authenticated control connection to a serving daemon, for one layout."""
+
+    def __init__(self, address: str, fingerprint: bytes, stream: FrameStream, welcome: PeerWelcome,
+                 peer_name: str, generation: int = 0) -> None:
+        self.address = address
+        self.fingerprint = fingerprint
+        self.stream = stream
+        self.welcome = welcome
+        self.peer_name = peer_name  # the transport's name for the serving daemon
+        self.generation = generation  # of our transport when peer_name was loaded (DataTransport.generation)
+        self.lock = asyncio.Lock()
+        self.broken = False
+        self.requests = 0
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def call(self, msg: Message, reply_type: type | None, timeout_s: float) -> Any:
+        """Send ``msg``; return its reply (``None`` for one-way messages). A link that timed out,
+        broke, or answered out of order is closed: its replies can no longer be matched."""
+        async with self.lock:
+            if self.broken:
+                raise DaemonUnavailable(f"the peer link to {self.address} is closed")
+            self.requests += 1
+            try:
+                await self.stream.send(msg, timeout_s)
+                if reply_type is None:
+                    return None
+                reply = await self.stream.recv(timeout_s)
+            except (ConnectionError, OSError) as e:
+                await self._break()
+                raise DaemonUnavailable(f"lost the peer link to {self.address}: {e}") from None
+            except (KVTimeout, FrameTooLarge, ProtocolViolation):
+                await self._break()
+                raise
+            req_id = getattr(msg, "req_id", 0)
+            if isinstance(reply, kv.Error):
+                if reply.req_id != req_id:
+                    await self._break()
+                raise error_from_wire(reply.code, reply.message)
+            if not isinstance(reply, reply_type) or getattr(reply, "req_id", None) != req_id:
+                await self._break()
+                raise ProtocolViolation(f"peer {self.address} answered {type(reply).__name__} to "
+                                        f"{type(msg).__name__} {req_id}")
+            return reply
+
+    async def _break(self) -> None:
+        self.broken = True
+        await self.stream.aclose()
+
+
+def pair_extents(remote: list[tuple[int, int]], local: list[tuple[int, int]]) -> list[Desc]:
+    """Map an entry's bytes, laid out over ``remote`` extents, onto ``local`` extents (both in entry
+    order, same total), merging pieces contiguous on both sides."""
+    out: list[Desc] = []
+    ri = li = 0
+    r_addr, r_left = remote[0]
+    l_addr, l_left = local[0]
+    while True:
+        n = min(r_left, l_left)
+        if out and out[-1].remote_addr + out[-1].nbytes == r_addr and out[-1].local_addr + out[-1].nbytes == l_addr:
+            last = out[-1]
+            out[-1] = Desc(last.remote_addr, last.local_addr, last.nbytes + n)
+        else:
+            out.append(Desc(r_addr, l_addr, n))
+        r_addr += n
+        l_addr += n
+        r_left -= n
+        l_left -= n
+        if r_left == 0:
+            ri += 1
+            if ri == len(remote):
+                break
+            r_addr, r_left = remote[ri]
+        if l_left == 0:
+            li += 1
+            l_addr, l_left = local[li]
+    if li != len(local) - 1 or l_left:
+        raise ValueError("remote and local extents hold different byte counts")
+    return out
+
+
+def merge(descs: list[Desc]) -> list[Desc]:
+    out: list[Desc] = []
+    for d in descs:
+        if out and out[-1].remote_addr + out[-1].nbytes == d.remote_addr and \
+                out[-1].local_addr + out[-1].nbytes == d.local_addr:
+            last = out[-1]
+            out[-1] = Desc(last.remote_addr, last.local_addr, last.nbytes + d.nbytes)
+        else:
+            out.append(d)
+    return out
+
+
+def begin_entries(index: Index, base: int, fp: bytes, kinds: dict[int, str], keys: list[bytes],
+                  part: list[RemoteEntry], job_id: int) -> tuple[list[Entry], list[Desc]]:
+    """Begin local entries for ``part`` (an engine's, of layout ``fp``, group kinds ``kinds``, chunk
+    keys ``keys``) in one ``Index.begin_writes`` and pair their extents (at pool address ``base``)
+    with the peer's (the caller merges pieces contiguous on both sides: ``merge``).
+
+    Entries present here already (READY, or written by another job: ``_settle`` waits for those)
+    are skipped. No room for one of them: every entry begun here is given back and the
+    ``PoolFull`` raised.
+    """
+    got = index.begin_writes(
+        [((fp, e.group_id, keys[e.chunk_index]), e.nbytes, kinds[e.group_id],
+          keys[e.chunk_index - 1] if e.chunk_index else b"") for e in part], job_id)
+    begun = [le for le in got if isinstance(le, Entry)]
+    descs: list[Desc] = []
+    try:
+        for e, le in zip(part, got, strict=True):
+            if isinstance(le, PoolFull):
+                raise le
+            if le is None:
+                continue
+            local, remote = le.alloc.extents, e.extents
+            if len(local) == 1 and len(remote) == 1 and local[0][1] == remote[0][1]:
+                descs.append(Desc(remote[0][0], base + local[0][0], local[0][1]))  # one extent each side
+            else:
+                descs.extend(pair_extents(remote, [(base + off, n) for off, n in local]))
+    except BaseException:
+        for le in begun:
+            index.abandon_write(le)
+        raise
+    return begun, descs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkStats:
+    """One link to a serving daemon (``hkvd status``: an item of ``peer.links``)."""
+
+    address: str = status_only()
+    layout: str = status_only()  # the first 12 hex digits of the layout fingerprint
+    up: bool = status_only()
+    requests: int = status_only()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PullStats:
+    """The pulling side (``hkvd status``: ``peer.quarantined_entries`` and ``peer.links``)."""
+
+    quarantined_entries: int = status_only()  # entries waiting for an abandoned READ to settle
+    links: tuple[LinkStats, ...] = status_only()
+
+
+class PeerClient:
+    def __init__(self, cfg: DaemonConfig, token: bytes, node: str, index: Index, pool: HugePagePool,
+                 transport: DataTransport, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.token = token
+        self.node = node
+        self.index = index
+        self.pool = pool
+        self.transport = transport
+        self.metrics = metrics
+        self._links: dict[tuple[str, bytes], PeerLink] = {}
+        self._connecting: dict[tuple[str, bytes], asyncio.Lock] = {}
+        self._agents: dict[str, str] = {}  # serving daemon's agent name -> transport peer name
+        self._generation = transport.generation  # of the transport the names in _agents were loaded into
+        self.quarantined = 0  # entries waiting for an abandoned READ to settle
+
+    # ---- links ---------------------------------------------------------------------------------
+    async def _link(self, address: str, fingerprint: bytes) -> PeerLink:
+        key = (address, fingerprint)
+        if self._generation != self.transport.generation:
+            # Our transport restarted: the peers loaded into the old one are gone with it.
+            self._generation = self.transport.generation
+            self._agents.clear()
+        link = self._links.get(key)
+        if link is not None and not link.broken and link.generation == self._generation:
+            return link
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:
+            link = self._links.get(key)
+            if link is not None and not link.broken and link.generation != self._generation:
+                await link._break()
+            if link is None or link.broken:
+                link = await self._connect(address, fingerprint)
+                self._links[key] = link
+            return link
+
+    async def _connect(self, address: str, fingerprint: bytes) -> PeerLink:
+
+        try:
+            host, port = split_address(address)
+        except PeerConfigError as e:
+            raise ProtocolViolation(str(e)) from None
+        timeout = self.cfg.peer_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as e:
+            self.metrics.inc("peer_connect_errors")
+            raise DaemonUnavailable(f"cannot reach the peer hkvd at {address} ({e or 'timed out'}); is it running "
+                                    f"with --peer-listen {address}?") from None
+        stream = FrameStream(reader, writer, self.cfg.max_frame_bytes)
+        try:
+            nonce = os.urandom(NONCE_BYTES)
+            await stream.send(PeerHello(PEER_VERSION, self.node, nonce), timeout)
+            challenge = await self._expect(stream, PeerChallenge, timeout)
+            if challenge.version != PEER_VERSION:
+                raise UnsupportedVersion(f"the peer at {address} speaks peer protocol {challenge.version}, this "
+                                         f"daemon {PEER_VERSION}; run the same hkvd version on both nodes")
+            if not check_proof(server_proof(self.token, nonce, challenge.nonce), challenge.proof):
+                self.metrics.inc("peer_refused", why="server_token")
+                raise PermissionDenied(f"the peer at {address} does not know our peer token (different "
+                                       "--peer-token-file?); not pulling from it")
+            await stream.send(PeerAuth(client_proof(self.token, nonce, challenge.nonce), [fingerprint]), timeout)
+            welcome = await self._expect(stream, PeerWelcome, timeout)
+            if fingerprint not in welcome.fingerprints:
+                raise ProtocolViolation(f"the peer at {address} welcomed us without our layout")
+            if welcome.agent == self.transport.agent_name:
+                # NIXL cannot load its own agent as a peer (NIXL_ERR_INVALID_PARAM, once an INTERNAL error).
+                raise OutOfRange(f"the peer at {address} is this hkvd itself: a daemon does not pull from itself "
+                                 "(what it holds, Lookup and Retrieve serve); point the pull at the prefill node's "
+                                 "daemon (its --peer-advertise address)")
+            peer_name = self._agents.get(welcome.agent)
+            if peer_name is None:
+                peer_name = await self.transport.add_peer(welcome.agent_metadata)
+                self._agents[welcome.agent] = peer_name
+        except (ConnectionError, OSError) as e:
+            await stream.aclose()
+            raise DaemonUnavailable(f"the peer at {address} closed the link during the handshake: {e}") from None
+        except BaseException:
+            await stream.aclose()
+            raise
+        log.info("peer link to %s (%s) up; layout %s", address, challenge.node, fingerprint.hex()[:12])
+        return PeerLink(address, fingerprint, stream, welcome, peer_name, self.transport.generation)
+
+    async def _forget(self, link: PeerLink, why: str) -> None:
+        """A READ over ``link`` failed in the transport: the serving daemon's agent may have restarted
+        (new metadata) or ours may have. Close every link to that agent and unload it, so the next
+        pull handshakes again and loads whatever metadata the peer has now."""
+        agent = link.welcome.agent
+        for other in list(self._links.values()):
+            if other.welcome.agent == agent and not other.broken:
+                await other._break()
+        if self._agents.get(agent) == link.peer_name:
+            del self._agents[agent]
+            with contextlib.suppress(KVError):
+                await self.transport.remove_peer(link.peer_name)
+        log.info("READ from %s failed (%s); the link reconnects on the next pull", link.address, why)
+
+    @staticmethod
+    async def _expect(stream: FrameStream, cls: type, budget_s: float) -> Any:
+        msg = await stream.recv(budget_s)
+        if isinstance(msg, kv.Error):
+            raise error_from_wire(msg.code, msg.message)
+        if not isinstance(msg, cls):
+            raise ProtocolViolation(f"expected {cls.__name__} from the peer, got {type(msg).__name__}")
+        return msg
+
+    def statistics(self) -> PullStats:
+        return PullStats(quarantined_entries=self.quarantined, links=tuple(
+            LinkStats(address=link.address, layout=link.fingerprint.hex()[:12], up=not link.broken,
+                      requests=link.requests) for link in self._links.values()))
+
+    async def aclose(self) -> None:
+        for link in list(self._links.values()):
+            link.broken = True
+            await link.stream.aclose()
+        self._links.clear()
+
+    # ---- pull ----------------------------------------------------------------------------------
+    async def pull(self, engine: EngineState, msg: Pull, owner: int) -> PullResult:
+        started = time.monotonic()
+        deadline = started + self.cfg.peer_pull_timeout_s
+        keys = msg.keys
+        want = min(msg.max_chunks or len(keys), len(keys))
+        fp = engine.fingerprint
+        local = self._plan_local(engine, keys, want)
+        if local.hit_chunks >= want:  # nothing to move
+            return self._answer(engine, keys, local, owner, nbytes=0, pulled=0, started=started)
+        for attempt in (0, 1):
+            reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
+            reused = link.requests > 1
+            looked_up = time.monotonic()
+            try:
+                read = await self._read_leased(engine, keys, want, reply, link, msg.req_id, sent_at, deadline)
+            except (CopyFailedError, InternalError) as e:  # the transport failed, not the control link
+                await self._forget(link, e.message)
+                # A link that served before: the peer's transport may have restarted since (new agent,
+                # new metadata). One fresh handshake and lookup, as for a link the peer closed.
+                if attempt == 0 and reused and time.monotonic() < deadline:
+                    self.metrics.inc("peer_pull_retries")
+                    continue
+                raise
+            break
+        plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
+        out = self._answer(engine, keys, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
+        return dataclasses.replace(out, lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6),
+                                   descs=read.descs)
+
+    async def _read_leased(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
+                           link: PeerLink, job_id: int, sent_at: float, deadline: float) -> ReadResult:
+        """``_read`` within the serving lease, which is released (when there is one) afterwards."""
+        # The serving lease started after our request left: bound every use of it from the send.
+        lease_deadline = sent_at + reply.lease_ttl_s * LEASE_USE_FRACTION
+        try:
+            return await self._read(engine, keys, want, reply, link, job_id, min(deadline, lease_deadline),
+                                    lease_deadline)
+        finally:
+            if reply.lease_id and not link.broken:
+                with contextlib.suppress(KVError):
+                    await link.call(PeerRelease(link.next_id(), reply.lease_id), None, self.cfg.peer_timeout_s)
+
+    async def _lookup(self, msg: Pull, fp: bytes, keys: list[bytes], want: int,
+                      deadline: float) -> tuple[PeerLookupReply, PeerLink, float]:
+        for attempt in (0, 1):
+            link = await self._link(msg.peer, fp)
+            reused = link.requests > 0
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise KVTimeout(f"pull from {msg.peer}: no time left for the lookup "
+                                f"(--peer-pull-timeout-s {self.cfg.peer_pull_timeout_s:g})")
+            wait_s = min(LOOKUP_WAIT_S, remaining / 4)
+            sent_at = time.monotonic()
+            try:
+                reply: PeerLookupReply = await link.call(
+                    PeerLookup(link.next_id(), fp, keys, want, wait_s, msg.release_lease), PeerLookupReply,
+                    min(remaining, self.cfg.peer_timeout_s + wait_s))
+            except DaemonUnavailable:
+                if attempt == 0 and reused:  # an idle link the peer closed (restart?): one fresh try
+                    continue
+                raise
+            return reply, link, sent_at
+        raise AssertionError("unreachable")
+
+    async def _read(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
+                    link: PeerLink, job_id: int, deadline: float, lease_deadline: float) -> ReadResult:
+        """Allocate the entries the peer leased to us and READ them in two batches (see
+        FIRST_BATCH_SHARE): allocating the second overlaps the first's copy. Entries are published
+        only when every READ completed whole."""
+        hit = reply.hit_chunks
+        if hit > want:
+            raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
+        entries = reply.entries()  # checked when the frame was decoded (PeerLookupReply.validate)
+        self._check_entries(engine, hit, entries, link.address)
+        if time.monotonic() >= deadline:
+            raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
+        reads: list[tuple[Transfer, list[Entry]]] = []
+        limit = max(sum(e.nbytes for e in entries) // FIRST_BATCH_SHARE, FIRST_BATCH_MIN_BYTES)
+        cut, acc = len(entries), 0
+        for i, e in enumerate(entries):
+            acc += e.nbytes
+            if acc >= limit:
+                cut = i + 1
+                break
+        try:
+            for part in (entries[:cut], entries[cut:]):  # the rest is allocated while the first is READ
+                begun, descs = begin_entries(self.index, self.pool.base_addr, engine.fingerprint, engine.kinds, keys,
+                                             part, job_id)
+                if begun:
+                    reads.append((self.transport.read(link.peer_name, merge(descs)), begun))
+        except BaseException as e:
+            self._discard(reads, repr(e))
+            raise
+        if not reads:
+            return ReadResult(0, 0, 0.0, 0)
+        try:
+            for transfer, begun in reads:
+                budget = deadline - time.monotonic()
+                if budget <= 0:
+                    raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
+                moved = await transfer.wait(budget)
+                if transfer.finished_at > lease_deadline:
+                    raise KVTimeout(f"the READ from {link.address} finished after the serving daemon's lease "
+                                    "could have expired; its bytes are discarded (raise --lease-ttl-s on the "
+                                    "serving daemon)")
+                expected = sum(le.nbytes for le in begun)
+                if moved != expected:
+                    raise CopyFailedError(f"READ from {link.address} moved {moved} bytes, expected {expected}")
+        except BaseException as e:
+            self._discard(reads, repr(e))
+            raise
+        pulled = 0
+        for _, begun in reads:
+            self.index.finish_writes(begun, pending=False)
+            pulled += len(begun)
+        nbytes = sum(t.nbytes for t, _ in reads)
+        seconds = max(max(t.finished_at for t, _ in reads) - reads[0][0].started_at, 1e-9)
+        self.metrics.inc("peer_pulled_bytes", nbytes)
+        self.metrics.observe_rate("peer_read", nbytes, seconds)
+        self.metrics.inc("peer_pulled_entries", pulled)
+        return ReadResult(nbytes, pulled, seconds, sum(t.descs for t, _ in reads))
+
+    def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
+        need = {(r.group_id, c) for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size)}
+        got = [(e.group_id, e.chunk_index) for e in entries]
+        if set(got) != need or len(got) != len(need):
+            raise ProtocolViolation(f"peer {address} sent entries {sorted(got)[:8]}..., but a hit of {hit} chunks "
+                                    f"needs {sorted(need)[:8]}... for this layout")
+        for e in entries:
+            if e.nbytes != engine.entry_bytes[e.group_id]:
+                raise ProtocolViolation(f"peer {address}: group {e.group_id} entry of {e.nbytes} bytes, this layout's "
+                                        f"entries are {engine.entry_bytes[e.group_id]} bytes")
+
+    def _discard(self, reads: list[tuple[Transfer, list[Entry]]], why: str) -> None:
+        """Free the destination entries of a pull's READs, each once the transport no longer writes
+        into them: at once for the settled ones, when it settles for each still running."""
+        running = []
+        for t, begun in reads:
+            if not t.settled.done():
+                running.append((t, begun))
+                continue
+            for le in begun:
+                self.index.abandon_write(le)
+        if not running:
+            return
+        entries = sum(len(begun) for _, begun in running)
+        self.quarantined += entries
+        self.metrics.inc("peer_reads_quarantined", len(running))
+        log.warning("%d abandoned READs from %s are still running; %d entries (%d bytes) stay out of use until "
+                    "they end", len(running), running[0][0].peer, entries, sum(t.nbytes for t, _ in running))
+
+        def release(begun: list[Entry], f: asyncio.Future[int]) -> None:
+            self.quarantined -= len(begun)
+            for le in begun:
+                self.index.abandon_write(le)
+            how = "failed" if f.cancelled() or f.exception() is not None else "completed late"
+            log.info("an abandoned READ from %s %s; its %d entries are free again (contents discarded)",
+                     running[0][0].peer, how, len(begun))
+
+        for t, begun in running:
+            t.abort(why)
+            t.settled.add_done_callback(functools.partial(release, begun))
+        # A READ over a path UCX cannot complete (a misrouted peer) stalled until the serving agent
+        # went away: its pages would stay quarantined for good. Past the bound, reset the transport
+        # (a hosted one kills its host process: every READ it ran then settles, failed, and nothing
+        # can write into the pool any more); one that cannot reset keeps waiting.
+        bound = self.cfg.peer_pull_timeout_s * ABANDONED_READ_RESET_TIMEOUTS
+        asyncio.get_running_loop().call_later(bound, self._reset_if_stuck, [t for t, _ in running], bound)
+
+    def _reset_if_stuck(self, transfers: list[Transfer], bound: float) -> None:
+        stuck = [t for t in transfers if not t.settled.done()]
+        if not stuck:
+            return
+        why = (f"{len(stuck)} abandoned READs from {stuck[0].peer} did not end within {bound:.0f} s "
+               f"({ABANDONED_READ_RESET_TIMEOUTS}x --peer-pull-timeout-s)")
+        if self.transport.reset(why):
+            self.metrics.inc("peer_transport_resets")
+            log.warning("%s: resetting the peer transport to free their pages (other READs in flight fail and "
+                        "their engines recompute); check the UCX route between the nodes (UCX_NET_DEVICES)", why)
+
+    # ---- local side ----------------------------------------------------------------------------
+    def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> HitPlan:
+        fp = engine.fingerprint
+
+        def present(group_id: int, chunk: int) -> bool:
+            return self.index.is_ready((fp, group_id, keys[chunk]))
+
+        return plan_hit(engine.rules, n, engine.chunk_size, present)
+
+    async def _settle(self, engine: EngineState, keys: list[bytes], hit: int, deadline: float) -> HitPlan:
+        """The hit now servable here. Entries another job is still writing are waited for (bounded)."""
+        while True:
+            plan = self._plan_local(engine, keys, hit)
+            if plan.hit_chunks >= hit or time.monotonic() >= deadline:
+                return plan
+            fp = engine.fingerprint
+            busy = any(
+                (e := self.index.get((fp, r.group_id, keys[c]))) is not None and e.state is not EntryState.READY
+                for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size))
+            if not busy:
+                return plan
+            await asyncio.sleep(SETTLE_POLL_S)
+
+    def _answer(self, engine: EngineState, keys: list[bytes], plan: HitPlan, owner: int, *, nbytes: int,
+                pulled: int, started: float) -> PullResult:
+        lease_id = 0
+        if plan.hit_chunks:
+            fp = engine.fingerprint
+            lease_id = self.index.lease([(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks],
+                                        owner, self.cfg.lease_ttl_s)
+        needed = sum(len(c) for c in plan.needed.values())
+        elapsed = time.monotonic() - started
+        self.metrics.inc("peer_pull_chunks", plan.hit_chunks)
+        return PullResult(nbytes, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, pulled, needed - pulled,
+                          round(elapsed, 6))
+

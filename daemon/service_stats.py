@@ -1,0 +1,64 @@
+"""What ``KVService.statistics()`` returns: the daemon's state, one part per component.
+
+``hkvd status`` (the control socket's ``StatusReply``, ``hkvd status --json``) is
+``status_dict(ServiceStats)``; /metrics walks the same fields (``hkvd.daemon.http``). The convention
+and its field declarations are ``hkvd.transport.stat_fields``; each part is its component's own
+``statistics()``. The keys and shapes of the status JSON are a contract with its readers (the
+shim's peer pulls, tools, tests): add fields at the end of a part, never rename one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hkvd.daemon.fd_budget import DescriptorStats
+from hkvd.daemon.heap import HeapStats
+from hkvd.daemon.index import IndexStats
+from hkvd.daemon.pool import PoolStats
+from hkvd.daemon.registry import RegistryStats
+from hkvd.daemon.routing.announcer import AnnouncerStats
+from hkvd.daemon.tiers.cluster import ClusterStats
+from hkvd.daemon.tiers.disk import DiskStats
+from hkvd.transport.stat_fields import metric, part, status_only
+
+if TYPE_CHECKING:  # types only, as in daemon/service.py: they import NIXL's host, zmq
+    from hkvd.daemon.peers.links import PeerStats
+    from hkvd.daemon.routing.zmq_publisher import PublisherStats
+
+
+@dataclass(frozen=True, slots=True)
+class RateStats:
+    """Throughput of the last copies (``hkvd status``: ``rates``)."""
+
+    copy_gbps: dict[str, float] = metric("hkvd_copy_gbps", "Copy throughput of the last 64 copies (submit to "
+                                         "done), by direction", key="direction")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsStats:
+    """KV events (``hkvd status``: ``kv_events``): the announcer's fields, and ``publisher`` with
+    --kv-events-endpoint (absent without)."""
+
+    announcer: AnnouncerStats = part(flatten=True)
+    publisher: PublisherStats | None = part(omit_none=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    """The whole status, in its JSON's key order. A part that is off (no disk tier, no peers) is None."""
+
+    registry: RegistryStats = part(flatten=True)  # engines
+    pool: PoolStats = part()
+    index: IndexStats = part()
+    counters: dict[str, float] = status_only()  # every counter counted so far: its total (CounterStats: series)
+    by_kind: dict[str, dict[str, float]] = status_only()  # per-kind counters: kind -> total
+    uncacheable_requests: dict[str, float] = status_only()  # reason -> total
+    rates: RateStats = part()
+    l2: DiskStats | None = part()
+    cluster: ClusterStats | None = part()
+    peer: PeerStats | None = part()
+    heap: HeapStats | None = part()
+    kv_events: KVEventsStats | None = part()
+    descriptors: DescriptorStats = part()
+    shutting_down: bool = status_only()

@@ -1,0 +1,190 @@
+"""Promotion: the one read-through path that lookups share, from the tiers below the pool (disk, cluster).
+
+Role
+    A lookup whose pool hit is short asks the lower tiers for the entries the hybrid hit rule
+    needs, has them read into fresh pool entries and re-plans; ``KVService`` then answers from
+    the pool alone, so a lookup never promises what a read failed to bring (a retrieve is served
+    from the pool only). ``Tier`` (``daemon/tiers/contract.py``) is what a tier offers the service:
+    reads for this path (``Promoter.promote``) and write-behind (``offer``). The disk tier
+    (``daemon/tiers/disk.py``) and the cluster tier (``daemon/tiers/cluster.py``) implement it.
+
+Order and budget
+    Tiers are asked in the order given (disk before cluster: local before remote). ``holds`` is
+    asked once per lookup for every entry the pool lacks; a key is read from the first tier that
+    holds it. Each tier's work for one lookup (its ``holds`` and its reads) fits in the tier's
+    ``budget_s``, counted from the start of the lookup; what does not is given up (``timeout``)
+    and the lookup goes on without it.
+
+Threading and pages
+    Event loop only; ``holds`` may await the tier's own threads, ``read_batch`` runs on the tier's
+    ``executor``. A read lands in WRITING entries (pinned, never served); on success they become
+    READY, otherwise they are dropped. A read that outlives its budget keeps its pages until its
+    thread returns, then they are freed. Two lookups that want the same key share one read.
+
+Metrics (``Metrics``, by tier name ``l2`` or ``cluster``)
+    ``<name>_hits`` by kind: entries read and verified; ``<name>_read_failures`` by reason
+    (``timeout``, ``pool_full``, ``gone``, ``layout``, and the tier's own: ``checksum``, ``io``...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hkvd.daemon.hybrid import plan_hit
+from hkvd.daemon.index import Entry, EntryKey, Index
+from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.registry import EngineState
+from hkvd.daemon.tiers.contract import Tier
+from hkvd.transport.errors import PoolFull
+
+log = logging.getLogger("hkvd.tiers")
+
+# Rounds of "plan with the tiers, read what the plan needs": a failed read re-plans without it.
+PROMOTE_ROUNDS = 3
+
+
+class Promoter:
+    """Reads into the pool what a short lookup's best hit over pool + tiers needs (module docstring)."""
+
+    def __init__(self, index: Index, metrics: Metrics, tiers: Sequence[Tier[object]]) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.tiers = list(tiers)
+        self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # reads in flight, by key
+
+    def usable(self) -> bool:
+        return any(t.usable() for t in self.tiers)
+
+    async def promote(self, engine: EngineState, keys: list[bytes], log_extra: dict[str, Any]) -> bool:
+        """Read what the best hit needs and only the tiers have; True if any entry was read."""
+        loop = asyncio.get_running_loop()
+        tiers = [t for t in self.tiers if t.usable()]
+        deadlines = {t.name: loop.time() + t.budget_s for t in tiers}
+        fps, ready = engine.rank_fingerprints, self.index.is_ready
+        lacking = [k for c, key in enumerate(keys) for gid in engine.groups for fp in fps
+                   if not ready(k := (fp, gid, key))] if tiers else []
+        held: dict[EntryKey, Tier[object]] = {}
+        for tier in tiers:
+            asked = [k for k in lacking if k not in held]
+            if not asked:
+                break
+            try:
+                async with asyncio.timeout_at(deadlines[tier.name]):
+                    got = await tier.holds(asked)
+            except TimeoutError:
+                self.metrics.inc(f"{tier.name}_read_failures", reason="timeout")
+                log.info("%s: no answer within %.3f s; the lookup goes on without it", tier.label, tier.budget_s,
+                         extra=log_extra)
+                continue
+            for k in got:
+                held.setdefault(k, tier)
+        failed: set[EntryKey] = set()
+
+        def present(group_id: int, chunk: int) -> bool:
+            key = keys[chunk]
+            return all(ready(k) or (k not in failed and k in held) for k in [(fp, group_id, key) for fp in fps])
+
+        promoted = False
+        for _ in range(PROMOTE_ROUNDS):
+            if not held:
+                break
+            plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+            wanted = [(k, c) for fp in fps for gid, chunks in plan.needed.items() for c in chunks
+                      if not ready(k := (fp, gid, keys[c]))]
+            if not wanted:
+                break
+            by_tier: dict[str, list[tuple[EntryKey, int]]] = {}
+            for k, c in wanted:
+                by_tier.setdefault(held[k].name, []).append((k, c))
+            results = await asyncio.gather(*[
+                self._promote(next(t for t in tiers if t.name == name), engine, keys, part, deadlines[name],
+                              log_extra) for name, part in by_tier.items()])
+            bad = set().union(*results)
+            promoted = promoted or len(bad) < len(wanted)
+            if not bad:
+                break
+            failed.update(bad)
+        return promoted
+
+    async def _promote(self, tier: Tier[object], engine: EngineState, keys: list[bytes],
+                       wanted: list[tuple[EntryKey, int]], deadline: float,
+                       log_extra: dict[str, Any]) -> set[EntryKey]:
+        """Read ``wanted`` from ``tier`` into fresh pool entries; return the keys that did not make it."""
+        bad: set[EntryKey] = set()
+        jobs: list[tuple[Entry, object]] = []
+        others: list[tuple[EntryKey, asyncio.Future[None]]] = []
+        for k, c in wanted:
+            if (fut := self._promoting.get(k)) is not None:  # another lookup is reading it already
+                others.append((k, fut))
+                continue
+            group = engine.groups[k[1]]
+            nbytes = engine.entry_bytes[group.group_id]
+            src = tier.source(k, nbytes, group.kind, keys[c - 1] if c else b"")
+            if isinstance(src, str):
+                self.metrics.inc(f"{tier.name}_read_failures", reason=src)
+                bad.add(k)
+                continue
+            try:
+                entry = self.index.begin_write(k, nbytes, group.kind, 0, src.parent)
+            except PoolFull:
+                self.metrics.inc(f"{tier.name}_read_failures", reason="pool_full")
+                bad.add(k)
+                continue
+            if entry is None:  # a store is writing this key right now: not servable yet
+                bad.add(k)
+                continue
+            jobs.append((entry, src.handle))
+        if jobs:
+            done = asyncio.get_running_loop().create_future()
+            for e, _ in jobs:
+                self._promoting[e.key] = done
+            try:
+                bad |= await self._read(tier, jobs, deadline, log_extra)
+            finally:
+                for e, _ in jobs:
+                    self._promoting.pop(e.key, None)
+                done.set_result(None)
+        for k, fut in others:
+            await asyncio.shield(fut)  # bounded: that lookup's read has its own budget
+            if not self.index.is_ready(k):
+                bad.add(k)
+        return bad
+
+    async def _read(self, tier: Tier[object], jobs: list[tuple[Entry, object]], deadline: float,
+                    log_extra: dict[str, Any]) -> set[EntryKey]:
+        loop = asyncio.get_running_loop()
+        n = max(1, min(tier.read_threads, len(jobs)))
+        parts = [jobs[i::n] for i in range(n)]
+        reads = asyncio.gather(*[loop.run_in_executor(tier.executor, tier.read_batch,
+                                                      [(e.key, h, e.alloc.extents) for e, h in part])
+                                 for part in parts])
+        try:
+            async with asyncio.timeout_at(deadline):
+                results = await asyncio.shield(reads)
+        except TimeoutError:
+            # The threads still write into these pages: free them only once the reads return.
+            def abandon(_: object) -> None:
+                for e, _h in jobs:
+                    self.index.abandon_write(e)
+
+            reads.add_done_callback(abandon)
+            self.metrics.inc(f"{tier.name}_read_failures", len(jobs), reason="timeout")
+            log.warning("%s: reading %d entries took longer than %.3f s; the lookup goes on without them",
+                        tier.label, len(jobs), tier.budget_s, extra=log_extra)
+            return {e.key for e, _ in jobs}
+        bad: set[EntryKey] = set()
+        for part, errors in zip(parts, results, strict=True):
+            for (e, _h), err in zip(part, errors, strict=True):
+                if err is None:
+                    self.index.finish_write(e, pending=False)
+                    self.metrics.inc(f"{tier.name}_hits", kind=e.kind)
+                    continue
+                self.index.abandon_write(e)
+                bad.add(e.key)
+                reason = getattr(err, "reason", "io")
+                self.metrics.inc(f"{tier.name}_read_failures", reason=reason)
+                log.info("%s: entry not served (%s: %s)", tier.label, reason, err, extra=log_extra)
+        return bad

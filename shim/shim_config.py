@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The shim's configuration: ``kv_connector_extra_config`` parsed once, for both connector halves.
+
+Defaults match ``hkvd serve``'s. An unknown key, a value of the wrong type or an impossible one
+is a ``ValueError`` naming the key, raised while vLLM starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from hkvd.transport.paths import default_socket_path
+
+
+@dataclass(frozen=True, slots=True)
+class ShimConfig:
+    """``kv_connector_extra_config`` keys (all optional)."""
+
+    socket_path: str = ""  # "" -> hkvd.transport.paths.default_socket_path(), as `hkvd serve`
+    # Tokens per chunk: a multiple of vLLM's block size N. 0 = auto: N, the granularity of vLLM's own
+    # prefix cache. A larger chunk means fewer, larger entries but rounds every hit down to its
+    # multiple: a 950-token prompt (N=128, chunk 256) leaves [768, 896) to vLLM alone, and for
+    # Mamba/GDN models, whose states exist only at block boundaries and (with vLLM's default
+    # retention) only at the last one before the prompt's end, about half of the prompts miss.
+    chunk_size: int = 0
+    connect_timeout_s: float = 5.0  # connect + register, and every blocking client call
+    # A lookup is submitted when the request arrives (on_new_request); the scheduler then
+    # waits at most this long for the reply before answering "ask again" (None). A UDS round
+    # trip is ~0.1 ms, so 2 ms almost always answers on the first call.
+    lookup_wait_s: float = 0.002
+    lookup_timeout_s: float = 2.0  # a lookup still unanswered after this is a miss
+    # A load (its request waits, the other requests keep stepping) not done after this is
+    # aborted; the request then waits for the daemon to end the copy, and loads or recomputes.
+    load_timeout_s: float = 30.0
+    fence_timeout_s: float = 10.0  # waiting for a copy out of a block about to be reused
+    reconnect_interval_s: float = 5.0
+    # vLLM's default "fail" turns a failed load into a failed request; a cache should recompute.
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"  # vLLM's kv_load_failure_policy values
+    require_daemon: bool = False  # True: vLLM's startup fails when the daemon is unreachable
+    # Prefill/decode pairs (hkvd.shim.pd). Producer: the HOST:PORT of its daemon's peer listener put in
+    # kv_transfer_params ("" = ask the daemon: its --peer-advertise or --peer-listen). Consumer: the
+    # budget of one pull + load (the request waits in WAITING_FOR_REMOTE_KVS meanwhile).
+    peer_address: str = ""
+    pull_timeout_s: float = 30.0
+    # Store the chunks that fill while the engine generates (their attention KV, sliding-window
+    # blocks and the Mamba states vLLM offers there), under keys that continue the prompt's, so a
+    # chat's next turn (prompt + answer + new message) also hits the answer. False: prompt chunks only.
+    store_decode: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"hkvd: unknown kv_connector_extra_config keys {unknown}; known keys: {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default: Any = known[name].default
+            try:
+                values[name] = _to_bool(value) if isinstance(default, bool) else type(default)(value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"hkvd: kv_connector_extra_config[{name!r}]={value!r} is not a {type(default).__name__}"
+                ) from None
+        cfg = cls(**values)
+        if not cfg.socket_path:
+            cfg = _replace(cfg, socket_path=default_socket_path())
+        if cfg.chunk_size < 0:
+            raise ValueError("hkvd: chunk_size must be >= 0 (0 = vLLM's block size N)")
+        if cfg.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("hkvd: load_failure_policy must be 'recompute' or 'fail'")
+        for name in ("connect_timeout_s", "lookup_timeout_s", "load_timeout_s", "fence_timeout_s",
+                     "reconnect_interval_s"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"hkvd: {name} must be > 0 seconds")
+        return cfg
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+def _replace(cfg: ShimConfig, **changes: Any) -> ShimConfig:
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,224 @@
+"""The scheduler's metadata (``hkvd.shim.metadata``): built by ``SchedulerSide`` from vLLM-shaped
+inputs, pickled as vLLM ships it to the workers, and consumed by ``WorkerSide``.
+
+No daemon and no model: both halves talk to a scripted client that answers lookups and records what
+the worker submits. vLLM's own objects (``Request``, ``KVCacheConfig``) are real; the scheduler
+output and the block tables are the few attributes the shim reads of them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.request import Request
+
+from hkvd.shim.metadata import HkvdConnectorMetadata, LoadJob, StoreJob, item_blocks
+from hkvd.shim.pd import PullSpec
+from hkvd.shim.results import Completion, LookupResult, RegisterAck
+from hkvd.shim.scheduler import SchedulerSide
+from hkvd.shim.shim_config import ShimConfig
+from hkvd.shim.worker import WorkerSide
+from hkvd.transport.errors import NotFound
+from hkvd.transport.wire.kv import Item
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+CHUNK = 32  # two blocks
+BLOCKS = 64
+TABLE = list(range(1, 9))  # the request's block ids (vLLM's block 0 is its null block)
+
+
+class ScriptedClient:
+    """What both halves call on ``DaemonClient``: lookups are answered with ``hit`` chunks and a lease;
+    everything else is recorded in ``sent`` as (req_id, kind, ...)."""
+
+    connected = True
+    daemon_pid = 0
+
+    def __init__(self, hit: int = 0, lease_id: int = 0) -> None:
+        self.hit, self.lease_id = hit, lease_id
+        self.sent: list[tuple[Any, ...]] = []
+        self.done: list[Completion] = []
+        self.released: list[int] = []
+
+    def _id(self, *what: Any) -> int:
+        rid = len(self.sent) + 1
+        self.sent.append((rid, *what))
+        return rid
+
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
+        rid = self._id("lookup", list(keys))
+        self.done.append(Completion(rid, True, LookupResult(min(self.hit, len(keys)), self.lease_id, 30.0), None))
+        return rid
+
+    def submit_retrieve(self, items: Sequence[Item], lease_id: int = 0) -> int:
+        return self._id("retrieve", list(items), lease_id)
+
+    def submit_store(self, items: Sequence[Item], wait_event: bytes = b"", notes: Any = None) -> int:
+        return self._id("store", list(items))
+
+    def submit_step_event(self, seq: int, step: int, offers: Sequence[Item], confirms: Iterable[int],
+                          wait_event: bytes = b"", notes: Any = None) -> int:
+        return self._id("step", step, list(offers), list(confirms))
+
+    def fail(self, rid: int) -> None:
+        self.done.append(Completion(rid, False, None, NotFound("scripted failure")))
+
+    def poll(self, timeout_s: float = 0.0) -> list[Completion]:
+        out, self.done = self.done, []
+        return out
+
+    def wait(self, req_ids: Iterable[int], timeout_s: float) -> dict[int, Completion]:
+        done = {c.req_id: c for c in self.poll()}
+        return {rid: done[rid] for rid in req_ids if rid in done}
+
+    def release(self, lease_id: int) -> None:
+        self.released.append(lease_id)
+
+    def uncacheable(self, reason: str) -> None:
+        pass
+
+    def abort(self, rid: int) -> None:
+        self.sent.append((rid, "abort"))
+
+    def close(self) -> None:
+        self.connected = False
+
+    def kinds(self, kind: str) -> list[tuple[Any, ...]]:
+        return [s for s in self.sent if s[1] == kind]
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    page = spec.page_size_bytes
+    return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[KVCacheTensor(page * BLOCKS, ["layer.0"], 0, page)],
+                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+
+
+def vllm_config() -> Any:
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BLOCK, enable_prefix_caching=True),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, world_size=1),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both"), kv_events_config=None)
+
+
+@pytest.fixture
+def sched() -> SchedulerSide:
+    # No daemon at this path: the scheduler starts unconnected; the scripted client stands in for it.
+    side = SchedulerSide(vllm_config(), kv_cache_config(),
+                         ShimConfig(socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK))
+    return side
+
+
+def connect(side: SchedulerSide, client: ScriptedClient) -> None:
+    side.link.client, side.link.ack = client, RegisterAck(1, b"f" * 16, CHUNK, 0)
+    side.link.generation += 1
+
+
+def worker(client: ScriptedClient) -> WorkerSide:
+    w = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK))
+    w.link.client = client
+    w._regions = [object()]  # registered (the regions' content is not read here)
+    return w
+
+
+def scheduler_output(req: Request, computed: int, scheduled: int) -> Any:
+    """The parts of vLLM's ``SchedulerOutput`` the shim reads: one new request and its block table."""
+    tables = {req.request_id: (TABLE,)}
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(TABLE,), num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={req.request_id: scheduled},
+        kv_connector_block_state=SimpleNamespace(get_block_ids=tables.get, boundary_state_offloads=None))
+
+
+def test_a_hit_becomes_a_load_and_the_rest_of_the_prompt_a_store_the_worker_submits(sched: SchedulerSide) -> None:
+    client = ScriptedClient(hit=2, lease_id=77)
+    connect(sched, client)
+    req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)  # 3 full chunks, 4 tokens over
+
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)  # async load of chunks 0-1
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 2 * CHUNK)
+    meta = sched.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=100 - 2 * CHUNK))
+    keys = client.kinds("lookup")[0][2]
+
+    assert isinstance(meta, KVConnectorMetadata) and meta.step == 1
+    [load] = meta.loads
+    assert (load.req_id, load.lease_id, load.block_ids, load.pull) == ("r1", 77, [1, 2, 3, 4], None)
+    assert load.items == [Item(0, 0, keys[0], [1, 2]), Item(0, 1, keys[1], [3, 4])]
+    # Chunk 2 completes in this step's forward: stored after it, never the chunks the load brings.
+    [store] = meta.stores
+    assert (store.req_id, store.items) == ("r1", [Item(0, 2, keys[2], [5, 6], keys[1])])
+    assert meta.fence_blocks == set(TABLE)  # newly allocated: copies out of them finish first
+
+    shipped = pickle.loads(pickle.dumps(meta))  # vLLM hands the metadata to the workers serialized
+    wclient = ScriptedClient()
+    w = worker(wclient)
+    w.handle_preemptions(shipped)
+    w.bind(shipped)
+    w.start_load_kv()
+    w.wait_for_save()
+
+    assert [s[2:] for s in wclient.kinds("retrieve")] == [(load.items, 77)]
+    assert [s[2] for s in wclient.kinds("store")] == [store.items]
+    assert [s[2] for s in wclient.kinds("step")] == [1]
+    # A load that fails is reported once, in both receiving sets: vLLM recomputes the request.
+    wclient.fail(wclient.kinds("retrieve")[0][0])
+    _, recving, failed = w.get_transfer_results(set())
+    assert recving == failed == {"r1"}
+
+
+def test_a_finished_request_with_copies_in_flight_frees_its_blocks_after_them(sched: SchedulerSide) -> None:
+    client = ScriptedClient()
+    connect(sched, client)
+    req = Request("r2", list(range(100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 0)
+    first = sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
+    assert [len(s.items) for s in first.stores] == [3]
+
+    assert sched.request_finished(req, TABLE) == (True, None)  # its store may still be copying
+    second = sched.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                     num_computed_tokens=[]),
+        num_scheduled_tokens={}, kv_connector_block_state=None))
+    assert second.delayed_free == ["r2"] and second.step == 2
+
+    wclient = ScriptedClient()
+    w = worker(wclient)
+    for meta in (first, second):
+        w.handle_preemptions(meta)
+        w.bind(meta)
+        w.start_load_kv()
+        w.wait_for_save()
+    assert w.get_finished(set()) == (None, None)  # the store out of its blocks still runs
+    wclient.fail(wclient.kinds("store")[0][0])  # done or failed: either way the blocks are free
+    assert w.get_finished(set()) == ({"r2"}, None)
+
+
+def test_metadata_objects_are_independent_and_survive_pickling() -> None:
+    a, b = HkvdConnectorMetadata(step=1), HkvdConnectorMetadata(step=2)
+    a.loads.append(LoadJob("r", 5, [Item(0, 0, b"k" * 16, [1, 2])], [1, 2],
+                           pull=PullSpec("10.0.0.1:7000", [b"k" * 16], 9)))
+    a.stores.append(StoreJob("r", [Item(0, 1, b"j" * 16, [3, 4], b"k" * 16)]))
+    a.fence_blocks.add(3)
+    assert b.loads == [] and b.stores == [] and b.fence_blocks == set()  # no shared defaults
+    back = pickle.loads(pickle.dumps(a))
+    assert back == a and back.loads[0].pull == PullSpec("10.0.0.1:7000", [b"k" * 16], 9)
+    assert item_blocks(back.loads[0].items + back.stores[0].items) == {1, 2, 3, 4}

@@ -1,0 +1,170 @@
+"""Done replies: the daemon's typed replies put the same bytes on the wire as the dicts it filled by hand
+before (protocol 2), every reply survives a Done frame, and the reader rejects a missing or mistyped field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import pytest
+
+from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.wire import control, events, kv, peer
+from hkvd.transport.wire.replies import (
+    REPLIES,
+    Acknowledged,
+    PullResult,
+    Reply,
+    RetrieveResult,
+    StepResult,
+    StoreResult,
+)
+
+EVENT = b"e" * 64  # a CUDA IPC event handle's size
+
+
+# ---- the info dicts exactly as the daemon built them before the typed replies (git show 1863f33) --------------
+def _old_store(stored: int, skipped: int, dropped: int, thinned: int) -> dict[str, Any]:
+    return {"stored": stored, "skipped": skipped, "dropped": dropped, "thinned": thinned}  # service._write_items
+
+
+def _old_retrieve(entries: int, done_event: bytes) -> dict[str, Any]:
+    info: dict[str, Any] = {"entries": entries}  # service._retrieve
+    if done_event:
+        info["event"] = done_event
+    return info
+
+
+def _old_step(outcome: str, counts: tuple[int, int, int, int] | None) -> dict[str, Any]:
+    if counts is None:  # service._step_event: no copy started
+        return {"outcome": outcome}
+    info = _old_store(*counts)
+    info["outcome"] = outcome
+    return info
+
+
+def _old_pull(nbytes: int, hit: int, lease: int, ttl: float, pulled: int, local: int, seconds: float,
+              timings: tuple[float, float, int] | None) -> tuple[int, dict[str, Any]]:
+    result = {"nbytes": nbytes, "hit_chunks": hit, "lease_id": lease, "lease_ttl_s": ttl, "pulled": pulled,
+              "local": local, "seconds": seconds}  # peer_client._answer
+    if timings is not None:  # peer_client.pull: the pull read from the peer
+        result.update(lookup_s=timings[0], read_s=timings[1], descs=timings[2])
+    return result.pop("nbytes"), result  # peers._pull
+
+
+# (new reply, (nbytes, info) as before): every shape the daemon sends, optional groups present and absent.
+CASES: list[tuple[Reply, tuple[int, dict[str, Any]]]] = [
+    (StoreResult(4096, 3, 1, 0, 2), (4096, _old_store(3, 1, 0, 2))),
+    (StoreResult(0, 0, 0, 5, 0), (0, _old_store(0, 0, 5, 0))),
+    (RetrieveResult(8192, 2), (8192, _old_retrieve(2, b""))),
+    (RetrieveResult(8192, 2, EVENT), (8192, _old_retrieve(2, EVENT))),
+    (StepResult(0, "gap"), (0, _old_step("gap", None))),
+    (StepResult(512, "accept", 1, 0, 0, 0), (512, _old_step("accept", (1, 0, 0, 0)))),
+    (StepResult.after_copy("late", StoreResult(0, 0, 2, 0, 1)), (0, _old_step("late", (0, 2, 0, 1)))),
+    (PullResult(0, 4, 17, 30.0, 0, 4, 0.000123), _old_pull(0, 4, 17, 30.0, 0, 4, 0.000123, None)),
+    (PullResult(1 << 20, 4, 18, 30.0, 3, 1, 0.25, 0.001, 0.2, 7),
+     _old_pull(1 << 20, 4, 18, 30.0, 3, 1, 0.25, (0.001, 0.2, 7))),
+    (Acknowledged(), (0, {})),  # service: Unregister
+]
+IDS = [f"{type(r).__name__}-{i}" for i, (r, _) in enumerate(CASES)]
+
+
+def _through_the_wire(done: kv.Done) -> kv.Done:
+    frames = FrameDecoder().feed(encode(done))
+    got = decode_body(frames[0])
+    assert isinstance(got, kv.Done)
+    return got
+
+
+def test_every_reply_type_has_a_case_and_answers_its_request():
+    assert {type(r) for r, _ in CASES} == set(REPLIES.values())
+    assert {c.__name__ for c in Reply.__subclasses__()} == {c.__name__ for c in REPLIES.values()}
+    answers = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult, events.StepEvent: StepResult,
+               peer.Pull: PullResult, control.Unregister: Acknowledged}
+    assert answers == REPLIES
+
+
+@pytest.mark.parametrize(("reply", "old"), CASES, ids=IDS)
+def test_the_wire_bytes_are_those_of_the_hand_filled_dicts(reply, old):
+    nbytes, info = old
+    new = reply.to_done(9)
+    assert new == kv.Done(9, nbytes, info)
+    # The same keys in the same order (a msgpack map keeps it) with the same types: the same bytes.
+    assert [(k, type(v)) for k, v in new.info.items()] == [(k, type(v)) for k, v in info.items()]
+    assert encode(new) == encode(kv.Done(9, nbytes, info))
+
+
+@pytest.mark.parametrize(("reply", "old"), CASES, ids=IDS)
+def test_every_reply_round_trips_through_a_done_frame(reply, old):
+    done = _through_the_wire(reply.to_done(5))
+    assert done.req_id == 5
+    assert type(reply).from_done(done.nbytes, done.info) == reply
+
+
+# The fields a reader must find, per reply: the rest have defaults (module docstring of replies.py).
+REQUIRED = {
+    StoreResult: ("stored", "skipped", "dropped", "thinned"),
+    RetrieveResult: ("entries",),
+    StepResult: ("outcome",),
+    PullResult: ("hit_chunks", "lease_id", "lease_ttl_s", "pulled", "local", "seconds"),
+    Acknowledged: (),
+}
+FULL = [CASES[0][0], CASES[3][0], CASES[5][0], CASES[8][0]]  # every optional group present
+
+
+def _frame_with(reply: Reply, change: Any) -> kv.Done:
+    """``reply``'s Done frame, its info changed by ``change`` after msgpack encoding and decoding: as a
+    daemon of another version would send it."""
+    wire = msgpack.unpackb(msgpack.packb(reply.to_done(3).to_wire(), use_bin_type=True), raw=False)
+    change(wire[3])
+    return _through_the_wire(kv.Done(*wire[1:]))
+
+
+@pytest.mark.parametrize("reply", FULL, ids=lambda r: type(r).__name__)
+def test_a_missing_field_is_a_protocol_violation_naming_the_request_and_field(reply):
+    cls = type(reply)
+    assert set(REQUIRED[cls]) <= set(reply.to_info())
+    for key in REQUIRED[cls]:
+        done = _frame_with(reply, lambda info, key=key: info.pop(key))
+        with pytest.raises(ProtocolViolation, match=f"reply to a {cls.what} lacks '{key}'"):
+            cls.from_done(done.nbytes, done.info)
+    for key in set(reply.to_info()) - set(REQUIRED[cls]):  # an optional field left out takes its default
+        done = _frame_with(reply, lambda info, key=key: info.pop(key))
+        default = {f.name: f.default for f in dataclasses.fields(cls)}[key]
+        assert getattr(cls.from_done(done.nbytes, done.info), key) == default
+
+
+@pytest.mark.parametrize("reply", FULL, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("wrong", ["7", True, None, [1]], ids=["str", "bool", "nil", "array"])
+def test_a_mistyped_field_is_a_protocol_violation_naming_the_request_and_field(reply, wrong):
+    cls = type(reply)
+    for key, value in reply.to_info().items():
+        if isinstance(value, str) and isinstance(wrong, str):
+            continue  # a string is a StepResult.outcome
+        done = _frame_with(reply, lambda info, key=key: info.__setitem__(key, wrong))
+        with pytest.raises(ProtocolViolation, match=f"reply to a {cls.what}: '{key}' is {type(wrong).__name__}"):
+            cls.from_done(done.nbytes, done.info)
+
+
+def test_extra_keys_are_ignored_and_an_int_is_taken_as_a_float():
+    assert StoreResult.from_done(10, {"stored": 2, "skipped": 1, "dropped": 0, "thinned": 3, "new": 1}) == \
+        StoreResult(10, 2, 1, 0, 3)  # a key a newer daemon adds is ignored
+    assert RetrieveResult.from_done(5, {"entries": 2}) == RetrieveResult(5, 2, b"")
+    assert StepResult.from_done(0, {"outcome": "gap"}) == StepResult(0, "gap")
+    pulled = PullResult.from_done(7, {"hit_chunks": 3, "lease_id": 9, "lease_ttl_s": 30, "pulled": 2, "local": 1,
+                                      "seconds": 0.5})
+    assert pulled.lease_ttl_s == 30.0 and isinstance(pulled.lease_ttl_s, float)
+    assert Acknowledged.from_done(0, {"anything": 1}) == Acknowledged()
+
+
+@pytest.mark.parametrize(("cls", "info", "match"), [
+    (StoreResult, {"stored": 1, "skipped": 0, "dropped": 0}, "lacks 'thinned'"),
+    (RetrieveResult, {"entries": "2"}, "'entries' is str, not int"),
+    (StepResult, {"outcome": "gap", "stored": True}, "'stored' is bool"),
+    (PullResult, {}, "reply to a pull lacks 'hit_chunks'"),
+])
+def test_a_reply_missing_or_mistyping_a_field_is_a_protocol_violation(cls, info, match):
+    with pytest.raises(ProtocolViolation, match=match):
+        cls.from_done(0, info)
