@@ -439,7 +439,7 @@ class Daemon:
         """Every second: expire leases; freeze the heap when enough entries were written (daemon/heap.py)."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            expired = index.expire_leases()
+            expired = index.leases.expire()
             if expired:
                 self.metrics.inc("leases_expired", expired)
             self.heap.maybe_freeze(index.writes)

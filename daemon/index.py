@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from hkvd.daemon.chains import ChainChange, ChainTracker, Groups
 from hkvd.daemon.eviction import EvictionPolicy
-from hkvd.daemon.leases import Lease, Leases
+from hkvd.daemon.leases import Leases
 from hkvd.daemon.pool import Allocation, HugePagePool
 from hkvd.transport.errors import PoolFull
 from hkvd.transport.stat_fields import metric, status_only
@@ -266,29 +266,7 @@ class Index:
         for entry in entries:
             entry.pins -= 1
 
-    # ---- leases (the table and its rules: daemon/leases.py) --------------------------------------
-    def lease(self, keys: Iterable[EntryKey], owner: int, ttl_s: float, uses: int = 1) -> int:
-        """Hold the READY ones of ``keys`` against eviction for ``ttl_s`` or ``uses`` retrieves (``use_lease``)."""
-        return self.leases.take(keys, owner, ttl_s, uses)
-
-    def use_lease(self, lease_id: int) -> None:
-        """One retrieve served from the lease: it ends after its last use."""
-        self.leases.use(lease_id)
-
-    def check_lease(self, lease_id: int) -> Lease[EntryKey]:
-        """The live lease; raises LeaseExpired when it is unknown or expired."""
-        return self.leases.check(lease_id)
-
-    def release(self, lease_id: int, owner: int | None = None) -> bool:
-        """End a lease; with ``owner``, only if that connection took it (False otherwise)."""
-        return self.leases.release(lease_id, owner)
-
-    def release_owner(self, owner: int) -> int:
-        return self.leases.release_owner(owner)
-
-    def expire_leases(self) -> int:
-        return self.leases.expire()
-
+    # ---- leases: the table and its rules are ``self.leases`` (daemon/leases.py) ------------------
     def _hold(self, key: EntryKey) -> bool:
         """A lease takes ``key``: held against eviction if it is READY (False if there is no such entry)."""
         e = self._entries.get(key)

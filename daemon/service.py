@@ -176,7 +176,7 @@ class KVService:
             case control.Ping():
                 conn.send(control.Pong(msg.req_id))
             case kv.Release():
-                self.index.release(msg.lease_id)
+                self.index.leases.release(msg.lease_id)
             case kv.Uncacheable():
                 self._engine(conn, copy=False)
                 self.metrics.inc("uncacheable_requests", reason=msg.reason)
@@ -289,7 +289,7 @@ class KVService:
         if msg.lease and plan.hit_chunks > 0:
             # Every rank's entries, under one lease that serves one retrieve per rank.
             lease_keys = [(fp, gid, keys[c]) for fp in fps for gid, chunks in plan.needed.items() for c in chunks]
-            lease_id = self.index.lease(lease_keys, conn.conn_id, self.cfg.lease_ttl_s, uses=len(fps))
+            lease_id = self.index.leases.take(lease_keys, conn.conn_id, self.cfg.lease_ttl_s, uses=len(fps))
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
         self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
@@ -396,7 +396,7 @@ class KVService:
         groups = [engine.check_item(it) for it in items]
         get, fp, ready = self.index.get, engine.fingerprint, EntryState.READY
         if msg.lease_id:
-            lease = self.index.check_lease(msg.lease_id)
+            lease = self.index.leases.check(msg.lease_id)
             if (k := lease.uncovered((fp, it.group_id, it.key) for it in items)) is not None:
                 raise OutOfRange(f"lease {msg.lease_id} does not cover group {k[1]} chunk key {k[2].hex()[:12]} of "
                                  f"engine {engine.engine_id} (rank {engine.spec.rank}); it was granted for other "
@@ -417,7 +417,7 @@ class KVService:
         finally:
             self.index.unpin_many(entries)
             if msg.lease_id:
-                self.index.use_lease(msg.lease_id)
+                self.index.leases.use(msg.lease_id)
         self._count_bytes("retrieved_bytes", entries)
         conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event).to_done(msg.req_id))
 
@@ -531,7 +531,7 @@ class KVService:
     # ---- lifecycle -----------------------------------------------------------------------------
     def disconnect(self, conn: Conn) -> None:
         """Release at once what the connection held: leases, unconfirmed states, its registration."""
-        released = self.index.release_owner(conn.conn_id)
+        released = self.index.leases.release_owner(conn.conn_id)
         if conn.snapshots is not None:
             self._drop_jobs(conn, conn.snapshots.on_disconnect())
             conn.snapshots = None  # a later Abort or re-registration must not reach the closed ordering

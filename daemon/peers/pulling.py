@@ -587,8 +587,8 @@ class PeerClient:
         lease_id = 0
         if plan.hit_chunks:
             fp = engine.fingerprint
-            lease_id = self.index.lease([(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks],
-                                        owner, self.cfg.lease_ttl_s)
+            held = [(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks]
+            lease_id = self.index.leases.take(held, owner, self.cfg.lease_ttl_s)
         needed = sum(len(c) for c in plan.needed.values())
         elapsed = time.monotonic() - started
         self.metrics.inc("peer_pull_chunks", plan.hit_chunks)

@@ -438,7 +438,7 @@ class PeerServer:
             case PeerLookup():
                 return await self._lookup(session, msg)
             case PeerRelease():  # only a lease this link's own lookups took
-                if not self.index.release(msg.lease_id, owner=session.owner):
+                if not self.index.leases.release(msg.lease_id, owner=session.owner):
                     self.metrics.inc("peer_release_refused")
                 return None
             case _:
@@ -469,7 +469,7 @@ class PeerServer:
         lease_id = served = 0
         if plan.hit_chunks:
             needed = [(gid, c) for gid, chunks in sorted(plan.needed.items()) for c in chunks]
-            lease_id = self.index.lease([(fp, gid, keys[c]) for gid, c in needed], session.owner,
+            lease_id = self.index.leases.take([(fp, gid, keys[c]) for gid, c in needed], session.owner,
                                         self.cfg.lease_ttl_s)
             base, get = self.pool.base_addr, self.index.get
             for gid, c in needed:
@@ -479,7 +479,7 @@ class PeerServer:
                 table.append((gid, c, e.nbytes, len(ext)))
                 extents.extend([(base + off, n) for off, n in ext])
                 served += e.nbytes
-        if msg.release_lease and self.index.release(msg.release_lease):
+        if msg.release_lease and self.index.leases.release(msg.release_lease):
             self.metrics.inc("peer_hold_leases_released")
         session.lookups += 1
         self.metrics.inc("peer_lookups")

@@ -45,7 +45,7 @@ def _setup(pool: HugePagePool, existing: list[tuple[int, str]]) -> Index:
         if how == "pinned":
             index.pin(e)
         elif how == "leased":
-            index.lease([e.key], owner=1, ttl_s=60)
+            index.leases.take([e.key], owner=1, ttl_s=60)
     return index
 
 

@@ -166,12 +166,12 @@ def test_leased_entries_are_not_evicted_until_the_lease_ends(pool: HugePagePool,
     index = Index(pool, make_policy("lru"), clock=clock)
     for i in range(16):
         _write(index, i)
-    lid = index.lease([_key(i) for i in range(16)], owner=1, ttl_s=5)
+    lid = index.leases.take([_key(i) for i in range(16)], owner=1, ttl_s=5)
     assert index.statistics().leases == 1 and index.statistics().pinned_entries == 16
     with pytest.raises(PoolFull):
         index.begin_write(_key(100), ENTRY, "full", 2)
     clock.now += 6
-    assert index.expire_leases() == 1
+    assert index.leases.expire() == 1
     assert index.statistics().leases == 0 and index.statistics().pinned_entries == 0
     _write(index, 100)  # the oldest entry goes now
     assert index.get(_key(0)) is None and index.get(_key(100)) is not None
@@ -183,25 +183,25 @@ def test_an_index_lease_holds_only_ready_entries(pool: HugePagePool, clock: Cloc
     _write(index, 0)
     writing = index.begin_write(_key(1), ENTRY, "full", 2)
     assert writing is not None
-    lid = index.lease([_key(0), _key(1), _key(2)], owner=1, ttl_s=5, uses=2)
-    lease = index.check_lease(lid)
+    lid = index.leases.take([_key(0), _key(1), _key(2)], owner=1, ttl_s=5, uses=2)
+    lease = index.leases.check(lid)
     assert lease.keys == [_key(0)] and lease.uses == 2
     assert index.get(_key(0)).leases == 1 and writing.leases == 0  # type: ignore[union-attr]
-    index.use_lease(lid)
-    index.use_lease(lid)
+    index.leases.use(lid)
+    index.leases.use(lid)
     assert index.get(_key(0)).leases == 0  # type: ignore[union-attr]
     with pytest.raises(LeaseExpired):
-        index.check_lease(lid)
+        index.leases.check(lid)
 
 
 def test_a_dropped_entry_is_skipped_on_release(pool: HugePagePool, clock: Clock) -> None:
     index = Index(pool, make_policy("lru"), clock=clock)
     _write(index, 0)
     _write(index, 1)
-    lid = index.lease([_key(0), _key(1)], owner=3, ttl_s=5)
+    lid = index.leases.take([_key(0), _key(1)], owner=3, ttl_s=5)
     e0 = index.get(_key(0))
     assert e0 is not None
     index.drop(e0)  # an invalidated entry goes even while leased
-    assert index.release(lid, owner=3)
+    assert index.leases.release(lid, owner=3)
     assert index.get(_key(1)).leases == 0  # type: ignore[union-attr]
-    assert index.release_owner(3) == 0
+    assert index.leases.release_owner(3) == 0

@@ -57,12 +57,12 @@ def test_a_leased_sibling_stays_until_released(pool):
     index = Index(pool, make_policy("hybrid"))
     index.set_ranks((R0, R1))
     chunk = _fill(index)
-    lease = index.lease([(R1, 0, CHUNK)], owner=1, ttl_s=60)
+    lease = index.leases.take([(R1, 0, CHUNK)], owner=1, ttl_s=60)
     _write(index, (OTHER, 0, b"n" * 16), "full")
     assert index.get((R0, 0, CHUNK)) is None
     assert index.get((R1, 0, CHUNK)) is not None  # leased: kept (a retrieve may be reading it)
     assert index.get(chunk[2]) is None and index.get(chunk[3]) is None
-    index.release(lease)
+    index.leases.release(lease)
 
 
 def test_without_ranks_other_layouts_are_untouched(pool):
