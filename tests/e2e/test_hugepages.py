@@ -64,22 +64,27 @@ def _free_huge_pages() -> int:
     return pool_mod._meminfo().get("HugePages_Free", 0)
 
 
+def _hand_back_huge_pages() -> int:
+    """Set ``nr_hugepages`` to 0: free pages go at once, pages still mapped (an exiting daemon's) become
+    surplus and go once released (waited for, up to 30 s). Returns the pages another process keeps."""
+    NR_HUGEPAGES.write_text("0")
+    deadline = time.monotonic() + 30
+    while pool_mod._meminfo().get("HugePages_Total", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pool_mod._meminfo().get("HugePages_Total", 0)
+
+
 @pytest.fixture
 def reserve_huge_pages() -> Iterator[Callable[[int], int]]:
-    """``reserve(n)``: exactly n 2 MiB pages free (pages already reserved and free on the machine are
-    counted, pages in use are kept); returns the new total. The old total comes back after."""
+    """``reserve(n)``: exactly n 2 MiB pages free, whatever was reserved before (pages another process
+    keeps stay); returns the new total. The old total comes back after."""
     _root()
     if pool_mod._meminfo().get("Hugepagesize") != HUGE_PAGE:
         pytest.skip("the default huge page size here is not 2 MiB")
     old = NR_HUGEPAGES.read_text().strip()
 
     def reserve(n: int) -> int:
-        # Hand back every page first: free ones go at once, mapped ones (an exiting daemon's) once released.
-        NR_HUGEPAGES.write_text("0")
-        deadline = time.monotonic() + 30
-        while pool_mod._meminfo().get("HugePages_Total", 0) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        want = pool_mod._meminfo().get("HugePages_Total", 0) + n  # pages another process keeps stay counted
+        want = _hand_back_huge_pages() + n
         NR_HUGEPAGES.write_text(str(want))
         got = int(NR_HUGEPAGES.read_text())
         if got < want:
@@ -111,9 +116,8 @@ def thp_advise() -> Iterator[None]:
     total = NR_HUGEPAGES.read_text().strip()
     try:
         SHMEM_ENABLED.write_text("advise")
-        # Free hugetlb pages would back the pool under --hugepages auto: hand every one back while the test
-        # runs (pages still mapped, e.g. by an exiting daemon, become surplus and go when released).
-        NR_HUGEPAGES.write_text("0")
+        # Free hugetlb pages would back the pool under --hugepages auto: none while the test runs.
+        _hand_back_huge_pages()
         if _free_huge_pages() * HUGE_PAGE >= POOL_MIB * MIB:
             pytest.skip("hugetlb pages are free here and the kernel keeps them: --hugepages auto would take them")
         yield
