@@ -26,10 +26,13 @@ the time from the end of the step that submitted each load to the end of the ste
 reply (an upper bound of the copy): what a load that blocked its step would add to one step.
 
 CPU placement: on a machine with more than one usable CPU the daemon is pinned to the last one and
-vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``) to the others, so the daemon's copy competes
-with the forward for memory bandwidth only, not for a core (``HKVD_BENCH_OMP_BIND`` overrides vLLM's
-binding, and then the daemon is not pinned). Full mode: 5 rounds of 5 prefix prompts (25 loads);
-``--quick``: 1 round of 3.
+the engine process to the others (every thread of it: vLLM binds only its OpenMP threads, through
+``VLLM_CPU_OMP_THREADS_BIND``, and its Python threads would otherwise share the daemon's CPU and
+wait behind its copy), so the daemon's copy competes with the forward for memory bandwidth only,
+not for a core (``HKVD_BENCH_OMP_BIND`` overrides vLLM's binding, and then nothing is pinned).
+
+Full mode: 5 rounds of 5 prefix prompts (25 loads); ``--quick``: 1 round of 3.
+``HKVD_BENCH_RAW=FILE`` writes every step's record (``bench.load_overlap_engine``) to FILE.
 """
 
 from __future__ import annotations
@@ -95,10 +98,13 @@ def engine_args(model: str, socket: str, rounds: int, per_round: int, prefix_tok
             "max_model_len": prefix_tokens + 64, "batched": 2048}
 
 
-def run_engine(args: dict[str, Any], omp_bind: str, log: Any = print) -> dict[str, Any]:
-    """Run ``bench.load_overlap_engine`` in its own process; its JSON result."""
+def run_engine(args: dict[str, Any], omp_bind: str, log: Any = print, pin: bool = False) -> dict[str, Any]:
+    """Run ``bench.load_overlap_engine`` in its own process; its JSON result. ``pin``: the whole
+    engine process runs on the CPUs of ``omp_bind`` (a comma-separated list)."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": omp_bind, "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    if pin:
+        env["HKVD_BENCH_ENGINE_CPUS"] = omp_bind
     t0 = time.perf_counter()
     with tempfile.NamedTemporaryFile("w", prefix="hkvd-load-overlap-", suffix=".json", delete=False) as f:
         json.dump(args, f)  # too long for a command line (128 KiB per argument)
@@ -135,7 +141,12 @@ def _collect(proc: subprocess.Popen[bytes], t0: float, log: Any) -> dict[str, An
 
 def classify(steps: list[dict[str, Any]]) -> list[tuple[str, float]]:
     """(class, inter-token ms) for each of A's tokens after its first, in one round's steps."""
-    out: list[tuple[str, float]] = []
+    return [(what, ms) for what, ms, _ in classified_steps(steps)]
+
+
+def classified_steps(steps: list[dict[str, Any]]) -> list[tuple[str, float, dict[str, Any]]]:
+    """(class, inter-token ms, the step) for each of A's tokens after its first."""
+    out: list[tuple[str, float, dict[str, Any]]] = []
     last = None
     for s in steps:
         if not s["a"]:
@@ -147,7 +158,7 @@ def classify(steps: list[dict[str, Any]]) -> list[tuple[str, float]]:
                 what = CLASSES[2]
             else:
                 what = CLASSES[0]
-            out.append((what, (s["t"] - last) * 1e3))
+            out.append((what, (s["t"] - last) * 1e3, s))
         last = s["t"]
     return out
 
@@ -190,13 +201,18 @@ def check(res: dict[str, Any], prefix_tokens: int) -> None:
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     itl: dict[str, list[float]] = {c: [] for c in CLASSES}
+    waited: dict[str, list[float]] = {c: [] for c in CLASSES}
     spans: list[tuple[float, int]] = []
     for rnd in res["rounds"]:
-        for what, ms in classify(rnd["steps"]):
+        for what, ms, step in classified_steps(rnd["steps"]):
             itl[what].append(ms)
+            waited[what].append(float(step.get("runqueue_ms", 0.0)))
         spans += load_spans(rnd["steps"])
+    # runqueue: how long the engine's stepping thread waited for a CPU in those steps (schedstat),
+    # which shows whether something else (the daemon's copy) took its core.
     rows = [{"class": c, "samples": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99),
-             "max_ms": max(v, default=float("nan"))} for c, v in itl.items()]
+             "max_ms": max(v, default=float("nan")), "runqueue_ms_p99": percentile(waited[c], 99)}
+            for c, v in itl.items()]
     quiet, loading = rows[0], rows[1]
     return {"rows": rows, "itl_ms": itl,
             "p99_ratio": loading["p99_ms"] / quiet["p99_ms"], "p50_ratio": loading["p50_ms"] / quiet["p50_ms"],
@@ -219,7 +235,10 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
         assert daemon.proc is not None
         if daemon_cpu is not None:
             _pin(daemon.proc.pid, daemon_cpu)
-        res = run_engine(engine_args(str(model), daemon.socket_path, rounds, per_round), omp_bind, log)
+        res = run_engine(engine_args(str(model), daemon.socket_path, rounds, per_round), omp_bind, log,
+                         pin=daemon_cpu is not None)
+    if os.environ.get("HKVD_BENCH_RAW"):  # every step, hook times included, for a closer look
+        Path(os.environ["HKVD_BENCH_RAW"]).write_text(json.dumps(res))
     check(res, PREFIX_TOKENS)
     out = summarize(res)
     log(f"  A's inter-token p99: {out['rows'][1]['p99_ms']:.1f} ms with a load in flight, "
@@ -232,18 +251,20 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["A's steps", "samples", "inter-token p50 ms", "p99 ms", "max ms", "p99 / no load", "p50 / no load"]
+    headers = ["A's steps", "samples", "inter-token p50 ms", "p99 ms", "max ms", "p99 / no load", "p50 / no load",
+               "waiting for a CPU, p99 ms"]
     rows: list[list[Any]] = []
     base = result["rows"][0] if result.get("rows") else None
     for r in result.get("rows", []):
         assert base is not None
         rows.append([r["class"], r["samples"], r["p50_ms"], r["p99_ms"], r["max_ms"],
-                     r["p99_ms"] / base["p99_ms"], r["p50_ms"] / base["p50_ms"]])
+                     r["p99_ms"] / base["p99_ms"], r["p50_ms"] / base["p50_ms"],
+                     r.get("runqueue_ms_p99", float("nan"))])
     if rows:
         rows.append([f"loads: {result['loads']} x {result['loaded_bytes'] / max(1, result['loads']) / 2**20:.0f} MiB, "
-                     f"in flight {result['load_ms_p50']:.0f} ms (p50)", "", "", "", "", float("nan"), float("nan")])
+                     f"in flight {result['load_ms_p50']:.0f} ms (p50)", "", "", "", "", float("nan"), float("nan"), ""])
     else:
-        rows.append([result.get("skipped", "no runs"), "", "", "", "", float("nan"), float("nan")])
+        rows.append([result.get("skipped", "no runs"), "", "", "", "", float("nan"), float("nan"), ""])
     return headers, rows
 
 

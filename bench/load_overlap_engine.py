@@ -20,7 +20,11 @@ executor), so the driver steps it (``LLMEngine.step``) and reads the worker half
 Per step of phase 2: the wall-clock time after the step (``t``), the tokens A got (``a``), how many
 prefix prompts were unfinished when it began (``pending``), whether a load was in flight when it began
 (``busy``), how many loads started in it (``started``) and how many were in flight when it ended
-(``in_flight``). Each prefix prompt's answer and ``num_cached_tokens`` come beside its reference.
+(``in_flight``); where the step's time went: its length (``step_ms``), the stepping thread's time on a
+CPU and waiting for one (``cpu_ms``, ``runqueue_ms``, from the kernel's schedstat), and the ms spent
+in each connector hook and engine phase (``hooks_ms``, ``HookClock``). With ``HKVD_BENCH_ENGINE_CPUS``
+(a comma-separated CPU list) the process, and every thread it starts, runs on those CPUs only.
+Each prefix prompt's answer and ``num_cached_tokens`` come beside its reference.
 Output: ``HKVD_BENCH {"startup_s", "rounds": [{"steps": [...], "prefixes": [{"reference", "loaded"}]}],
 "loads": {Loads.stats}}``.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -42,8 +47,48 @@ def _answer(out: Any) -> dict[str, Any]:
     return {"tokens": list(comp.token_ids), "logprobs": lps, "num_cached_tokens": int(out.num_cached_tokens or 0)}
 
 
+HOOKS = {"scheduler": ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                       "update_connector_output", "request_finished_all_groups"),
+         "worker": ("handle_preemptions", "start_load_kv", "wait_for_save", "get_transfer_results")}
+
+
+class HookClock:
+    """Milliseconds spent in each hook of the connector's two halves, per step (``take``)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    def wrap(self, obj: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            fn = getattr(obj, name)
+
+            def timed(*a: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    self.ms[_name] = self.ms.get(_name, 0.0) + (time.perf_counter() - t) * 1e3
+            setattr(obj, name, timed)
+
+    def take(self) -> dict[str, float]:
+        ms, self.ms = self.ms, {}
+        return {k: round(v, 3) for k, v in ms.items()}
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The SCHEDULER-role connector of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _schedstat() -> tuple[int, int]:
+    """(ns on a CPU, ns waiting for one) of the calling thread, from the kernel's schedstat."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        on_cpu, waiting, _ = f.read().split()
+    return int(on_cpu), int(waiting)
+
+
 class Driver:
-    def __init__(self, llm: Any, loads: Any, args: dict[str, Any]) -> None:
+    def __init__(self, llm: Any, loads: Any, args: dict[str, Any], clock: HookClock | None = None) -> None:
         from vllm import SamplingParams
 
         self.llm, self.engine, self.loads = llm, llm.llm_engine, loads
@@ -51,6 +96,7 @@ class Driver:
         self.answer_sp = SamplingParams(max_tokens=int(args.get("answer_tokens", 4)), temperature=0.0, logprobs=1,
                                         ignore_eos=True)
         self.n = 0
+        self.clock = clock or HookClock()
 
     def _id(self, what: str) -> str:
         self.n += 1
@@ -76,8 +122,12 @@ class Driver:
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=todo.pop(0)), self.answer_sp)
                 since, pending = 0, 1
             started, busy = self.loads.stats["loads_started"], self.loads.in_flight > 0
+            self.clock.take()
+            sched0 = _schedstat()
+            t0 = time.perf_counter()
             outs = self.engine.step()
             now = time.perf_counter()
+            sched1 = _schedstat()
             got = 0
             for out in outs:
                 if out.request_id == a:
@@ -88,7 +138,10 @@ class Driver:
                     answers[out.request_id] = _answer(out)
             since += got
             steps.append({"t": now, "a": got, "pending": pending, "busy": busy,
-                          "started": self.loads.stats["loads_started"] - started, "in_flight": self.loads.in_flight})
+                          "started": self.loads.stats["loads_started"] - started, "in_flight": self.loads.in_flight,
+                          "step_ms": round((now - t0) * 1e3, 3), "hooks_ms": self.clock.take(),
+                          "cpu_ms": round((sched1[0] - sched0[0]) / 1e6, 3),
+                          "runqueue_ms": round((sched1[1] - sched0[1]) / 1e6, 3)})
         if todo:
             raise RuntimeError(f"A finished with {len(todo)} prefix prompts left: raise decode_tokens")
         return steps, [answers[r] for r in order]
@@ -114,6 +167,8 @@ def main() -> None:
         with open(arg[1:]) as f:
             arg = f.read()
     args = json.loads(arg)
+    if os.environ.get("HKVD_BENCH_ENGINE_CPUS"):  # every thread started from here on inherits it
+        os.sched_setaffinity(0, {int(c) for c in os.environ["HKVD_BENCH_ENGINE_CPUS"].split(",")})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -128,8 +183,16 @@ def main() -> None:
                   "kv_role": "kv_both",
                   "kv_connector_extra_config": {"socket_path": args["socket"], "reconnect_interval_s": 0.5}})
     startup = time.perf_counter() - t0
-    worker = get_kv_transfer_group()._worker  # the connector's worker half, in this process
-    d = Driver(llm, worker.loads, args)
+    connector = get_kv_transfer_group()  # the worker-role connector, in this process
+    worker = connector._worker
+    clock = HookClock()
+    clock.wrap(connector, HOOKS["worker"])
+    clock.wrap(scheduler_connector(llm), HOOKS["scheduler"])
+    core = llm.llm_engine.engine_core.engine_core  # the engine's own phases, beside the hooks
+    clock.wrap(core.scheduler, ("schedule", "update_from_output"))
+    clock.wrap(core.model_executor, ("execute_model", "sample_tokens"))
+    clock.wrap(llm.llm_engine.output_processor, ("process_outputs",))
+    d = Driver(llm, worker.loads, args, clock)
     rounds = []
     for prefixes in args["rounds"]:
         reference = d.alone(prefixes)  # computed and stored
