@@ -49,6 +49,7 @@ class _Load:
     job: LoadJob
     deadline: float
     budget: str  # the setting whose time ran out, for the warning
+    started: float
     aborted: bool = False
 
 
@@ -61,6 +62,9 @@ class Loads:
         self._flying: dict[int, _Load] = {}
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        # Seconds per block of a load, submit to reply read (an upper bound: a reply is read at the
+        # next poll), smoothed over the engine's loads; None before the first.
+        self._s_per_block: float | None = None
         self.stats = {"loads_started": 0, "loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0}
 
     @property
@@ -75,7 +79,8 @@ class Loads:
               budget: str = "load_timeout_s") -> None:
         """Submit ``job``'s Retrieve; the client's error (connection lost) propagates, nothing is kept."""
         rid = client.submit_retrieve(job.items, lease_id)
-        self._flying[rid] = _Load(job, deadline or time.monotonic() + self.timeout_s, budget)
+        now = time.monotonic()
+        self._flying[rid] = _Load(job, deadline or now + self.timeout_s, budget, now)
         self.stats["loads_started"] += 1
 
     def absorb(self, c: Any) -> bool:
@@ -93,8 +98,19 @@ class Loads:
             self._on_loaded(loaded)
         self.stats["loads_ok"] += 1
         self.stats["loaded_bytes"] += loaded.nbytes
+        if p.job.block_ids:
+            took = (time.monotonic() - p.started) / len(p.job.block_ids)
+            self._s_per_block = took if self._s_per_block is None else 0.7 * self._s_per_block + 0.3 * took
         self._done.add(p.job.req_id)
         return True
+
+    def due_within(self, horizon_s: float) -> bool:
+        """Whether a load in flight is expected to end within ``horizon_s`` (by its blocks and the
+        engine's past loads; True before the first load ended)."""
+        if self._s_per_block is None:
+            return bool(self._flying)
+        end = time.monotonic() + horizon_s
+        return any(p.started + self._s_per_block * len(p.job.block_ids) <= end for p in self._flying.values())
 
     def expire(self, client: Any) -> None:
         """Abort loads past their deadline, once each; each still ends with the daemon's reply."""

@@ -35,6 +35,13 @@ class ShimConfig:
     # A load (its request waits, the other requests keep stepping) not done after this is
     # aborted; the request then waits for the daemon to end the copy, and loads or recomputes.
     load_timeout_s: float = 30.0
+    # A load whose reply is read after the step's forward has ended is reported with the next step,
+    # and vLLM runs its request a step later: a whole step of every running request. At the end of a
+    # step the worker waits for a load expected to end soon (by its blocks and the engine's past
+    # loads), at most this fraction of the step's time so far and at most load_settle_max_s: the
+    # running requests' step is that much longer, the loaded request runs a step earlier. 0: never.
+    load_settle_fraction: float = 0.2
+    load_settle_max_s: float = 0.010
     fence_timeout_s: float = 10.0  # waiting for a copy out of a block about to be reused
     reconnect_interval_s: float = 5.0
     # vLLM's default "fail" turns a failed load into a failed request; a cache should recompute.
@@ -75,6 +82,10 @@ class ShimConfig:
             raise ValueError("hkvd: chunk_size must be >= 0 (0 = vLLM's block size N)")
         if cfg.load_failure_policy not in ("recompute", "fail"):
             raise ValueError("hkvd: load_failure_policy must be 'recompute' or 'fail'")
+        if not 0.0 <= cfg.load_settle_fraction <= 1.0:
+            raise ValueError("hkvd: load_settle_fraction must be in [0, 1] (0 = never wait for a load)")
+        if cfg.load_settle_max_s < 0:
+            raise ValueError("hkvd: load_settle_max_s must be >= 0 seconds")
         for name in ("connect_timeout_s", "lookup_timeout_s", "load_timeout_s", "fence_timeout_s",
                      "reconnect_interval_s"):
             if getattr(cfg, name) <= 0:

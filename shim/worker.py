@@ -15,9 +15,11 @@ Role
        daemon's reply for the load has been read; ``get_transfer_results`` then reports each as
        finished, and a failed one also as failed (``failed_recving``): vLLM recomputes the
        request. A load not done within ``load_timeout_s`` is aborted and still waits for the
-       reply. Block-level load errors are never reported (vLLM 0.32 stops the engine on them for
-       models with several KV-cache groups). Mamba layers get no per-layer hooks, so every group
-       is moved in bulk by one Retrieve.
+       reply. A load expected to end within a fifth of the step's time (``load_settle_fraction``,
+       at most ``load_settle_max_s``) is waited for at the step's end, so that its request runs
+       in the next step rather than the one after. Block-level load errors are never reported
+       (vLLM 0.32 stops the engine on them for models with several KV-cache groups). Mamba
+       layers get no per-layer hooks, so every group is moved in bulk by one Retrieve.
     3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
        ``StepEvent`` carrying this step's Mamba offers and the confirms of earlier step
        events whose Done arrived before any block they read was reused.
@@ -40,6 +42,7 @@ Failure handling
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -97,8 +100,10 @@ class WorkerSide:
         self._pd = PullLoads(cfg.pull_timeout_s, self.loads)  # prefill/decode loads that pull first (hkvd.shim.pd)
         self._gpu: GpuOrdering | None = None  # when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
+        self._step_began = time.monotonic()  # when this step's metadata was bound (before its forward)
+        # load_settles: steps that waited for a load about to end (_settle); _won: ones that got it.
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
-                      "stored_bytes": 0}
+                      "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_us": 0}
 
     # ---- registration --------------------------------------------------------------------------
     def _configs(self) -> tuple[VllmConfig, KVCacheConfig]:
@@ -227,6 +232,7 @@ class WorkerSide:
     # ---- per step ------------------------------------------------------------------------------
     def bind(self, meta: HkvdConnectorMetadata) -> None:
         self._meta = meta
+        self._step_began = time.monotonic()
         self._finishing.update(meta.delayed_free)
 
     def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
@@ -330,9 +336,29 @@ class WorkerSide:
         if self._pd.in_flight:
             self._pd.expire(self.link.client)
         if self.loads.in_flight:
+            self._settle()
             self.loads.expire(self.link.client)
         recved, failed = self.loads.take()
         return set(sending or ()), recved, failed
+
+    def _settle(self) -> None:
+        """Wait a little for loads about to end (``ShimConfig.load_settle_fraction``): reported now,
+        their requests run in the next step instead of the one after."""
+        now = time.monotonic()
+        budget = min(self.cfg.load_settle_max_s, self.cfg.load_settle_fraction * (now - self._step_began))
+        deadline = now + budget
+        if budget <= 0 or not self.loads.due_within(budget):
+            return
+        self.stats["load_settles"] += 1
+        done = self.loads.stats["loads_ok"] + self.loads.stats["loads_failed"]
+        while self.loads.in_flight and self.link.client is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.loads.due_within(left):
+                break
+            self._pump(left)
+        self.stats["load_settle_us"] += int((time.monotonic() - now) * 1e6)
+        if self.loads.stats["loads_ok"] + self.loads.stats["loads_failed"] > done:
+            self.stats["load_settles_won"] += 1
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed loads are reported per request (get_transfer_results)

@@ -246,3 +246,89 @@ def test_a_load_past_its_timeout_keeps_its_blocks_until_the_daemon_ends_the_copy
     _, failed = _run_step(side, _meta(4))
     assert side._last_recving == {"slow"}
     assert failed == (set() if late_ok else {"slow"})
+
+
+def _settling_side(fraction: float, max_s: float) -> tuple[Any, ScriptedClient]:
+    from hkvd.shim.shim_config import ShimConfig
+    from hkvd.shim.worker import WorkerSide
+
+    side = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent", load_settle_fraction=fraction,
+                                             load_settle_max_s=max_s))
+    client = ScriptedClient()
+    side.link.client = client
+    side._regions = [object()]
+    return side, client
+
+
+class ReplyAfter(ScriptedClient):
+    """Completes retrieve ``rid`` once a poll has waited ``after_s`` in all (the daemon's copy time)."""
+
+    def __init__(self, rid: int, after_s: float) -> None:
+        super().__init__()
+        self.rid, self.left = rid, after_s
+        self.polled_s = 0.0
+
+    def poll(self, timeout_s: float = 0.0) -> list[Any]:
+        import time
+
+        if self.rid not in self.done and any(s[0] == self.rid for s in self.sent):
+            slept = min(timeout_s, self.left)
+            time.sleep(slept)
+            self.polled_s += slept
+            self.left -= slept
+            if self.left <= 0:
+                self.complete(self.rid)
+        return super().poll(0.0)
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_load_about_to_end_is_waited_for_at_the_steps_end_within_its_budget(settle: bool) -> None:
+    """The settle wait reports a nearly done load in this step; without it, a step later."""
+    import time
+
+    from hkvd.shim.metadata import LoadJob
+
+    side, _ = _settling_side(0.5 if settle else 0.0, 0.05)
+    client = ReplyAfter(1, 0.004)
+    side.link.client = client
+    meta = _meta(1, loads=[LoadJob("a", 7, [Item(0, 0, b"k" * 16, [3])], [3])])
+    side.handle_preemptions(meta)
+    side.bind(meta)
+    side.start_load_kv()
+    time.sleep(0.02)  # the forward: the budget is half of it, 10 ms, and the copy needs 4 more
+    t = time.monotonic()
+    _, recving, _ = side.get_transfer_results(set())
+    waited = time.monotonic() - t
+    if settle:
+        assert recving == {"a"} and side.stats["load_settles_won"] == 1
+        assert waited < 0.015  # never past the budget
+    else:
+        assert recving == set() and side.stats["load_settles"] == 0 and client.polled_s == 0.0
+
+
+def test_a_load_not_due_within_the_budget_is_not_waited_for() -> None:
+    """A long load (its blocks at the engine's measured pace) does not hold the step."""
+    import time
+
+    from hkvd.shim.metadata import LoadJob
+
+    side, _ = _settling_side(0.5, 0.05)
+    client = ReplyAfter(1, 0.002)
+    side.link.client = client
+    short = LoadJob("a", 7, [Item(0, 0, b"k" * 16, [3])], [3])
+    side.bind(_meta(1, loads=[short]))
+    side.start_load_kv()
+    time.sleep(0.004)
+    side.get_transfer_results(set())
+    side.bind(_meta(2))
+    side.get_transfer_results(set())  # the pace now known: about 2-6 ms a block
+    assert side.loads.stats["loads_ok"] == 1
+    client.rid, client.left = 2, 10.0  # the next load never ends within the test
+    long = LoadJob("b", 8, [Item(0, 0, b"j" * 16, list(range(100, 1100)))], list(range(100, 1100)))
+    side.bind(_meta(3, loads=[long]))
+    side.start_load_kv()
+    time.sleep(0.02)
+    settles = side.stats["load_settles"]
+    t = time.monotonic()
+    side.get_transfer_results(set())
+    assert time.monotonic() - t < 0.005 and side.stats["load_settles"] == settles
