@@ -19,7 +19,10 @@ Threading and pages
     Event loop only; ``holds`` may await the tier's own threads, ``read_batch`` runs on the tier's
     ``executor``. A read lands in WRITING entries (pinned, never served); on success they become
     READY, otherwise they are dropped. A read that outlives its budget keeps its pages until its
-    thread returns, then they are freed. Two lookups that want the same key share one read.
+    thread returns, then they are freed. While it reads, a lease pins the pool entries the plan
+    already counts on, so the reads' allocations cannot evict them (in a nearly full pool that would
+    leave the hit shorter than the pool alone served); it ends before ``promote`` returns. Two
+    lookups that want the same key share one read.
 
 Metrics (``Metrics``, by tier name ``l2`` or ``cluster``)
     ``<name>_hits`` by kind: entries read and verified; ``<name>_read_failures`` by reason
@@ -44,6 +47,7 @@ log = logging.getLogger("hkvd.tiers")
 
 # Rounds of "plan with the tiers, read what the plan needs": a failed read re-plans without it.
 PROMOTE_ROUNDS = 3
+PROMOTION_OWNER = -1  # the owner of promotion's own leases (engines' connections are numbered from 1)
 
 
 class Promoter:
@@ -88,25 +92,34 @@ class Promoter:
             return all(ready(k) or (k not in failed and k in held) for k in [(fp, group_id, key) for fp in fps])
 
         promoted = False
-        for _ in range(PROMOTE_ROUNDS):
-            if not held:
-                break
-            plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
-            wanted = [(k, c) for fp in fps for gid, chunks in plan.needed.items() for c in chunks
-                      if not ready(k := (fp, gid, keys[c]))]
-            if not wanted:
-                break
-            by_tier: dict[str, list[tuple[EntryKey, int]]] = {}
-            for k, c in wanted:
-                by_tier.setdefault(held[k].name, []).append((k, c))
-            results = await asyncio.gather(*[
-                self._promote(next(t for t in tiers if t.name == name), engine, keys, part, deadlines[name],
-                              log_extra) for name, part in by_tier.items()])
-            bad = set().union(*results)
-            promoted = promoted or len(bad) < len(wanted)
-            if not bad:
-                break
-            failed.update(bad)
+        pin = 0  # a lease on the pool's part of the plan: the reads' allocations must not evict it
+        ttl_s = max((t.budget_s for t in tiers), default=0.0) + 1.0
+        try:
+            for _ in range(PROMOTE_ROUNDS):
+                if not held:
+                    break
+                plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+                needed = [((fp, gid, keys[c]), c) for fp in fps for gid, chunks in plan.needed.items() for c in chunks]
+                wanted = [(k, c) for k, c in needed if not ready(k)]
+                if not wanted:
+                    break
+                if pin:
+                    self.index.leases.release(pin)
+                pin = self.index.leases.take([k for k, _ in needed if ready(k)], PROMOTION_OWNER, ttl_s)
+                by_tier: dict[str, list[tuple[EntryKey, int]]] = {}
+                for k, c in wanted:
+                    by_tier.setdefault(held[k].name, []).append((k, c))
+                results = await asyncio.gather(*[
+                    self._promote(next(t for t in tiers if t.name == name), engine, keys, part, deadlines[name],
+                                  log_extra) for name, part in by_tier.items()])
+                bad = set().union(*results)
+                promoted = promoted or len(bad) < len(wanted)
+                if not bad:
+                    break
+                failed.update(bad)
+        finally:
+            if pin:  # the caller plans again at once, without yielding: nothing is evicted in between
+                self.index.leases.release(pin)
         return promoted
 
     async def _promote(self, tier: Tier[object], engine: EngineState, keys: list[bytes],

@@ -185,3 +185,26 @@ async def test_a_tier_silent_past_its_budget_is_skipped(pool, index, engine) -> 
 
     assert metrics.get("slow_read_failures", reason="timeout") == 1
     assert len(index) == 0
+
+
+async def test_reads_never_evict_the_pool_entries_the_hit_needs(pool, index, engine) -> None:
+    """A nearly full pool: reading chunks 2-4 must not evict chunk 0 or 1, which the same hit needs.
+
+    Without the pin, the third read evicted chunk 0 (the least recent) and the lookup's hit fell
+    from the pool's 2 chunks to none; with it, that read finds the pool full and the hit is 4 chunks.
+    """
+    taken = []
+    while (a := pool.alloc(ENTRY)) is not None:  # leave room for exactly 4 entries
+        taken.append(a)
+    for a in taken[:4]:
+        pool.free(a)
+    for c in (0, 1):
+        store(index, pool, key(engine, c), payload(c))
+    tier = ScriptedTier("fake", {key(engine, c): payload(c) for c in (2, 3, 4)}, pool)
+    metrics = Metrics()
+
+    assert await Promoter(index, metrics, [tier]).promote(engine, KEYS[:5], {})
+
+    assert [index.is_ready(key(engine, c)) for c in range(5)] == [True, True, True, True, False]
+    assert metrics.get("fake_read_failures", reason="pool_full") == 1
+    assert len(index.leases) == 0  # the pin is gone once the lookup can plan
