@@ -128,6 +128,13 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             value, bound = later["hkvd"]["hit_share"], later["limit"]["hit_share"]
             targets["hkvd_hit_share"] = {"value": value, "at_least": bound, "met": value >= bound}
     out["targets"] = targets
+    if "hkvd" in later and "limit" in later and later["hkvd"]["stream_tok_s_p50"]:
+        # vLLM runs a request whose load it awaits (WAITING_FOR_REMOTE_KVS) in the step after the
+        # one that reports the load: hkvd's later turns take about one more step of the running
+        # batch than the limit's, whose hits need no load. The step: hkvd's own inter-token time.
+        out["hkvd_over_limit"] = {
+            "ttft_p50_ms": later["hkvd"]["ttft_ms_p50"] - later["limit"]["ttft_ms_p50"],
+            "decode_step_ms_p50": 1e3 / later["hkvd"]["stream_tok_s_p50"]}
     return out
 
 
@@ -189,6 +196,9 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
                 res = serve(kv)
                 index = daemon.status()["index"]
                 res["daemon"] = {k: index[k] for k in ("entries", "bytes_stored", "evictions", "stores_dropped")}
+                # Mamba states lost to the step ordering (late offers, copies past their deadline).
+                res["daemon"]["ordering"] = {k: v for k, v in daemon.status()["counters"].items()
+                                             if k.startswith(("step_event", "snapshots_", "copy_"))}
         elif name == "lmcache":
             if lmcache_venv is None:
                 raise RuntimeError("no LMCache venv given: make bench-peers makes .bench-lmcache, which full mode "
@@ -269,6 +279,11 @@ def summary(result: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"target {key}: {t['value']:.1%} (at least the limit's {t['at_least']:.1%}): "
                          f"{'met' if t['met'] else 'MISSED'}")
+    if rt.get("hkvd_over_limit"):
+        x = rt["hkvd_over_limit"]
+        lines.append(f"hkvd's later-turn TTFT p50 is {x['ttft_p50_ms']:.0f} ms over the limit's; one decode step of "
+                     f"the running batch takes {x['decode_step_ms_p50']:.0f} ms (p50), and vLLM runs a request whose "
+                     "load it awaits a step after the step that reports the load")
     by = {r["run"]: r for r in result.get("runs", [])}
     later = {name: lt for name, r in by.items() if (lt := _later(r)) is not None}
     kept = later["recompute"]["hit_share"] if "recompute" in later else 0.0
