@@ -97,6 +97,7 @@ class WorkerSide:
         self._pd = PullLoads(cfg.pull_timeout_s, self.loads)  # prefill/decode loads that pull first (hkvd.shim.pd)
         self._gpu: GpuOrdering | None = None  # when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
+        # stored_bytes: the bytes the daemon copied out of this worker's KV cache (stores and step-event offers).
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
                       "stored_bytes": 0}
 
@@ -202,9 +203,10 @@ class WorkerSide:
             if c.ok:
                 if job.kind == "step":
                     self._confirmable.append(c.req_id)
+                    self.stats["stored_bytes"] += c.get(StepResult).nbytes  # the offers' copy (0 if none ran)
                 else:
                     self.stats["stores"] += 1
-                    self.stats["stored_bytes"] += c.get(StepResult if job.kind == "step" else StoreResult).nbytes
+                    self.stats["stored_bytes"] += c.get(StoreResult).nbytes
             else:
                 self.stats["stores_failed"] += 1
                 logger.debug("hkvd: %s job %d failed: %s", job.kind, c.req_id, c.error)
@@ -333,6 +335,15 @@ class WorkerSide:
             self.loads.expire(self.link.client)
         recved, failed = self.loads.take()
         return set(sending or ()), recved, failed
+
+    def transfer_totals(self) -> dict[str, float]:
+        """What this worker moved since it started (``hkvd.shim.connector_stats``: vLLM's connector stats are
+        the differences between two calls): loads that succeeded and failed, their bytes and seconds, and the
+        bytes stored."""
+        loads = self.loads.stats
+        return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
+                "loaded_bytes": loads["loaded_bytes"], "load_seconds": loads["load_seconds"],
+                "stored_bytes": self.stats["stored_bytes"]}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed loads are reported per request (get_transfer_results)
