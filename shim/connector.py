@@ -45,6 +45,9 @@ engine returns ``kv_transfer_params`` naming its daemon's peer listener and the 
 engine with ``"kv_role": "kv_consumer"`` given those params has its own daemon pull the chunks from
 that daemon (the request waits in WAITING_FOR_REMOTE_KVS), loads them, and recomputes on any failure.
 
+vLLM's metrics (its "KV Transfer metrics" log line and ``vllm:hkvd_*`` counters) show each worker's loads and
+stores through ``get_kv_connector_stats`` (``hkvd.shim.connector_stats``).
+
 Every hook of the other role is a no-op. Configuration: ``hkvd.shim.shim_config.ShimConfig``.
 """
 
