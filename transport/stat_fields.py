@@ -7,7 +7,9 @@ Role
 
     - ``metric(name, help, ...)``: ``/metrics`` exports a family from it (or a sample of one that
       several fields share: ``hkvd_pool_bytes{state=...}`` takes four); ``metrics(...)`` for more
-      than one family from one field; ``counter_series(...)`` for a ``hkvd.daemon.metrics`` counter;
+      than one family from one field; ``counter_series(...)`` for a ``hkvd.daemon.metrics`` counter; a
+      ``"histogram"`` metric's sampler returns ``histogram_samples(...)`` (each sample names its suffix,
+      ``_bucket``, ``_sum`` or ``_count``, under the reserved label ``SUFFIX``; ``sample_name`` reads it);
     - ``status_only()``: ``hkvd status`` shows it, ``/metrics`` does not;
     - ``part()``: a nested stats dataclass (or None), whose own fields say.
 
