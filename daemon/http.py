@@ -71,7 +71,8 @@ class StatsCollector:
         for fam in families(self.statistics()):
             m = Metric(fam.name, fam.help, fam.type)
             for labels, value in fam.samples:
-                m.add_sample(*sample_name(fam, labels), value)
+                name, named = sample_name(fam, labels)
+                m.add_sample(name, named, value)
             yield m
 
 

@@ -89,7 +89,7 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter = self._counter_cls
+        counter: Any = self._counter_cls  # prometheus_client.Counter or vLLM's subclass of it
         self._loads = counter(name="vllm:hkvd_loads", documentation="Loads from hkvd, by outcome (ok; failed: "
                               "recomputed)", labelnames=[*labelnames, "outcome"])
         self._bytes = {
