@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hkvd.daemon.startup_errors import StartupError
-from hkvd.transport.stat_fields import families
+from hkvd.transport.stat_fields import families, sample_name
 
 log = logging.getLogger("hkvd.http")
 
@@ -70,9 +70,9 @@ class StatsCollector:
 
         for fam in families(self.statistics()):
             m = Metric(fam.name, fam.help, fam.type)
-            sample = f"{fam.name}_total" if fam.type == "counter" else fam.name
             for labels, value in fam.samples:
-                m.add_sample(sample, labels, value)
+                name, named = sample_name(fam, labels)
+                m.add_sample(name, named, value)
             yield m
 
 

@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import ConfigCell, DaemonConfig
+from hkvd.daemon.engine_traffic import EngineTraffic
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
 from hkvd.daemon.index import Entry, EntryState, Index
+from hkvd.daemon.latency import Latencies
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.pool import Extent
 from hkvd.daemon.registry import EngineState, Registry
@@ -74,6 +76,8 @@ if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py d
     from hkvd.daemon.tiers.cluster import ClusterStats
 
 log = logging.getLogger("hkvd.service")
+
+_TIMED: dict[type, str] = {kv.Lookup: "lookup", kv.Store: "store", kv.Retrieve: "retrieve"}  # hkvd.daemon.latency
 
 
 @dataclass(slots=True)
@@ -142,6 +146,8 @@ class KVService:
         self.publisher = publisher
         self.copy_timeout_s = config.current.copy_timeout_s  # not reloadable
         self.descriptors = DescriptorBudget.current()  # the control socket's share (daemon/server.py)
+        self.traffic = EngineTraffic()  # per (model, rank): lookups, stores, retrieves
+        self.latencies = Latencies()  # lookup, store, retrieve: request to reply
 
     @property
     def cfg(self) -> DaemonConfig:
@@ -155,8 +161,30 @@ class KVService:
         Store, retrieve and step events wait on copies, and a lookup the pool cannot answer may
         wait on disk reads: the caller runs the returned coroutine as a task. Everything else is
         answered before this returns. Jobs enter ``conn.jobs`` here, before any later frame (an
-        Abort of one) is served.
+        Abort of one) is served. Lookups, stores and retrieves are timed until their reply or error
+        (``hkvd.daemon.latency``).
         """
+        op = _TIMED.get(type(msg))
+        if op is None:
+            return self._handle(conn, msg)
+        t0 = time.perf_counter()
+        try:
+            rest = self._handle(conn, msg)
+        except BaseException:
+            self.latencies.observe(op, time.perf_counter() - t0)
+            raise
+        if rest is None:
+            self.latencies.observe(op, time.perf_counter() - t0)
+            return None
+        return self._timed(op, t0, rest)
+
+    async def _timed(self, op: str, t0: float, rest: Coroutine[Any, Any, None]) -> None:
+        try:
+            await rest
+        finally:
+            self.latencies.observe(op, time.perf_counter() - t0)
+
+    def _handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
         if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status)):
             raise ShuttingDown("hkvd is shutting down; the engine will recompute and reconnect later")
         match msg:
@@ -293,6 +321,8 @@ class KVService:
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
         self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
+        self.traffic.lookup(engine.spec.model, engine.spec.rank, plan.hit_chunks * engine.chunk_size,
+                            (len(keys) - plan.hit_chunks) * engine.chunk_size)
         hit_by_kind: dict[str, int] = {}
         for gid, chunks in plan.needed.items():
             hit_by_kind[kinds[gid]] = hit_by_kind.get(kinds[gid], 0) + len(chunks)
@@ -380,6 +410,7 @@ class KVService:
         if not pending:
             self._write_behind(entries)
         self._count_bytes("stored_bytes", entries)
+        self.traffic.stored(engine.spec.model, engine.spec.rank, sum(e.nbytes for e in entries))
         return StoreResult(nbytes, len(entries), skipped, dropped, thinned), entries
 
     def _count_bytes(self, name: str, entries: list[Entry]) -> None:
@@ -419,6 +450,7 @@ class KVService:
             if msg.lease_id:
                 self.index.leases.use(msg.lease_id)
         self._count_bytes("retrieved_bytes", entries)
+        self.traffic.retrieved(engine.spec.model, engine.spec.rank, sum(e.nbytes for e in entries))
         conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event).to_done(msg.req_id))
 
     # ---- step events (Mamba boundary states) ---------------------------------------------------
@@ -568,6 +600,8 @@ class KVService:
             kv_events=kv_events,
             descriptors=self.descriptors.statistics(),
             shutting_down=self.shutting_down,
+            engine_traffic=self.traffic.statistics(),
+            latency=self.latencies.statistics(),
         )
 
     def status(self) -> dict[str, Any]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hkvd.daemon.engine_traffic import EngineTrafficStats
 from hkvd.daemon.fd_budget import DescriptorStats
 from hkvd.daemon.heap import HeapStats
 from hkvd.daemon.index import IndexStats
+from hkvd.daemon.latency import LatencyStats
 from hkvd.daemon.pool import PoolStats
 from hkvd.daemon.registry import RegistryStats
 from hkvd.daemon.routing.announcer import AnnouncerStats
@@ -62,3 +64,5 @@ class ServiceStats:
     kv_events: KVEventsStats | None = part()
     descriptors: DescriptorStats = part()
     shutting_down: bool = status_only()
+    engine_traffic: EngineTrafficStats = part()  # per (model, rank): lookup tokens, bytes stored and retrieved
+    latency: LatencyStats = part()  # lookup, store, retrieve: request to reply

@@ -45,6 +45,9 @@ engine returns ``kv_transfer_params`` naming its daemon's peer listener and the 
 engine with ``"kv_role": "kv_consumer"`` given those params has its own daemon pull the chunks from
 that daemon (the request waits in WAITING_FOR_REMOTE_KVS), loads them, and recomputes on any failure.
 
+vLLM's metrics (its "KV Transfer metrics" log line and ``vllm:hkvd_*`` counters) show each worker's loads and
+stores through ``get_kv_connector_stats`` (``hkvd.shim.connector_stats``).
+
 Every hook of the other role is a no-op. Configuration: ``hkvd.shim.shim_config.ShimConfig``.
 """
 
@@ -62,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from hkvd.shim.connector_stats import HkvdConnectorStats, HkvdPromMetrics, StatsReporter
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig
@@ -71,6 +75,7 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only (the hooks' signatures i
     import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -98,6 +103,7 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg)
+        self._stats = StatsReporter()
 
     # ---- properties ----------------------------------------------------------------------------
     @property
@@ -191,6 +197,24 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return set()
         return self._worker.get_block_ids_with_load_errors()
+
+    # ---- vLLM's metrics (hkvd.shim.connector_stats) ---------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's loads and stores since the previous call; None when nothing moved (and on the
+        scheduler side, which moves nothing)."""
+        if self._worker is None:
+            return None
+        return self._stats.take(self._worker.transfer_totals())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HkvdConnectorStats(data=data) if data is not None else HkvdConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> HkvdPromMetrics:
+        return HkvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

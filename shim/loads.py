@@ -49,7 +49,7 @@ class _Load:
     job: LoadJob
     deadline: float
     budget: str  # the setting whose time ran out, for the warning
-    started: float
+    started: float  # time.monotonic() at submission
     aborted: bool = False
 
 
@@ -65,7 +65,9 @@ class Loads:
         # Seconds per block of a load, submit to reply read (an upper bound: a reply is read at the
         # next poll), smoothed over the engine's loads; None before the first.
         self._s_per_block: float | None = None
-        self.stats = {"loads_started": 0, "loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0}
+        # load_seconds: submission to the daemon's Done being read, summed over the loads that succeeded.
+        self.stats = {"loads_started": 0, "loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0,
+                      "load_seconds": 0.0}
 
     @property
     def in_flight(self) -> int:
@@ -98,9 +100,11 @@ class Loads:
             self._on_loaded(loaded)
         self.stats["loads_ok"] += 1
         self.stats["loaded_bytes"] += loaded.nbytes
+        took = time.monotonic() - p.started
+        self.stats["load_seconds"] += took
         if p.job.block_ids:
-            took = (time.monotonic() - p.started) / len(p.job.block_ids)
-            self._s_per_block = took if self._s_per_block is None else 0.7 * self._s_per_block + 0.3 * took
+            per_block = took / len(p.job.block_ids)
+            self._s_per_block = per_block if self._s_per_block is None else 0.7 * self._s_per_block + 0.3 * per_block
         self._done.add(p.job.req_id)
         return True
 

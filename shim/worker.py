@@ -102,6 +102,7 @@ class WorkerSide:
         self._meta: HkvdConnectorMetadata | None = None
         self._step_began = time.monotonic()  # when this step's metadata was bound (before its forward)
         # load_settles: steps that waited for a load about to end (_settle); _won: ones that got it.
+        # stored_bytes: the bytes the daemon copied out of this worker's KV cache (stores and step-event offers).
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
                       "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_us": 0}
 
@@ -207,9 +208,10 @@ class WorkerSide:
             if c.ok:
                 if job.kind == "step":
                     self._confirmable.append(c.req_id)
+                    self.stats["stored_bytes"] += c.get(StepResult).nbytes  # the offers' copy (0 if none ran)
                 else:
                     self.stats["stores"] += 1
-                    self.stats["stored_bytes"] += c.get(StepResult if job.kind == "step" else StoreResult).nbytes
+                    self.stats["stored_bytes"] += c.get(StoreResult).nbytes
             else:
                 self.stats["stores_failed"] += 1
                 logger.debug("hkvd: %s job %d failed: %s", job.kind, c.req_id, c.error)
@@ -359,6 +361,14 @@ class WorkerSide:
         self.stats["load_settle_us"] += int((time.monotonic() - now) * 1e6)
         if self.loads.stats["loads_ok"] + self.loads.stats["loads_failed"] > done:
             self.stats["load_settles_won"] += 1
+    def transfer_totals(self) -> dict[str, float]:
+        """What this worker moved since it started (``hkvd.shim.connector_stats``: vLLM's connector stats are
+        the differences between two calls): loads that succeeded and failed, their bytes and seconds, and the
+        bytes stored."""
+        loads = self.loads.stats
+        return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
+                "loaded_bytes": loads["loaded_bytes"], "load_seconds": loads["load_seconds"],
+                "stored_bytes": self.stats["stored_bytes"]}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed loads are reported per request (get_transfer_results)

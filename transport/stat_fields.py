@@ -7,7 +7,9 @@ Role
 
     - ``metric(name, help, ...)``: ``/metrics`` exports a family from it (or a sample of one that
       several fields share: ``hkvd_pool_bytes{state=...}`` takes four); ``metrics(...)`` for more
-      than one family from one field; ``counter_series(...)`` for a ``hkvd.daemon.metrics`` counter;
+      than one family from one field; ``counter_series(...)`` for a ``hkvd.daemon.metrics`` counter; a
+      ``"histogram"`` metric's sampler returns ``histogram_samples(...)`` (each sample names its suffix,
+      ``_bucket``, ``_sum`` or ``_count``, under the reserved label ``SUFFIX``; ``sample_name`` reads it);
     - ``status_only()``: ``hkvd status`` shows it, ``/metrics`` does not;
     - ``part()``: a nested stats dataclass (or None), whose own fields say.
 
@@ -33,12 +35,15 @@ from typing import Any, Literal, NamedTuple
 
 META_KEY = "hkvd.stat"  # the key of a field's declaration in its dataclasses metadata
 
-MetricType = Literal["gauge", "counter"]
+MetricType = Literal["gauge", "counter", "histogram"]
 Labels = dict[str, str]
 Sample = tuple[Labels, float]
 # A field's value and the stats object that holds it -> the field's samples. The values are of every
 # type a stats field has, hence Any (the samplers are small functions next to the fields they read).
 Sampler = Callable[[Any, Any], Iterable[Sample]]
+# A histogram's samples carry the suffix of their sample name (``_bucket``, ``_sum``, ``_count``) under this
+# label, which the exporter removes (``sample_name``); Prometheus reserves label names that begin with "__".
+SUFFIX = "__suffix__"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,7 +69,8 @@ class Metric:
     -> samples. ``optional``: no family at all while there are no samples (else HELP and TYPE with
     none). ``each``: the field maps names to values, one family per name, its samples ``each(value,
     owner)``; ``name`` and ``help`` are templates of ``{key}`` (the name) and ``{words}`` (it with spaces).
-    Counters' samples carry ``_total`` (added by the exporter).
+    Counters' samples carry ``_total`` (added by the exporter); a histogram's, the suffix under label
+    ``SUFFIX`` (``histogram_samples``).
     """
 
     name: str
@@ -100,12 +106,23 @@ class Metric:
 
 
 class Family(NamedTuple):
-    """One exported family: ``samples`` are (labels, value); a counter's sample names end in ``_total``."""
+    """One exported family: ``samples`` are (labels, value); a counter's sample names end in ``_total``, a
+    histogram's in the suffix its ``SUFFIX`` label names (``sample_name``)."""
 
     name: str
     help: str
     type: MetricType
     samples: list[Sample]
+
+
+def sample_name(fam: Family, labels: Labels) -> tuple[str, Labels]:
+    """The exposition's name of one sample of ``fam``, and its labels without ``SUFFIX``."""
+    if fam.type == "counter":
+        return f"{fam.name}_total", labels
+    if fam.type == "histogram":
+        rest = dict(labels)
+        return fam.name + rest.pop(SUFFIX), rest
+    return fam.name, labels
 
 
 # ---- declaring fields ----------------------------------------------------------------------------
@@ -205,6 +222,23 @@ def declared_metrics(cls: type) -> Iterator[tuple[str, Metric]]:
         if isinstance(decl, tuple):
             for m in decl:
                 yield f.name, m
+
+
+def histogram_samples(labels: Mapping[str, str], bounds: Iterable[float], counts: Iterable[int], total: float,
+                      count: int) -> list[Sample]:
+    """A histogram's samples: one ``_bucket`` per upper bound ``le`` (cumulative ``counts``, one per bound),
+    ``le="+Inf"`` (``count``), ``_sum`` (``total``) and ``_count``; each also labelled ``labels``."""
+    out: list[Sample] = [({**labels, "le": _le(b), SUFFIX: "_bucket"}, float(n)) for b, n in zip(bounds, counts,
+                                                                                               strict=True)]
+    out.append(({**labels, "le": "+Inf", SUFFIX: "_bucket"}, float(count)))
+    out.append(({**labels, SUFFIX: "_sum"}, float(total)))
+    out.append(({**labels, SUFFIX: "_count"}, float(count)))
+    return out
+
+
+def _le(bound: float) -> str:
+    """An upper bound as prometheus-client writes it (0.001, 5e-05, 10.0)."""
+    return repr(float(bound))
 
 
 def series(*, always: bool) -> Sampler:

@@ -55,6 +55,18 @@ def test_hits_and_misses_by_group_kind_and_copy_throughput(daemon_factory, web):
     assert m[("hkvd_copy_gbps", (("direction", "store"),))] > 0
     assert m[("hkvd_copy_gbps", (("direction", "retrieve"),))] > 0
     assert ("hkvd_l2_entries", ()) not in m  # no disk tier configured
+    # By engine (model, rank): the hit of 2 chunks and the miss of 4 (the first lookup's 2 missing chunks and
+    # the new prompt's 4), in tokens; the bytes stored and retrieved. One latency observation per request.
+    engine = [labels for name, labels in m if name == "hkvd_engine_lookup_hit_tokens_total"]
+    assert len(engine) == 1 and dict(engine[0]).keys() == {"model", "rank"}
+    assert m[("hkvd_engine_lookup_hit_tokens_total", engine[0])] == 2 * eng.chunk_size
+    assert m[("hkvd_engine_lookup_miss_tokens_total", engine[0])] == 6 * eng.chunk_size
+    assert m[("hkvd_engine_stored_bytes_total", engine[0])] == sum(
+        v for (name, _), v in m.items() if name == "hkvd_stored_bytes_total")
+    assert m[("hkvd_engine_retrieved_bytes_total", engine[0])] == sum(
+        v for (name, _), v in m.items() if name == "hkvd_retrieved_bytes_total") > 0
+    assert m[("hkvd_request_duration_seconds_count", (("op", "lookup"),))] == 2
+    assert m[("hkvd_request_duration_seconds_bucket", (("le", "+Inf"), ("op", "retrieve")))] == 1
     out = subprocess.run([sys.executable, "-m", "hkvd.daemon", "status", "--socket", d.socket_path],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     lines = {line.split()[0]: line for line in out.splitlines() if line and not line.startswith(" ")}

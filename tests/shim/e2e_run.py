@@ -21,7 +21,9 @@ reference run of vLLM's own prefix cache).
 ``"pause_before": [i]`` pauses before phase i (the test stops the daemon there, so the reference phase
 gets nothing from hkvd), or before prompt i; with ``"pause_after_reset": true`` the pause before a prompt
 comes after the reset of vLLM's cache (the previous prompt's stores are done, and no engine step runs until
-the prompt's own lookup). ``"connector": false`` starts the engine without hkvd. Output:
+the prompt's own lookup). ``"connector": false`` starts the engine without hkvd.
+``"vllm_metrics": true`` turns vLLM's stats on and adds ``"vllm_metrics"`` to the output: vLLM's own
+``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads) -> value. Output:
 ``HKVD_RESULT {"phases": [[[{"tokens", "logprobs", "gaps", "num_cached_tokens", "prompt_len"}, ...turns],
 ...conversations], ...phases]}``.
 
@@ -68,6 +70,8 @@ def main() -> None:
         kw["mamba_cache_mode"] = args["mamba_cache_mode"]
     if args.get("retention") is not None:
         kw["prefix_cache_retention_interval"] = args["retention"]
+    if args.get("vllm_metrics"):
+        kw["disable_log_stats"] = False  # the engine's stats reach vLLM's Prometheus counters
     kw.update(args.get("llm", {}))
     kw.setdefault("max_model_len", 1024)
     if args.get("max_num_batched_tokens", 128):  # 0: vLLM's default budget
@@ -106,7 +110,24 @@ def main() -> None:
                         "num_cached_tokens": int(out.num_cached_tokens or 0)})
     # vLLM's block size N (hybrids align it to the Mamba state page): the granularity of every hit.
     block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
-    print("HKVD_RESULT " + json.dumps({"results": results, "block_size": block_size}), flush=True)
+    out = {"results": results, "block_size": block_size}
+    if args.get("vllm_metrics"):
+        out["vllm_metrics"] = _hkvd_metrics()
+    print("HKVD_RESULT " + json.dumps(out), flush=True)
+
+
+def _hkvd_metrics():  # type: ignore[no-untyped-def]
+    """vLLM's ``vllm:hkvd_*`` counters, summed over their labels except ``outcome``. Read from prometheus-client's
+    registry in this process (vLLM's front end): ``LLM.get_metrics()`` rounds counters down to integers."""
+    from prometheus_client import REGISTRY
+
+    got: dict[str, float] = {}
+    for fam in REGISTRY.collect():
+        for s in fam.samples:
+            if fam.name.startswith("vllm:hkvd_") and s.name.endswith("_total"):
+                name = fam.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
+                got[name] = got.get(name, 0.0) + float(s.value)
+    return got
 
 
 def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]

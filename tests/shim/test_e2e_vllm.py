@@ -73,11 +73,17 @@ def test_gemma3_sliding_window_cold_warm(tiny_models, outputs, daemon_factory, e
     d = daemon_factory(chunk_size=BLOCK)
     common = {"model": str(tiny_models["gemma3"]), "socket": d.socket, "max_num_batched_tokens": BLOCK}
     prompts = [P1, P3]
-    cold = engine_runner({**common, "prompts": prompts})
+    cold = engine_runner({**common, "prompts": prompts, "vllm_metrics": True})
     assert outputs.hits(cold) == [0, 0], cold["log"][-3000:]
-    warm = engine_runner({**common, "prompts": prompts})
+    warm = engine_runner({**common, "prompts": prompts, "vllm_metrics": True})
     # Window 192 < the hit: the sliding-window group is served from the chunks in its window.
     assert outputs.hits(warm) == [512, 896], warm["log"][-3000:]
+    # vLLM's own metrics show what hkvd served (the connector's get_kv_connector_stats): the cold run stored and
+    # loaded nothing, the warm run loaded both prompts' hits.
+    cm, wm = cold["vllm_metrics"], warm["vllm_metrics"]
+    assert cm["vllm:hkvd_stored_bytes"] > 0 and cm["vllm:hkvd_loads{ok}"] == 0, cm
+    assert wm["vllm:hkvd_loads{ok}"] == 2 and wm["vllm:hkvd_loads{failed}"] == 0, wm
+    assert wm["vllm:hkvd_loaded_bytes"] > 0 and wm["vllm:hkvd_load_seconds"] > 0, wm
     deltas = [outputs.compare(c, w, f"gemma3 prompt {i}") for i, (c, w) in
               enumerate(zip(cold["results"], warm["results"], strict=True))]
     print("gemma3 logprob deltas:", [round(x, 5) for x in deltas])

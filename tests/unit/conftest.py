@@ -20,6 +20,7 @@ FAST_MODULES = frozenset({
     "test_client_io.py",
     "test_control_server.py",
     "test_disk_tier.py",
+    "test_engine_metrics.py",
     "test_heap.py",
     "test_hybrid.py",
     "test_index_writes.py",
@@ -45,7 +46,7 @@ FAST_MODULES = frozenset({
 })
 # Left out: test_bench, test_cluster_value, test_cma, test_descriptors, test_packaging (subprocesses),
 # test_identity (vLLM and a subprocess), test_routing_keys (vLLM), test_results (a real hkvd serve).
-# test_connector_metadata (vLLM).
+# test_connector_metadata, test_connector_stats (vLLM).
 
 missing = sorted(m for m in FAST_MODULES if not (HERE / m).is_file())
 if missing:  # a renamed module would leave the tier silently

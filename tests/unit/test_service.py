@@ -159,3 +159,43 @@ async def test_disconnect_releases_leases_and_the_registration(h: Harness) -> No
     h.service.disconnect(h.conn)
     assert h.service.index.statistics().leases == 0 and h.service.registry.engines() == []
     assert isinstance(await h.call(kv.Abort(9)), kv.AbortAck)  # still answered after the engine went
+
+
+async def test_per_engine_counters_and_latency_histograms_reach_status_and_metrics(h: Harness) -> None:
+    """Lookup tokens and bytes by (model, rank), and one latency observation per request, in the status JSON and
+    in the /metrics text prometheus-client renders and parses back (histogram: _bucket{le}, _sum, _count)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hkvd.daemon.http import build_registry
+
+    await h.register()
+    await h.call(kv.Store(2, _full(range(3), 1)))
+    reply = await h.call(kv.Lookup(3, KEYS, True))  # 4 chunks asked, 3 held
+    assert isinstance(reply, kv.LookupReply) and reply.hit_chunks == 3
+    await h.call(kv.Retrieve(4, reply.lease_id, _full(range(2), 11)))
+    bad = await h.call(kv.Retrieve(5, 0, [[0, 3, KEYS[3], [20, 21]]]))  # not held: an error, timed too
+    assert isinstance(bad, kv.Error)
+    h.service.disconnect(h.conn)  # the engine leaves; its counters stay
+    status = h.service.status()
+    assert status["engine_traffic"]["engines"] == [{
+        "model": "m", "rank": "0", "lookup_hit_tokens": 3 * CHUNK, "lookup_miss_tokens": CHUNK,
+        "stored_bytes": 6 * PAGE, "retrieved_bytes": 4 * PAGE}]
+    lat = status["latency"]
+    assert (lat["lookup"]["count"], lat["store"]["count"], lat["retrieve"]["count"]) == (1, 1, 2)
+    assert lat["retrieve"]["counts"][-1] == 2 and lat["retrieve"]["sum_seconds"] > 0
+
+    registry = build_registry(lambda: h.service.statistics())
+    got = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            got[(s.name, tuple(sorted(s.labels.items())))] = (fam.type, s.value)
+    engine = (("model", "m"), ("rank", "0"))
+    assert got[("hkvd_engine_lookup_hit_tokens_total", engine)] == ("counter", 3 * CHUNK)
+    assert got[("hkvd_engine_lookup_miss_tokens_total", engine)] == ("counter", CHUNK)
+    assert got[("hkvd_engine_stored_bytes_total", engine)] == ("counter", 6 * PAGE)
+    assert got[("hkvd_engine_retrieved_bytes_total", engine)] == ("counter", 4 * PAGE)
+    assert got[("hkvd_request_duration_seconds_count", (("op", "retrieve"),))] == ("histogram", 2)
+    assert got[("hkvd_request_duration_seconds_bucket", (("le", "+Inf"), ("op", "store")))] == ("histogram", 1)
+    assert got[("hkvd_request_duration_seconds_bucket", (("le", "10.0"), ("op", "lookup")))] == ("histogram", 1)
+    assert got[("hkvd_request_duration_seconds_sum", (("op", "lookup"),))][1] > 0

@@ -22,7 +22,16 @@ import msgpack
 import pytest
 
 from hkvd.daemon.app import DaemonStats
-from hkvd.transport.stat_fields import Metric, Part, StatusOnly, declaration, declared_metrics, families, status_dict
+from hkvd.transport.stat_fields import (
+    SUFFIX,
+    Metric,
+    Part,
+    StatusOnly,
+    declaration,
+    declared_metrics,
+    families,
+    status_dict,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,6 +165,11 @@ PUBLISHED = {
     "hkvd_copy_gbps": ("gauge", "direction", "Copy throughput of the last 64 copies (submit to done), by direction"),
     "hkvd_descriptor_reserve": ("gauge", "",
         "Descriptors kept free for the engines served: new engines are refused once fewer are left"),
+    "hkvd_engine_lookup_hit_tokens": ("counter", "model,rank", "Tokens that lookups found, by engine (model, rank)"),
+    "hkvd_engine_lookup_miss_tokens": ("counter", "model,rank",
+        "Tokens that lookups did not find, by engine (model, rank)"),
+    "hkvd_engine_retrieved_bytes": ("counter", "model,rank", "Bytes retrieved from the pool, by engine (model, rank)"),
+    "hkvd_engine_stored_bytes": ("counter", "model,rank", "Bytes stored into the pool, by engine (model, rank)"),
     "hkvd_engines": ("gauge", "role", "Registered engines by role"),
     "hkvd_entries": ("gauge", "state", "Index entries by state"),
     "hkvd_entries_by_kind": ("gauge", "kind", "Index entries by group kind"),
@@ -189,6 +203,9 @@ PUBLISHED = {
         "Page size backing the pool, by the kind the kernel reports (hugetlb, thp or plain; /proc/self/smaps)"),
     "hkvd_prefault_gbps": ("gauge", "", "Pool pre-fault bandwidth at start-up"),
     "hkvd_ready": ("gauge", "", "1 while serving (pool pre-faulted, socket accepting)"),
+    "hkvd_request_duration_seconds": ("histogram", "le,op",
+        "Seconds from the daemon taking a request to its reply (or error), by op (lookup, store, retrieve); disk and "
+        "cluster reads and copies included"),
 }
 # The Metrics counters (``CounterStats``), name -> help: labels are whatever ``inc`` passes.
 PUBLISHED_COUNTERS = {
@@ -234,7 +251,7 @@ def test_published_metrics_keep_their_names_types_help_and_labels(full: DaemonSt
         if fam.name.removeprefix("hkvd_") in series:
             got[fam.name] = (fam.type, None, fam.help)
         elif fam.name not in undeclared:
-            labels = ",".join(sorted({k for labels, _ in fam.samples for k in labels}))
+            labels = ",".join(sorted({k for labels, _ in fam.samples for k in labels} - {SUFFIX}))
             got[fam.name] = (fam.type, labels, fam.help)
     want = {**{name: (kind, labels, help_) for name, (kind, labels, help_) in PUBLISHED.items()},
             **{name: ("counter", None, help_) for name, help_ in PUBLISHED_COUNTERS.items()}}
@@ -259,7 +276,7 @@ def test_undeclared_counters_export_generically(full: DaemonStats) -> None:
 
 STATUS_KEYS = {
     "": ["engines", "pool", "index", "counters", "by_kind", "uncacheable_requests", "rates", "l2", "cluster", "peer",
-         "heap", "kv_events", "descriptors", "shutting_down"],
+         "heap", "kv_events", "descriptors", "shutting_down", "engine_traffic", "latency"],
     "engines": ["engine_id", "pid", "model", "rank", "world_size", "chunk_size", "fingerprint", "role", "groups"],
     "pool": ["total_bytes", "used_bytes", "free_bytes", "kind", "page_size", "huge_bytes", "hugepages", "mapped_kind",
              "superblock_bytes", "faulted_bytes", "prefault", "numa_node", "numa_policy", "node_bytes"],
@@ -285,6 +302,11 @@ STATUS_KEYS = {
     "kv_events.publisher": ["endpoint", "replay_endpoint", "sent", "dropped", "send_errors", "queued", "replays",
                             "replayed_batches", "kept"],
     "descriptors": ["used", "limit", "hard_limit", "reserve", "engines_room"],
+    "engine_traffic": ["engines"],
+    "engine_traffic.engines": ["model", "rank", "lookup_hit_tokens", "lookup_miss_tokens", "stored_bytes",
+                               "retrieved_bytes"],
+    "latency": ["lookup", "store", "retrieve"],
+    "latency.lookup": ["bounds", "counts", "count", "sum_seconds"],
 }
 
 

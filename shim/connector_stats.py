@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What hkvd served, in vLLM's own metrics: the connector's ``KVConnectorStats`` and its Prometheus counters.
+
+Role
+    vLLM 0.32 calls ``get_kv_connector_stats()`` on each worker's connector after every step that ran a
+    model (``KVConnectorModelRunnerMixin``): the stats of the interval since the previous call, or None
+    when there are none. ``StatsReporter.take`` turns the worker's running totals
+    (``WorkerSide.transfer_totals``) into that: the difference from the totals of its previous call, as
+    an ``HkvdConnectorStats`` (None when nothing moved). vLLM sums the workers' stats
+    (``aggregate``, ``KVOutputAggregator``) and hands the plain ``data`` dict to the front end, which
+    rebuilds it with ``HkvdConnector.build_kv_connector_stats``; there:
+
+    - the log line ("KV Transfer metrics: ...") is ``reduce()`` of the stats aggregated over the
+      logging interval;
+    - ``HkvdPromMetrics`` (``HkvdConnector.build_prom_metrics``) adds each interval's stats to
+      counters on vLLM's /metrics, labelled like vLLM's own (``model_name``, ``engine``):
+      ``vllm:hkvd_loads_total{outcome="ok"|"failed"}``, ``vllm:hkvd_loaded_bytes_total``,
+      ``vllm:hkvd_load_seconds_total`` and ``vllm:hkvd_stored_bytes_total``.
+
+    Under tensor parallelism every rank loads and stores its own shard: the sums count each rank's
+    loads, and the bytes of every rank.
+
+Fields (``FIELDS``)
+    ``loads_ok``, ``loads_failed``: loads reported to vLLM as finished, or as failed (it recomputes);
+    ``loaded_bytes``: the bytes of the loads that succeeded; ``load_seconds``: their time from the
+    Retrieve's submission to the daemon's reply being read, summed; ``stored_bytes``: the bytes the
+    daemon copied out of the worker's KV cache (stores and Mamba step-event offers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+
+FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes")
+
+
+@dataclass
+class HkvdConnectorStats(KVConnectorStats):
+    """One interval's (or the sum of several intervals' and workers') ``FIELDS``, in ``data``."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(FIELDS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add ``other``'s fields into these (another worker's, or a later interval's); returns self."""
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        ok = int(d.get("loads_ok", 0))
+        return {"loads_ok": ok, "loads_failed": int(d.get("loads_failed", 0)),
+                "loaded_MiB": round(d.get("loaded_bytes", 0) / 2**20, 3),
+                "avg_load_ms": round(d.get("load_seconds", 0) / ok * 1e3, 3) if ok else 0.0,
+                "stored_MiB": round(d.get("stored_bytes", 0) / 2**20, 3)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StatsReporter:
+    """A worker's totals -> the stats since the previous ``take`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._reported: dict[str, float] = dict.fromkeys(FIELDS, 0)
+
+    def take(self, totals: Mapping[str, float]) -> HkvdConnectorStats | None:
+        delta = {k: totals[k] - self._reported[k] for k in FIELDS}
+        self._reported = {k: totals[k] for k in FIELDS}
+        return HkvdConnectorStats(data=delta) if any(delta.values()) else None
+
+
+class HkvdPromMetrics(KVConnectorPromMetrics):
+    """The stats as counters on vLLM's /metrics (``vllm:hkvd_*``), per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter: Any = self._counter_cls  # prometheus_client.Counter or vLLM's subclass of it
+        self._loads = counter(name="vllm:hkvd_loads", documentation="Loads from hkvd, by outcome (ok; failed: "
+                              "recomputed)", labelnames=[*labelnames, "outcome"])
+        self._bytes = {
+            "loaded_bytes": counter(name="vllm:hkvd_loaded_bytes", labelnames=labelnames,
+                                    documentation="Bytes loaded from hkvd into the KV cache (every rank's)"),
+            "load_seconds": counter(name="vllm:hkvd_load_seconds", labelnames=labelnames,
+                                    documentation="Seconds of the loads from hkvd that succeeded, submission "
+                                                  "to reply, summed"),
+            "stored_bytes": counter(name="vllm:hkvd_stored_bytes", labelnames=labelnames,
+                                    documentation="Bytes hkvd copied out of the KV cache (stores and Mamba "
+                                                  "states; every rank's)"),
+        }
+        for labels in per_engine_labelvalues.values():  # every series from 0, before the first load
+            for outcome in ("ok", "failed"):
+                self._loads.labels(*labels, outcome)
+            for c in self._bytes.values():
+                c.labels(*labels)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if not transfer_stats_data:
+            return
+        labels = self.per_engine_labelvalues[engine_idx]
+        for outcome in ("ok", "failed"):
+            if n := transfer_stats_data.get(f"loads_{outcome}", 0):
+                self._loads.labels(*labels, outcome).inc(n)
+        for name, c in self._bytes.items():
+            if v := transfer_stats_data.get(name, 0):
+                c.labels(*labels).inc(v)

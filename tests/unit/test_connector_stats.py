@@ -1,0 +1,94 @@
+"""vLLM's connector stats for hkvd (``hkvd.shim.connector_stats``): deltas since the last call, sums across
+workers and intervals, the log line, and the ``vllm:hkvd_*`` counters. A worker's real ``Loads`` drives them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hkvd.shim.connector import HkvdConnector
+from hkvd.shim.connector_stats import FIELDS, HkvdConnectorStats, StatsReporter
+from hkvd.shim.metadata import LoadJob
+from hkvd.shim.shim_config import ShimConfig
+from hkvd.shim.worker import WorkerSide
+from hkvd.transport.wire.replies import RetrieveResult
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.rid = 0
+
+    def submit_retrieve(self, items: Any, lease_id: int) -> int:
+        self.rid += 1
+        return self.rid
+
+
+def _done(rid: int, nbytes: int) -> Any:
+    return SimpleNamespace(req_id=rid, ok=True, get=lambda _cls: RetrieveResult(nbytes, 1))
+
+
+def _failed(rid: int) -> Any:
+    return SimpleNamespace(req_id=rid, ok=False, error="NOT_FOUND")
+
+
+def test_stats_are_what_moved_since_the_previous_call() -> None:
+    w = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock"))
+    client, reporter = _Client(), StatsReporter()
+    assert reporter.take(w.transfer_totals()) is None  # nothing moved: vLLM gets None
+    for r in ("a", "b"):
+        w.loads.start(client, LoadJob(r, 0, [], [1]), 0)
+    assert w.loads.absorb(_done(1, 4096)) and w.loads.absorb(_failed(2))
+    w.stats["stored_bytes"] += 100
+    first = reporter.take(w.transfer_totals())
+    assert first is not None and not first.is_empty()
+    assert {k: first.data[k] for k in ("loads_ok", "loads_failed", "loaded_bytes", "stored_bytes")} == {
+        "loads_ok": 1, "loads_failed": 1, "loaded_bytes": 4096, "stored_bytes": 100}
+    assert first.data["load_seconds"] > 0
+    assert reporter.take(w.transfer_totals()) is None  # reported once
+    w.loads.start(client, LoadJob("c", 0, [], [2]), 0)
+    w.loads.absorb(_done(3, 512))
+    second = reporter.take(w.transfer_totals())
+    assert second is not None and (second.data["loads_ok"], second.data["loaded_bytes"]) == (1, 512)
+    assert second.data["loads_failed"] == 0 and second.data["stored_bytes"] == 0
+
+
+def test_workers_and_intervals_sum_and_reduce_to_the_log_line() -> None:
+    a = HkvdConnectorStats(data={"loads_ok": 2, "loads_failed": 0, "loaded_bytes": 2 << 20, "load_seconds": 0.004,
+                                 "stored_bytes": 1 << 20})
+    # As vLLM sends it to the front end: the plain dict, rebuilt by the connector class.
+    b = HkvdConnector.build_kv_connector_stats(
+        HkvdConnectorStats(data={"loads_ok": 2, "loads_failed": 1, "loaded_bytes": 2 << 20, "load_seconds": 0.004,
+                                 "stored_bytes": 0}).to_dict())
+    assert isinstance(b, HkvdConnectorStats)
+    total = a.aggregate(b)
+    assert total is a and total.reduce() == {"loads_ok": 4, "loads_failed": 1, "loaded_MiB": 4.0,
+                                             "avg_load_ms": 2.0, "stored_MiB": 1.0}
+    total.reset()
+    assert total.is_empty() and set(total.data) == set(FIELDS)
+    empty = HkvdConnector.build_kv_connector_stats()
+    assert isinstance(empty, HkvdConnectorStats) and empty.is_empty() and empty.reduce()["avg_load_ms"] == 0.0
+
+
+def test_prometheus_counters_add_each_interval() -> None:
+    registry = CollectorRegistry()
+
+    def bound(cls: type) -> type:
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **kw: cls.__init__(self, *a, registry=registry,
+                                                                                           **kw)})
+
+    prom = HkvdConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None),  # type: ignore[arg-type]
+                                            {Counter: bound(Counter), Gauge: bound(Gauge),
+                                             Histogram: bound(Histogram)},
+                                            ["model_name", "engine"], {0: ["m", "0"]})
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:hkvd_loaded_bytes_total", labels) == 0  # there before the first load
+    prom.observe({"loads_ok": 2, "loads_failed": 1, "loaded_bytes": 100, "load_seconds": 0.5, "stored_bytes": 7})
+    prom.observe({"loads_ok": 1, "loads_failed": 0, "loaded_bytes": 50, "load_seconds": 0.25, "stored_bytes": 0})
+    assert registry.get_sample_value("vllm:hkvd_loads_total", {**labels, "outcome": "ok"}) == 3
+    assert registry.get_sample_value("vllm:hkvd_loads_total", {**labels, "outcome": "failed"}) == 1
+    assert registry.get_sample_value("vllm:hkvd_loaded_bytes_total", labels) == 150
+    assert registry.get_sample_value("vllm:hkvd_load_seconds_total", labels) == pytest.approx(0.75)
+    assert registry.get_sample_value("vllm:hkvd_stored_bytes_total", labels) == 7
