@@ -200,11 +200,13 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- vLLM's metrics (hkvd.shim.connector_stats) ---------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The worker's loads and stores since the previous call; None when nothing moved (and on the
-        scheduler side, which moves nothing)."""
-        if self._worker is None:
-            return None
-        return self._stats.take(self._worker.transfer_totals())
+        """The worker's loads and stores, or the scheduler side's deferred lookups, since the previous
+        call; None when nothing moved."""
+        if self._worker is not None:
+            return self._stats.take(self._worker.transfer_totals())
+        if self._sched is not None:
+            return self._stats.take({"lookups_deferred": self._sched.stats["lookups_deferred"]})
+        return None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

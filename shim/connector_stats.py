@@ -25,6 +25,12 @@ Fields (``FIELDS``)
     ``loaded_bytes``: the bytes of the loads that succeeded; ``load_seconds``: their time from the
     Retrieve's submission to the daemon's reply being read, summed; ``stored_bytes``: the bytes the
     daemon copied out of the worker's KV cache (stores and Mamba step-event offers).
+
+    What costs a request scheduling steps: ``lookups_deferred`` (scheduler side): times a waiting
+    request was passed over in a step because its lookup's reply had not come within
+    ``lookup_wait_s``; ``load_settles_won``: loads reported in the step that started them, or a
+    later one, thanks to the end-of-step wait (``load_settle_fraction``), which took
+    ``load_settle_seconds`` in all.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
-FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes")
+FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes",
+          "lookups_deferred", "load_settles_won", "load_settle_seconds")
 
 
 @dataclass
@@ -65,7 +72,9 @@ class HkvdConnectorStats(KVConnectorStats):
         return {"loads_ok": ok, "loads_failed": int(d.get("loads_failed", 0)),
                 "loaded_MiB": round(d.get("loaded_bytes", 0) / 2**20, 3),
                 "avg_load_ms": round(d.get("load_seconds", 0) / ok * 1e3, 3) if ok else 0.0,
-                "stored_MiB": round(d.get("stored_bytes", 0) / 2**20, 3)}
+                "stored_MiB": round(d.get("stored_bytes", 0) / 2**20, 3),
+                "lookups_deferred": int(d.get("lookups_deferred", 0)),
+                "load_settles_won": int(d.get("load_settles_won", 0))}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -78,8 +87,8 @@ class StatsReporter:
         self._reported: dict[str, float] = dict.fromkeys(FIELDS, 0)
 
     def take(self, totals: Mapping[str, float]) -> HkvdConnectorStats | None:
-        delta = {k: totals[k] - self._reported[k] for k in FIELDS}
-        self._reported = {k: totals[k] for k in FIELDS}
+        delta = {k: totals.get(k, 0) - self._reported[k] for k in FIELDS}
+        self._reported = {k: totals.get(k, 0) for k in FIELDS}
         return HkvdConnectorStats(data=delta) if any(delta.values()) else None
 
 
@@ -101,6 +110,15 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
             "stored_bytes": counter(name="vllm:hkvd_stored_bytes", labelnames=labelnames,
                                     documentation="Bytes hkvd copied out of the KV cache (stores and Mamba "
                                                   "states; every rank's)"),
+            "lookups_deferred": counter(name="vllm:hkvd_lookups_deferred", labelnames=labelnames,
+                                        documentation="Steps a waiting request was passed over because its "
+                                                      "lookup's reply had not come within lookup_wait_s"),
+            "load_settles_won": counter(name="vllm:hkvd_load_settles_won", labelnames=labelnames,
+                                        documentation="Loads reported a step earlier thanks to the end-of-step "
+                                                      "wait (load_settle_fraction)"),
+            "load_settle_seconds": counter(name="vllm:hkvd_load_settle_seconds", labelnames=labelnames,
+                                           documentation="Seconds the worker waited at steps' ends for loads "
+                                                         "about to end"),
         }
         for labels in per_engine_labelvalues.values():  # every series from 0, before the first load
             for outcome in ("ok", "failed"):

@@ -143,8 +143,9 @@ class SchedulerSide:
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
         self._step = 0
         self._identity = ChunkIdentity()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0, "offer_items": 0,
-                      "uncacheable": 0, "notes": 0}
+        # lookups_deferred: passes over a waiting request whose lookup's reply had not come yet.
+        self.stats = {"lookups": 0, "lookups_deferred": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0,
+                      "offer_items": 0, "uncacheable": 0, "notes": 0}
         # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.engine_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
@@ -353,6 +354,7 @@ class SchedulerSide:
                 self._pump(self.cfg.lookup_wait_s)
             if st.hit_chunks is None:
                 if time.monotonic() - st.lookup_sent_at < self.cfg.lookup_timeout_s:
+                    self.stats["lookups_deferred"] += 1
                     return None, False
                 logger.warning("hkvd: lookup for %s unanswered after %.1f s; recomputing", request.request_id,
                                self.cfg.lookup_timeout_s)

@@ -363,12 +363,13 @@ class WorkerSide:
             self.stats["load_settles_won"] += 1
     def transfer_totals(self) -> dict[str, float]:
         """What this worker moved since it started (``hkvd.shim.connector_stats``: vLLM's connector stats are
-        the differences between two calls): loads that succeeded and failed, their bytes and seconds, and the
-        bytes stored."""
+        the differences between two calls): loads that succeeded and failed, their bytes and seconds, the
+        bytes stored, and the end-of-step waits for loads (``_settle``)."""
         loads = self.loads.stats
         return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
                 "loaded_bytes": loads["loaded_bytes"], "load_seconds": loads["load_seconds"],
-                "stored_bytes": self.stats["stored_bytes"]}
+                "stored_bytes": self.stats["stored_bytes"], "load_settles_won": self.stats["load_settles_won"],
+                "load_settle_seconds": self.stats["load_settle_us"] / 1e6}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed loads are reported per request (get_transfer_results)
