@@ -264,6 +264,12 @@ METRICS = {  # vLLM counter -> our name
     "vllm:external_prefix_cache_queries_total": "external_queries",
     "vllm:external_prefix_cache_hits_total": "external_hits",
     "vllm:num_preemptions_total": "preemptions",
+    # hkvd's connector stats (hkvd.shim.connector_stats): absent, so 0, in the runs without hkvd
+    "vllm:hkvd_lookups_deferred_total": "hkvd_lookups_deferred",
+    "vllm:hkvd_load_settles_won_total": "hkvd_load_settles_won",
+    "vllm:hkvd_load_settle_seconds_total": "hkvd_load_settle_seconds",
+    "vllm:hkvd_load_seconds_total": "hkvd_load_seconds",
+    "vllm:hkvd_loads_total": "hkvd_loads",
 }
 
 
