@@ -300,7 +300,8 @@ def summary(result: dict[str, Any]) -> list[str]:
                          f"{c['preemptions']:.0f} preemptions")
             if c.get("hkvd_loads"):
                 each_ms = c["hkvd_load_seconds"] / c["hkvd_loads"] * 1e3
-                lines.append(f"{r['run']}: {c['hkvd_loads']:.0f} loads, {each_ms:.1f} ms each on average; {c['hkvd_lookups_deferred']:.0f} lookups deferred a step; "
+                lines.append(f"{r['run']}: {c['hkvd_loads']:.0f} loads, {each_ms:.1f} ms each on average; "
+                             f"{c['hkvd_lookups_deferred']:.0f} lookups deferred a step; "
                              f"{c['hkvd_load_settles_won']:.0f} loads reported a step earlier by waiting "
                              f"{c['hkvd_load_settle_seconds'] * 1e3:.0f} ms in all")
     return lines
