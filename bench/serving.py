@@ -30,6 +30,11 @@ compared across runs: batches follow arrival times, and a random-weight model's 
 greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
 checks hkvd's outputs token for token.
 
+``HKVD_BENCH_VLLM_ARGS`` adds ``vllm serve`` arguments to every run (recorded in the config), e.g.
+``--no-async-scheduling``: vLLM's default asynchronous scheduling plans each step before the
+previous step's output is read, so a load reported at the end of step k lets its request run in
+step k + 2, not k + 1.
+
 Models: ``qwen3_next_8l`` (8 layers, hidden 512: prefill is real compute on 2 cores), the tiny
 4-layer ``qwen3_next`` of tests/shim in quick mode; both Qwen3-Next-shaped (3 Gated-DeltaNet
 layers per full-attention layer), block size N = 128.
@@ -64,6 +69,7 @@ from bench.serving_server import (
     BenchModel,
     LmcacheServer,
     VllmServer,
+    extra_vllm_args,
     lmcache_env,
     model_path,
 )
@@ -248,7 +254,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
     result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len,
-                         "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs"},
+                         "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
+                         "extra_vllm_args": extra_vllm_args()},
               "runs": runs, "ratios": ratios(runs)}
     for line in summary(result):
         log(f"  {line}")

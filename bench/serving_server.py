@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -173,6 +174,11 @@ class _Proc:
             pass
 
 
+def extra_vllm_args() -> list[str]:
+    """``HKVD_BENCH_VLLM_ARGS``: more ``vllm serve`` arguments for every run (e.g. ``--no-async-scheduling``)."""
+    return shlex.split(os.environ.get("HKVD_BENCH_VLLM_ARGS", ""))
+
+
 class VllmServer:
     """vLLM's OpenAI server on a free loopback port, with the settings every run of the bench shares.
 
@@ -198,6 +204,7 @@ class VllmServer:
                     "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
         if kv_transfer is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        self.cmd += extra_vllm_args()
         # The same OpenMP binding in every run: vLLM's automatic binding reserves a core when a
         # KV connector is configured, which would change the thread count between runs.
         self.env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(), "HF_HUB_OFFLINE": "1",
