@@ -222,3 +222,35 @@ def test_metadata_objects_are_independent_and_survive_pickling() -> None:
     back = pickle.loads(pickle.dumps(a))
     assert back == a and back.loads[0].pull == PullSpec("10.0.0.1:7000", [b"k" * 16], 9)
     assert item_blocks(back.loads[0].items + back.stores[0].items) == {1, 2, 3, 4}
+
+
+class SlowLookups(ScriptedClient):
+    """Lookups whose replies come only when ``answer`` is called (the daemon is busy)."""
+
+    def __init__(self, hit: int, lease_id: int) -> None:
+        super().__init__(hit, lease_id)
+        self.held: list[Completion] = []
+
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
+        rid = super().submit_lookup(keys, lease)
+        self.held.append(self.done.pop())
+        return rid
+
+    def answer(self) -> None:
+        self.done += self.held
+        self.held = []
+
+
+def test_a_request_whose_lookup_has_not_answered_is_passed_over_and_counted(sched: SchedulerSide) -> None:
+    """vLLM skips the request this step (None) and asks again; each pass is a step it waits, counted."""
+    client = SlowLookups(hit=2, lease_id=5)
+    connect(sched, client)
+    req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert sched.stats["lookups_deferred"] == 2
+    client.answer()
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    assert sched.stats["lookups_deferred"] == 2
