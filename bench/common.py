@@ -85,12 +85,11 @@ def readline_timeout(proc: subprocess.Popen[str], timeout_s: float, what: str) -
 class Daemon(DaemonProcess):
     """A real ``hkvd serve`` on a private socket in a temporary directory."""
 
-    def __init__(self, *args: str, pool_gb: float = 1.0, hugepages: str = "auto", nice: int = 0) -> None:
-        """``nice``: the daemon's scheduling priority (``nice -n``; below 0 needs root or CAP_SYS_NICE)."""
+    def __init__(self, *args: str, pool_gb: float = 1.0, hugepages: str = "auto") -> None:
         self.dir = tempfile.mkdtemp(prefix="hkvd-bench-")
         super().__init__(os.path.join(self.dir, "hkvd.sock"),
                          ["--l1-size-gb", str(pool_gb), "--hugepages", hugepages, "--log-level", "warning", *args],
-                         Path(self.dir) / "hkvd.log", prefix=["nice", "-n", str(nice)] if nice else None)
+                         Path(self.dir) / "hkvd.log")
 
     def __enter__(self) -> Daemon:
         self.start(60.0)
@@ -99,14 +98,6 @@ class Daemon(DaemonProcess):
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             stop_process(self.proc, 20.0)
-
-
-def unit_nice() -> int:
-    """The ``Nice=`` of packaging/hkvd.service: the priority a node's daemon runs at (0 if unset)."""
-    for line in (Path(__file__).resolve().parent.parent / "packaging" / "hkvd.service").read_text().splitlines():
-        if line.startswith("Nice="):
-            return int(line.split("=", 1)[1])
-    return 0
 
 
 def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:

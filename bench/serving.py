@@ -15,8 +15,7 @@ the same OpenMP binding, ``--num-gpu-blocks-override``):
    cache keeps every conversation, the best a cache can do;
 2. ``recompute``: vLLM alone with small KV memory (the running conversations and a quarter
    more): each conversation is evicted before it comes back and is computed again;
-3. ``hkvd``: the same small memory, with ``HkvdConnector`` and a fresh ``hkvd serve`` at the
-   priority packaging/hkvd.service gives it (``Nice=``): vLLM's OpenMP threads fill every core;
+3. ``hkvd``: the same small memory, with ``HkvdConnector`` and a fresh ``hkvd serve``;
 4. ``lmcache``: the same small memory with LMCache 0.5.6's MP server and its connector, where
    ``.bench-lmcache`` exists (``make bench-peers``); where it does not start or serve, the run
    records the error it got.
@@ -51,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Daemon, median, percentile, unit_nice
+from bench.common import Daemon, median, percentile
 from bench.serving_client import (
     Reply,
     Workload,
@@ -196,8 +195,7 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
 
     try:
         if name == "hkvd":
-            # At the priority the systemd unit gives it: vLLM's OpenMP threads fill both cores.
-            with Daemon("--chunk-size", str(BLOCK), pool_gb=2.0, hugepages=hugepages, nice=unit_nice()) as daemon:
+            with Daemon("--chunk-size", str(BLOCK), pool_gb=2.0, hugepages=hugepages) as daemon:
                 kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                           "require_daemon": True}}
@@ -257,7 +255,7 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
-                         "extra_vllm_args": extra_vllm_args(), "daemon_nice": unit_nice()},
+                         "extra_vllm_args": extra_vllm_args()},
               "runs": runs, "ratios": ratios(runs)}
     for line in summary(result):
         log(f"  {line}")
