@@ -173,10 +173,12 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         self.notifier.status("starting")
         executor = ThreadPoolExecutor(max_workers=cfg.copy_threads, thread_name_prefix="hkvd-copy")
+        # Step events' copies (Mamba states, due within two engine steps) never wait behind bulk copies.
+        step_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkvd-step-copy")
         self.heap.install()
         try:
             await self._start_http()
-            await self._run(executor)
+            await self._run(executor, step_executor)
         except BaseExceptionGroup as eg:  # the TaskGroup wraps start-up errors; callers expect them bare
             if len(eg.exceptions) == 1:
                 raise self._as_startup_error(eg.exceptions[0]) from None
@@ -189,6 +191,7 @@ class Daemon:
             if self.http is not None:
                 await self.http.close()
             executor.shutdown(wait=True, cancel_futures=True)
+            step_executor.shutdown(wait=True, cancel_futures=True)
             self._close_copy_engine()  # no-op after a clean shutdown; no copy runs once the executor is down
             if self.peers is not None:  # before the pool goes: the transport may still write into it
                 await self.peers.aclose()
@@ -213,7 +216,7 @@ class Daemon:
             return e
         return StartupError(str(e))
 
-    async def _run(self, executor: ThreadPoolExecutor) -> None:
+    async def _run(self, executor: ThreadPoolExecutor, step_executor: ThreadPoolExecutor) -> None:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
@@ -250,7 +253,8 @@ class Daemon:
             formats = FormatBook()
             self.service = KVService(self.config, index, registry, executor, self.metrics, disk=self.disk,
                                      cluster=self.cluster, peers=self.peers, heap=self.heap, formats=formats,
-                                     announcer=announcer, publisher=self.publisher)
+                                     announcer=announcer, publisher=self.publisher,
+                                     step_executor=step_executor)
             self.routing = UsablePrefix(self.service, self.metrics, book=formats)
             self.server = Server(cfg, self.service)
             await self.server.start()  # listening: connections are accepted from here on

@@ -121,18 +121,22 @@ class KVService:
     - ``heap``: the GC policy, for ``status`` only;
     - ``formats``: engines' formats by model, for routers (``daemon/routing/usable_prefix.py``);
     - ``announcer``, ``publisher``: KV events (``daemon/routing``). No announcer: registrations say KV
-      events are unsupported, and notes are ignored; no publisher: they are kept for polls only.
+      events are unsupported, and notes are ignored; no publisher: they are kept for polls only;
+    - ``step_executor``: the thread for step events' copies too large for the loop (Mamba states, due
+      before step s+2 is reported), so they never queue behind the stores and loads on ``executor``,
+      whose copies have seconds; None: they share ``executor``.
     """
 
     def __init__(self, config: ConfigCell, index: Index, registry: Registry, executor: Executor,
                  metrics: Metrics, *, disk: DiskTier | None = None, cluster: Tier[ClusterStats] | None = None,
                  peers: PeerService | None = None, heap: HeapPolicy | None = None,
                  formats: FormatBook | None = None, announcer: Announcer | None = None,
-                 publisher: ZmqPublisher | None = None) -> None:
+                 publisher: ZmqPublisher | None = None, step_executor: Executor | None = None) -> None:
         self.config = config
         self.index = index
         self.registry = registry
         self.executor = executor
+        self.step_executor = step_executor or executor
         self.metrics = metrics
         self.disk = disk  # the cold-restart tier (--l2-path), or None
         self.cluster = cluster  # the cluster tier (--cluster), or None
@@ -360,6 +364,7 @@ class KVService:
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                            pending: bool, wait_event: bytes = b"",
                            notes: list[BlockNote] | None = None) -> tuple[StoreResult, list[Entry]]:
+        # pending: a step event's states, whose copy has a deadline (see ``step_executor``)
         """Copy ``items`` into new pool entries; their counts for the reply, and the entries written."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         announcer = self.announcer if notes else None
@@ -392,7 +397,7 @@ class KVService:
             segments = layout.segments_for_entries(placed)
             if segments:
                 nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
-                                               wait_event)).nbytes
+                                               wait_event, urgent=pending)).nbytes
         except BaseException:
             for e in entries:
                 self.index.abandon_write(e)
@@ -518,9 +523,9 @@ class KVService:
 
     # ---- copies --------------------------------------------------------------------------------
     async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
-                        direction: Direction, wait_event: bytes = b"") -> CopyResult:
-        """Move ``segments``: on a copy thread with a timeout, or on the loop when the engine says a
-        copy this small costs less than the hand-off (``inline_max_bytes``)."""
+                        direction: Direction, wait_event: bytes = b"", urgent: bool = False) -> CopyResult:
+        """Move ``segments``: on a copy thread with a timeout (``urgent``: the step events' own), or on
+        the loop when the engine says a copy this small costs less than the hand-off (``inline_max_bytes``)."""
         assert attachment is not None
         engine = self.registry.copy_engine
         conn.inflight += 1
@@ -530,7 +535,8 @@ class KVService:
                     and sum(s.nbytes for s in segments) <= engine.inline_max_bytes):
                 result = engine.copy_ordered(attachment, segments, direction)
             else:
-                result = await self._threaded_copy(engine, attachment, segments, direction, wait_event)
+                result = await self._threaded_copy(self.step_executor if urgent else self.executor, engine,
+                                                   attachment, segments, direction, wait_event)
             # GB/s of the last copies per direction, submit to completion (thread hand-off included)
             self.metrics.observe_rate("copy", result.nbytes, time.perf_counter() - t0,
                                       direction=direction.value)
@@ -546,10 +552,10 @@ class KVService:
         finally:
             conn.inflight -= 1
 
-    async def _threaded_copy(self, engine: CopyEngine, attachment: Attachment, segments: list[Segment],
-                             direction: Direction, wait_event: bytes) -> CopyResult:
+    async def _threaded_copy(self, executor: Executor, engine: CopyEngine, attachment: Attachment,
+                             segments: list[Segment], direction: Direction, wait_event: bytes) -> CopyResult:
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.executor, functools.partial(
+        fut = loop.run_in_executor(executor, functools.partial(
             engine.copy_ordered, attachment, segments, direction, wait_event=wait_event or None))
         try:
             async with asyncio.timeout(self.copy_timeout_s):

@@ -199,3 +199,36 @@ async def test_per_engine_counters_and_latency_histograms_reach_status_and_metri
     assert got[("hkvd_request_duration_seconds_bucket", (("le", "+Inf"), ("op", "store")))] == ("histogram", 1)
     assert got[("hkvd_request_duration_seconds_bucket", (("le", "10.0"), ("op", "lookup")))] == ("histogram", 1)
     assert got[("hkvd_request_duration_seconds_sum", (("op", "lookup"),))][1] > 0
+
+
+async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
+    """Mamba states are due within two engine steps; a load or store on every copy thread must not hold
+    them. The bulk thread is held here until the step event's copy has been answered."""
+    import asyncio
+    import threading
+
+    cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
+    pool = HugePagePool(cfg.l1_size_bytes, "off")
+    copy_engine = HostCopyEngine(pool)
+    copy_engine.inline_max_bytes = 0  # every copy on a thread, as large ones are
+    bulk, step = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    service = KVService(ConfigCell(cfg), Index(pool, make_policy("lru")), Registry(CHUNK, copy_engine, pool=pool),
+                        bulk, Metrics(), step_executor=step)
+    sent: list[Message] = []
+    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
+                process=ClientProcess.open(os.getpid()))
+    h = Harness(service, conn, sent)
+    release = threading.Event()
+    busy = bulk.submit(release.wait, 10.0)  # a long load on the only bulk copy thread
+    try:
+        await h.register(mamba=True)
+        done = await asyncio.wait_for(h.call(events.StepEvent(3, 0, 1, [[1, 1, KEYS[1], [5]]], [])), 5.0)
+        assert isinstance(done, kv.Done) and done.nbytes == PAGE
+        assert not busy.done()  # answered while the bulk thread was still held
+    finally:
+        release.set()
+        service.disconnect(conn)
+        bulk.shutdown()
+        step.shutdown()
+        copy_engine.close()
+        pool.close()
