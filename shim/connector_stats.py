@@ -92,6 +92,17 @@ class StatsReporter:
         return HkvdConnectorStats(data=delta) if any(delta.values()) else None
 
 
+COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:hkvd_<name>_total), its help
+    "loaded_bytes": "Bytes loaded from hkvd into the KV cache (every rank's)",
+    "load_seconds": "Seconds of the loads from hkvd that succeeded, submission to reply, summed",
+    "stored_bytes": "Bytes hkvd copied out of the KV cache (stores and Mamba states; every rank's)",
+    "lookups_deferred": "Steps a waiting request was passed over because its lookup's reply had not come "
+                        "within lookup_wait_s",
+    "load_settles_won": "Loads reported a step earlier thanks to the end-of-step wait (load_settle_fraction)",
+    "load_settle_seconds": "Seconds the worker waited at steps' ends for loads about to end",
+}
+
+
 class HkvdPromMetrics(KVConnectorPromMetrics):
     """The stats as counters on vLLM's /metrics (``vllm:hkvd_*``), per engine."""
 
@@ -101,25 +112,8 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
         counter: Any = self._counter_cls  # prometheus_client.Counter or vLLM's subclass of it
         self._loads = counter(name="vllm:hkvd_loads", documentation="Loads from hkvd, by outcome (ok; failed: "
                               "recomputed)", labelnames=[*labelnames, "outcome"])
-        self._bytes = {
-            "loaded_bytes": counter(name="vllm:hkvd_loaded_bytes", labelnames=labelnames,
-                                    documentation="Bytes loaded from hkvd into the KV cache (every rank's)"),
-            "load_seconds": counter(name="vllm:hkvd_load_seconds", labelnames=labelnames,
-                                    documentation="Seconds of the loads from hkvd that succeeded, submission "
-                                                  "to reply, summed"),
-            "stored_bytes": counter(name="vllm:hkvd_stored_bytes", labelnames=labelnames,
-                                    documentation="Bytes hkvd copied out of the KV cache (stores and Mamba "
-                                                  "states; every rank's)"),
-            "lookups_deferred": counter(name="vllm:hkvd_lookups_deferred", labelnames=labelnames,
-                                        documentation="Steps a waiting request was passed over because its "
-                                                      "lookup's reply had not come within lookup_wait_s"),
-            "load_settles_won": counter(name="vllm:hkvd_load_settles_won", labelnames=labelnames,
-                                        documentation="Loads reported a step earlier thanks to the end-of-step "
-                                                      "wait (load_settle_fraction)"),
-            "load_settle_seconds": counter(name="vllm:hkvd_load_settle_seconds", labelnames=labelnames,
-                                           documentation="Seconds the worker waited at steps' ends for loads "
-                                                         "about to end"),
-        }
+        self._bytes = {name: counter(name=f"vllm:hkvd_{name}", labelnames=labelnames, documentation=doc)
+                       for name, doc in COUNTERS.items()}
         for labels in per_engine_labelvalues.values():  # every series from 0, before the first load
             for outcome in ("ok", "failed"):
                 self._loads.labels(*labels, outcome)
