@@ -289,8 +289,9 @@ def summary(result: dict[str, Any]) -> list[str]:
     if rt.get("hkvd_over_limit"):
         x = rt["hkvd_over_limit"]
         lines.append(f"hkvd's later-turn TTFT p50 is {x['ttft_p50_ms']:.0f} ms over the limit's; one decode step of "
-                     f"the running batch takes {x['decode_step_ms_p50']:.0f} ms (p50), and vLLM runs a request whose "
-                     "load it awaits a step after the step that reports the load")
+                     f"the running batch takes {x['decode_step_ms_p50']:.0f} ms (p50); vLLM runs a request whose "
+                     "load it awaits in the step after the one that reports the load, two after it with its "
+                     "default asynchronous scheduling")
     by = {r["run"]: r for r in result.get("runs", [])}
     later = {name: lt for name, r in by.items() if (lt := _later(r)) is not None}
     kept = later["recompute"]["hit_share"] if "recompute" in later else 0.0
