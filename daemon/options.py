@@ -121,7 +121,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--socket-mode", "socket_mode", _octal, "660", "the socket's permissions, in octal", "MODE"),
     Option("--allowed-uids", "allowed_uids", _uids, "",
            "uids that may connect, comma-separated; empty = the daemon's own uid and root", "LIST", "[1000]"),
-    Option("--copy-threads", "copy_threads", int, "2", "threads running copies too large to run on the loop",
+    Option("--copy-threads", "copy_threads", int, "2",
+           "threads running copies too large to run on the loop (stores, loads); step events' Mamba-state "
+           "copies, due within two engine steps, have one thread of their own and never wait behind these",
            "N", "2"),
     Option("--copy-engine", "copy_engine", _lower, "host",
            "host (KV caches in CPU memory: process_vm_readv/writev) or cuda (GPU KV caches over CUDA IPC; "

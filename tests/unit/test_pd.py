@@ -69,7 +69,8 @@ class ScriptedClient:
 
 
 def _job(req: str = "r1", n: int = 4) -> SimpleNamespace:
-    return SimpleNamespace(req_id=req, items=[[0, 0, KEYS[0], [1]]], pull=pd.PullSpec("p:1", KEYS[:n], 9))
+    return SimpleNamespace(req_id=req, items=[[0, 0, KEYS[0], [1]]], block_ids=[1],
+                           pull=pd.PullSpec("p:1", KEYS[:n], 9))
 
 
 class Worker:
