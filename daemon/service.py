@@ -414,16 +414,17 @@ class KVService:
             announcer.settle(engine, noted)
         if not pending:
             self._write_behind(entries)
-        self._count_bytes("stored_bytes", entries)
-        self.traffic.stored(engine.spec.model, engine.spec.rank, sum(e.nbytes for e in entries))
+        self.traffic.stored(engine.spec.model, engine.spec.rank, self._count_bytes("stored_bytes", entries))
         return StoreResult(nbytes, len(entries), skipped, dropped, thinned), entries
 
-    def _count_bytes(self, name: str, entries: list[Entry]) -> None:
+    def _count_bytes(self, name: str, entries: list[Entry]) -> int:
+        """Count ``entries``' bytes under ``name`` by group kind; their total."""
         by_kind: dict[str, int] = {}
         for e in entries:
             by_kind[e.kind] = by_kind.get(e.kind, 0) + e.nbytes
         for kind, n in by_kind.items():
             self.metrics.inc(name, n, kind=kind)
+        return sum(by_kind.values())
 
     # ---- retrieve ------------------------------------------------------------------------------
     async def _retrieve(self, conn: Conn, msg: kv.Retrieve) -> None:
@@ -454,8 +455,7 @@ class KVService:
             self.index.unpin_many(entries)
             if msg.lease_id:
                 self.index.leases.use(msg.lease_id)
-        self._count_bytes("retrieved_bytes", entries)
-        self.traffic.retrieved(engine.spec.model, engine.spec.rank, sum(e.nbytes for e in entries))
+        self.traffic.retrieved(engine.spec.model, engine.spec.rank, self._count_bytes("retrieved_bytes", entries))
         conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event).to_done(msg.req_id))
 
     # ---- step events (Mamba boundary states) ---------------------------------------------------
