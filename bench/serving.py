@@ -200,10 +200,11 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                           "require_daemon": True}}
                 res = serve(kv)
-                index = daemon.status()["index"]
-                res["daemon"] = {k: index[k] for k in ("entries", "bytes_stored", "evictions", "stores_dropped")}
+                status = daemon.status()
+                res["daemon"] = {k: status["index"][k] for k in ("entries", "bytes_stored", "evictions",
+                                                                 "stores_dropped")}
                 # Mamba states lost to the step ordering (late offers, copies past their deadline).
-                res["daemon"]["ordering"] = {k: v for k, v in daemon.status()["counters"].items()
+                res["daemon"]["ordering"] = {k: v for k, v in status["counters"].items()
                                              if k.startswith(("step_event", "snapshots_", "copy_"))}
         elif name == "lmcache":
             if lmcache_venv is None:
