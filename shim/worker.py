@@ -104,7 +104,7 @@ class WorkerSide:
         # load_settles: steps that waited for a load about to end (_settle); _won: ones that got it.
         # stored_bytes: the bytes the daemon copied out of this worker's KV cache (stores and step-event offers).
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
-                      "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_us": 0}
+                      "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_seconds": 0.0}
 
     # ---- registration --------------------------------------------------------------------------
     def _configs(self) -> tuple[VllmConfig, KVCacheConfig]:
@@ -358,9 +358,10 @@ class WorkerSide:
             if left <= 0 or not self.loads.due_within(left):
                 break
             self._pump(left)
-        self.stats["load_settle_us"] += int((time.monotonic() - now) * 1e6)
+        self.stats["load_settle_seconds"] += time.monotonic() - now
         if self.loads.stats["loads_ok"] + self.loads.stats["loads_failed"] > done:
             self.stats["load_settles_won"] += 1
+
     def transfer_totals(self) -> dict[str, float]:
         """What this worker moved since it started (``hkvd.shim.connector_stats``: vLLM's connector stats are
         the differences between two calls): loads that succeeded and failed, their bytes and seconds, the
@@ -369,7 +370,7 @@ class WorkerSide:
         return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
                 "loaded_bytes": loads["loaded_bytes"], "load_seconds": loads["load_seconds"],
                 "stored_bytes": self.stats["stored_bytes"], "load_settles_won": self.stats["load_settles_won"],
-                "load_settle_seconds": self.stats["load_settle_us"] / 1e6}
+                "load_settle_seconds": self.stats["load_settle_seconds"]}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed loads are reported per request (get_transfer_results)
