@@ -51,6 +51,7 @@ from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direc
 from hkvd.transport.errors import (
     Aborted,
     CopyFailedError,
+    ErrorCode,
     KVError,
     KVTimeout,
     NotFound,
@@ -209,6 +210,8 @@ class KVService:
                 conn.send(control.Pong(msg.req_id))
             case kv.Release():
                 self.index.leases.release(msg.lease_id)
+            case kv.WatchLease():
+                self._watch_lease(conn, msg)
             case kv.Uncacheable():
                 self._engine(conn, copy=False)
                 self.metrics.inc("uncacheable_requests", reason=msg.reason)
@@ -264,7 +267,7 @@ class KVService:
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
-                                      self.kv_events_mode()))
+                                      self.kv_events_mode(), lease_watch=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""
@@ -451,12 +454,32 @@ class KVService:
         self.index.pin_many(entries)
         try:
             result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
+        except BaseException:
+            if msg.lease_id:
+                self.index.leases.use(msg.lease_id, written=False)
+            raise
         finally:
             self.index.unpin_many(entries)
-            if msg.lease_id:
-                self.index.leases.use(msg.lease_id)
         self.traffic.retrieved(engine.spec.model, engine.spec.rank, self._count_bytes("retrieved_bytes", entries))
         conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event).to_done(msg.req_id))
+        if msg.lease_id:
+            # Every byte is in the engine's blocks, unless the engine's stream must still wait for
+            # the copy (a GPU done event): only the worker can report that load.
+            self.index.leases.use(msg.lease_id, written=not result.done_event)
+
+    def _watch_lease(self, conn: Conn, msg: kv.WatchLease) -> None:
+        """Answer once every retrieve under the lease wrote its bytes (Done) or the lease ended
+        otherwise (Error): the scheduler side reports a load a step before a worker could."""
+        self._engine(conn, copy=False)
+
+        def notify(written: bool) -> None:
+            if written:
+                conn.send(Acknowledged().to_done(msg.req_id))
+            else:
+                conn.send(kv.Error(msg.req_id, int(ErrorCode.LEASE_EXPIRED),
+                                   f"lease {msg.lease_id} ended before every rank's retrieve wrote its blocks"))
+
+        self.index.leases.watch(msg.lease_id, conn.conn_id, notify)
 
     # ---- step events (Mamba boundary states) ---------------------------------------------------
     async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:

@@ -156,6 +156,11 @@ class DaemonClient:
         pool; the completion's result carries ``hit_chunks`` and a ``lease_id`` for the Retrieve."""
         return self._submit(lambda r: peer_wire.Pull(r, peer, list(keys), max_chunks, release_lease))
 
+    def submit_watch(self, lease_id: int) -> int:
+        """Done once every rank's retrieve under ``lease_id`` wrote its blocks; Error once the lease ended
+        otherwise. Only to a daemon whose RegisterAck says ``lease_watch``."""
+        return self._submit(lambda r: kv.WatchLease(r, lease_id))
+
     def release(self, lease_id: int) -> None:
         with self._lock:
             self._require()
@@ -336,7 +341,7 @@ class DaemonClient:
                 pass
             case control.RegisterAck():
                 self._complete(msg.req_id, RegisterAck(msg.engine_id, msg.fingerprint, msg.chunk_size,
-                                                       msg.kv_events))
+                                                       msg.kv_events, msg.lease_watch))
             case control.StatusReply():
                 self._complete(msg.req_id, msg.status)
             case control.Pong():

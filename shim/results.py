@@ -33,6 +33,7 @@ class RegisterAck(NamedTuple):
     fingerprint: bytes  # the layout fingerprint of this rank's entries
     chunk_size: int
     kv_events: int = 0  # hkvd.transport.wire.control.KV_EVENTS_*: 0 from a daemon that keeps no KV events
+    lease_watch: bool = False  # it answers WatchLease (False from an older daemon)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,12 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       whole chunks (chunk_size is a multiple of vLLM's block size N, so block-aligned) and
       never reach the last prompt token (vLLM must compute at least one token). Loads are
       reported as asynchronous (``True``): the request waits in WAITING_FOR_REMOTE_KVS while
-      the daemon loads its blocks and the other requests keep stepping (the worker's
-      ``start_load_kv`` only submits), and the worker reports it finished (or failed) in
-      ``get_transfer_results`` of a later step, once the daemon has replied. vLLM 0.32 accepts
+      the daemon loads its blocks and the other requests keep stepping (the worker only
+      submits, before the forward), and the worker reports it finished (or failed) in
+      ``get_transfer_results`` of a later step, once the daemon has replied. With
+      ``early_load_reports`` this side watches the load's lease and reports a host-memory load
+      itself once the daemon says every rank's retrieve wrote its blocks, a step sooner under
+      async scheduling (``_report_early``); the workers' later report of it is taken out. vLLM 0.32 accepts
       a failed load of a model with several KV-cache groups (every hybrid) only as a failed
       request (``failed_recving``); a block-level load error (the sync-load path) stops the
       engine. A request whose load failed is recomputed from scratch and never offered an
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -138,14 +142,21 @@ class SchedulerSide:
         self._peer_asked_at = -1e9
         self._reqs: dict[str, _Req] = {}
         self._by_lookup: dict[int, str] = {}
+        # Loads reported by this side (early_load_reports): the lease watches in flight (watch id ->
+        # request, lease), the requests whose watch said written (reported at the next output), and
+        # those reported, whose worker report is still to come (taken out of vLLM's view once it does).
+        self._watches: dict[int, tuple[str, int]] = {}
+        self._loaded_early: set[str] = set()
+        self._reported_early: Counter[str] = Counter()
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
         self._step = 0
         self._identity = ChunkIdentity()
         # lookups_deferred: passes over a waiting request whose lookup's reply had not come yet.
+        # loads_reported_early: loads this side reported finished before any worker did (lease watches).
         self.stats = {"lookups": 0, "lookups_deferred": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0,
-                      "offer_items": 0, "uncacheable": 0, "notes": 0}
+                      "offer_items": 0, "uncacheable": 0, "notes": 0, "loads_reported_early": 0}
         # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.engine_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
@@ -175,7 +186,8 @@ class SchedulerSide:
                 for st in self._reqs.values():
                     st.keys = []
             self.chunk_size = chunk
-            self._by_lookup.clear()  # lookups of the old connection never complete
+            self._by_lookup.clear()  # lookups and watches of the old connection never complete
+            self._watches.clear()
             for st in self._reqs.values():
                 if st.hit_chunks is None:
                     st.lookup_id = None
@@ -267,6 +279,12 @@ class SchedulerSide:
             return
         for c in done:
             if self.feed.on_completion(c):
+                continue
+            watched = self._watches.pop(c.req_id, None)
+            if watched is not None:
+                st = self._reqs.get(watched[0])
+                if c.ok and st is not None and st.loading and st.lease_id == watched[1]:
+                    self._loaded_early.add(watched[0])
                 continue
             req_id = self._by_lookup.pop(c.req_id, None)
             st = self._reqs.get(req_id) if req_id is not None else None
@@ -413,6 +431,8 @@ class SchedulerSide:
                            "recomputing it", request.request_id)
             items = []
         self._loads.append(LoadJob(request.request_id, st.lease_id, items, all_blocks, pull=st.pull))
+        if items and st.pull is None and st.lease_id:
+            self._watch(request.request_id, st.lease_id)
         st.loading = True
         if st.pull is not None:
             st.pull = None
@@ -480,13 +500,55 @@ class SchedulerSide:
                 self.stats["offer_items"] += 1
         return meta
 
+    def _watch(self, req_id: str, lease_id: int) -> None:
+        """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""
+        client = self.link.client
+        if not self.cfg.early_load_reports or client is None or not self.link.ack.lease_watch:
+            return
+        try:
+            self._watches[client.submit_watch(lease_id)] = (req_id, lease_id)
+        except Exception as e:  # the workers report the load, as without the watch
+            self.link.lost(e)
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for req_id in getattr(output, "finished_recving", None) or ():
+        recving = set(getattr(output, "finished_recving", None) or ())
+        failed = set(getattr(output, "failed_recving", None) or ())
+        for req_id in [r for r in recving if self._reported_early[r]]:
+            # Reported by this side already: vLLM must not see it twice (it would be running by now).
+            self._reported_early[req_id] -= 1
+            if not self._reported_early[req_id]:
+                del self._reported_early[req_id]
+            recving.discard(req_id)
+            failed.discard(req_id)
+        for req_id in recving:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.loading = False
-        self._note_failed_loads(getattr(output, "failed_recving", None) or ())
+            self._loaded_early.discard(req_id)
+        self._note_failed_loads(failed)
         self._pump()
+        self._report_early(recving)
+        if recving or getattr(output, "finished_recving", None) is not None:
+            output.finished_recving = recving
+
+    def _report_early(self, recving: set[str]) -> None:
+        """Add to ``recving`` the loads whose lease the daemon says every rank's retrieve wrote.
+
+        Under vLLM's async scheduling the output handed here is the previous step's, read after the
+        current step ran: a worker's report of a load that ended during the current step reaches vLLM
+        with the next output, a step later than this one. The worker still reports it; that report is
+        then taken out (``update_connector_output``). Never for GPU KV caches (the engine's stream must
+        first wait for the daemon's copy, which only the worker does: the daemon does not count it
+        written) nor for prefill/decode pulls (not watched)."""
+        for req_id in self._loaded_early:
+            st = self._reqs.get(req_id)
+            if st is None or not st.loading:  # finished meanwhile (its blocks wait for the worker's report)
+                continue
+            st.loading = False
+            recving.add(req_id)
+            self._reported_early[req_id] += 1
+            self.stats["loads_reported_early"] += 1
+        self._loaded_early.clear()
 
     def _note_failed_loads(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

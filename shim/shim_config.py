@@ -42,6 +42,11 @@ class ShimConfig:
     # running requests' step is that much longer, the loaded request runs a step earlier. 0: never.
     load_settle_fraction: float = 0.2
     load_settle_max_s: float = 0.010
+    # The scheduler side watches each load's lease and reports the load finished as soon as the
+    # daemon says every rank's copy is in (host KV caches). Under vLLM's async scheduling a step's
+    # output is read after the next step has run, so a worker's report reaches the scheduler a step
+    # later than this one. False: only the workers report loads.
+    early_load_reports: bool = True
     fence_timeout_s: float = 10.0  # waiting for a copy out of a block about to be reused
     reconnect_interval_s: float = 5.0
     # vLLM's default "fail" turns a failed load into a failed request; a cache should recompute.

@@ -9,15 +9,19 @@ Role
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
        then aborted and treated as failed).
-    2. ``start_load_kv``: submit every load of the step and return (``hkvd.shim.loads``). The
-       scheduler reports loads as asynchronous, so their requests wait (WAITING_FOR_REMOTE_KVS)
-       while the other requests keep stepping, and no forward reads their blocks until the
-       daemon's reply for the load has been read; ``get_transfer_results`` then reports each as
-       finished, and a failed one also as failed (``failed_recving``): vLLM recomputes the
-       request. A load not done within ``load_timeout_s`` is aborted and still waits for the
-       reply. A load expected to end within a fifth of the step's time (``load_settle_fraction``,
-       at most ``load_settle_max_s``) is waited for at the step's end, so that its request runs
-       in the next step rather than the one after. Block-level load errors are never reported
+    2. ``bind`` (vLLM's ``bind_connector_metadata``, before the forward and after vLLM zeroed
+       the step's new blocks): submit every load of the step and return (``hkvd.shim.loads``),
+       so the daemon copies while the forward runs. The scheduler reports loads as
+       asynchronous, so their requests wait (WAITING_FOR_REMOTE_KVS) while the other requests
+       keep stepping, and no forward reads their blocks until the load is reported:
+       ``get_transfer_results`` reports each as finished once the daemon's reply for it has been
+       read, and a failed one also as failed (``failed_recving``): vLLM recomputes the request.
+       (The scheduler side may report a host-memory load first, once the daemon says every
+       rank's copy is in: ``ShimConfig.early_load_reports``.) A load not done within
+       ``load_timeout_s`` is aborted and still waits for the reply. A load expected to end within
+       a fifth of the step's time (``load_settle_fraction``, at most ``load_settle_max_s``) is
+       waited for at the step's end, so that its request runs in the next step rather than the
+       one after. Block-level load errors are never reported
        (vLLM 0.32 stops the engine on them for models with several KV-cache groups). Mamba
        layers get no per-layer hooks, so every group is moved in bulk by one Retrieve.
     3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
@@ -233,9 +237,12 @@ class WorkerSide:
 
     # ---- per step ------------------------------------------------------------------------------
     def bind(self, meta: HkvdConnectorMetadata) -> None:
+        """The step's metadata, before its forward and after vLLM zeroed its new blocks: submit its loads
+        now, so that the daemon copies while the forward runs (their requests are not in this step)."""
         self._meta = meta
         self._step_began = time.monotonic()
         self._finishing.update(meta.delayed_free)
+        self._start_loads(meta)
 
     def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
         self._pump()
@@ -273,9 +280,11 @@ class WorkerSide:
                     return
 
     def start_load_kv(self) -> None:
+        """Nothing left to do: ``bind`` submitted the step's loads, before the forward."""
+
+    def _start_loads(self, meta: HkvdConnectorMetadata) -> None:
         """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``)."""
-        meta = self._meta
-        if meta is None or not meta.loads:
+        if not meta.loads:
             return
         client = self._ensure()
         for job in meta.loads:

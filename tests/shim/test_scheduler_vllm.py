@@ -288,16 +288,16 @@ def test_failed_load_fails_the_request_and_recomputes_it(qwen_dir, daemon_factor
     sched.reset_prefix_cache()
     run.add("r3", prompt)
     side = run.worker._worker  # type: ignore[union-attr]
-    load = side.start_load_kv
+    load = side._start_loads
 
-    def daemon_dies_first() -> None:
+    def daemon_dies_first(meta: Any) -> None:
         d.proc.kill()  # kill -9 between the lookup's hit and the load
         d.proc.wait()
-        load()
+        load(meta)
 
-    side.start_load_kv = daemon_dies_first
+    side._start_loads = daemon_dies_first
     m = run.step()  # update_from_output raised here when the failure went out as block ids
-    side.start_load_kv = load
+    side._start_loads = load
     assert len(m.loads) == 1 and side.loads.stats["loads_failed"] == 1 and side.loads.stats["loads_ok"] == 0
     computed = 0
     while "r3" in sched.requests:
@@ -348,9 +348,12 @@ class HeldReplies:
         return dict(self._client.wait(req_ids, timeout_s))
 
 
-def _loaded_prefix_setup(qwen_dir: Any, daemon_factory: Any) -> tuple[Any, Runner, HeldReplies, list[int]]:
+def _loaded_prefix_setup(qwen_dir: Any, daemon_factory: Any, early_load_reports: bool = False
+                         ) -> tuple[Any, Runner, HeldReplies, list[int]]:
+    """r3's load is in flight for its worker, whose replies are held. Only the workers report loads
+    unless ``early_load_reports``."""
     d = daemon_factory(chunk_size=BLOCK)
-    vcfg, kvc, sched = _make(qwen_dir, d.socket)
+    vcfg, kvc, sched = _make(qwen_dir, d.socket, extra={"early_load_reports": early_load_reports})
     run = Runner(vcfg, kvc, sched)
     prompt = list(range(10, 80))  # 70 tokens: 4 chunks of 16 cached
     run.add("r1", prompt)
@@ -389,6 +392,33 @@ def test_a_loading_request_waits_while_the_others_step(qwen_dir, daemon_factory)
         assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
     assert side.loads.stats["loads_ok"] == 1
     run.run()
+
+
+def test_the_scheduler_reports_a_load_the_daemon_wrote_before_its_worker_reads_the_reply(
+        qwen_dir, daemon_factory) -> None:
+    # Under vLLM's async scheduling the worker's report reaches the scheduler a step late; a held
+    # reply plays that delay here. The scheduler side's lease watch does not wait for it.
+    sched, run, held, prompt = _loaded_prefix_setup(qwen_dir, daemon_factory, early_load_reports=True)
+    side = run.worker._worker  # type: ignore[union-attr]
+    scheduler_side = sched.connector._sched
+    deadline = time.monotonic() + 5.0
+    while not held.held and time.monotonic() < deadline:  # the daemon's copy is over, its reply held
+        side._pump(0.01)
+    assert held.held and side.loads.requests() == {"r3"}
+    if scheduler_side.stats["loads_reported_early"] == 0:  # the watch's Done came after that step's output
+        run.step()
+        assert run.last_so.num_scheduled_tokens == {"dec": 1}
+    assert scheduler_side.stats["loads_reported_early"] == 1
+    run.step()  # the worker has not read its reply, yet r3 runs
+    assert run.last_so.num_scheduled_tokens == {"dec": 1, "r3": len(prompt) - 64}
+    table = sched.kv_cache_manager.get_block_ids("r3")
+    for i in range(4):  # the bytes r1 computed, in r3's blocks
+        assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
+    held.hold = False
+    run.step()  # the worker's own report of r3 now comes, and is taken out: vLLM asserts it never sees it twice
+    assert side.loads.stats["loads_ok"] == 1 and not scheduler_side._reported_early
+    run.run()
+    assert not sched.has_unfinished_requests()
 
 
 def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(qwen_dir, daemon_factory) -> None:

@@ -1,6 +1,6 @@
 """The lease table on its own (daemon/leases.py): TTL expiry on an injected clock, uses counting,
-release by id and by owner, unknown and expired ids, random non-zero ids, and, through the index
-that owns it, entries held against eviction until their lease ends."""
+release by id and by owner, unknown and expired ids, random non-zero ids, watches on a lease's
+end, and, through the index that owns it, entries held against eviction until their lease ends."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 
 from hkvd.daemon.eviction import make_policy
 from hkvd.daemon.index import Index
-from hkvd.daemon.leases import Leases
+from hkvd.daemon.leases import ENDED_KEPT, Leases
 from hkvd.daemon.pool import HugePagePool
-from hkvd.transport.errors import LeaseExpired, PoolFull
+from hkvd.transport.errors import LeaseExpired, PermissionDenied, PoolFull
 
 
 class Clock:
@@ -116,6 +116,66 @@ def test_release_owner_ends_every_lease_of_a_connection(leases: Leases[str], tab
     assert leases.release_owner(7) == 3
     assert leases.release_owner(7) == 0
     assert list(table.held.values()) == [0, 1, 0] and other in leases
+
+
+def test_a_watch_hears_written_only_when_every_use_wrote(leases: Leases[str]) -> None:
+    heard: list[tuple[str, bool]] = []
+    ok = leases.take(["a"], owner=1, ttl_s=10, uses=2)
+    bad = leases.take(["b"], owner=1, ttl_s=10, uses=2)
+    leases.watch(ok, 1, lambda w: heard.append(("ok", w)))
+    leases.watch(bad, 1, lambda w: heard.append(("bad", w)))
+    leases.use(ok, written=True)
+    leases.use(bad, written=False)  # one rank's retrieve failed
+    assert heard == []  # each has a rank to go
+    leases.use(ok, written=True)
+    leases.use(bad, written=True)
+    assert heard == [("ok", True), ("bad", False)]
+
+
+def test_a_watch_hears_not_written_on_release_expiry_and_owner_loss(leases: Leases[str], clock: Clock) -> None:
+    heard: list[bool] = []
+    ids = [leases.take(["a"], owner=1, ttl_s=10) for _ in range(3)]
+    for lid in ids:
+        leases.watch(lid, 1, heard.append)
+    leases.release(ids[0])
+    clock.now += 11
+    assert leases.expire() == 2
+    assert heard == [False, False, False]
+    lid = leases.take(["a"], owner=2, ttl_s=10)
+    leases.watch(lid, 2, heard.append)
+    leases.release_owner(2)
+    assert heard == [False] * 4
+
+
+def test_a_watch_after_the_lease_ended_written_hears_it_once(leases: Leases[str]) -> None:
+    heard: list[bool] = []
+    lid = leases.take(["a"], owner=1, ttl_s=10)
+    leases.use(lid, written=True)  # the retrieve ended before the watch came
+    with pytest.raises(LeaseExpired):
+        leases.watch(lid, 2, heard.append)  # another connection learns nothing of it
+    leases.watch(lid, 1, heard.append)
+    assert heard == [True]
+    with pytest.raises(LeaseExpired, match="ended without every retrieve written"):
+        leases.watch(lid, 1, heard.append)  # told once
+    failed = leases.take(["a"], owner=1, ttl_s=10)
+    leases.use(failed, written=False)
+    with pytest.raises(LeaseExpired):
+        leases.watch(failed, 1, heard.append)
+    assert heard == [True]
+
+
+def test_only_the_owner_may_watch_and_ended_leases_are_kept_bounded(leases: Leases[str]) -> None:
+    lid = leases.take(["a"], owner=1, ttl_s=10)
+    with pytest.raises(PermissionDenied, match="another connection"):
+        leases.watch(lid, 2, lambda w: None)
+    first = [leases.take(["a"], owner=1, ttl_s=10) for _ in range(ENDED_KEPT + 1)]
+    for x in first:
+        leases.use(x, written=True)
+    with pytest.raises(LeaseExpired):  # the oldest was forgotten
+        leases.watch(first[0], 1, lambda w: None)
+    heard: list[bool] = []
+    leases.watch(first[-1], 1, heard.append)
+    assert heard == [True]
 
 
 def test_unknown_ids_are_refused(leases: Leases[str]) -> None:

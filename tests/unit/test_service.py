@@ -119,6 +119,33 @@ async def test_store_lookup_retrieve_round_trip(h: Harness) -> None:
         assert bytes(h.engine.block(0, d)) == bytes(h.engine.block(0, s))
 
 
+async def test_a_lease_watch_hears_every_retrieve_written_or_the_lease_end(h: Harness) -> None:
+    assert (await h.register()).lease_watch
+    await h.call(kv.Store(2, _full(range(3), 1)))
+    reply = await h.call(kv.Lookup(3, KEYS, True))
+    assert isinstance(reply, kv.LookupReply)
+    assert h.service.handle(h.conn, kv.WatchLease(5, reply.lease_id)) is None
+    before = len(h.sent)
+    job = h.service.handle(h.conn, kv.Retrieve(4, reply.lease_id, _full(range(3), 11)))
+    assert job is not None and len(h.sent) == before  # nothing is answered before the copy is over
+    await job
+    # The retrieve's own reply first, then the watch's: every byte is in the engine's blocks.
+    assert [(type(m).__name__, m.req_id) for m in h.sent[before:]] == [("Done", 4), ("Done", 5)]
+    again = await h.call(kv.Lookup(6, KEYS, True))
+    assert isinstance(again, kv.LookupReply)
+    other = Conn(conn_id=2, pid=os.getpid(), uid=os.getuid(), send=h.sent.append,
+                 process=ClientProcess.open(os.getpid()))
+    other.engine = h.conn.engine
+    with pytest.raises(KVError) as e:
+        h.service.handle(other, kv.WatchLease(7, again.lease_id))
+    assert e.value.code is ErrorCode.PERMISSION
+    h.service.handle(h.conn, kv.WatchLease(8, again.lease_id))
+    before = len(h.sent)
+    assert await h.call(kv.Release(again.lease_id)) == kv.Error(8, int(ErrorCode.LEASE_EXPIRED), (
+        f"lease {again.lease_id} ended before every rank's retrieve wrote its blocks"))
+    assert len(h.sent) == before + 1
+
+
 async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness) -> None:
     await h.register(mamba=True)
     await h.call(kv.Store(2, _full(range(2), 1)))

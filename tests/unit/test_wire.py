@@ -28,7 +28,7 @@ SAMPLES = [
     control.StatusReply(4, {"x": [1]}), control.Ping(5), control.Pong(5),
     kv.Lookup(1, [KEY], True), kv.LookupReply(1, 3, 4, 30.0), kv.Store(2, [[0, 0, KEY, [1, 2]]]),
     kv.Retrieve(3, 9, [[1, 0, KEY, [5]]]), kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
-    kv.Error(2, 20, "m"), kv.Release(9), kv.Uncacheable("unknown_extra_key_x"),
+    kv.Error(2, 20, "m"), kv.Release(9), kv.WatchLease(4, 9), kv.Uncacheable("unknown_extra_key_x"),
     events.StepEvent(1, 0, 5, [[1, 3, KEY, [7]]], [2, 3]),
     events.KVEventsPoll(6, 17), events.KVEvents(6, 19, 1, [b"\x92\xcb" + bytes(8) + b"\x90"]),
     peer.PeerHello(1, "node", b"n" * 32), peer.PeerChallenge(1, "node", b"s" * 32, b"p" * 32),

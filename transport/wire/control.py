@@ -226,6 +226,8 @@ class RegisterAck(Message):
     fingerprint: bytes
     chunk_size: int
     kv_events: int = KV_EVENTS_UNSUPPORTED  # KV_EVENTS_*: whether to send notes, and poll
+    # Whether it answers WatchLease (an older daemon sends nothing: False, and a client sends none).
+    lease_watch: bool = False
 
 
 @dataclass(frozen=True, slots=True)

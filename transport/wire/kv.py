@@ -177,6 +177,22 @@ class Release(Message):
     lease_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class WatchLease(Message):
+    """Answered ``Done(req_id)`` once every rank's Retrieve under ``lease_id`` has written all its bytes into the
+    engine's blocks, ``Error(req_id)`` once the lease ends otherwise (a failed or refused retrieve, a release,
+    its time to live). Only the connection that took the lease may watch it. A retrieve whose copy the engine's
+    stream must still wait for (GPU KV caches: its Done carries an event) never counts as written."""
+
+    TYPE = MsgType.WATCH_LEASE
+    req_id: int
+    lease_id: int
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        check_u64(self.lease_id, "lease_id")
+
+
 UNCACHEABLE_REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 MAX_REASON = 64
 

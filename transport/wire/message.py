@@ -53,6 +53,7 @@ class MsgType(enum.IntEnum):
     ERROR = 27
     RELEASE = 28
     UNCACHEABLE = 29
+    WATCH_LEASE = 30
     # events
     STEP_EVENT = 40
     KV_EVENTS_POLL = 41
