@@ -312,7 +312,9 @@ def summary(result: dict[str, Any]) -> list[str]:
                 lines.append(f"{r['run']}: {c['hkvd_loads']:.0f} loads, {each_ms:.1f} ms each on average; "
                              f"{c['hkvd_lookups_deferred']:.0f} lookups deferred a step; "
                              f"{c['hkvd_load_settles_won']:.0f} loads reported a step earlier by waiting "
-                             f"{c['hkvd_load_settle_seconds'] * 1e3:.0f} ms in all")
+                             f"{c['hkvd_load_settle_seconds'] * 1e3:.0f} ms in all; "
+                             f"{c.get('hkvd_loads_reported_early', 0):.0f} reported by the scheduler before "
+                             "any worker")
     return lines
 
 

@@ -268,6 +268,7 @@ METRICS = {  # vLLM counter -> our name
     "vllm:hkvd_lookups_deferred_total": "hkvd_lookups_deferred",
     "vllm:hkvd_load_settles_won_total": "hkvd_load_settles_won",
     "vllm:hkvd_load_settle_seconds_total": "hkvd_load_settle_seconds",
+    "vllm:hkvd_loads_reported_early_total": "hkvd_loads_reported_early",
     "vllm:hkvd_load_seconds_total": "hkvd_load_seconds",
     "vllm:hkvd_loads_total": "hkvd_loads",
 }

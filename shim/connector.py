@@ -200,12 +200,12 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- vLLM's metrics (hkvd.shim.connector_stats) ---------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The worker's loads and stores, or the scheduler side's deferred lookups, since the previous
-        call; None when nothing moved."""
+        """The worker's loads and stores, or the scheduler side's deferred lookups and early load reports,
+        since the previous call; None when nothing moved."""
         if self._worker is not None:
             return self._stats.take(self._worker.transfer_totals())
         if self._sched is not None:
-            return self._stats.take({"lookups_deferred": self._sched.stats["lookups_deferred"]})
+            return self._stats.take({k: self._sched.stats[k] for k in ("lookups_deferred", "loads_reported_early")})
         return None
 
     @classmethod

@@ -30,7 +30,8 @@ Fields (``FIELDS``)
     request was passed over in a step because its lookup's reply had not come within
     ``lookup_wait_s``; ``load_settles_won``: loads reported in the step that started them, or a
     later one, thanks to the end-of-step wait (``load_settle_fraction``), which took
-    ``load_settle_seconds`` in all.
+    ``load_settle_seconds`` in all; ``loads_reported_early`` (scheduler side): loads it reported
+    once the daemon said every rank's copy was in, before any worker did (``early_load_reports``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes",
-          "lookups_deferred", "load_settles_won", "load_settle_seconds")
+          "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early")
 
 
 @dataclass
@@ -74,7 +75,8 @@ class HkvdConnectorStats(KVConnectorStats):
                 "avg_load_ms": round(d.get("load_seconds", 0) / ok * 1e3, 3) if ok else 0.0,
                 "stored_MiB": round(d.get("stored_bytes", 0) / 2**20, 3),
                 "lookups_deferred": int(d.get("lookups_deferred", 0)),
-                "load_settles_won": int(d.get("load_settles_won", 0))}
+                "load_settles_won": int(d.get("load_settles_won", 0)),
+                "loads_reported_early": int(d.get("loads_reported_early", 0))}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -100,6 +102,8 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
                         "within lookup_wait_s",
     "load_settles_won": "Loads reported a step earlier thanks to the end-of-step wait (load_settle_fraction)",
     "load_settle_seconds": "Seconds the worker waited at steps' ends for loads about to end",
+    "loads_reported_early": "Loads the scheduler reported once hkvd said every rank's copy was in, before any "
+                            "worker read its reply (early_load_reports)",
 }
 
 

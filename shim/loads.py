@@ -2,8 +2,8 @@
 """Worker side: loads into requests' blocks, ended by the daemon's replies, never waited for.
 
 Role
-    ``WorkerSide.bind`` (before the step's forward) hands each load of the step to ``Loads.start``:
-    one Retrieve is submitted and the hook returns. The request waits in vLLM's WAITING_FOR_REMOTE_KVS (the
+    ``WorkerSide.start_load_kv`` hands each load of the step to ``Loads.start``: one Retrieve is
+    submitted and the hook returns. The request waits in vLLM's WAITING_FOR_REMOTE_KVS (the
     scheduler side reports every hit as asynchronous) while every other request keeps stepping.
     The daemon's reply, read by whichever hook polls the client next, ends the load; the worker
     hands the ids collected here to vLLM in ``get_transfer_results`` (finished receiving, and a

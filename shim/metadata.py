@@ -24,7 +24,7 @@ def item_blocks(items: list[Item]) -> set[int]:
 
 @dataclass(slots=True)
 class LoadJob:
-    """A load, submitted when the worker binds the step's metadata; its request waits (WAITING_FOR_REMOTE_KVS)."""
+    """A load, done in this step's ``start_load_kv`` while its request waits (WAITING_FOR_REMOTE_KVS)."""
 
     req_id: str
     lease_id: int

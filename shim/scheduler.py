@@ -19,8 +19,8 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       whole chunks (chunk_size is a multiple of vLLM's block size N, so block-aligned) and
       never reach the last prompt token (vLLM must compute at least one token). Loads are
       reported as asynchronous (``True``): the request waits in WAITING_FOR_REMOTE_KVS while
-      the daemon loads its blocks and the other requests keep stepping (the worker only
-      submits, before the forward), and the worker reports it finished (or failed) in
+      the daemon loads its blocks and the other requests keep stepping (the worker's
+      ``start_load_kv`` only submits), and the worker reports it finished (or failed) in
       ``get_transfer_results`` of a later step, once the daemon has replied. With
       ``early_load_reports`` this side watches the load's lease and reports a host-memory load
       itself once the daemon says every rank's retrieve wrote its blocks, a step sooner under

@@ -9,11 +9,10 @@ Role
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
        then aborted and treated as failed).
-    2. ``bind`` (vLLM's ``bind_connector_metadata``, before the forward and after vLLM zeroed
-       the step's new blocks): submit every load of the step and return (``hkvd.shim.loads``),
-       so the daemon copies while the forward runs. The scheduler reports loads as
-       asynchronous, so their requests wait (WAITING_FOR_REMOTE_KVS) while the other requests
-       keep stepping, and no forward reads their blocks until the load is reported:
+    2. ``start_load_kv`` (after the forward): submit every load of the step and return
+       (``hkvd.shim.loads``). The scheduler reports loads as asynchronous, so their requests
+       wait (WAITING_FOR_REMOTE_KVS) while the other requests keep stepping, and no forward
+       reads their blocks until the load is reported:
        ``get_transfer_results`` reports each as finished once the daemon's reply for it has been
        read, and a failed one also as failed (``failed_recving``): vLLM recomputes the request.
        (The scheduler side may report a host-memory load first, once the daemon says every
@@ -237,12 +236,9 @@ class WorkerSide:
 
     # ---- per step ------------------------------------------------------------------------------
     def bind(self, meta: HkvdConnectorMetadata) -> None:
-        """The step's metadata, before its forward and after vLLM zeroed its new blocks: submit its loads
-        now, so that the daemon copies while the forward runs (their requests are not in this step)."""
         self._meta = meta
         self._step_began = time.monotonic()
         self._finishing.update(meta.delayed_free)
-        self._start_loads(meta)
 
     def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
         self._pump()
@@ -280,11 +276,12 @@ class WorkerSide:
                     return
 
     def start_load_kv(self) -> None:
-        """Nothing left to do: ``bind`` submitted the step's loads, before the forward."""
+        """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``).
 
-    def _start_loads(self, meta: HkvdConnectorMetadata) -> None:
-        """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``)."""
-        if not meta.loads:
+        vLLM calls this after the forward for asynchronous loads. On CPU engines the forward's
+        threads hold every core, so a copy submitted before it would wait for its end anyway."""
+        meta = self._meta
+        if meta is None or not meta.loads:
             return
         client = self._ensure()
         for job in meta.loads:

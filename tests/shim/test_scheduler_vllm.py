@@ -288,16 +288,16 @@ def test_failed_load_fails_the_request_and_recomputes_it(qwen_dir, daemon_factor
     sched.reset_prefix_cache()
     run.add("r3", prompt)
     side = run.worker._worker  # type: ignore[union-attr]
-    load = side._start_loads
+    load = side.start_load_kv
 
-    def daemon_dies_first(meta: Any) -> None:
+    def daemon_dies_first() -> None:
         d.proc.kill()  # kill -9 between the lookup's hit and the load
         d.proc.wait()
-        load(meta)
+        load()
 
-    side._start_loads = daemon_dies_first
+    side.start_load_kv = daemon_dies_first
     m = run.step()  # update_from_output raised here when the failure went out as block ids
-    side._start_loads = load
+    side.start_load_kv = load
     assert len(m.loads) == 1 and side.loads.stats["loads_failed"] == 1 and side.loads.stats["loads_ok"] == 0
     computed = 0
     while "r3" in sched.requests:

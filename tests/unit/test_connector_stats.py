@@ -66,7 +66,7 @@ def test_workers_and_intervals_sum_and_reduce_to_the_log_line() -> None:
     total = a.aggregate(b)
     assert total is a and total.reduce() == {"loads_ok": 4, "loads_failed": 1, "loaded_MiB": 4.0,
                                              "avg_load_ms": 2.0, "stored_MiB": 1.0, "lookups_deferred": 0,
-                                             "load_settles_won": 0}
+                                             "load_settles_won": 0, "loads_reported_early": 0}
     total.reset()
     assert total.is_empty() and set(total.data) == set(FIELDS)
     empty = HkvdConnector.build_kv_connector_stats()
@@ -88,7 +88,8 @@ def test_prometheus_counters_add_each_interval() -> None:
     assert registry.get_sample_value("vllm:hkvd_loaded_bytes_total", labels) == 0  # there before the first load
     prom.observe({"loads_ok": 2, "loads_failed": 1, "loaded_bytes": 100, "load_seconds": 0.5, "stored_bytes": 7})
     prom.observe({"loads_ok": 1, "loads_failed": 0, "loaded_bytes": 50, "load_seconds": 0.25, "stored_bytes": 0,
-                  "lookups_deferred": 3, "load_settles_won": 2, "load_settle_seconds": 0.01})
+                  "lookups_deferred": 3, "load_settles_won": 2, "load_settle_seconds": 0.01,
+                  "loads_reported_early": 4})
     assert registry.get_sample_value("vllm:hkvd_loads_total", {**labels, "outcome": "ok"}) == 3
     assert registry.get_sample_value("vllm:hkvd_loads_total", {**labels, "outcome": "failed"}) == 1
     assert registry.get_sample_value("vllm:hkvd_loaded_bytes_total", labels) == 150
@@ -97,3 +98,4 @@ def test_prometheus_counters_add_each_interval() -> None:
     assert registry.get_sample_value("vllm:hkvd_lookups_deferred_total", labels) == 3
     assert registry.get_sample_value("vllm:hkvd_load_settles_won_total", labels) == 2
     assert registry.get_sample_value("vllm:hkvd_load_settle_seconds_total", labels) == pytest.approx(0.01)
+    assert registry.get_sample_value("vllm:hkvd_loads_reported_early_total", labels) == 4
