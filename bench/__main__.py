@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{LMCACHE_VENV} when it exists and --quick is not given")
     ap.add_argument("--serving-model", choices=["qwen3_next", "qwen3_next_8l"], default=None,
                     help="serving's model (default qwen3_next_8l, the tiny qwen3_next with --quick)")
+    ap.add_argument("--serving-rounds", type=int, default=None,
+                    help="serving: rounds of runs, each run's figures pooled over them (default 3, 1 with --quick)")
     a = ap.parse_args(argv)
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["lmcache_venv"] = a.lmcache_venv or auto
         if name == "serving":
             kwargs["model"] = a.serving_model
+            kwargs["rounds"] = a.serving_rounds
         result = mod.run(**kwargs)
         payload = {"name": name, "quick": a.quick, "date": datetime.now(UTC).isoformat(timespec="seconds"),
                    "commit": git_commit(), "machine": machine(), "wall_s": time.perf_counter() - t0, **result}

@@ -9,7 +9,10 @@ between two of its turns the other conversations run theirs (all but the ones in
 
 Runs, one after another in one invocation, each a fresh server (and daemon) with the same
 flags (``--enable-prefix-caching --mamba-cache-mode align --prefix-cache-retention-interval N``,
-the same OpenMP binding, ``--num-gpu-blocks-override``):
+the same OpenMP binding, ``--num-gpu-blocks-override``), in rounds (``rounds``: 3 by default, 1
+in quick mode; a run that fails is not tried again). Each run's figures pool the replies of all
+its rounds, and the summary gives the ratio to the limit round by round as well, which shows how
+much one round's figure can drift on a shared machine:
 
 1. ``limit``: vLLM alone with ample KV memory (every conversation twice over): its own prefix
    cache keeps every conversation, the best a cache can do;
@@ -30,10 +33,11 @@ compared across runs: batches follow arrival times, and a random-weight model's 
 greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
 checks hkvd's outputs token for token.
 
-``HKVD_BENCH_VLLM_ARGS`` adds ``vllm serve`` arguments to every run (recorded in the config), e.g.
-``--no-async-scheduling``: vLLM's default asynchronous scheduling plans each step before the
-previous step's output is read, so a load reported at the end of step k lets its request run in
-step k + 2, not k + 1.
+``HKVD_BENCH_VLLM_ARGS`` adds ``vllm serve`` arguments to every run (recorded in the config). vLLM
+turns its asynchronous scheduling off on CPU (``vllm/platforms/cpu.py``), so here a step's output
+is read before the next step is planned, and a load reported at the end of step k lets its
+request run in step k + 1 (on GPUs, asynchronous scheduling is vLLM's default: k + 2, unless the
+scheduler side reported the load first: ``early_load_reports``).
 
 Models: ``qwen3_next_8l`` (8 layers, hidden 512: prefill is real compute on 2 cores), the tiny
 4-layer ``qwen3_next`` of tests/shim in quick mode; both Qwen3-Next-shaped (3 Gated-DeltaNet
@@ -59,6 +63,7 @@ from bench.serving_client import (
     http_get,
     kv_blocks,
     parse_metrics,
+    reply_from_json,
     stream_completion,
 )
 from bench.serving_server import (
@@ -226,8 +231,31 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
     return {**base, **res, "turns": turn_stats(replies, workload.turns), "replies": [r.as_json() for r in replies]}
 
 
+def merge_rounds(played: Sequence[Sequence[dict[str, Any]]], turns: int) -> list[dict[str, Any]]:
+    """One run per name from its rounds: replies pooled (the per-turn figures recomputed over them),
+    counters and wall time summed, output tokens/s over the summed wall time; ``rounds`` keeps each
+    round's own figures. A name whose every round failed keeps its first error."""
+    out: list[dict[str, Any]] = []
+    for name in RUNS:
+        tries = [r for rnd in played for r in rnd if r["run"] == name]
+        ok = [r for r in tries if "error" not in r]
+        if not ok:
+            out.extend(tries[:1])
+            continue
+        replies = [reply_from_json(j) for r in ok for j in r["replies"]]
+        wall = sum(r["wall_s"] for r in ok)
+        counters = {k: sum(r["counters"].get(k, 0.0) for r in ok) for k in ok[0]["counters"]}
+        merged = {**ok[-1], "wall_s": wall, "counters": counters,
+                  "output_tok_s": sum(r.completion_tokens for r in replies) / wall,
+                  "errors_logged": [e for r in ok for e in r.get("errors_logged") or ()],
+                  "turns": turn_stats(replies, turns), "replies": [r.as_json() for r in replies]}
+        merged["rounds"] = [{k: v for k, v in r.items() if k != "replies"} for r in ok]
+        out.append(merged)
+    return out
+
+
 def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: str | None = None,
-        model: str | None = None) -> dict[str, Any]:
+        model: str | None = None, rounds: int | None = None) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         log("  vLLM not installed: make vllm")
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
@@ -247,17 +275,30 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
         f"{blocks['per_conversation']}, all {blocks['all_conversations']}; small {blocks['small']}, "
         f"ample {blocks['ample']}; max model len {max_len}")
     venv = Path(lmcache_venv) if lmcache_venv else None
-    runs: list[dict[str, Any]] = []
-    for i, name in enumerate(RUNS, 1):
-        size = blocks["ample"] if name == "limit" else blocks["small"]
-        log(f"  run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
-        runs.append(_one_run(name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log))
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"serving rounds: at least 1, got {rounds}")
+    rounds = rounds or (1 if quick else 3)
+    played: list[list[dict[str, Any]]] = []
+    failed: set[str] = set()
+    for rnd in range(1, rounds + 1):
+        played.append([])
+        for i, name in enumerate(RUNS, 1):
+            if name in failed:
+                continue
+            size = blocks["ample"] if name == "limit" else blocks["small"]
+            log(f"  round {rnd}/{rounds}, run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
+            res = _one_run(name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log)
+            played[-1].append(res)
+            if "error" in res:
+                failed.add(name)
+    runs = merge_rounds(played, workload.turns)
     result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-                         "kv_blocks": blocks, "max_model_len": max_len,
+                         "kv_blocks": blocks, "max_model_len": max_len, "rounds": rounds,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
                          "extra_vllm_args": extra_vllm_args()},
-              "runs": runs, "ratios": ratios(runs)}
+              "runs": runs, "ratios": ratios(runs),
+              "round_ratios": [ratios(merge_rounds([rnd], workload.turns))["ttft_p50_vs_limit"] for rnd in played]}
     for line in summary(result):
         log(f"  {line}")
     return result
@@ -287,12 +328,16 @@ def summary(result: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"target {key}: {t['value']:.1%} (at least the limit's {t['at_least']:.1%}): "
                          f"{'met' if t['met'] else 'MISSED'}")
+    per_round = [r.get("hkvd") for r in result.get("round_ratios") or ()]
+    if len(per_round) > 1 and all(v is not None for v in per_round):
+        lines.append("hkvd's later-turn TTFT p50 against the limit's, round by round: "
+                     + ", ".join(f"{v:.2f}x" for v in per_round))
     if rt.get("hkvd_over_limit"):
         x = rt["hkvd_over_limit"]
         lines.append(f"hkvd's later-turn TTFT p50 is {x['ttft_p50_ms']:.0f} ms over the limit's; one decode step of "
                      f"the running batch takes {x['decode_step_ms_p50']:.0f} ms (p50); vLLM runs a request whose "
-                     "load it awaits in the step after the one that reports the load, two after it with its "
-                     "default asynchronous scheduling")
+                     "load it awaits in the step after the one whose output reports the load, so a hit from hkvd "
+                     "costs its request at least one step that a hit in vLLM's own cache does not")
     by = {r["run"]: r for r in result.get("runs", [])}
     later = {name: lt for name, r in by.items() if (lt := _later(r)) is not None}
     kept = later["recompute"]["hit_share"] if "recompute" in later else 0.0

@@ -127,6 +127,11 @@ class Reply:
         return d
 
 
+def reply_from_json(d: dict[str, Any]) -> Reply:
+    """``Reply.as_json``'s inverse."""
+    return Reply(**{**d, "token_ids": tuple(d["token_ids"])})
+
+
 Send = Callable[[int, int, list[int]], Reply]
 
 

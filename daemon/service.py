@@ -431,6 +431,7 @@ class KVService:
 
     # ---- retrieve ------------------------------------------------------------------------------
     async def _retrieve(self, conn: Conn, msg: kv.Retrieve) -> None:
+        t0 = time.perf_counter()
         engine = self._engine(conn, copy=True)
         items = msg.parsed()
         groups = [engine.check_item(it) for it in items]
@@ -461,7 +462,8 @@ class KVService:
         finally:
             self.index.unpin_many(entries)
         self.traffic.retrieved(engine.spec.model, engine.spec.rank, self._count_bytes("retrieved_bytes", entries))
-        conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event).to_done(msg.req_id))
+        conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event,
+                                 time.perf_counter() - t0).to_done(msg.req_id))
         if msg.lease_id:
             # Every byte is in the engine's blocks, unless the engine's stream must still wait for
             # the copy (a GPU done event): only the worker can report that load.

@@ -62,8 +62,11 @@ class Loads:
         self._flying: dict[int, _Load] = {}
         self._done: set[str] = set()
         self._failed: set[str] = set()
-        # Seconds per block of a load, submit to reply read (an upper bound: a reply is read at the
-        # next poll), smoothed over the engine's loads; None before the first.
+        # Seconds per block of a load, smoothed over the engine's loads; None before the first. From
+        # the daemon's own time for each (RetrieveResult.seconds); from submission to the reply being
+        # read where an older daemon sends none. The latter is only an upper bound (a reply is read at
+        # the next poll, a step later for a load not waited for), and one high figure would keep the
+        # worker from ever waiting for a short load again.
         self._s_per_block: float | None = None
         # load_seconds: submission to the daemon's Done being read, summed over the loads that succeeded.
         self.stats = {"loads_started": 0, "loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0,
@@ -103,7 +106,7 @@ class Loads:
         took = time.monotonic() - p.started
         self.stats["load_seconds"] += took
         if p.job.block_ids:
-            per_block = took / len(p.job.block_ids)
+            per_block = (loaded.seconds or took) / len(p.job.block_ids)
             self._s_per_block = per_block if self._s_per_block is None else 0.7 * self._s_per_block + 0.3 * per_block
         self._done.add(p.job.req_id)
         return True

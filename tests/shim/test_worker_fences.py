@@ -29,6 +29,7 @@ class ScriptedClient:
         self.aborted: list[int] = []
         self.connected = True
         self.event = b""  # the done event a retrieve's Done carries (GPU KV caches)
+        self.retrieve_s = 0.0  # the daemon's own time a retrieve's Done reports (0: an older daemon)
 
     def _id(self, what: tuple) -> int:
         self.next_id += 1
@@ -53,7 +54,7 @@ class ScriptedClient:
         from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult
 
         kind = next(s[1] for s in self.sent if s[0] == rid)
-        result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1, self.event),
+        result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1, self.event, self.retrieve_s),
                   "step": StepResult(1, "in_order")}[kind]
         self.done[rid] = Completion(rid, ok, result if ok else None, None if ok else NotFound("gone"))
 
@@ -332,3 +333,29 @@ def test_a_load_not_due_within_the_budget_is_not_waited_for() -> None:
     t = time.monotonic()
     side.get_transfer_results(set())
     assert time.monotonic() - t < 0.005 and side.stats["load_settles"] == settles
+
+
+def test_a_load_read_a_step_late_does_not_stop_the_wait_for_the_next_short_one() -> None:
+    """The pace comes from the daemon's own time for a load, not from when the worker read its reply."""
+    import time
+
+    from hkvd.shim.metadata import LoadJob
+
+    side, _ = _settling_side(0.5, 0.05)
+    client = ReplyAfter(1, 0.0)
+    client.retrieve_s = 0.001  # the daemon copied it in 1 ms
+    side.link.client = client
+    first = LoadJob("a", 7, [Item(0, 0, b"k" * 16, [3])], [3])
+    side.bind(_meta(1, loads=[first]))
+    side.start_load_kv()
+    time.sleep(0.06)  # its reply waits, unread, for a whole step
+    side.bind(_meta(2))
+    side.get_transfer_results(set())
+    assert side.loads.stats["loads_ok"] == 1 and side.loads.stats["load_seconds"] >= 0.06
+    client.rid, client.left = 2, 0.004
+    second = LoadJob("b", 8, [Item(0, 0, b"j" * 16, [4])], [4])
+    side.bind(_meta(3, loads=[second]))
+    side.start_load_kv()
+    time.sleep(0.02)  # the forward: a budget of 10 ms, and the copy needs 4
+    _, recving, _ = side.get_transfer_results(set())
+    assert recving == {"b"} and side.stats["load_settles_won"] == 1

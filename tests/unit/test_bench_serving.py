@@ -184,6 +184,28 @@ def test_ratios_and_targets() -> None:
     assert alone["hkvd_vs_limit_ttft"] is None and "hkvd_hit_share" not in alone
 
 
+def test_rounds_pool_replies_and_sum_counters() -> None:
+    def played(name: str, ttft: float, loads: float) -> dict:
+        return {**_run(name, ttft, 1024), "wall_s": 10.0, "counters": {"hkvd_loads": loads}, "errors_logged": []}
+
+    failed = {"run": "lmcache", "label": serving.RUNS["lmcache"], "error": "ValueError: no multiple groups"}
+    rounds = [[played("limit", 0.10, 0), played("hkvd", 0.11, 4), failed],
+              [played("limit", 0.20, 0), played("hkvd", 0.21, 5)]]
+    limit, hkvd, lm = serving.merge_rounds(rounds, 2)
+    assert hkvd["counters"] == {"hkvd_loads": 9} and hkvd["wall_s"] == 20.0 and len(hkvd["rounds"]) == 2
+    assert len(hkvd["replies"]) == 16 and "replies" not in hkvd["rounds"][0]
+    later = next(t for t in hkvd["turns"] if t["turn"] == "later")
+    # The 8 later turns of both rounds: 110, 120, 130, 140 and 210 ... 240 ms; their median.
+    assert later["requests"] == 8 and later["ttft_ms_p50"] == pytest.approx((140 + 210) / 2)
+    assert hkvd["output_tok_s"] == pytest.approx(16 * 2 / 20.0) and lm == failed
+    per_round = [serving.ratios(serving.merge_rounds([r], 2))["ttft_p50_vs_limit"]["hkvd"] for r in rounds]
+    bare = [{k: v for k, v in r.items() if k != "counters"} for r in (limit, hkvd, lm)]
+    result = {"runs": bare, "ratios": serving.ratios(bare),
+              "round_ratios": [{"hkvd": v} for v in per_round]}
+    assert per_round == pytest.approx([0.125 / 0.115, 0.225 / 0.215])
+    assert "hkvd's later-turn TTFT p50 against the limit's, round by round: 1.09x, 1.05x" in serving.summary(result)
+
+
 def _result() -> dict:
     runs = [_run("limit", 0.10, 1024), _run("recompute", 1.00, 0), _run("hkvd", 0.105, 1024),
             {"run": "lmcache", "label": serving.RUNS["lmcache"], "kv_blocks": 440,

@@ -60,6 +60,7 @@ CASES: list[tuple[Reply, tuple[int, dict[str, Any]]]] = [
     (StoreResult(0, 0, 0, 5, 0), (0, _old_store(0, 0, 5, 0))),
     (RetrieveResult(8192, 2), (8192, _old_retrieve(2, b""))),
     (RetrieveResult(8192, 2, EVENT), (8192, _old_retrieve(2, EVENT))),
+    (RetrieveResult(8192, 2, b"", 0.0015), (8192, {**_old_retrieve(2, b""), "seconds": 0.0015})),
     (StepResult(0, "gap"), (0, _old_step("gap", None))),
     (StepResult(512, "accept", 1, 0, 0, 0), (512, _old_step("accept", (1, 0, 0, 0)))),
     (StepResult.after_copy("late", StoreResult(0, 0, 2, 0, 1)), (0, _old_step("late", (0, 2, 0, 1)))),

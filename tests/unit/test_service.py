@@ -114,7 +114,9 @@ async def test_store_lookup_retrieve_round_trip(h: Harness) -> None:
     assert isinstance(reply, kv.LookupReply) and reply.hit_chunks == 3 and reply.lease_id
     dst = _full(range(3), 11)
     done = await h.call(kv.Retrieve(4, reply.lease_id, dst))
-    assert isinstance(done, kv.Done) and done.info == {"entries": 3}  # no CUDA event from a host engine
+    # No CUDA event from a host engine; the daemon's own time for the retrieve paces the worker's waits.
+    assert isinstance(done, kv.Done) and set(done.info) == {"entries", "seconds"} and done.info["entries"] == 3
+    assert 0 < done.info["seconds"] < 60
     for s, d in zip(src, [b for it in dst for b in it[3]], strict=True):
         assert bytes(h.engine.block(0, d)) == bytes(h.engine.block(0, s))
 

@@ -119,16 +119,20 @@ class RetrieveResult(Reply):
     nbytes: int
     entries: int
     event: bytes = b""  # GPU engines: IPC handle of the event recorded after the copy
+    seconds: float = 0.0  # the daemon's time from taking the Retrieve to its reply (0: not measured)
 
     def to_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"entries": self.entries}
         if self.event:  # the engine's stream waits on it before a forward reads the blocks
             info["event"] = self.event
+        if self.seconds:
+            info["seconds"] = self.seconds
         return info
 
     @classmethod
     def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
-        return cls(nbytes, _field(info, "entries", int, cls.what), _field(info, "event", bytes, cls.what, b""))
+        return cls(nbytes, _field(info, "entries", int, cls.what), _field(info, "event", bytes, cls.what, b""),
+                   _field(info, "seconds", float, cls.what, 0.0))
 
 
 @dataclass(frozen=True, slots=True)
