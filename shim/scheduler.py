@@ -268,7 +268,7 @@ class SchedulerSide:
             self.link.lost(e)
 
     def _pump(self, timeout_s: float = 0.0) -> None:
-        """Read completions; lookups are the only requests this connection makes."""
+        """Read completions: lookups, lease watches (``_report_early``) and KV event polls."""
         client = self.link.client
         if client is None:
             return
@@ -368,8 +368,13 @@ class SchedulerSide:
         if st.hit_chunks is None:
             if st.lookup_id is None or st.lookup_gen != self.link.generation:
                 self._submit_lookup(request.request_id, st)
-            if st.hit_chunks is None:
-                self._pump(self.cfg.lookup_wait_s)
+            deadline = time.monotonic() + self.cfg.lookup_wait_s
+            while st.hit_chunks is None and self.link.client is not None:
+                # Other replies (other requests' lookups, lease watches) may come first: wait on for this one.
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._pump(left)
             if st.hit_chunks is None:
                 if time.monotonic() - st.lookup_sent_at < self.cfg.lookup_timeout_s:
                     self.stats["lookups_deferred"] += 1

@@ -443,3 +443,37 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(qw
                {x for ids in sched.kv_cache_manager.get_block_ids("dec") for x in ids})
     run.run()
     assert not sched.has_unfinished_requests()
+
+
+def test_a_lookup_waits_on_past_other_replies_that_come_first(qwen_dir, daemon_factory) -> None:
+    # The scheduler's connection also carries lease watches: a watch's reply read first must not make
+    # the scheduler pass the request over for a step (lookups_deferred) while its lookup's reply is due.
+    from hkvd.shim.results import Completion
+    from hkvd.transport.wire.replies import Acknowledged
+
+    d = daemon_factory(chunk_size=BLOCK)
+    vcfg, kvc, sched = _make(qwen_dir, d.socket)
+    run = Runner(vcfg, kvc, sched)
+    side = sched.connector._sched
+    real = side.link.client
+
+    class WatchReplyFirst:
+        def __init__(self) -> None:
+            self.first = True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def poll(self, timeout_s: float = 0.0) -> list[Any]:
+            if self.first and side._by_lookup:
+                self.first = False
+                side._watches[999_999] = ("gone", 1)  # a watch whose request finished meanwhile
+                return [Completion(999_999, True, Acknowledged(), None)]
+            return list(real.poll(timeout_s))
+
+    side.link.client = WatchReplyFirst()
+    run.add("r1", list(range(10, 80)))
+    run.step()
+    assert side.stats["lookups"] == 1 and side.stats["lookups_deferred"] == 0
+    assert run.last_so.num_scheduled_tokens == {"r1": 32}
+    run.run()
