@@ -354,7 +354,8 @@ def summary(result: dict[str, Any]) -> list[str]:
                          f"{c['preemptions']:.0f} preemptions")
             if c.get("hkvd_loads"):
                 each_ms = c["hkvd_load_seconds"] / c["hkvd_loads"] * 1e3
-                lines.append(f"{r['run']}: {c['hkvd_loads']:.0f} loads, {each_ms:.1f} ms each on average; "
+                lines.append(f"{r['run']}: {c['hkvd_loads']:.0f} loads, {each_ms:.1f} ms each on average from "
+                             "submission to the worker reading the reply; "
                              f"{c['hkvd_lookups_deferred']:.0f} lookups deferred a step; "
                              f"{c['hkvd_load_settles_won']:.0f} loads reported a step earlier by waiting "
                              f"{c['hkvd_load_settle_seconds'] * 1e3:.0f} ms in all; "
