@@ -367,8 +367,9 @@ class KVService:
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                            pending: bool, wait_event: bytes = b"",
                            notes: list[BlockNote] | None = None) -> tuple[StoreResult, list[Entry]]:
-        # pending: a step event's states, whose copy has a deadline (see ``step_executor``)
-        """Copy ``items`` into new pool entries; their counts for the reply, and the entries written."""
+        """Copy ``items`` into new pool entries; their counts for the reply, and the entries written.
+
+        ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``)."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         announcer = self.announcer if notes else None
         skipped = dropped = thinned = 0

@@ -24,11 +24,11 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       ``get_transfer_results`` of a later step, once the daemon has replied. With
       ``early_load_reports`` this side watches the load's lease and reports a host-memory load
       itself once the daemon says every rank's retrieve wrote its blocks, a step sooner under
-      async scheduling (``_report_early``); the workers' later report of it is taken out. vLLM 0.32 accepts
-      a failed load of a model with several KV-cache groups (every hybrid) only as a failed
-      request (``failed_recving``); a block-level load error (the sync-load path) stops the
-      engine. A request whose load failed is recomputed from scratch and never offered an
-      external hit again.
+      async scheduling (``_report_early``); the workers' later report of it is taken out.
+      vLLM 0.32 accepts a failed load of a model with several KV-cache groups (every hybrid)
+      only as a failed request (``failed_recving``); a block-level load error (the sync-load
+      path) stops the engine. A request whose load failed is recomputed from scratch and never
+      offered an external hit again.
     - Attention stores cover full chunks, from the blocks vLLM holds in the step that completes
       them (sliding-window blocks are freed soon after): the prompt's, and with ``store_decode``
       (the default) also those that fill while the request generates. A chunk is stored once its

@@ -12,17 +12,17 @@ Role
     2. ``start_load_kv`` (after the forward): submit every load of the step and return
        (``hkvd.shim.loads``). The scheduler reports loads as asynchronous, so their requests
        wait (WAITING_FOR_REMOTE_KVS) while the other requests keep stepping, and no forward
-       reads their blocks until the load is reported:
-       ``get_transfer_results`` reports each as finished once the daemon's reply for it has been
-       read, and a failed one also as failed (``failed_recving``): vLLM recomputes the request.
-       (The scheduler side may report a host-memory load first, once the daemon says every
-       rank's copy is in: ``ShimConfig.early_load_reports``.) A load not done within
-       ``load_timeout_s`` is aborted and still waits for the reply. A load expected to end within
-       a fifth of the step's time (``load_settle_fraction``, at most ``load_settle_max_s``) is
-       waited for at the step's end, so that its request runs in the next step rather than the
-       one after. Block-level load errors are never reported
-       (vLLM 0.32 stops the engine on them for models with several KV-cache groups). Mamba
-       layers get no per-layer hooks, so every group is moved in bulk by one Retrieve.
+       reads their blocks until the load is reported: ``get_transfer_results`` reports each as
+       finished once the daemon's reply for it has been read, and a failed one also as failed
+       (``failed_recving``): vLLM recomputes the request. (The scheduler side may report a
+       host-memory load first, once the daemon says every rank's copy is in:
+       ``ShimConfig.early_load_reports``.) A load not done within ``load_timeout_s`` is aborted
+       and still waits for the reply. A load expected to end within a fifth of the step's time
+       (``load_settle_fraction``, at most ``load_settle_max_s``) is waited for at the step's end,
+       so that its request runs in the next step rather than the one after. Block-level load
+       errors are never reported (vLLM 0.32 stops the engine on them for models with several
+       KV-cache groups). Mamba layers get no per-layer hooks, so every group is moved in bulk by
+       one Retrieve.
     3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
        ``StepEvent`` carrying this step's Mamba offers and the confirms of earlier step
        events whose Done arrived before any block they read was reused.
