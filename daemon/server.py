@@ -79,6 +79,7 @@ _LOUD_CODES = {"TIMEOUT", "COPY_FAILED", "INTERNAL", "POOL_FULL"}
 # Tool connections (hkvd status) served from the descriptor reserve at once; more are refused like engines.
 MAX_RESERVE_TOOLS = 8
 REFUSAL_LOG_EVERY_S = 60.0  # refusals for want of descriptors: one warning per minute, with the count
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108, with its NUL)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -118,15 +119,32 @@ class Server:
             if await self._socket_alive(path):
                 raise OSError(f"another hkvd is already serving {path}; stop it or pass --socket")
             os.unlink(path)
+        # The socket is bound under a private name and renamed into place once it listens with its
+        # final mode and group: a client (or a script waiting for the file) that sees the path can
+        # connect, and is never refused by a socket bound but not yet listening.
+        staging = path.with_name(f".{path.name}.{os.getpid()}")
+        if len(os.fsencode(staging)) > SUN_PATH_MAX:
+            raise OSError(f"socket path {path} is too long: the daemon binds {staging} first, and a Unix socket "
+                          f"path holds at most {SUN_PATH_MAX} bytes; pass a shorter --socket")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)  # left by a process of this pid that died mid-start
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider permissions
         try:
-            self._server = await loop.create_unix_server(lambda: _Link(self), path=str(path))
+            self._server = await loop.create_unix_server(lambda: _Link(self), path=str(staging))
+            os.chmod(staging, self.cfg.socket_mode)
+            if self.cfg.socket_group:
+                os.chown(staging, -1, grp.getgrnam(self.cfg.socket_group).gr_gid)
+            os.rename(staging, path)
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            raise
         finally:
             os.umask(old_umask)
-        os.chmod(path, self.cfg.socket_mode)
-        if self.cfg.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.cfg.socket_group).gr_gid)
 
     @staticmethod
     async def _socket_alive(path: Path) -> bool:

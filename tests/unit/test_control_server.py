@@ -10,6 +10,7 @@ frame that is not Hello and an oversized length (answered and closed), the close
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import tempfile
@@ -46,8 +47,8 @@ def socket_path() -> Iterator[str]:
         yield str(Path(d) / "s.sock")
 
 
-@pytest.fixture
-async def server(socket_path: str) -> AsyncIterator[Server]:
+@contextlib.contextmanager
+def unstarted_server(socket_path: str) -> Iterator[Server]:
     cfg = DaemonConfig(socket_path=socket_path, chunk_size=32, l1_size_bytes=16 << 20, hugepages="off",
                        max_frame_bytes=MAX_FRAME)
     pool = HugePagePool(cfg.l1_size_bytes, "off")
@@ -55,16 +56,23 @@ async def server(socket_path: str) -> AsyncIterator[Server]:
     executor = ThreadPoolExecutor(1)
     service = KVService(ConfigCell(cfg), Index(pool, make_policy("lru")), Registry(32, copy_engine, pool=pool),
                         executor, Metrics())
-    srv = Server(cfg, service)
-    await srv.start()
-    yield srv
-    await srv.stop_accepting()
-    srv.close_connections()
-    for _ in range(3):  # connection_lost runs a loop turn after the close
-        await asyncio.sleep(0)
-    executor.shutdown()
-    copy_engine.close()
-    pool.close()
+    try:
+        yield Server(cfg, service)
+    finally:
+        executor.shutdown()
+        copy_engine.close()
+        pool.close()
+
+
+@pytest.fixture
+async def server(socket_path: str) -> AsyncIterator[Server]:
+    with unstarted_server(socket_path) as srv:
+        await srv.start()
+        yield srv
+        await srv.stop_accepting()
+        srv.close_connections()
+        for _ in range(3):  # connection_lost runs a loop turn after the close
+            await asyncio.sleep(0)
 
 
 async def connect(path: str) -> FrameStream:
@@ -181,3 +189,33 @@ async def test_one_clients_burst_does_not_hold_back_another(server: Server, sock
 
 async def test_the_socket_is_born_with_the_configured_mode(server: Server, socket_path: str) -> None:
     assert os.stat(socket_path).st_mode & 0o777 == 0o660
+
+
+async def test_the_socket_path_appears_only_once_it_listens(socket_path: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that finds the path can connect: a bound socket that does not yet listen would refuse it."""
+    seen_at_listen: list[bool] = []
+    real_start = asyncio.base_events.Server._start_serving
+
+    def start_serving(self: asyncio.base_events.Server) -> None:
+        seen_at_listen.append(os.path.exists(socket_path))
+        real_start(self)
+
+    monkeypatch.setattr(asyncio.base_events.Server, "_start_serving", start_serving)
+    with unstarted_server(socket_path) as srv:
+        await srv.start()
+        try:
+            assert seen_at_listen == [False]
+            assert sorted(os.listdir(Path(socket_path).parent)) == ["s.sock"]  # no staging name left
+            s = await greeted(socket_path)
+            await s.aclose()
+        finally:
+            await srv.stop_accepting()
+    assert os.listdir(Path(socket_path).parent) == []
+
+
+async def test_a_socket_path_too_long_to_stage_is_refused_with_the_fix(socket_path: str) -> None:
+    long_path = str(Path(socket_path).parent / ("x" * (server_mod.SUN_PATH_MAX - len(socket_path) + 4)))
+    with unstarted_server(long_path) as srv, pytest.raises(OSError, match="pass a shorter --socket"):
+        await srv.start()
+    assert os.listdir(Path(socket_path).parent) == []

@@ -3,7 +3,9 @@ the backing and NUMA placement come from the kernel (smaps, numa_maps, mbind).""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,34 @@ def test_populate_error_stops_the_fill_and_keeps_what_was_faulted() -> None:
         assert stats.admitted_bytes == 6 * MIB and p.prefaulter is not None
         assert p.prefaulter.progress().error.startswith("populate failed")
         assert len(p.alloc_many(2 * MIB, 10)) == 3  # only the faulted superblocks are handed out
+
+
+def test_populate_lets_the_event_loop_run_while_it_faults() -> None:
+    """A background populate drops the GIL while the kernel faults pages in: the daemon's event loop
+    (here, this thread) keeps running instead of stalling for the whole fault."""
+    ticks = 0
+    during: list[int] = []
+    done = threading.Event()
+    with HugePagePool(256 * MIB, "off", superblock_bytes=32 * MIB, faulted_only=True) as p:
+
+        def fault() -> None:
+            before = ticks
+            p.populate(0, p.size)
+            during.append(ticks - before)
+            done.set()
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(60.0)  # the GIL changes hands only where a thread drops it itself
+        try:
+            t = threading.Thread(target=fault)
+            t.start()
+            while not done.is_set():
+                ticks += 1
+                time.sleep(0)  # drops the GIL: the populate thread can start, and finish
+        finally:
+            sys.setswitchinterval(interval)
+        t.join(30)
+    assert during and during[0] > 0, "this thread never ran while the populate faulted 256 MiB in"
 
 
 def test_close_stops_a_running_prefault() -> None:
