@@ -220,6 +220,7 @@ def test_a_burst_of_requests_with_unread_replies_is_not_served_ahead(daemon_fact
     before its writes pause, holds the rest unserved, and serves another client meanwhile. Serving the
     whole burst would buffer every reply (tens of MB) in the daemon."""
     d = daemon_factory("--l1-size-gb", "0.125", "--io-timeout-s", "5")
+    d.wait_status(lambda s: s["pool"]["prefault"]["done"], 60)  # the pool's pages are all in RSS already
     with DaemonClient(d.socket_path, client_name="bystander", role="tool", timeout_s=10.0) as other:
         reply = len(encode(control.StatusReply(1, other.status())))
         before = _rss_bytes(d.proc.pid)
