@@ -392,6 +392,7 @@ def test_strangers_before_authentication_cost_no_memory(pair_factory: Any) -> No
     """24 connections, each announcing a 16 MiB frame and sending 4 MiB of it, before any handshake."""
     prefill, decode, keys, _ = _serving(pair_factory, serve_args=("--peer-timeout-s", "30"))
     assert _pull(decode.socket_path, prefill.peer_address, keys).ok  # warm: the link and NIXL set up
+    prefill.wait_status(lambda s: s["pool"]["prefault"]["done"], 60)  # the pool's pages are all in RSS already
     pid = prefill.proc.pid
     before = _rss_kib(pid)
     peak = [before]
