@@ -298,7 +298,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
                          "extra_vllm_args": extra_vllm_args()},
               "runs": runs, "ratios": ratios(runs),
-              "round_ratios": [ratios(merge_rounds([rnd], workload.turns))["ttft_p50_vs_limit"] for rnd in played]}
+              # each round's runs carry their own per-turn figures
+              "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}
     for line in summary(result):
         log(f"  {line}")
     return result
