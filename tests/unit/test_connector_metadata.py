@@ -14,6 +14,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: make vllm")
+
 import torch
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata

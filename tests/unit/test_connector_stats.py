@@ -7,6 +7,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: make vllm")
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hkvd.shim.connector import HkvdConnector
