@@ -1,59 +1,76 @@
-"""CUDA copy engine: batched gather/scatter between IPC-opened GPU memory and the pinned pool.
+"""CUDA copy engine: copies between IPC-opened GPU memory and the pinned pool, enqueued, never polled.
 
 Role
     ``CudaCopyEngine`` implements ``hkvd.transport.copy_engine.CopyEngine`` for regions of kind
     "cuda". ``attach`` matches the engine's GPU by UUID and opens its IPC handles once per
-    process (``hkvd.cuda.ipc``); ``copy`` turns segments into ``(src, dst, nbytes)``
-    descriptors (``hkvd.cuda.descriptors``) and moves them on the daemon's own stream, by
-    - ``method="kernel"``: one launch of a gather/scatter kernel for the whole batch. Block
-      (x, y) copies 64 KiB chunks y, y+gridDim.y, ... of row x, 16 bytes per thread per load
-      when both ends are 16-byte aligned (bytes otherwise), reading device memory and writing
-      mapped pinned host memory for stores, and the reverse for retrieves; or
-    - ``method="memcpy"``: one ``cudaMemcpyAsync`` per (coalesced) row, driven by the DMA
-      copy engines (``cudaMemcpyBatchAsync`` needs CUDA 12.8 and is not wrapped by CuPy).
-    The default is "kernel"; ``bench/gpu_copy.py`` measures both against one contiguous pinned
-    ``cudaMemcpy`` and decides (run it on the target GPU and update ``DEFAULT_METHOD``).
+    process (``hkvd.cuda.ipc``); a copy turns segments into coalesced ``(src, dst, nbytes)``
+    descriptors (``hkvd.cuda.descriptors``) and moves them by
+    - ``method="memcpy"``: the GPU's DMA copy engines: the whole request as one
+      ``cudaMemcpyBatchAsync`` where CUDA is 12.8+ and cuda-bindings is installed, else one
+      ``cudaMemcpyAsync`` per row (``hkvd.cuda.dma``); or
+    - ``method="kernel"``: one launch of a gather/scatter kernel on the SMs. Block (x, y) copies
+      64 KiB chunks y, y+gridDim.y, ... of row x, 16 bytes per thread per load when both ends
+      are 16-byte aligned; or
+    - ``method="auto"`` (the default): per request, the kernel only for many tiny rows
+      (``choose_method``), DMA otherwise.
+    DMA is the default because, measured on an H200 (2026-11), a compute engine's steps took
+    1.53x at p50 while the kernel copied and 1.05x while DMA copied: without MPS, kernels of
+    two processes time-slice the SMs, and the copy engines are separate hardware.
 
 Ordering
-    A store may carry the engine's step-end IPC event (``copy_ordered(wait_event=...)``): the
-    copy thread first polls it with the copy budget (so a wedged engine times out with nothing
-    enqueued), then ``cudaStreamWaitEvent`` orders the stream after it (ordering by
-    construction), then the copy runs. Every copy ends by recording one of the daemon's
-    interprocess events; its handle is returned so the shim can make the engine stream wait on
-    it before a forward reads retrieved blocks. The engine's host thread never blocks.
+    Each attachment has its own streams ("lanes"): one for stores, one for retrieves, so both
+    directions run at once and one engine's wedged stream never holds another's copies. A
+    store that carries the engine's step-end IPC event orders its lane after it with
+    ``cudaStreamWaitEvent`` (no host poll), then the copy is enqueued, then one of the lane's
+    interprocess events is recorded (its handle is the copy's ``done_event``: the engine's
+    stream waits on it before a forward reads retrieved blocks), then a host function
+    (``cudaLaunchHostFunc``) tells the completion thread (``hkvd.cuda.completion``) that the
+    GPU got there. ``submit`` returns as soon as this is enqueued; ``copy_ordered`` waits for
+    the host-side completion (what a store needs before its entry becomes visible, and what
+    keeps a retrieve's pool pages pinned until the GPU has read them).
 
 Threading
-    ``attach``/``detach`` run on the event loop (each IPC open maps an allocation: ~ms).
-    ``copy`` blocks and runs on the daemon's copy threads: each thread gets its own stream,
-    descriptor buffers and event ring per device (``BatchCopier``), so threads never share
-    mutable GPU state, and ``copy`` waits for its own work (event poll with a budget) before
-    returning. A ``detach`` while copies of that engine are in flight is deferred: the last
-    copy releases the IPC mappings.
+    ``attach``/``detach``/``abandon`` run on the event loop (an IPC open maps an allocation: ~ms).
+    ``submit`` runs on any copy thread and holds the lane's lock only while enqueueing, so
+    requests of several threads, and several requests of one thread, are in flight at once
+    (on one lane they queue in stream order on the GPU). Waiting is on a ``threading.Event``
+    that the completion thread sets: no thread spins or sleep-polls a CUDA event.
 
 Failure
-    Out-of-range segments raise ``CopyFailedError`` before anything is enqueued. A copy that
-    does not complete within ``copy_timeout_s`` raises ``KVTimeout``; its stream and buffers
-    are abandoned (kept referenced, never reused: the GPU may still read them) and the thread
-    gets fresh ones. An asynchronous CUDA fault raises ``CopyFailedError``; CUDA faults are
-    sticky for the context, so the daemon should then stop using the device.
+    Out-of-range segments raise ``CopyFailedError`` before anything is enqueued. Every copy has
+    a budget of ``copy_timeout_s`` from submission, the wait for the step-end event included:
+    past it the copy fails with ``KVTimeout`` (``CopyFailedError`` when its done event reports a
+    CUDA error) and nothing of it is reported stored. The lane of a copy that failed after it
+    was enqueued is abandoned: kept referenced with its buffers, never used again (the GPU may
+    still run it), and the next copy gets a fresh lane. CUDA faults are sticky for the context,
+    so the daemon should then stop using the device. ``abandon(attachment)`` ("the engine
+    process is gone") fails every unfinished copy of that engine at once with
+    ``CopyFailedError`` and abandons its lanes; ``detach`` then releases the IPC mappings once
+    no unsettled copy uses them (at once after ``abandon``). Whether the driver faults an
+    abandoned copy that runs after its mapping was closed is not measured (docs/gpu.md).
 
 Lifecycle
     Build once at daemon start (registers the pool: ``hkvd.cuda.hostreg``), ``close()`` once at
-    shutdown after the copy threads have drained (it detaches what is still attached, then
-    unregisters the pool, which no copy may still be using).
+    shutdown after the copy threads have drained (it fails what is still pending, detaches what
+    is still attached, then unregisters the pool).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hkvd.cuda._cupy import cupy, runtime
+from hkvd.cuda import dma
+from hkvd.cuda._cupy import CUDA_ERROR_NOT_READY, cupy, runtime, status_of
+from hkvd.cuda.completion import CompletionWatcher, CopyTicket
 from hkvd.cuda.descriptors import (
     DEFAULT_CHUNK_BYTES,
+    LEN,
     build_descriptors,
     coalesce,
     launch_geometry,
@@ -61,15 +78,24 @@ from hkvd.cuda.descriptors import (
 )
 from hkvd.cuda.hostreg import PinnedRegistration, PoolLike
 from hkvd.cuda.ipc import REGISTRY, check_region_fields, match_device, visible_device_uuids
-from hkvd.cuda.ipc_events import IpcEventRing, OpenedEvents, wait_event_host
+from hkvd.cuda.ipc_events import IpcEventRing, OpenedEvents
 from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, KVError, RegistrationError
 
-METHODS = ("kernel", "memcpy")
-# bench/gpu_copy.py prints both paths' GB/s per page size next to pinned cudaMemcpy (docs/gpu.md has
-# the figures): the kernel held up across page sizes, memcpy only at large pages. Measure on a new
-# GPU before switching.
-DEFAULT_METHOD = "kernel"
+logger = logging.getLogger(__name__)
+
+METHODS = ("auto", "memcpy", "kernel")
+DEFAULT_METHOD = "auto"
+# auto picks the kernel only for requests of at least this many rows whose mean row is at most
+# AUTO_KERNEL_MAX_ROW_BYTES: there each DMA row pays a fixed cost (~2-4 us of CPU per
+# cudaMemcpyAsync; bench/gpu_copy.py on an H100 saw per-row memcpy at 0.31 of pinned cudaMemcpy
+# for 64 KiB pages against 0.94 for the kernel) while one launch moves them all. Neither bound is
+# measured as a crossover, with cudaMemcpyBatchAsync or against an engine's step times: they are
+# set so that KV pages of 64 KiB and more (every layout the daemon saw) go to the copy engines,
+# which is what kept a compute engine's steps at 1.05x (H200, 2026-11). bench/gpu_interference.py
+# measures both methods; move the bounds with its figures.
+AUTO_KERNEL_MIN_ROWS = 4096
+AUTO_KERNEL_MAX_ROW_BYTES = 16 << 10
 DEFAULT_THREADS_PER_BLOCK = 256
 # A copy of 1 GiB at a pessimistic 10 GB/s takes 0.1 s; the budget also covers the wait for
 # the engine's step event (a forward of a long prefill can take seconds).
@@ -132,6 +158,9 @@ def _get_kernel() -> Any:
     with _kernel_lock:
         if _kernel is None:
             _kernel = cupy().RawKernel(KERNEL_SOURCE, KERNEL_NAME)
+            compile_fn = getattr(_kernel, "compile", None)
+            if compile_fn is not None:
+                compile_fn()  # surface nvrtc problems now, not in the middle of a copy
         return _kernel
 
 
@@ -141,101 +170,90 @@ def check_method(method: str) -> str:
     return method
 
 
+def choose_method(desc: np.ndarray, method: str, *, kernel_ok: bool = True) -> str:
+    """The path one request takes: ``method`` unless it is "auto" (see ``AUTO_KERNEL_MIN_ROWS``)."""
+    if method != "auto":
+        return method
+    n = int(desc.shape[0])
+    if kernel_ok and n >= AUTO_KERNEL_MIN_ROWS and int(desc[:, LEN].sum()) <= n * AUTO_KERNEL_MAX_ROW_BYTES:
+        return "kernel"
+    return "memcpy"
+
+
+def enqueue_copy(desc: np.ndarray, method: str, stream: Any, *, batch: dma.BatchApi | None,
+                 threads_per_block: int = DEFAULT_THREADS_PER_BLOCK,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
+    """Enqueue every row of ``desc`` on ``stream`` (a CuPy stream; the device is current) and return
+    what the GPU reads later and must stay referenced until it finished (kernel descriptors), or None."""
+    if desc.shape[0] == 0:
+        return None
+    rt = runtime()
+    if method == "memcpy":
+        dma.enqueue_dma(rt, desc, stream.ptr, batch)
+        return None
+    if method != "kernel":
+        raise ValueError(f"no copy path {method!r}")
+    cp = cupy()
+    geo = launch_geometry(desc, chunk_bytes)
+    n = geo.grid_x
+    # Fresh staging per request (CuPy's pools make this cheap): a request in flight keeps its own.
+    host_mem = cp.cuda.alloc_pinned_memory(n * 24)
+    np.frombuffer(host_mem, dtype=np.int64, count=n * 3).reshape(n, 3)[:] = desc
+    dev = cp.empty(n * 3, dtype=cp.int64)
+    rt.memcpyAsync(dev.data.ptr, host_mem.ptr, n * 24, rt.memcpyHostToDevice, stream.ptr)
+    _get_kernel()((geo.grid_x, geo.grid_y), (threads_per_block,), (dev, np.int64(geo.chunk_bytes)), stream=stream)
+    return (host_mem, dev)
+
+
+def event_error(event_ptr: int) -> str | None:
+    """One ``cudaEventQuery``: the error it reports, or None (complete or not ready)."""
+    try:
+        runtime().eventQuery(event_ptr)
+    except Exception as e:
+        if status_of(e) == CUDA_ERROR_NOT_READY:
+            return None
+        return str(e)
+    return None
+
+
 class BatchCopier:
-    """One thread's GPU state on one device: stream, kernel, descriptor buffers, done events.
+    """A stream of its own and a blocking ``run``: what ``bench/gpu_copy.py`` measures (the daemon
+    uses ``CudaCopyEngine``). Not thread-safe."""
 
-    Not thread-safe: owned by exactly one copy thread (or by the bench). ``run`` is the whole
-    data path and is also what ``bench/gpu_copy.py`` measures.
-    """
-
-    def __init__(
-        self,
-        device: int,
-        *,
-        threads_per_block: int = DEFAULT_THREADS_PER_BLOCK,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    ) -> None:
+    def __init__(self, device: int, *, threads_per_block: int = DEFAULT_THREADS_PER_BLOCK,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         cp = cupy()
         self.device = device
         self.threads_per_block = threads_per_block
         self.chunk_bytes = chunk_bytes
+        self.batch = dma.batch_api()
+        with cp.cuda.Device(device):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.events = IpcEventRing(device)
+
+    def run(self, desc: np.ndarray, method: str) -> CopyResult:
+        cp = cupy()
+        with cp.cuda.Device(self.device):
+            keep = enqueue_copy(desc, choose_method(desc, check_method(method)), self.stream, batch=self.batch,
+                                threads_per_block=self.threads_per_block, chunk_bytes=self.chunk_bytes)
+            _, handle = self.events.record(self.stream.ptr)
+            self.stream.synchronize()
+        del keep
+        return CopyResult(total_bytes(desc), handle)
+
+
+class _Lane:
+    """One stream and its done-event ring, for one attachment and one direction. Guarded by ``lock``."""
+
+    def __init__(self, device: int, label: str) -> None:
+        cp = cupy()
+        self.device = device
+        self.label = label
+        self.lock = threading.Lock()
         self.broken = False
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.kernel = _get_kernel()
-            compile_fn = getattr(self.kernel, "compile", None)
-            if compile_fn is not None:
-                compile_fn()  # surface nvrtc problems now, not in the middle of a copy
             self.events = IpcEventRing(device)
-        self._cap = 0
-        self._host: Any = None  # pinned staging (numpy view over cupy pinned memory)
-        self._host_mem: Any = None
-        self._dev: Any = None
-
-    def _ensure_capacity(self, rows: int) -> None:
-        if rows <= self._cap:
-            return
-        cp = cupy()
-        cap = max(rows, 2 * self._cap, 1024)
-        with cp.cuda.Device(self.device):
-            self._host_mem = cp.cuda.alloc_pinned_memory(cap * 3 * 8)
-            self._host = np.frombuffer(self._host_mem, dtype=np.int64, count=cap * 3).reshape(cap, 3)
-            self._dev = cp.empty(cap * 3, dtype=cp.int64)
-        self._cap = cap
-
-    def run(
-        self,
-        desc: np.ndarray,
-        method: str,
-        *,
-        wait_event_ptr: int = 0,
-        timeout_s: float = DEFAULT_COPY_TIMEOUT_S,
-    ) -> CopyResult:
-        """Move every row of ``desc``; block until done (within ``timeout_s``). See the module docstring."""
-        check_method(method)
-        if self.broken:
-            raise CopyFailedError("this copier was abandoned after a timeout")
-        rt = runtime()
-        cp = cupy()
-        with cp.cuda.Device(self.device):
-            if wait_event_ptr:
-                # Poll first: a wedged engine times out here with nothing enqueued on our stream.
-                wait_event_host(wait_event_ptr, timeout_s, "the engine's step event")
-                rt.streamWaitEvent(self.stream.ptr, wait_event_ptr, 0)
-            n = int(desc.shape[0])
-            if n:
-                if method == "kernel":
-                    self._launch_kernel(desc)
-                else:
-                    s = self.stream.ptr
-                    kind = rt.memcpyDefault  # unified addressing: the driver reads both pointers' kinds
-                    for src, dst, nbytes in desc.tolist():
-                        rt.memcpyAsync(dst, src, nbytes, kind, s)
-            ev, handle = self.events.record(self.stream.ptr)
-            try:
-                wait_event_host(ev, timeout_s, f"a {n}-row copy on device {self.device}")
-            except KVError:
-                self.broken = True  # the GPU may still run it: never reuse this stream or its buffers
-                raise
-            except Exception as e:
-                self.broken = True
-                raise CopyFailedError(f"CUDA copy on device {self.device} failed: {e}") from e
-        return CopyResult(total_bytes(desc), handle)
-
-    def _launch_kernel(self, desc: np.ndarray) -> None:
-        geo = launch_geometry(desc, self.chunk_bytes)
-        n = geo.grid_x
-        self._ensure_capacity(n)
-        self._host[:n] = desc
-        rt = runtime()
-        # Safe to overwrite the staging: the previous run() waited for its kernel to finish.
-        rt.memcpyAsync(self._dev.data.ptr, self._host_mem.ptr, n * 24, rt.memcpyHostToDevice, self.stream.ptr)
-        self.kernel(
-            (geo.grid_x, geo.grid_y),
-            (self.threads_per_block,),
-            (self._dev, np.int64(geo.chunk_bytes)),
-            stream=self.stream,
-        )
 
 
 @dataclass(slots=True)
@@ -247,9 +265,13 @@ class _CudaState:
     sizes: dict[int, int]
     handles: list[bytes]
     events: Any  # OpenedEvents
+    kernel_ok: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
+    lanes: dict[Direction, _Lane] = field(default_factory=dict)
+    tickets: set[CopyTicket] = field(default_factory=set)
     inflight: int = 0
     detaching: bool = False
+    abandoned: bool = False
     released: bool = False
 
 
@@ -287,15 +309,18 @@ class CudaCopyEngine(CopyEngine):
         self._visible = visible_device_uuids()
         if not self._visible:
             raise RuntimeError("the CUDA copy engine needs a GPU, and the daemon sees none")
+        self._batch = dma.batch_api() if method != "kernel" else None
+        if self._batch is None and method != "kernel":
+            logger.info("CUDA DMA copies go one cudaMemcpyAsync per row: %s", dma.batch_api_reason())
         self._pinned = PinnedRegistration.for_pool(pool) if register_pool else None
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._copiers: list[BatchCopier] = []
-        self._abandoned: list[BatchCopier] = []
+        self._lanes: list[_Lane] = []
+        self._abandoned: list[tuple[_Lane, list[CopyTicket]]] = []  # kept alive: the GPU may still use them
         self._attached: list[Attachment] = []
         self._closed = False
+        self._watcher = CompletionWatcher(event_error)
 
-    # -- attach / detach (event loop) -------------------------------------------------------
+    # -- attach / detach / abandon (event loop) ---------------------------------------------
 
     def attach(self, pid: int | EngineProcess, regions: list[Region]) -> Attachment:
         # IPC handles name device memory, not the process: the pid is kept for messages only.
@@ -319,8 +344,12 @@ class CudaCopyEngine(CopyEngine):
                 f"one engine's regions span GPUs {sorted(devices)}; register one GPU per rank"
             )
         device = devices.pop() if devices else 0
-        if self.method == "kernel":
-            self._check_kernel_can_reach_pool(device)
+        kernel_ok = self.method != "memcpy" and self._kernel_can_reach_pool(device)
+        if self.method == "kernel" and not kernel_ok:
+            raise RegistrationError(
+                f"GPU {device} cannot use registered host pointers directly, so the copy kernel cannot "
+                "reach the pool; start hkvd serve with --cuda-copy-method memcpy (or auto)"
+            )
         opened: list[bytes] = []
         bases: dict[int, int] = {}
         try:
@@ -338,19 +367,16 @@ class CudaCopyEngine(CopyEngine):
             sizes={r.region_id: r.size for r in by_id.values()},
             handles=opened,
             events=OpenedEvents(device),
+            kernel_ok=kernel_ok,
         )
         att = Attachment(pid=pid, regions=by_id, state={"cuda": st})
         with self._lock:
             self._attached.append(att)
         return att
 
-    def _check_kernel_can_reach_pool(self, device: int) -> None:
+    def _kernel_can_reach_pool(self, device: int) -> bool:
         rt = runtime()
-        if not rt.deviceGetAttribute(rt.cudaDevAttrCanUseHostPointerForRegisteredMem, device):
-            raise RegistrationError(
-                f"GPU {device} cannot use registered host pointers directly, so the copy kernel cannot "
-                "reach the pool; build the engine with method='memcpy'"
-            )
+        return bool(rt.deviceGetAttribute(rt.cudaDevAttrCanUseHostPointerForRegisteredMem, device))
 
     def detach(self, attachment: Attachment) -> None:
         st: _CudaState | None = attachment.state.get("cuda")
@@ -369,7 +395,23 @@ class CudaCopyEngine(CopyEngine):
             if attachment in self._attached:
                 self._attached.remove(attachment)
 
-    # -- copy (copy threads) ----------------------------------------------------------------
+    def abandon(self, attachment: Attachment) -> None:
+        """The engine process is gone: fail its unfinished copies now and never reuse their lanes."""
+        st: _CudaState | None = attachment.state.get("cuda")
+        if st is None:
+            return
+        with st.lock:
+            st.abandoned = True
+            tickets = list(st.tickets)
+            lanes = list(st.lanes.values())
+            st.lanes.clear()
+        for lane in lanes:
+            self._retire(lane, tickets)
+        err = f"engine pid {attachment.pid} is gone; its copy was abandoned"
+        for t in tickets:
+            t.settle(CopyFailedError(f"{t.what}: {err}"))
+
+    # -- copies (copy threads) --------------------------------------------------------------
 
     def copy(self, attachment: Attachment, segments: list[Segment], direction: Direction) -> int:
         return self.copy_ordered(attachment, segments, direction).nbytes
@@ -382,8 +424,24 @@ class CudaCopyEngine(CopyEngine):
         *,
         wait_event: bytes | None = None,
     ) -> CopyResult:
-        """``copy`` plus IPC-event ordering: wait for ``wait_event`` (the engine's step-end event)
-        before reading; return the handle of the event recorded after writing."""
+        """``submit``, then wait for the host-side completion (within the copy budget)."""
+        return self.submit(attachment, segments, direction, wait_event=wait_event).wait()
+
+    def submit(
+        self,
+        attachment: Attachment,
+        segments: list[Segment],
+        direction: Direction,
+        *,
+        wait_event: bytes | None = None,
+    ) -> CopyTicket:
+        """Enqueue the copy (after ``wait_event``, the engine's step-end event) and return at once.
+
+        ``ticket.result.done_event`` may go to the engine as soon as this returns (its stream
+        waits on it); the pool side of the copy is final only once the ticket settled without an
+        exception (``wait`` / ``add_done_callback``): a store's entry must not become visible, and
+        a retrieve's pool pages must stay pinned, until then.
+        """
         st: _CudaState | None = attachment.state.get("cuda")
         if st is None:
             raise CopyFailedError("attachment was not made by the cuda copy engine")
@@ -397,44 +455,104 @@ class CudaCopyEngine(CopyEngine):
                 pool_size=self._pool_size,
             )
         )
+        deadline = time.monotonic() + self.copy_timeout_s
         with st.lock:
+            if st.abandoned:
+                raise CopyFailedError(f"engine pid {attachment.pid} is gone; its copies are abandoned")
             if st.detaching:
                 raise CopyFailedError(f"engine pid {attachment.pid} was detached")
             st.inflight += 1
         try:
             wait_ptr = st.events.get(wait_event) if wait_event else 0
-            copier = self._copier(st.device)
+            lane = self._lane(st, direction)
+            method = choose_method(desc, self.method, kernel_ok=st.kernel_ok)
+            ticket = self._enqueue(st, lane, desc, method, wait_ptr, deadline, direction)
+        except BaseException:
+            self._drop_user(st)
+            raise
+        return ticket
+
+    def _enqueue(self, st: _CudaState, lane: _Lane, desc: np.ndarray, method: str, wait_ptr: int,
+                 deadline: float, direction: Direction) -> CopyTicket:
+        cp = cupy()
+        rt = runtime()
+        n = int(desc.shape[0])
+        what = f"a {n}-row {direction.value} copy ({method}) on device {st.device}"
+        with lane.lock:
+            if lane.broken:
+                raise CopyFailedError(f"{what}: its stream was abandoned meanwhile; retry")
             try:
-                return copier.run(desc, self.method, wait_event_ptr=wait_ptr, timeout_s=self.copy_timeout_s)
-            finally:
-                if copier.broken:
-                    self._abandon(copier)
-        finally:
+                with cp.cuda.Device(st.device):
+                    if wait_ptr:
+                        rt.streamWaitEvent(lane.stream.ptr, wait_ptr, 0)  # ordering on the GPU, no host poll
+                    keep = enqueue_copy(desc, method, lane.stream, batch=self._batch,
+                                        threads_per_block=self._tpb, chunk_bytes=self._chunk)
+                    ev, handle = lane.events.record(lane.stream.ptr)
+                    ticket = CopyTicket(total_bytes(desc), handle, deadline=deadline, what=what, event_ptr=ev,
+                                        keep=keep, owner=lane)
+                    with st.lock:
+                        st.tickets.add(ticket)
+                        gone = st.abandoned  # abandon() ran while this was enqueued
+                    ticket.add_done_callback(lambda t: self._settled(st, lane, t))
+                    self._watcher.watch(ticket)
+                    lane.stream.launch_host_func(self._watcher.gpu_reached, ticket)
+            except KVError:
+                self._retire(lane, [])
+                raise
+            except Exception as e:
+                self._retire(lane, [])  # rows may be enqueued: the stream is not reused
+                raise CopyFailedError(f"{what}: enqueueing failed: {e}") from e
+        if gone:
+            ticket.settle(CopyFailedError(f"{what}: the engine is gone; its copy was abandoned"))
+        return ticket
+
+    def _lane(self, st: _CudaState, direction: Direction) -> _Lane:
+        with st.lock:
+            lane = st.lanes.get(direction)
+        if lane is None or lane.broken:
+            made = _Lane(st.device, direction.value)  # a stream and 8 IPC events: outside the lock
             with st.lock:
-                st.inflight -= 1
-                release_now = st.detaching and st.inflight == 0 and not st.released
-                if release_now:
-                    st.released = True
-            if release_now:
-                _release(st)
+                lane = st.lanes.get(direction)
+                if lane is None or lane.broken:
+                    st.lanes[direction] = lane = made
+            if lane is not made:
+                made.events.close()  # another thread made one meanwhile
+            else:
+                with self._lock:
+                    self._lanes.append(lane)
+        return lane
 
-    def _copier(self, device: int) -> BatchCopier:
-        copiers: dict[int, BatchCopier] | None = getattr(self._local, "copiers", None)
-        if copiers is None:
-            copiers = self._local.copiers = {}
-        c = copiers.get(device)
-        if c is None or c.broken:
-            c = BatchCopier(device, threads_per_block=self._tpb, chunk_bytes=self._chunk)
-            copiers[device] = c
-            with self._lock:
-                self._copiers.append(c)
-        return c
-
-    def _abandon(self, copier: BatchCopier) -> None:
+    def _retire(self, lane: _Lane, tickets: list[CopyTicket]) -> None:
+        """Never use ``lane`` again; keep it (and what its copies read) referenced."""
+        lane.broken = True
         with self._lock:
-            if copier in self._copiers:
-                self._copiers.remove(copier)
-            self._abandoned.append(copier)  # kept alive: the GPU may still use its buffers
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+                self._abandoned.append((lane, [t for t in tickets if t.owner is lane]))
+
+    def _settled(self, st: _CudaState, lane: _Lane, ticket: CopyTicket) -> None:
+        if ticket.exception() is not None:
+            with self._lock:
+                retired = lane not in self._lanes
+            if not retired:
+                self._retire(lane, [ticket])
+            else:
+                with self._lock:
+                    for held, kept in self._abandoned:
+                        if held is lane and ticket not in kept:
+                            kept.append(ticket)
+        with st.lock:
+            st.tickets.discard(ticket)
+        self._drop_user(st)
+
+    def _drop_user(self, st: _CudaState) -> None:
+        with st.lock:
+            st.inflight -= 1
+            release_now = st.detaching and st.inflight == 0 and not st.released
+            if release_now:
+                st.released = True
+        if release_now:
+            _release(st)
 
     def close(self) -> None:
         with self._lock:
@@ -442,10 +560,12 @@ class CudaCopyEngine(CopyEngine):
                 return
             self._closed = True
             attached = list(self._attached)
-            copiers, self._copiers = self._copiers, []
+        self._watcher.close()  # fails what is still pending: every user of a mapping is dropped
         for att in attached:
             self.detach(att)
-        for c in copiers:
-            c.events.close()
+        with self._lock:
+            lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.events.close()
         if self._pinned is not None:
             self._pinned.close()

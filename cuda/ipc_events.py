@@ -18,8 +18,10 @@ Why a ring
     is ample. A handle is fixed per event, so the receiving side opens each one once.
 
 Threading
-    ``IpcEventRing`` is not thread-safe: one per recording thread (the shim's worker thread,
-    one per daemon copy thread). ``OpenedEvents`` guards its cache with a lock and may be
+    ``IpcEventRing`` is not thread-safe: one per recording stream, used under its owner's lock
+    (the shim's worker thread; each of the daemon's copy lanes, ``hkvd.cuda.copy``). Nothing
+    here waits on the host: the daemon observes its own copies' completion with host functions
+    (``hkvd.cuda.completion``), and ``event_done`` is one non-blocking query. ``OpenedEvents`` guards its cache with a lock and may be
     shared by copy threads. Every CUDA call runs with the ring's / cache's device current.
 
 Lifecycle
@@ -31,11 +33,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from hkvd.cuda._cupy import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, cupy, runtime, status_of
 from hkvd.cuda.ipc import IPC_HANDLE_BYTES
-from hkvd.transport.errors import KVTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ CUDA_EVENT_DISABLE_TIMING = 0x2  # driver_types.h cudaEventDisableTiming
 CUDA_EVENT_INTERPROCESS = 0x4  # cudaEventInterprocess (requires DisableTiming)
 IPC_EVENT_FLAGS = CUDA_EVENT_INTERPROCESS | CUDA_EVENT_DISABLE_TIMING
 DEFAULT_RING_SIZE = 8
-
-# Host polling of an event: spin this long first (a copy of a few MiB finishes in ~100 us),
-# then sleep with doubling up to the cap, so a 40 ms copy costs ~1k wake-ups, not a busy core.
-_SPIN_S = 50e-6
-_MAX_SLEEP_S = 200e-6
 
 
 def check_event_handle(handle: bytes) -> None:
@@ -70,25 +65,6 @@ def event_done(event_ptr: int) -> bool:
     if status == CUDA_ERROR_NOT_READY:
         return False
     raise RuntimeError(f"cudaEventQuery returned {status}")
-
-
-def wait_event_host(event_ptr: int, timeout_s: float, what: str) -> None:
-    """Block the calling (copy) thread until the event completes, or raise ``KVTimeout``.
-
-    Never call this on the engine's hot path; the daemon's copy threads use it so that every
-    wait on the GPU has a budget (a wedged engine stream must not pin a copy thread forever).
-    """
-    start = time.monotonic()
-    deadline = start + timeout_s
-    sleep_s = 0.0
-    while not event_done(event_ptr):
-        now = time.monotonic()
-        if now >= deadline:
-            raise KVTimeout(f"{what}: not complete after {timeout_s:.3f} s")
-        if now - start > _SPIN_S:
-            sleep_s = min(_MAX_SLEEP_S, max(10e-6, sleep_s * 2))
-            time.sleep(sleep_s)
-
 
 
 def _destroy_events(device: int, events: list[int], what: str) -> None:
