@@ -58,7 +58,8 @@ class CopyTicket:
         self.keep = keep  # buffers the GPU reads (kernel descriptors): held until gpu_finished
         self.owner = owner  # the engine's bookkeeping (attachment state, lane)
         self.gpu_finished = threading.Event()
-        self._settled = threading.Event()
+        self._settled = threading.Event()  # set after the done callbacks ran: waiters see settled bookkeeping
+        self._outcome = False
         self._lock = threading.Lock()
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[[CopyTicket], None]] = []
@@ -83,7 +84,7 @@ class CopyTicket:
     def add_done_callback(self, fn: Callable[[CopyTicket], None]) -> None:
         """Call ``fn(ticket)`` once settled (at once if it already is), on the settling thread."""
         with self._lock:
-            if not self._settled.is_set():
+            if not self._outcome:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -97,14 +98,16 @@ class CopyTicket:
         fn(self)
 
     def settle(self, exc: BaseException | None = None) -> bool:
-        """Record the outcome (first call wins) and run the callbacks; True if this call settled it."""
+        """Record the outcome (first call wins), run the callbacks, then wake the waiters; True if this
+        call settled it."""
         with self._lock:
-            if self._settled.is_set():
+            if self._outcome:
                 return False
+            self._outcome = True
             self._exc = exc
             callbacks, self._callbacks = self._callbacks, []
-            self._settled.set()
         _run_all(callbacks, self)
+        self._settled.set()
         return True
 
     def mark_gpu_finished(self) -> None:

@@ -21,8 +21,9 @@ Threading
     ``IpcEventRing`` is not thread-safe: one per recording stream, used under its owner's lock
     (the shim's worker thread; each of the daemon's copy lanes, ``hkvd.cuda.copy``). Nothing
     here waits on the host: the daemon observes its own copies' completion with host functions
-    (``hkvd.cuda.completion``), and ``event_done`` is one non-blocking query. ``OpenedEvents`` guards its cache with a lock and may be
-    shared by copy threads. Every CUDA call runs with the ring's / cache's device current.
+    (``hkvd.cuda.completion``), and ``event_done`` is one non-blocking query. ``OpenedEvents``
+    guards its cache with a lock and may be shared by copy threads. Every CUDA call runs with the
+    ring's / cache's device current.
 
 Lifecycle
     Rings and caches own CUDA events; ``close()`` (idempotent) destroys them. An opened IPC

@@ -1,0 +1,543 @@
+"""CPU tests of the CUDA copy engine's ordering, completion and abandonment rules.
+
+CuPy's runtime is replaced at its boundary by ``_FakeGpu``: streams are queues of operations that
+run only when the test steps the GPU, a wait on an event blocks its stream until that event
+completes, copies move real bytes with memmove (the "device" memory and the pool are host
+arrays), and host functions run when their stream reaches them, as the driver would call them.
+What needs a real GPU is in ``test_cuda_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hkvd.cuda import copy as cuda_copy
+from hkvd.cuda import dma
+from hkvd.cuda import ipc as cuda_ipc
+from hkvd.cuda.completion import CompletionWatcher, CopyTicket
+from hkvd.cuda.copy import CudaCopyEngine, choose_method
+from hkvd.cuda.ipc import IpcMemRegistry
+from hkvd.transport.copy_engine import Direction, Region, Segment
+from hkvd.transport.errors import CopyFailedError, KVTimeout
+
+U0 = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
+POOL = 1 << 20
+REGION = 1 << 20
+
+
+class _Stream:
+    def __init__(self, gpu: _FakeGpu) -> None:
+        self.gpu = gpu
+        self.ptr = gpu.new_id()
+        gpu.streams[self.ptr] = self
+        self.ops: list[tuple[Any, ...]] = []
+
+    def launch_host_func(self, fn: Callable[[Any], None], arg: Any) -> None:
+        self.gpu.log.append(("host", self.ptr))
+        self.ops.append(("host", fn, arg))
+
+    def synchronize(self) -> None:
+        self.gpu.run()
+
+
+class _FakeRuntime:
+    memcpyDefault = 4
+    memcpyHostToDevice = 1
+    cudaDevAttrCanUseHostPointerForRegisteredMem = 91
+    cudaIpcMemLazyEnablePeerAccess = 1
+
+    def __init__(self, gpu: _FakeGpu) -> None:
+        self.gpu = gpu
+
+    # events
+    def eventCreateWithFlags(self, flags: int) -> int:
+        ev = self.gpu.new_id()
+        self.gpu.done[ev] = True  # a never-recorded event is complete
+        return ev
+
+    def ipcGetEventHandle(self, ev: int) -> bytes:
+        return ev.to_bytes(8, "little") * 8
+
+    def ipcOpenEventHandle(self, handle: bytes) -> int:
+        return self.gpu.engine_events[handle]
+
+    def eventRecord(self, ev: int, stream: int) -> None:
+        self.gpu.done[ev] = False
+        self.gpu.log.append(("record", stream, ev))
+        self.gpu.streams[stream].ops.append(("record", ev))
+
+    def streamWaitEvent(self, stream: int, ev: int, flags: int) -> None:
+        self.gpu.log.append(("wait", stream, ev))
+        self.gpu.streams[stream].ops.append(("wait", ev))
+
+    def eventQuery(self, ev: int) -> int:
+        if self.gpu.fault:
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+        return 0 if self.gpu.done[ev] else 600
+
+    def eventDestroy(self, ev: int) -> None:
+        self.gpu.destroyed.append(ev)
+
+    # copies
+    def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
+        self.gpu.log.append(("memcpy", stream, dst, src, n))
+        self.gpu.streams[stream].ops.append(("memcpy", dst, src, n))
+
+    # IPC memory: handles name host arrays the test registered
+    def ipcOpenMemHandle(self, handle: bytes, flags: int) -> int:
+        self.gpu.opened.add(handle)
+        return self.gpu.memory[handle]
+
+    def ipcCloseMemHandle(self, ptr: int) -> None:
+        self.gpu.opened.discard(next(h for h, p in self.gpu.memory.items() if p == ptr))
+
+    def deviceGetAttribute(self, attr: int, device: int) -> int:
+        return 1
+
+
+class _FakeGpu:
+    """Streams as op queues, run when the test says (``run``). See the module docstring."""
+
+    def __init__(self) -> None:
+        self._next = 0x1000
+        self.streams: dict[int, _Stream] = {}
+        self.done: dict[int, bool] = {}
+        self.engine_events: dict[bytes, int] = {}
+        self.memory: dict[bytes, int] = {}
+        self.opened: set[bytes] = set()
+        self.destroyed: list[int] = []
+        self.log: list[tuple[Any, ...]] = []
+        self.fault = False
+        self.rt = _FakeRuntime(self)
+        gpu = self
+
+        class _Cuda:
+            runtime = gpu.rt
+
+            @staticmethod
+            @contextlib.contextmanager
+            def Device(i: int) -> Iterator[None]:
+                yield
+
+            @staticmethod
+            def Stream(non_blocking: bool = False) -> _Stream:
+                return _Stream(gpu)
+
+        class _Cupy:
+            cuda = _Cuda
+
+        self.cupy = _Cupy
+
+    def new_id(self) -> int:
+        self._next += 0x10
+        return self._next
+
+    def engine_event(self) -> bytes:
+        """An engine's step-end event, recorded and not complete until ``complete``."""
+        ev = self.new_id()
+        self.done[ev] = False
+        handle = ev.to_bytes(8, "little") * 8
+        self.engine_events[handle] = ev
+        return handle
+
+    def complete(self, handle: bytes) -> None:
+        self.done[self.engine_events[handle]] = True
+
+    def run(self) -> None:
+        """Run every stream as far as it can go (a wait on an incomplete event stops that stream)."""
+        progress = True
+        while progress:
+            progress = False
+            for s in list(self.streams.values()):
+                while s.ops:
+                    op = s.ops[0]
+                    if op[0] == "wait" and not self.done[op[1]]:
+                        break
+                    s.ops.pop(0)
+                    progress = True
+                    if op[0] == "memcpy":
+                        ctypes.memmove(op[1], op[2], op[3])
+                    elif op[0] == "record":
+                        self.done[op[1]] = True
+                    elif op[0] == "host":
+                        op[1](op[2])
+
+    def ops_on(self, stream: int) -> list[str]:
+        return [e[0] for e in self.log if e[1] == stream]
+
+
+@dataclass
+class _Pool:
+    array: np.ndarray
+
+    @property
+    def base_addr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    @property
+    def size(self) -> int:
+        return int(self.array.size)
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> _FakeGpu:
+    g = _FakeGpu()
+    for mod in ("hkvd.cuda.ipc", "hkvd.cuda.ipc_events", "hkvd.cuda.copy"):
+        monkeypatch.setattr(f"{mod}.runtime", lambda: g.rt)
+        monkeypatch.setattr(f"{mod}.cupy", lambda: g.cupy)
+    monkeypatch.setattr(cuda_ipc, "REGISTRY", IpcMemRegistry())
+    monkeypatch.setattr(cuda_copy, "REGISTRY", cuda_ipc.REGISTRY)
+    monkeypatch.setattr(cuda_copy, "visible_device_uuids", lambda: [U0])
+    monkeypatch.setattr(dma, "batch_api", lambda: None)
+    return g
+
+
+@dataclass
+class _Setup:
+    eng: CudaCopyEngine
+    att: Any
+    pool: np.ndarray
+    device_mem: np.ndarray
+
+
+@pytest.fixture
+def setup(gpu: _FakeGpu) -> Iterator[_Setup]:
+    yield from _make_setup(gpu)
+
+
+def _make_setup(gpu: _FakeGpu, timeout_s: float = 30.0, method: str = "memcpy") -> Iterator[_Setup]:
+    rng = np.random.default_rng(1)
+    pool = np.zeros(POOL, dtype=np.uint8)
+    device_mem = rng.integers(0, 256, REGION, dtype=np.uint8)
+    handle = b"\x05" * 64
+    gpu.memory[handle] = int(device_mem.ctypes.data)
+    eng = CudaCopyEngine(_Pool(pool), method=method, copy_timeout_s=timeout_s, register_pool=False)
+    att = eng.attach(4321, [Region(1, "cuda", REGION, handle=handle, device_uuid=U0)])
+    try:
+        yield _Setup(eng, att, pool, device_mem)
+    finally:
+        eng.close()
+
+
+def _lane_stream(s: _Setup, d: Direction) -> int:
+    return int(s.att.state["cuda"].lanes[d].stream.ptr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ordering
+# ---------------------------------------------------------------------------------------------
+
+
+def test_store_is_ordered_after_the_step_event_on_the_gpu(gpu: _FakeGpu, setup: _Setup) -> None:
+    step_end = gpu.engine_event()
+    ticket = setup.eng.submit(setup.att, [Segment(1, 0, 0, 8192)], Direction.TO_POOL, wait_event=step_end)
+    stream = _lane_stream(setup, Direction.TO_POOL)
+    ops = gpu.ops_on(stream)
+    assert ops == ["wait", "memcpy", "record", "host"], ops  # wait first, no host poll before it
+    assert next(e for e in gpu.log if e[0] == "wait")[2] == gpu.engine_events[step_end]
+    gpu.run()  # the engine's step has not ended: nothing moves
+    assert not ticket.done() and not setup.pool[:8192].any()
+    gpu.complete(step_end)
+    gpu.run()
+    assert ticket.wait(5.0).nbytes == 8192
+    assert np.array_equal(setup.pool[:8192], setup.device_mem[:8192])
+
+
+def test_retrieve_reply_carries_an_event_recorded_after_the_copies(gpu: _FakeGpu, setup: _Setup) -> None:
+    setup.pool[:4096] = 9
+    ticket = setup.eng.submit(setup.att, [Segment(1, 4096, 0, 4096)], Direction.FROM_POOL)
+    stream = _lane_stream(setup, Direction.FROM_POOL)
+    entries = [e for e in gpu.log if e[1] == stream]
+    assert [e[0] for e in entries] == ["memcpy", "record", "host"]
+    recorded = entries[1][2]
+    assert ticket.result.done_event == gpu.rt.ipcGetEventHandle(recorded)
+    assert not gpu.done[recorded]  # the engine waits on it: complete only after the copy ran
+    gpu.run()
+    assert gpu.done[recorded] and ticket.wait(5.0).done_event == ticket.result.done_event
+    assert (setup.device_mem[4096:8192] == 9).all()
+
+
+def test_stores_and_retrieves_use_different_streams(gpu: _FakeGpu, setup: _Setup) -> None:
+    setup.eng.submit(setup.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)
+    setup.eng.submit(setup.att, [Segment(1, 0, 8192, 4096)], Direction.FROM_POOL)
+    assert _lane_stream(setup, Direction.TO_POOL) != _lane_stream(setup, Direction.FROM_POOL)
+    gpu.run()
+
+
+def test_contiguous_rows_are_coalesced_into_one_copy(gpu: _FakeGpu, setup: _Setup) -> None:
+    segs = [Segment(1, 0, 0, 4096), Segment(1, 4096, 4096, 4096), Segment(1, 16384, 65536, 4096)]
+    setup.eng.submit(setup.att, segs, Direction.TO_POOL)
+    copies = [e for e in gpu.log if e[0] == "memcpy"]
+    assert [c[4] for c in copies] == [8192, 4096]
+    gpu.run()
+
+
+def test_requests_in_flight_overlap(gpu: _FakeGpu, setup: _Setup) -> None:
+    """Two copies (one thread, then another) are both enqueued before either completes."""
+    first = setup.eng.submit(setup.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)
+    box: list[CopyTicket] = []
+    t = threading.Thread(target=lambda: box.append(
+        setup.eng.submit(setup.att, [Segment(1, 4096, 4096, 4096)], Direction.TO_POOL)))
+    t.start()
+    t.join(10)
+    assert box and not first.done() and not box[0].done()
+    assert len([e for e in gpu.log if e[0] == "memcpy"]) == 2
+    gpu.run()
+    assert first.wait(5.0).nbytes == box[0].wait(5.0).nbytes == 4096
+
+
+def test_copy_ordered_returns_only_after_the_gpu_finished(gpu: _FakeGpu, setup: _Setup) -> None:
+    """The blocking path (what the daemon calls today): a store is not reported before its bytes land."""
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.append(
+        setup.eng.copy(setup.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not any(e[0] == "host" for e in gpu.log) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not done
+    gpu.run()
+    t.join(10)
+    assert done == [4096] and np.array_equal(setup.pool[:4096], setup.device_mem[:4096])
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets, failures, abandonment
+# ---------------------------------------------------------------------------------------------
+
+
+def test_wedged_step_event_times_out_with_nothing_stored(gpu: _FakeGpu) -> None:
+    for s in _make_setup(gpu, timeout_s=0.3):
+        step_end = gpu.engine_event()  # never completes
+        with pytest.raises(KVTimeout, match="within the copy budget"):
+            s.eng.copy_ordered(s.att, [Segment(1, 0, 0, 8192)], Direction.TO_POOL, wait_event=step_end)
+        assert s.att.state["cuda"].lanes[Direction.TO_POOL].broken, "the wedged lane is still in use"
+        gpu.run()
+        assert not s.pool.any()
+        # The next store gets a fresh stream, and completes.
+        before = {e[1] for e in gpu.log if e[0] == "memcpy"}
+        t = s.eng.submit(s.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)
+        gpu.run()
+        assert t.wait(5.0).nbytes == 4096
+        after = {e[1] for e in gpu.log if e[0] == "memcpy"} - before
+        assert after and not after & before
+
+
+def test_cuda_error_at_the_deadline_is_a_copy_failure(gpu: _FakeGpu) -> None:
+    for s in _make_setup(gpu, timeout_s=0.2):
+        gpu.fault = True  # host functions never run after an error; the query at the deadline says why
+        with pytest.raises(CopyFailedError, match="illegal memory access"):
+            s.eng.copy(s.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)
+        gpu.fault = False
+
+
+def test_abandon_ends_a_waiting_copy_promptly(gpu: _FakeGpu, setup: _Setup) -> None:
+    assert setup.eng.copy_timeout_s == 30.0
+    step_end = gpu.engine_event()  # the engine died before its step ended
+    outcome: list[BaseException | int] = []
+    ended = threading.Event()
+
+    def store() -> None:
+        try:
+            outcome.append(setup.eng.copy_ordered(setup.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL,
+                                                  wait_event=step_end).nbytes)
+        except BaseException as e:
+            outcome.append(e)
+        ended.set()
+
+    t = threading.Thread(target=store)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not any(e[0] == "host" for e in gpu.log) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wedged = _lane_stream(setup, Direction.TO_POOL)
+    setup.eng.abandon(setup.att)
+    assert ended.wait(2.0), "abandon did not end the copy waiting on the dead engine's event"
+    assert isinstance(outcome[0], CopyFailedError) and "gone" in str(outcome[0])
+    with pytest.raises(CopyFailedError, match="gone"):
+        setup.eng.submit(setup.att, [Segment(1, 0, 0, 16)], Direction.TO_POOL)
+    setup.eng.detach(setup.att)
+    assert gpu.opened == set()  # no copy uses the mapping any more
+    # The abandoned stream is never used again, by this engine's other attachments either.
+    handle2 = b"\x06" * 64
+    other = np.zeros(REGION, dtype=np.uint8)
+    gpu.memory[handle2] = int(other.ctypes.data)
+    att2 = setup.eng.attach(99, [Region(1, "cuda", REGION, handle=handle2, device_uuid=U0)])
+    n = len(gpu.log)
+    setup.eng.submit(att2, [Segment(1, 0, 0, 16)], Direction.TO_POOL)
+    assert all(e[1] != wedged for e in gpu.log[n:])
+    gpu.run()
+    t.join(5)
+
+
+def test_abandon_ends_a_copy_waiting_on_its_own_done_event(gpu: _FakeGpu, setup: _Setup) -> None:
+    ticket = setup.eng.submit(setup.att, [Segment(1, 0, 0, 4096)], Direction.FROM_POOL)
+    setup.eng.abandon(setup.att)
+    with pytest.raises(CopyFailedError, match="gone"):
+        ticket.wait(2.0)
+
+
+def test_detach_during_a_copy_is_deferred_until_it_settles(gpu: _FakeGpu, setup: _Setup) -> None:
+    ticket = setup.eng.submit(setup.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)
+    setup.eng.detach(setup.att)
+    assert gpu.opened == {b"\x05" * 64}, "mapping released under a running copy"
+    with pytest.raises(CopyFailedError, match="detached"):
+        setup.eng.submit(setup.att, [Segment(1, 0, 0, 16)], Direction.TO_POOL)
+    gpu.run()
+    ticket.wait(5.0)
+    deadline = time.monotonic() + 5
+    while gpu.opened and time.monotonic() < deadline:  # released by the completion thread's settlement
+        time.sleep(0.01)
+    assert gpu.opened == set()
+
+
+def test_out_of_range_is_refused_before_anything_is_enqueued(gpu: _FakeGpu, setup: _Setup) -> None:
+    with pytest.raises(CopyFailedError, match="leaves region"):
+        setup.eng.submit(setup.att, [Segment(1, REGION - 8, 0, 16)], Direction.FROM_POOL)
+    assert gpu.log == [] and setup.att.state["cuda"].inflight == 0
+
+
+def test_watcher_settles_at_each_deadline_independently() -> None:
+    w = CompletionWatcher(lambda ev: None)
+    try:
+        now = time.monotonic()
+        slow = CopyTicket(1, b"", deadline=now + 30, what="slow")
+        fast = CopyTicket(1, b"", deadline=now + 0.1, what="fast")
+        w.watch(slow)
+        w.watch(fast)
+        with pytest.raises(KVTimeout, match="fast"):
+            fast.wait(10)
+        assert not slow.done()
+        w.gpu_reached(slow)
+        assert slow.wait(10).nbytes == 1 and slow.gpu_finished.wait(10)
+    finally:
+        w.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# DMA: the batch call's arguments, both signatures, the per-row fallback
+# ---------------------------------------------------------------------------------------------
+
+
+def _desc(rows: list[tuple[int, int, int]]) -> np.ndarray:
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def test_batch_args() -> None:
+    d = _desc([(100, 200, 16), (300, 400, 32)])
+    attrs = object()
+    assert dma.batch_args(d, 77, attrs) == ([200, 400], [100, 300], [16, 32], 2, [attrs], [0], 1, 77)
+    with pytest.raises(ValueError, match="default stream"):
+        dma.batch_args(d, 0, attrs)
+
+
+@pytest.mark.parametrize("returns", [(0,), (0, 0)], ids=["cuda13", "cuda12"])
+def test_run_batch_accepts_both_signatures(returns: tuple[int, ...]) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def fn(*a: Any) -> tuple[int, ...]:
+        calls.append(a)
+        return returns
+
+    api = dma.BatchApi(fn=fn, attrs="A", version=13000)
+    dma.run_batch(api, _desc([(1, 2, 3), (4, 5, 6)]), 9)
+    assert calls == [([2, 5], [1, 4], [3, 6], 2, ["A"], [0], 1, 9)]
+
+
+def test_run_batch_error_names_the_failing_row() -> None:
+    api = dma.BatchApi(fn=lambda *a: (1, 1), attrs="A", version=12080)
+    with pytest.raises(CopyFailedError, match=r"at row 1 \(cudaError 1\)"):
+        dma.run_batch(api, _desc([(1, 2, 3), (4, 5, 6)]), 9)
+    api13 = dma.BatchApi(fn=lambda *a: (1,), attrs="A", version=13000)
+    with pytest.raises(CopyFailedError, match=r"failed \(cudaError 1\)"):
+        dma.run_batch(api13, _desc([(1, 2, 3), (4, 5, 6)]), 9)
+
+
+class _Enum:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+class _BindingsRuntime:
+    cudaMemcpySrcAccessOrder = _Enum(cudaMemcpySrcAccessOrderStream="STREAM")
+    cudaMemcpyFlags = _Enum(cudaMemcpyFlagPreferOverlapWithCompute="OVERLAP")
+
+    def __init__(self, runtime_version: int, driver_version: int, has_batch: bool = True) -> None:
+        self.versions = (runtime_version, driver_version)
+        if has_batch:
+            self.cudaMemcpyBatchAsync = lambda *a: (0,)
+
+    def cudaRuntimeGetVersion(self) -> tuple[int, int]:
+        return 0, self.versions[0]
+
+    def cudaDriverGetVersion(self) -> tuple[int, int]:
+        return 0, self.versions[1]
+
+    class cudaMemcpyAttributes:
+        srcAccessOrder: Any = None
+        flags: Any = None
+
+
+def test_resolve_batch_api() -> None:
+    api, why = dma.resolve_batch_api(lambda: _BindingsRuntime(13000, 13000))
+    assert api is not None and why == "" and api.version == 13000
+    assert (api.attrs.srcAccessOrder, api.attrs.flags) == ("STREAM", "OVERLAP")
+    api, why = dma.resolve_batch_api(lambda: _BindingsRuntime(12080, 12040))
+    assert api is None and "12.4 is older than 12.8" in why  # the driver's version counts too
+
+    def missing() -> Any:
+        raise ImportError("No module named 'cuda.bindings'")
+
+    api, why = dma.resolve_batch_api(missing)
+    assert api is None and "pip install 'cuda-bindings" in why
+    api, why = dma.resolve_batch_api(lambda: _BindingsRuntime(12090, 12090, has_batch=False))
+    assert api is None and "no cudaMemcpyBatchAsync" in why
+
+
+def test_engine_uses_the_batch_call_when_present(gpu: _FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def batch(*a: Any) -> tuple[int]:
+        calls.append(a)
+        for dst, src, n in zip(a[0], a[1], a[2], strict=True):
+            gpu.streams[a[7]].ops.append(("memcpy", dst, src, n))
+        return (0,)
+
+    monkeypatch.setattr(dma, "batch_api", lambda: dma.BatchApi(fn=batch, attrs="A", version=13000))
+    for s in _make_setup(gpu):
+        segs = [Segment(1, 0, 0, 4096), Segment(1, 8192, 8192, 4096)]
+        t = s.eng.submit(s.att, segs, Direction.TO_POOL)
+        assert len(calls) == 1 and calls[0][3] == 2 and calls[0][7] == _lane_stream(s, Direction.TO_POOL)
+        assert not [e for e in gpu.log if e[0] == "memcpy"]  # no per-row call
+        gpu.run()
+        t.wait(5.0)
+        assert np.array_equal(s.pool[8192:12288], s.device_mem[8192:12288])
+
+
+def test_engine_falls_back_to_one_memcpy_per_row(gpu: _FakeGpu, setup: _Setup) -> None:
+    setup.eng.submit(setup.att, [Segment(1, 0, 0, 4096), Segment(1, 8192, 8192, 4096)], Direction.TO_POOL)
+    assert len([e for e in gpu.log if e[0] == "memcpy"]) == 2
+    gpu.run()
+
+
+def test_auto_takes_the_kernel_only_for_many_tiny_rows() -> None:
+    many_tiny = np.tile(np.asarray([[0, 0, 2048]], dtype=np.int64), (cuda_copy.AUTO_KERNEL_MIN_ROWS, 1))
+    assert choose_method(many_tiny, "auto") == "kernel"
+    assert choose_method(many_tiny, "auto", kernel_ok=False) == "memcpy"
+    assert choose_method(many_tiny[:-1], "auto") == "memcpy"
+    pages = np.tile(np.asarray([[0, 0, 8 << 20]], dtype=np.int64), (64, 1))  # the measured workload
+    assert choose_method(pages, "auto") == "memcpy"
+    big_rows = many_tiny.copy()
+    big_rows[:, 2] = 64 << 10
+    assert choose_method(big_rows, "auto") == "memcpy"
+    assert choose_method(pages, "kernel") == "kernel"
+    assert cuda_copy.DEFAULT_METHOD in ("auto", "memcpy")
