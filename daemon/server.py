@@ -6,6 +6,14 @@ Lifecycle of a connection
     in-flight jobs (each has its own timeout) -> release everything the connection held
     (``KVService.disconnect``).
 
+Engines that die
+    The pinned process's pidfd is watched on the loop: once it exits (SIGKILL included), the
+    connection is aborted even if a child it forked still holds the socket. Either way, at its exit
+    or when its connection ends, ``KVService.engine_gone`` has the copy engine abandon the copies
+    that wait on the engine (``CopyEngine.abandon``: a GPU copy waiting on its step event ends at
+    once), so the jobs end, and the release (registration, leases, IPC mappings) follows within
+    moments, not after ``copy_timeout_s``. Their failures are logged at info.
+
 Threading and flow
     Each connection is an ``asyncio.Protocol`` on the daemon's loop. Frames are served in order, at
     most ``FRAMES_PER_TURN`` per loop turn (a burst waits in the connection's backlog, and nothing
@@ -39,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import grp
 import itertools
 import logging
@@ -175,10 +184,13 @@ class Server:
         for link in list(self._links):
             link.close()
 
-    def reply_error(self, conn: Conn, req_id: int, e: KVError) -> None:
+    def reply_error(self, conn: Conn, req_id: int, e: KVError, *, gone: bool = False) -> None:
+        """Count and log the error, and answer it. ``gone``: the engine process exited or its connection
+        ended, so its failed jobs are expected (logged at info, never warning)."""
         self.service.metrics.inc("errors", code=e.code.name)
-        log.log(logging.WARNING if e.code.name in _LOUD_CODES else logging.INFO, "request failed: %s: %s",
-                e.code.name, e.message, extra=request_log(conn, req_id))
+        loud = e.code.name in _LOUD_CODES and not gone
+        log.log(logging.WARNING if loud else logging.INFO, "request failed%s: %s: %s",
+                " (the engine is gone)" if gone else "", e.code.name, e.message, extra=request_log(conn, req_id))
         conn.send(kv.Error(req_id, int(e.code), e.message))
 
     def refused_for_descriptors(self, conn: Conn, e: ResourceExhausted) -> None:
@@ -242,6 +254,7 @@ class _Link(asyncio.Protocol):
         else:
             try:  # the process itself, pinned: see hkvd.daemon.client_process
                 conn.process = ClientProcess.from_socket(sock)
+                self._watch(conn.process)
             except ResourceExhausted as e:
                 self._short = e
             except KVError as e:  # gone already, or not the process the kernel reported
@@ -331,10 +344,33 @@ class _Link(asyncio.Protocol):
             return
         if exc is not None:
             log.debug("connection %d (pid %d) ended: %s", conn.conn_id, conn.pid, exc)
+        self.service.engine_gone(conn)  # nobody reads the replies: copies waiting on the engine end now
         if self.tasks:  # in-flight copies still use the engine's pages: release once they end
             self._closer = asyncio.get_running_loop().create_task(self._release_after(list(self.tasks)))
         else:
             self._release()
+
+    # ---- the engine process -------------------------------------------------------------------
+    def _watch(self, process: ClientProcess) -> None:
+        """Notice the process's exit on the loop (its pidfd turns readable), even while a child it
+        forked keeps the socket open."""
+        loop = asyncio.get_running_loop()
+        fd = process.pidfd
+        loop.add_reader(fd, self._process_exited)
+        assert self.conn is not None
+        self.conn.unwatch = functools.partial(loop.remove_reader, fd)
+
+    def _process_exited(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        if conn.unwatch is not None:  # the pidfd stays readable: one notice is enough
+            conn.unwatch()
+            conn.unwatch = None
+        log.info("connection %d (pid %d): the process exited; ending the connection and releasing what it held",
+                 conn.conn_id, conn.pid)
+        self.service.engine_gone(conn)
+        if self.transport is not None:
+            self.transport.abort()  # its replies have no reader; connection_lost releases once its jobs end
 
     # ---- frames ------------------------------------------------------------------------------
     def _hello(self, body: bytes) -> None:
@@ -397,7 +433,7 @@ class _Link(asyncio.Protocol):
         try:
             await rest
         except KVError as e:
-            self.server.reply_error(conn, req_id, e)
+            self.server.reply_error(conn, req_id, e, gone=conn.gone)
         except Exception as e:
             self.server.internal_error(conn, req_id, e, f"in job {req_id}")
         finally:

@@ -7,10 +7,12 @@ Role
 Threading
     Event loop only. Copies run on the daemon's copy thread pool through ``_run_copy`` with a
     timeout; a copy that outlives its timeout keeps its pins until the thread returns (the pool
-    pages are in use), and its job fails with ``KVTimeout``. With a disk or cluster tier, a lookup
-    whose hit needs entries only they have awaits their reads (``daemon/tiers/promotion.py``, each tier's
-    budget) before it replies; ``handle`` returns that part as a coroutine, so the connection's
-    later requests are not held behind it.
+    pages are in use), and its job fails with ``KVTimeout``. When the engine process is gone
+    (``engine_gone``: its pidfd or its connection said so), the copy engine abandons the copies
+    that wait on it (``CopyEngine.abandon``), so its jobs end and ``disconnect`` follows at once.
+    With a disk or cluster tier, a lookup whose hit needs entries only they have awaits their
+    reads (``daemon/tiers/promotion.py``, each tier's budget) before it replies; ``handle``
+    returns that part as a coroutine, so the connection's later requests are not held behind it.
 
 Errors
     Anything the client got wrong raises a ``KVError`` that the adapter sends back as
@@ -101,6 +103,9 @@ class Conn:
     closed: bool = False
     # Set for a connection served from the descriptor reserve (daemon/server.py): it may not register.
     register_refusal: KVError | None = None
+    # Stops the adapter watching ``process``'s pidfd (daemon/server.py); run before the pidfd is closed.
+    unwatch: Callable[[], None] | None = None
+    gone: bool = False  # the engine process exited or its connection ended: its copies were abandoned
 
 
 def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
@@ -111,6 +116,15 @@ def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
     else:
         fields["conn"] = conn.conn_id
     return fields
+
+
+def _settled_copy(fut: asyncio.Future[CopyResult]) -> None:
+    """Retrieve a copy thread's outcome; one nobody awaits any more (timed out, cancelled) is logged at debug."""
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None:
+        log.debug("a copy thread ended with %r", exc)
 
 
 class KVService:
@@ -583,6 +597,10 @@ class KVService:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(executor, functools.partial(
             engine.copy_ordered, attachment, segments, direction, wait_event=wait_event or None))
+        # The shield below stops passing the thread's outcome on once this job times out or is
+        # cancelled: its exception (the engine's own timeout, say) is retrieved here instead of
+        # being reported by asyncio as "never retrieved" when the future is collected.
+        fut.add_done_callback(_settled_copy)
         try:
             async with asyncio.timeout(self.copy_timeout_s):
                 return await asyncio.shield(fut)
@@ -590,9 +608,19 @@ class KVService:
             self.metrics.inc("copy_timeouts")
             # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
             await asyncio.wait([fut])
-            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:.0f} s") from None
+            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:g} s") from None
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def engine_gone(self, conn: Conn) -> None:
+        """The engine process exited or its connection ended: end its copies that wait on it (its
+        step events) now, so ``disconnect`` follows once they return. Idempotent; never blocks."""
+        if conn.gone:
+            return
+        conn.gone = True
+        engine = conn.engine
+        if engine is not None and engine.attachment is not None:
+            self.registry.copy_engine.abandon(engine.attachment)
+
     def disconnect(self, conn: Conn) -> None:
         """Release at once what the connection held: leases, unconfirmed states, its registration."""
         released = self.index.leases.release_owner(conn.conn_id)
@@ -606,6 +634,9 @@ class KVService:
             log.info("engine %d (pid %d) disconnected; released %d leases", conn.engine.engine_id, conn.pid,
                      released)
             conn.engine = None
+        if conn.unwatch is not None:  # before its pidfd is closed
+            conn.unwatch()
+            conn.unwatch = None
         if conn.process is not None:
             conn.process.close()
             conn.process = None

@@ -21,6 +21,9 @@ Contracts
       engine still refuses segments that leave a region (defence in depth).
     - ``copy`` either moves every byte or raises a ``KVError``; a partial copy is an error.
     - ``detach`` is idempotent and releases everything ``attach`` opened (IPC handles).
+    - ``abandon`` is called on the loop as soon as the daemon learns the engine process is gone
+      (its pidfd readable, or its connection ended): copies that wait on the engine (its step
+      event) must end soon with ``CopyFailedError``; the daemon detaches once they have ended.
     - ``copy_ordered`` adds event ordering where the engine has events (CUDA): wait for the
       engine's ``wait_event`` before reading, and return the handle of an event recorded after
       writing. Engines without events refuse a ``wait_event`` (the shim would be asking for an
@@ -116,6 +119,12 @@ class CopyEngine(ABC):
             raise ProtocolViolation(f"the {self.name} copy engine has no GPU events; send stores without "
                                     "wait_event (host KV caches are final when the step returns)")
         return CopyResult(self.copy(attachment, segments, direction))
+
+    def abandon(self, attachment: Attachment) -> None:  # noqa: B027 - optional hook
+        """The engine process is gone: every copy of ``attachment`` that waits on the engine ends soon
+        with ``CopyFailedError``. Runs on the event loop and must not block. Default: nothing (host
+        copies of a process that exited fail by themselves). ``detach`` still follows, once the
+        copies in flight have ended."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine-wide resources (streams, pinned registrations)."""
