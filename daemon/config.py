@@ -34,6 +34,7 @@ class ConfigError(StartupError, ValueError):
 
 
 COPY_ENGINES = ("host", "cuda")
+CUDA_COPY_METHODS = ("auto", "memcpy", "kernel")  # hkvd.cuda.copy.METHODS (kept import-free here)
 EVENT_LOOPS = ("uvloop", "asyncio")
 CLUSTER_PROTOCOLS = ("tcp", "rdma")
 ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
@@ -58,6 +59,7 @@ class DaemonConfig:
     allowed_uids: tuple[int, ...] = ()  # empty: the daemon's own uid (and root)
     copy_threads: int = 2
     copy_engine: str = "host"  # host (process_vm_readv/writev) or cuda (CUDA IPC; hkvd[gpu])
+    cuda_copy_method: str = "auto"  # auto, memcpy (DMA copy engines) or kernel (SMs); hkvd.cuda.copy
     event_loop: str = "uvloop"  # uvloop (a dependency) or asyncio (the standard library's loop)
     mamba_checkpoint_interval: int = 1
     shutdown_timeout_s: float = 10.0
@@ -139,6 +141,9 @@ class DaemonConfig:
         if self.copy_engine not in COPY_ENGINES:
             raise ConfigError(f"--copy-engine {self.copy_engine!r}: choose one of {COPY_ENGINES} (host for "
                               "engines whose KV cache is in CPU memory, cuda for GPU KV caches)")
+        if self.cuda_copy_method not in CUDA_COPY_METHODS:
+            raise ConfigError(f"--cuda-copy-method {self.cuda_copy_method!r}: choose one of {CUDA_COPY_METHODS} "
+                              "(auto moves KV pages on the GPU's copy engines, docs/gpu.md)")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"--event-loop {self.event_loop!r}: choose one of {EVENT_LOOPS}")
         if not 1 <= self.copy_threads <= 64:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hkvd.cuda._cupy import CupyMissing, cupy, device_count
-from hkvd.cuda.copy import CudaCopyEngine
+from hkvd.cuda.copy import DEFAULT_METHOD, CudaCopyEngine
 from hkvd.daemon.host_engine import HostCopyEngine
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.copy_engine import CopyEngine
@@ -42,11 +42,13 @@ def check_copy_engine(name: str) -> None:
             "and the service's DeviceAllow); use --copy-engine host for CPU KV caches")
 
 
-def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float) -> CopyEngine:
-    """Build the engine ``hkvd serve --copy-engine`` names, for ``pool`` (a ``HugePagePool``)."""
+def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float, cuda_copy_method: str = DEFAULT_METHOD
+                     ) -> CopyEngine:
+    """Build the engine ``hkvd serve --copy-engine`` names, for ``pool`` (a ``HugePagePool``);
+    ``cuda_copy_method`` is ``--cuda-copy-method`` (the CUDA engine's path, ``hkvd.cuda.copy``)."""
     check_copy_engine(name)
     if name == "cuda":
 
-        return CudaCopyEngine(pool, copy_timeout_s=copy_timeout_s)
+        return CudaCopyEngine(pool, copy_timeout_s=copy_timeout_s, method=cuda_copy_method)
 
     return HostCopyEngine(pool)

@@ -128,6 +128,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--copy-engine", "copy_engine", _lower, "host",
            "host (KV caches in CPU memory: process_vm_readv/writev) or cuda (GPU KV caches over CUDA IPC; "
            "needs hkvd[gpu]; docs/gpu.md)", example='"host"', essential=True),
+    Option("--cuda-copy-method", "cuda_copy_method", _lower, "auto",
+           "with --copy-engine cuda: memcpy (the GPU's DMA copy engines, which leave the engine's SMs alone), "
+           "kernel (a gather/scatter kernel on the SMs), or auto (the kernel only for requests of thousands "
+           "of rows under 16 KiB; docs/gpu.md)", example='"auto"'),
     Option("--event-loop", "event_loop", _lower, "uvloop", "uvloop, or asyncio (the standard library's loop)",
            example='"uvloop"'),
     Option("--mamba-checkpoint-interval", "mamba_checkpoint_interval", int, "1",

@@ -541,3 +541,36 @@ def test_auto_takes_the_kernel_only_for_many_tiny_rows() -> None:
     assert choose_method(big_rows, "auto") == "memcpy"
     assert choose_method(pages, "kernel") == "kernel"
     assert cuda_copy.DEFAULT_METHOD in ("auto", "memcpy")
+
+
+def test_cuda_copy_method_option(gpu: _FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--cuda-copy-method`` reaches the engine ``hkvd serve`` builds; a bad value names the choices."""
+    import argparse
+
+    from hkvd.daemon import engine_factory
+    from hkvd.daemon.cli import _serve_parser, build_config
+    from hkvd.daemon.config import ConfigError
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="cmd"))
+    cfg = build_config(parser.parse_args(["serve", "--cuda-copy-method", "KERNEL"]))
+    assert cfg.cuda_copy_method == "kernel"
+    with pytest.raises(ConfigError, match=r"--cuda-copy-method 'dma'.*auto"):
+        build_config(parser.parse_args(["serve", "--cuda-copy-method", "dma"]))
+    monkeypatch.setattr(engine_factory, "check_copy_engine", lambda name: None)
+
+    class _NoPin:  # cudaHostRegister is the boundary here
+        @staticmethod
+        def for_pool(pool: Any) -> Any:
+            return _NoPin()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cuda_copy, "PinnedRegistration", _NoPin)
+    eng = engine_factory.make_copy_engine("cuda", _Pool(np.zeros(4096, dtype=np.uint8)), copy_timeout_s=5.0,
+                                          cuda_copy_method=cfg.cuda_copy_method)
+    try:
+        assert isinstance(eng, CudaCopyEngine) and eng.method == "kernel"
+    finally:
+        eng.close()
