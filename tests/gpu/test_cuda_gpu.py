@@ -157,7 +157,7 @@ def _pool_entry(pool: MmapPool, segs: list[Segment]) -> bytes:
     return b"".join(pool.array[s.pool_offset : s.pool_offset + s.nbytes].tobytes() for s in segs)
 
 
-@pytest.mark.parametrize("method", ["kernel", "memcpy"])
+@pytest.mark.parametrize("method", ["kernel", "memcpy", "auto"])
 @pytest.mark.parametrize("case", ["kv_split", "padded"])
 def test_store_retrieve_round_trip(engine: Engine, pool: MmapPool, method: str, case: str) -> None:
     from hkvd.cuda.copy import CudaCopyEngine
@@ -210,6 +210,33 @@ def test_store_waits_for_the_engines_step_event(engine: Engine, pool: MmapPool) 
         eng.copy_ordered(att, segs, Direction.TO_POOL, wait_event=handle)
         assert time.monotonic() - t0 > 0.1
         assert np.array_equal(pool.array[:nbytes], engine.mod.pattern(4, nbytes)), "store read stale bytes"
+        eng.detach(att)
+    finally:
+        eng.close()
+
+
+def test_abandon_ends_a_store_waiting_on_the_engines_event(engine: Engine, pool: MmapPool) -> None:
+    """Two stores enqueued behind a slow step event are both in flight; abandon fails them at once."""
+    from hkvd.cuda.copy import CudaCopyEngine
+
+    nbytes = 1 << 20
+    regions = engine.alloc(2 * nbytes, seed=9)
+    eng = CudaCopyEngine(pool, method="memcpy")
+    try:
+        att = eng.attach(engine.proc.pid, regions)
+        (handle,) = engine.call("slow_fill", 10, 3000)  # 3 s of spinning before the step ends
+        first = eng.submit(att, [Segment(1, 0, 0, nbytes)], Direction.TO_POOL, wait_event=handle)
+        second = eng.submit(att, [Segment(1, nbytes, nbytes, nbytes)], Direction.TO_POOL, wait_event=handle)
+        assert not first.done() and not second.done()
+        t0 = time.monotonic()
+        eng.abandon(att)
+        for t in (first, second):
+            with pytest.raises(CopyFailedError, match="gone"):
+                t.wait(2.0)
+        assert time.monotonic() - t0 < 2.0
+        # The engine is alive here: let the abandoned copies run before the mappings close, so a
+        # late copy cannot touch an unmapped range and fault this process's context for later tests.
+        assert first.gpu_finished.wait(30) and second.gpu_finished.wait(30)
         eng.detach(att)
     finally:
         eng.close()
