@@ -20,6 +20,8 @@ Contracts
     - Addresses are absolute: engine side = ``region_bases[region_id] + region_offset``, pool
       side = ``pool_base + pool_offset``. Both must fit in a signed 64-bit integer (device and
       host virtual addresses on x86-64 and aarch64 stay below 2**57).
+    - A pool pinned in chunks (``hkvd.cuda.hostreg``): ``split_at`` (or ``coalesce`` given the
+      chunk boundaries) cuts rows so that none spans two registrations.
 """
 
 from __future__ import annotations
@@ -112,13 +114,25 @@ def build_descriptors(
     return out if keep.all() else np.ascontiguousarray(out[keep])
 
 
-def coalesce(desc: np.ndarray) -> np.ndarray:
+def coalesce(desc: np.ndarray, direction: Direction | None = None, *, pool_base: int = 0,
+             boundaries: Sequence[int] = ()) -> np.ndarray:
     """Merge consecutive rows that are contiguous on *both* sides. Bytes moved are unchanged.
 
     ``segments_for_entry`` already merges within one entry; this also merges across entries of
     one batch (consecutive pool extents of block-major engines), which turns thousands of
-    ``cudaMemcpyAsync`` calls (~2-4 us of CPU each) into a few.
+    ``cudaMemcpyAsync`` calls (~2-4 us of CPU each) into a few. With ``boundaries`` (and the
+    ``direction`` and ``pool_base`` that place the pool side), no resulting row crosses one
+    (``split_at``): a pool pinned in several registrations is never copied across two at once.
     """
+    merged = _merge(desc)
+    if len(boundaries):
+        if direction is None:
+            raise ValueError("coalesce with boundaries needs the direction (which side is the pool)")
+        return split_at(merged, direction, pool_base=pool_base, boundaries=boundaries)
+    return merged
+
+
+def _merge(desc: np.ndarray) -> np.ndarray:
     n = desc.shape[0]
     if n < 2:
         return desc
@@ -131,6 +145,43 @@ def coalesce(desc: np.ndarray) -> np.ndarray:
     out[:, SRC] = src[starts]
     out[:, DST] = dst[starts]
     out[:, LEN] = np.add.reduceat(ln, starts)
+    return out
+
+
+def split_at(desc: np.ndarray, direction: Direction, *, pool_base: int, boundaries: Sequence[int]) -> np.ndarray:
+    """Cut every row whose pool side spans a boundary, so no row crosses one. Bytes moved are unchanged.
+
+    ``boundaries``: pool offsets, ascending, where one pinned registration ends and the next begins
+    (``hkvd.cuda.hostreg.PinnedRegistration.boundaries``): a DMA copy must not span two. The pool side is
+    the destination of a ``TO_POOL`` row and the source of a ``FROM_POOL`` one. Apply after ``coalesce``
+    (which may join rows across a boundary); rows are returned in order, pieces of a row in address order.
+    """
+    n = desc.shape[0]
+    if n == 0 or not len(boundaries):
+        return desc
+    bounds = np.asarray(boundaries, dtype=np.int64)
+    if (np.diff(bounds) <= 0).any():
+        raise ValueError("boundaries must be strictly ascending pool offsets")
+    col = DST if direction is Direction.TO_POOL else SRC
+    start = desc[:, col] - np.int64(pool_base)  # pool offsets of each row's pool side
+    end = start + desc[:, LEN]
+    lo = np.searchsorted(bounds, start, side="right")  # first boundary past the row's start
+    hi = np.searchsorted(bounds, end, side="left")  # boundaries strictly inside the row: [lo, hi)
+    cuts = hi - lo
+    if not cuts.any():
+        return desc
+    pieces = cuts + 1
+    row = np.repeat(np.arange(n), pieces)
+    j = np.arange(row.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece index within its row
+    inner = bounds[np.minimum(lo[row] + j - 1, bounds.size - 1)]  # the boundary a piece j >= 1 starts at
+    p_start = np.where(j == 0, start[row], inner)
+    last = j == cuts[row]
+    p_end = np.where(last, end[row], bounds[np.minimum(lo[row] + j, bounds.size - 1)])
+    shift = p_start - start[row]
+    out = np.empty((row.size, 3), dtype=np.int64)
+    out[:, SRC] = desc[row, SRC] + shift
+    out[:, DST] = desc[row, DST] + shift
+    out[:, LEN] = p_end - p_start
     return out
 
 
