@@ -5,10 +5,12 @@ Role
     Both halves of the connector (scheduler side in EngineCore, worker side per rank) build the
     same spec, so they cannot drift apart. ``build_groups`` / ``build_engine_spec`` turn
     ``KVCacheConfig`` into our ``GroupSpec``/``View`` table. The scheduler side has no tensors, so
-    it describes views from ``KVCacheConfig.kv_cache_tensors``; the worker side passes the
-    measured address of every layer. Both emit one view per layer in ``group.layer_names`` order,
-    so the format part (kind, tokens per block, window, dtype, (num_layers, page_bytes) per view)
-    and hence the daemon's layout fingerprint are identical on both sides.
+    it describes views from ``KVCacheConfig.kv_cache_tensors`` and the resolved layout; the worker
+    side passes the address of every layer, checked against its tensors (``hkvd.shim.kv_views``).
+    Both derive each page's pieces from the config alone and emit one view per piece per layer in
+    ``group.layer_names`` order, so the format part (kind, tokens per block, window, dtype,
+    (num_layers, page_bytes) per view) and hence the daemon's layout fingerprint are identical on
+    both sides.
 
 Errors
     ``validate_vllm`` raises ``ValueError`` with the fix for settings a restart with other flags
@@ -93,36 +95,53 @@ def _page_and_dtype(spec: KVCacheSpec) -> tuple[int, str]:
 LayerAddr = Callable[[str], tuple[int, int]]  # layer name -> (region_id, byte offset in region)
 
 
-def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = None) -> list[GroupSpec]:
-    """Our ``GroupSpec`` list: one ``View`` per layer, in ``group.layer_names`` order.
+def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = None,
+                 layout: str | None = None) -> list[GroupSpec]:
+    """Our ``GroupSpec`` list: per layer, in ``group.layer_names`` order, one ``View`` per contiguous
+    piece of its page (``hkvd.shim.kv_views``: one for layouts that keep a page whole).
 
     ``layer_addr=None`` (scheduler side) places layer l of a ``KVCacheTensor`` at
     ``offset + l * layer_stride`` of region 0: only the format matters for a lookup-only
-    registration. The worker passes the measured (region, offset) of each layer.
+    registration. The worker passes the (region, offset) of each layer's page of block 0, which it
+    checked against its tensors. ``layout``: vLLM's resolved ``VLLM_KV_CACHE_LAYOUT``.
     """
+    from hkvd.shim.kv_views import config_place
 
-    placement: dict[str, tuple[int, int]] = {}  # layer -> (offset from the config, block_stride)
-    for t in kv_cache_config.kv_cache_tensors:
-        for idx, name in enumerate(t.layers):
-            placement.setdefault(name, (t.offset + idx * t.layer_stride, t.block_stride))
+    tensors = {name: t for t in kv_cache_config.kv_cache_tensors for name in t.layers}
     infos = group_infos(kv_cache_config)
     groups = []
     for info, g in zip(infos, kv_cache_config.kv_cache_groups, strict=True):
         page_bytes, dtype = _page_and_dtype(g.kv_cache_spec)
+        num_blocks = int(kv_cache_config.num_blocks)
         views = []
         for name in g.layer_names:
-            if name not in placement:
+            t = tensors.get(name)
+            if t is None:
                 raise ValueError(f"hkvd: layer {name} of group {info.group_id} has no KVCacheTensor")
-            cfg_offset, block_stride = placement[name]
-            region_id, offset = layer_addr(name) if layer_addr else (0, cfg_offset)
-            views.append(View(region_id, offset, 1, block_stride * kv_cache_config.num_blocks,
-                              block_stride, page_bytes))
+            place = config_place(name, g.kv_cache_spec, layout, t, num_blocks)
+            if sum(n for _, n in place.pieces) != page_bytes:
+                raise ValueError(f"hkvd: layer {name} (KV-cache layout {layout}): its pages hold "
+                                 f"{sum(n for _, n in place.pieces)} B by the layout but {page_bytes} B by its "
+                                 "spec. Remove the hkvd kv_transfer_config for this model.")
+            region_id, offset = layer_addr(name) if layer_addr else (0, place.start)
+            views.extend(View(region_id, offset + off, 1, place.block_stride * num_blocks, place.block_stride, n)
+                         for off, n in place.pieces)
         groups.append(GroupSpec(
             group_id=info.group_id, kind=info.kind, tokens_per_block=info.block_size,
             window_tokens=info.window_tokens, num_blocks=int(kv_cache_config.num_blocks), dtype=dtype,
             views=tuple(views),
         ))
     return groups
+
+
+def resolved_layout(vllm_config: VllmConfig | None, kv_cache_config: KVCacheConfig) -> str | None:
+    """The KV-cache layout vLLM resolved (``KVCacheConfig.kv_cache_layout``, else the cache config's)."""
+    from hkvd.shim.kv_views import layout_name
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None and vllm_config is not None:
+        name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return layout_name(name)
 
 
 def validate_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ShimConfig) -> None:
@@ -203,7 +222,7 @@ def build_engine_spec(
         max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
         mamba_cache_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none")),
         regions=regions,
-        groups=build_groups(kv_cache_config, layer_addr),
+        groups=build_groups(kv_cache_config, layer_addr, resolved_layout(vllm_config, kv_cache_config)),
         identity=engine_identity(vllm_config),
         event_groups=event_groups(kv_cache_config),
     )

@@ -126,11 +126,17 @@ class WorkerSide:
             allow_ptracer(int(client.daemon_pid))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register every layer's KV memory: each tensor is checked against the place ``KVCacheConfig`` and
+        the resolved layout give it (``hkvd.shim.kv_views``); a mismatch raises ``ValueError`` with the fix."""
+        from hkvd.shim.kv_views import check_layer_tensor, config_place
+        from hkvd.shim.spec import resolved_layout
 
-        _, kv_cache_config = self._configs()
-        block_strides = {name: t.block_stride for t in kv_cache_config.kv_cache_tensors for name in t.layers}
+        vllm_config, kv_cache_config = self._configs()
+        layout = resolved_layout(vllm_config, kv_cache_config)
+        where = {name: (t, g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups for name in g.layer_names
+                 for t in kv_cache_config.kv_cache_tensors if name in t.layers}
         tensors = {name: (t[0] if isinstance(t, list | tuple) else t) for name, t in kv_caches.items()
-                   if name in block_strides}
+                   if name in where}
         device_types = {t.device.type for t in tensors.values()}
         if device_types - {"cpu", "cuda"} or len(device_types) > 1:
             raise ValueError(f"hkvd: KV caches on {sorted(device_types)}; hkvd registers either host (CPU) or "
@@ -141,7 +147,11 @@ class WorkerSide:
             export = export_tensor
             self._gpu = GpuOrdering(one_device(tensors))
         region_of: dict[int, int] = {}
+        num_blocks = int(kv_cache_config.num_blocks)
         for name, tensor in tensors.items():
+            kvt, spec = where[name]
+            place = config_place(name, spec, layout, kvt, num_blocks)
+            offset = check_layer_tensor(name, tensor, place, spec, layout, kvt, num_blocks)
             storage = tensor.untyped_storage()
             base = storage.data_ptr()
             if base not in region_of:
@@ -149,14 +159,9 @@ class WorkerSide:
                 rid = region_of[base] = len(self._regions)
                 self._regions.append(export(rid, tensor) if export is not None else
                                      Region(region_id=rid, kind="host", size=int(storage.nbytes()), addr=int(base)))
-            stride = int(tensor.stride(0)) * int(tensor.element_size())
-            if stride != block_strides[name]:
-                raise ValueError(
-                    f"hkvd: layer {name}: block stride {stride} B in the tensor but {block_strides[name]} B in "
-                    "KVCacheConfig; this KV layout is not supported (set VLLM_KV_CACHE_LAYOUT=LBHNC).")
-            self._layer_addr[name] = (region_of[base], int(tensor.data_ptr()) - base)
-        logger.info("hkvd worker: %d KV layers in %d region(s) (%.1f GiB)", len(self._layer_addr),
-                    len(self._regions), sum(r.size for r in self._regions) / 2**30)
+            self._layer_addr[name] = (region_of[base], offset)
+        logger.info("hkvd worker: %d KV layers in %d region(s) (%.1f GiB, layout %s)", len(self._layer_addr),
+                    len(self._regions), sum(r.size for r in self._regions) / 2**30, layout)
         self._ensure(startup=True)
 
     def _ensure(self, startup: bool = False) -> Any:
