@@ -54,8 +54,14 @@ test-shim: vllm
 	$(BIN)/pytest -q tests/shim
 
 # On a CUDA machine: GPU tests and the GPU bench (they skip, with a reason, where there is no GPU).
+# The CuPy extra follows torch's CUDA major (gpu-cu12 or gpu-cu13): CuPy for another major than the
+# CUDA libraries torch brought fails at the first copy. CUDA=12|13 overrides it.
+TORCH_CUDA = $(shell $(BIN)/python -c "import torch; print((torch.version.cuda or '12').split('.')[0])" 2>/dev/null)
+CUDA ?= $(or $(TORCH_CUDA),12)
 test-gpu: dev
-	$(PIP) -q -e '.[dev,gpu]' || true
+	@case "$(CUDA)" in 12|13) ;; *) echo "test-gpu: CUDA major $(CUDA) has no extra (gpu-cu12, gpu-cu13)"; exit 2;; esac
+	$(BIN)/pip uninstall -y -q cupy-cuda$(if $(filter 12,$(CUDA)),13,12)x
+	$(PIP) -q -e '.[dev,gpu-cu$(CUDA)]' || true
 	HKVD_REQUIRE_GPU=1 $(BIN)/pytest -q -m gpu tests/gpu
 	$(BIN)/python bench/gpu_copy.py
 	$(BIN)/python bench/gpu_store_retrieve.py

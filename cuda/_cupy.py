@@ -2,7 +2,10 @@
 
 ``import hkvd.cuda`` (and every module in it) must work on the base install, which has no GPU
 package: modules call ``cupy()`` / ``runtime()`` inside functions, never at import time. The
-error names the fix. Nothing here imports NVIDIA's ``cuda`` namespace directly (a top-level
+error names the fix. The first ``cupy()`` also checks, once per process, that CuPy's CUDA can
+run on this driver and that its libraries load (``check_versions``): the one place every CuPy
+use goes through, so a wrong CuPy is refused at start-up rather than at the first copy.
+Nothing here imports NVIDIA's ``cuda`` namespace directly (a top-level
 ``cuda`` package of ours would shadow it; see docs/house-style).
 """
 
@@ -14,7 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-INSTALL_HINT = "install the GPU extra: pip install -e '.[gpu]' (cupy-cuda12x with nvrtc for the copy kernel)"
+INSTALL_HINT = ("install the GPU extra for the node's CUDA: pip install -e '.[gpu-cu12]' (CUDA 12 or later drivers) "
+                "or '.[gpu-cu13]' (CUDA 13: R580+ drivers, torch built for CUDA 13); the copy kernel needs NVRTC")
 
 # cudaError_t values we branch on (driver_types.h).
 CUDA_SUCCESS = 0
@@ -23,6 +27,13 @@ CUDA_ERROR_NOT_READY = 600
 
 class CupyMissing(ImportError):
     """CuPy is not installed (or fails to import): the CUDA path cannot run here."""
+
+
+class CudaVersionMismatch(CupyMissing):
+    """CuPy is built for a CUDA the driver cannot run, or its CUDA libraries are missing (``check_versions``)."""
+
+
+_versions_ok = False  # check_versions passed in this process (cupy() runs it once)
 
 
 def _is_checkout(root: Path) -> bool:
@@ -57,7 +68,59 @@ def cupy() -> ModuleType:
                               "the checkout's root?). Run from another directory, use the `hkvd` command, or "
                               "start Python with -P") from e
         raise CupyMissing(f"the CUDA path needs CuPy, which failed to import ({e}): {INSTALL_HINT}") from e
+    global _versions_ok
+    if not _versions_ok:
+        check_versions(cp)
+        _versions_ok = True
     return cp
+
+
+def _version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def check_versions(cp: ModuleType) -> None:
+    """Refuse a CuPy that cannot run here, before its first copy; ``CudaVersionMismatch`` names the fix.
+
+    CUDA runs a runtime on any driver of its major or a later one (a CUDA 13 driver runs a CUDA 12
+    runtime; within a major, minor-version compatibility), never on an older major. Refused:
+
+    - CuPy built for a CUDA major above the driver's (``runtimeGetVersion`` > ``driverGetVersion``):
+      cupy-cuda13x on a driver older than R580, say;
+    - CuPy whose own CUDA libraries do not load: its runtime (``libcudart`` of its major) or NVRTC
+      (the copy kernel's compiler); a CUDA 13 torch brings CUDA 13 libraries only, so cupy-cuda12x
+      beside it would otherwise fail at the first copy.
+
+    No driver at all (version 0) is not checked here: ``device_count`` reports no device.
+    """
+    rt = cp.cuda.runtime
+    try:
+        driver = int(rt.driverGetVersion())
+    except Exception:
+        return  # no usable driver: device_count reports no device
+    if driver == 0:
+        return
+    built = int(rt.runtimeGetVersion())
+    major, driver_major = built // 1000, driver // 1000
+    if major > driver_major:
+        raise CudaVersionMismatch(
+            f"CuPy is built for CUDA {_version(built)}, but the NVIDIA driver runs CUDA {_version(driver)} at most: "
+            f"a CUDA runtime cannot run on an older major's driver. Install the CuPy for the driver: "
+            f"pip uninstall -y cupy-cuda{major}x && pip install 'hkvd[gpu-cu{driver_major}]', or upgrade the driver")
+    probes = [("runtime", getattr(cp.cuda, "get_local_runtime_version", None))]
+    nvrtc = getattr(cp.cuda, "nvrtc", None)
+    probes.append(("NVRTC", getattr(nvrtc, "getVersion", None)))
+    for what, probe in probes:
+        if probe is None:
+            continue  # an older CuPy without this probe: its first use reports the problem
+        try:
+            probe()
+        except Exception as e:
+            raise CudaVersionMismatch(
+                f"CuPy is built for CUDA {major}, and the CUDA {major} {what} library does not load ({e}). Install "
+                f"it (pip install 'cupy-cuda{major}x[ctk]', or the CUDA {major} toolkit), or install the CuPy for the "
+                f"CUDA libraries this node has: pip uninstall -y cupy-cuda{major}x && pip install 'hkvd[gpu-cu13]' "
+                "(torch built for CUDA 13) or 'hkvd[gpu-cu12]'") from e
 
 
 def runtime() -> Any:
