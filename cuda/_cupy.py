@@ -17,8 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-INSTALL_HINT = ("install the GPU extra for the node's CUDA: pip install -e '.[gpu-cu12]' (CUDA 12 or later drivers) "
-                "or '.[gpu-cu13]' (CUDA 13: R580+ drivers, torch built for CUDA 13); the copy kernel needs NVRTC")
+INSTALL_HINT = ("install the GPU extra: pip install -e '.[gpu]' (CuPy for CUDA 12, which CUDA 12 and 13 drivers "
+                "run), or '.[gpu-cu13]' where torch is built for CUDA 13 (R580+ drivers); the copy kernel needs NVRTC")
 
 # cudaError_t values we branch on (driver_types.h).
 CUDA_SUCCESS = 0
