@@ -113,7 +113,7 @@ def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = 
     for info, g in zip(infos, kv_cache_config.kv_cache_groups, strict=True):
         page_bytes, dtype = _page_and_dtype(g.kv_cache_spec)
         num_blocks = int(kv_cache_config.num_blocks)
-        views = []
+        views: list[View] = []
         for name in g.layer_names:
             t = tensors.get(name)
             if t is None:
