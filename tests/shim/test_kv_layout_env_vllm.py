@@ -32,7 +32,6 @@ def test_cpu_layout_set_explicitly_cold_warm(tiny_models, outputs, daemon_factor
     common = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": BLOCK,
               "retention": BLOCK, "prompts": PROMPTS}
     cold = engine_runner(common)
-    assert "layout LBHNC" in cold["log"], cold["log"][-3000:]  # the worker's registration line
     assert outputs.hits(cold) == [0, 384, 0, 256], cold["log"][-3000:]
     warm = engine_runner(common)
     assert outputs.hits(warm) == [512, 512, 896, 384], warm["log"][-3000:]
