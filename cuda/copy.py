@@ -18,16 +18,19 @@ Role
     two processes time-slice the SMs, and the copy engines are separate hardware.
 
 Ordering
-    Each attachment has its own streams ("lanes"): one for stores, one for retrieves, so both
-    directions run at once and one engine's wedged stream never holds another's copies. A
-    store that carries the engine's step-end IPC event orders its lane after it with
-    ``cudaStreamWaitEvent`` (no host poll), then the copy is enqueued, then one of the lane's
-    interprocess events is recorded (its handle is the copy's ``done_event``: the engine's
-    stream waits on it before a forward reads retrieved blocks), then a host function
-    (``cudaLaunchHostFunc``) tells the completion thread (``hkvd.cuda.completion``) that the
-    GPU got there. ``submit`` returns as soon as this is enqueued; ``copy_ordered`` waits for
-    the host-side completion (what a store needs before its entry becomes visible, and what
-    keeps a retrieve's pool pages pinned until the GPU has read them).
+    Each attachment has its own lanes: one for stores, one for retrieves, so both directions run
+    at once. A lane has a copy stream (copies, each followed by one of the lane's interprocess
+    events, whose handle is the copy's ``done_event``, and a host function that tells the
+    completion thread, ``hkvd.cuda.completion``, that the GPU got there) and a gate stream. A
+    copy without ``wait_event`` is enqueued on the copy stream at once. A store that carries the
+    engine's step-end IPC event is gated: the gate stream waits on the event
+    (``cudaStreamWaitEvent``, no host poll) and then runs a host function; when it fires (the
+    step ended), the completion thread enqueues the copy on the copy stream, behind a
+    ``cudaStreamWaitEvent`` on that event again (complete by then: ordering by construction, at
+    no cost). No copy ever sits on a stream behind an engine's event, so a copy whose engine
+    never finishes its step is never enqueued and can never run late. ``submit`` returns at
+    once; ``copy_ordered`` waits for the host-side completion (what a store needs before its
+    entry becomes visible, and what keeps a retrieve's pool pages pinned until the GPU read them).
 
 Threading
     ``attach``/``detach``/``abandon`` run on the event loop (an IPC open maps an allocation: ~ms).
@@ -40,14 +43,20 @@ Failure
     Out-of-range segments raise ``CopyFailedError`` before anything is enqueued. Every copy has
     a budget of ``copy_timeout_s`` from submission, the wait for the step-end event included:
     past it the copy fails with ``KVTimeout`` (``CopyFailedError`` when its done event reports a
-    CUDA error) and nothing of it is reported stored. The lane of a copy that failed after it
-    was enqueued is abandoned: kept referenced with its buffers, never used again (the GPU may
-    still run it), and the next copy gets a fresh lane. CUDA faults are sticky for the context,
-    so the daemon should then stop using the device. ``abandon(attachment)`` ("the engine
-    process is gone") fails every unfinished copy of that engine at once with
-    ``CopyFailedError`` and abandons its lanes; ``detach`` then releases the IPC mappings once
-    no unsettled copy uses them (at once after ``abandon``). Whether the driver faults an
-    abandoned copy that runs after its mapping was closed is not measured (docs/gpu.md).
+    CUDA error) and nothing of it is reported stored.
+    - Still behind its gate (a wedged or dead engine): the copy is never enqueued, nothing of it
+      reads the engine's memory or writes the pool; its pages and its share of the mappings are
+      free at once. The gate stream is retired (kept referenced, never used again); later copies
+      get a fresh one.
+    - Already enqueued (the GPU is slow): its copy stream is retired the same way, and its error
+      carries ``PagesInUse`` (``hkvd.transport.errors``): its pool pages, and the mappings it
+      reads, stay in use until the GPU finished it (its host function ran). After a CUDA fault
+      host functions never run, so they stay held; faults are sticky for the context and the
+      daemon should then stop using the device.
+    ``abandon(attachment)`` ("the engine process is gone") fails every unfinished copy of that
+    engine at once with ``CopyFailedError`` by the same rules and retires its lanes; ``detach``
+    releases the IPC mappings once no copy that may still run uses them (at once when every copy
+    was still behind its gate).
 
 Lifecycle
     Build once at daemon start (registers the pool: ``hkvd.cuda.hostreg``), ``close()`` once at
@@ -57,6 +66,7 @@ Lifecycle
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -67,7 +77,7 @@ import numpy as np
 
 from hkvd.cuda import dma
 from hkvd.cuda._cupy import CUDA_ERROR_NOT_READY, cupy, runtime, status_of
-from hkvd.cuda.completion import CompletionWatcher, CopyTicket
+from hkvd.cuda.completion import CompletionWatcher, CopyTicket, LaunchFailed
 from hkvd.cuda.descriptors import (
     DEFAULT_CHUNK_BYTES,
     LEN,
@@ -243,7 +253,9 @@ class BatchCopier:
 
 
 class _Lane:
-    """One stream and its done-event ring, for one attachment and one direction. Guarded by ``lock``."""
+    """One attachment's copies in one direction: a copy stream with its done-event ring, and a gate
+    stream where step-end events are awaited. Guarded by ``lock``; ``gate`` is replaced (the old one
+    retired) when a copy timed out waiting on it."""
 
     def __init__(self, device: int, label: str) -> None:
         cp = cupy()
@@ -253,6 +265,7 @@ class _Lane:
         self.broken = False
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self.gate = cp.cuda.Stream(non_blocking=True)
             self.events = IpcEventRing(device)
 
 
@@ -315,7 +328,7 @@ class CudaCopyEngine(CopyEngine):
         self._pinned = PinnedRegistration.for_pool(pool) if register_pool else None
         self._lock = threading.Lock()
         self._lanes: list[_Lane] = []
-        self._abandoned: list[tuple[_Lane, list[CopyTicket]]] = []  # kept alive: the GPU may still use them
+        self._retired: list[Any] = []  # lanes and gate streams never used again: the GPU may still use them
         self._attached: list[Attachment] = []
         self._closed = False
         self._watcher = CompletionWatcher(event_error)
@@ -396,7 +409,9 @@ class CudaCopyEngine(CopyEngine):
                 self._attached.remove(attachment)
 
     def abandon(self, attachment: Attachment) -> None:
-        """The engine process is gone: fail its unfinished copies now and never reuse their lanes."""
+        """The engine process is gone: fail its unfinished copies now and never reuse their streams.
+        A copy still behind its gate is never enqueued; one already enqueued holds its pages and the
+        mappings until the GPU finished it."""
         st: _CudaState | None = attachment.state.get("cuda")
         if st is None:
             return
@@ -406,7 +421,7 @@ class CudaCopyEngine(CopyEngine):
             lanes = list(st.lanes.values())
             st.lanes.clear()
         for lane in lanes:
-            self._retire(lane, tickets)
+            self._retire(lane)
         err = f"engine pid {attachment.pid} is gone; its copy was abandoned"
         for t in tickets:
             t.settle(CopyFailedError(f"{t.what}: {err}"))
@@ -435,12 +450,14 @@ class CudaCopyEngine(CopyEngine):
         *,
         wait_event: bytes | None = None,
     ) -> CopyTicket:
-        """Enqueue the copy (after ``wait_event``, the engine's step-end event) and return at once.
+        """Enqueue the copy, or gate it on ``wait_event`` (the engine's step-end event), and return at once.
 
-        ``ticket.result.done_event`` may go to the engine as soon as this returns (its stream
-        waits on it); the pool side of the copy is final only once the ticket settled without an
-        exception (``wait`` / ``add_done_callback``): a store's entry must not become visible, and
-        a retrieve's pool pages must stay pinned, until then.
+        Without ``wait_event`` the copy is enqueued before this returns and ``ticket.result.done_event``
+        may go to the engine at once (its stream waits on it). With it, the copy is enqueued by the
+        completion thread when the event completed (``_gate``); ``result.done_event`` is set then. The
+        pool side of the copy is final only once the ticket settled without an exception (``wait`` /
+        ``add_done_callback``): a store's entry must not become visible, and a retrieve's pool pages
+        must stay pinned, until then; after a failure, until ``PagesInUse.of(exc)`` says they are free.
         """
         st: _CudaState | None = attachment.state.get("cuda")
         if st is None:
@@ -466,51 +483,110 @@ class CudaCopyEngine(CopyEngine):
             wait_ptr = st.events.get(wait_event) if wait_event else 0
             lane = self._lane(st, direction)
             method = choose_method(desc, self.method, kernel_ok=st.kernel_ok)
-            ticket = self._enqueue(st, lane, desc, method, wait_ptr, deadline, direction)
+            what = f"a {int(desc.shape[0])}-row {direction.value} copy ({method}) on device {st.device}"
+            ticket = CopyTicket(total_bytes(desc), b"", deadline=deadline, what=what, owner=lane,
+                                launch=functools.partial(self._launch, st, direction, desc, method, wait_ptr))
         except BaseException:
             self._drop_user(st)
             raise
-        return ticket
-
-    def _enqueue(self, st: _CudaState, lane: _Lane, desc: np.ndarray, method: str, wait_ptr: int,
-                 deadline: float, direction: Direction) -> CopyTicket:
-        cp = cupy()
-        rt = runtime()
-        n = int(desc.shape[0])
-        what = f"a {n}-row {direction.value} copy ({method}) on device {st.device}"
-        with lane.lock:
-            if lane.broken:
-                raise CopyFailedError(f"{what}: its stream was abandoned meanwhile; retry")
-            try:
-                with cp.cuda.Device(st.device):
-                    if wait_ptr:
-                        rt.streamWaitEvent(lane.stream.ptr, wait_ptr, 0)  # ordering on the GPU, no host poll
-                    keep = enqueue_copy(desc, method, lane.stream, batch=self._batch,
-                                        threads_per_block=self._tpb, chunk_bytes=self._chunk)
-                    ev, handle = lane.events.record(lane.stream.ptr)
-                    ticket = CopyTicket(total_bytes(desc), handle, deadline=deadline, what=what, event_ptr=ev,
-                                        keep=keep, owner=lane)
-                    with st.lock:
-                        st.tickets.add(ticket)
-                        gone = st.abandoned  # abandon() ran while this was enqueued
-                    ticket.add_done_callback(lambda t: self._settled(st, lane, t))
-                    self._watcher.watch(ticket)
-                    lane.stream.launch_host_func(self._watcher.gpu_reached, ticket)
-            except KVError:
-                self._retire(lane, [])
-                raise
-            except Exception as e:
-                self._retire(lane, [])  # rows may be enqueued: the stream is not reused
-                raise CopyFailedError(f"{what}: enqueueing failed: {e}") from e
+        # From here the ticket holds the mappings' user until the GPU is done with it (or never starts).
+        ticket.add_finished_callback(lambda t: self._drop_user(st))
+        ticket.add_done_callback(lambda t: self._settled(st, t))
+        with st.lock:
+            st.tickets.add(ticket)
+            gone = st.abandoned  # abandon() ran meanwhile
         if gone:
             ticket.settle(CopyFailedError(f"{what}: the engine is gone; its copy was abandoned"))
+            return ticket
+        try:
+            self._watcher.watch(ticket)
+        except KVError as e:
+            ticket.settle(e)
+            raise
+        if wait_ptr:
+            self._gate(st, direction, lane, ticket, wait_ptr)
+        else:
+            ticket.open_gate()
+            exc = ticket.exception()
+            if exc is not None:
+                raise exc
         return ticket
+
+    def _gate(self, st: _CudaState, direction: Direction, lane: _Lane, ticket: CopyTicket, wait_ptr: int) -> None:
+        """Gate ``ticket`` on the engine's event: the lane's gate stream waits on it, then a host function
+        hands the ticket to the completion thread, which enqueues the copy (``CopyTicket.open_gate``)."""
+        rt = runtime()
+        err: Exception | None = None
+        for _ in range(3):
+            if lane.broken:
+                lane = self._lane(st, direction)
+            with lane.lock:
+                if lane.broken:
+                    continue
+                gate = lane.gate
+                ticket.owner = (lane, gate)
+                try:
+                    with cupy().cuda.Device(st.device):
+                        rt.streamWaitEvent(gate.ptr, wait_ptr, 0)  # the GPU waits; no host poll
+                        gate.launch_host_func(self._watcher.gate_opened, ticket)
+                    return
+                except Exception as e:
+                    err = e
+                break
+        if err is not None:
+            self._retire_gate(lane, ticket.owner[1])
+            exc = CopyFailedError(f"{ticket.what}: waiting on the engine's step-end event failed: {err}")
+        else:
+            exc = CopyFailedError(f"{ticket.what}: its streams were abandoned meanwhile; retry")
+        ticket.settle(exc)  # nothing of it is enqueued: nothing is held
+        raise exc
+
+    def _launch(self, st: _CudaState, direction: Direction, desc: np.ndarray, method: str, wait_ptr: int,
+                ticket: CopyTicket) -> tuple[CopyResult, int, Any]:
+        """Enqueue the copy on the lane's copy stream, its done event and host function (the ticket's
+        launch: on the submitting thread, or the completion thread once the gate opened)."""
+        cp = cupy()
+        rt = runtime()
+        what = ticket.what
+        for _ in range(3):
+            try:
+                lane = self._lane(st, direction)
+            except Exception as e:
+                raise LaunchFailed(CopyFailedError(f"{what}: no stream for it: {e}"), enqueued=False) from e
+            with lane.lock:
+                if lane.broken:
+                    continue
+                ticket.owner = lane
+                stage = "wait"
+                try:
+                    with cp.cuda.Device(st.device):
+                        if wait_ptr:
+                            # Complete already (the gate saw it): ordering by construction, at no cost.
+                            rt.streamWaitEvent(lane.stream.ptr, wait_ptr, 0)
+                        stage = "copy"
+                        keep = enqueue_copy(desc, method, lane.stream, batch=self._batch,
+                                            threads_per_block=self._tpb, chunk_bytes=self._chunk)
+                        ev, handle = lane.events.record(lane.stream.ptr)
+                        lane.stream.launch_host_func(self._watcher.gpu_reached, ticket)
+                except Exception as e:
+                    self._retire(lane)  # rows may be enqueued: the stream is not reused
+                    err = e if isinstance(e, KVError) else CopyFailedError(f"{what}: enqueueing failed: {e}")
+                    if stage == "wait":
+                        raise LaunchFailed(err, enqueued=False) from e
+                    try:  # the GPU may run what was enqueued: free its pages once it passed
+                        lane.stream.launch_host_func(self._watcher.gpu_reached, ticket)
+                    except Exception:
+                        logger.warning("%s: its pool pages stay held (no host function after a failed enqueue)",
+                                       what, exc_info=True)
+                    raise LaunchFailed(err, enqueued=True) from e
+            return CopyResult(ticket.result.nbytes, handle), ev, keep
+        raise LaunchFailed(CopyFailedError(f"{what}: its stream was abandoned meanwhile; retry"), enqueued=False)
 
     def _lane(self, st: _CudaState, direction: Direction) -> _Lane:
         with st.lock:
             lane = st.lanes.get(direction)
         if lane is None or lane.broken:
-            made = _Lane(st.device, direction.value)  # a stream and 8 IPC events: outside the lock
+            made = _Lane(st.device, direction.value)  # two streams and 8 IPC events: outside the lock
             with st.lock:
                 lane = st.lanes.get(direction)
                 if lane is None or lane.broken:
@@ -522,28 +598,43 @@ class CudaCopyEngine(CopyEngine):
                     self._lanes.append(lane)
         return lane
 
-    def _retire(self, lane: _Lane, tickets: list[CopyTicket]) -> None:
-        """Never use ``lane`` again; keep it (and what its copies read) referenced."""
+    def _retire(self, lane: _Lane) -> None:
+        """Never use ``lane`` again; keep it (its streams, events) referenced: the GPU may still run it."""
         lane.broken = True
         with self._lock:
             if lane in self._lanes:
                 self._lanes.remove(lane)
-                self._abandoned.append((lane, [t for t in tickets if t.owner is lane]))
+                self._retired.append(lane)
 
-    def _settled(self, st: _CudaState, lane: _Lane, ticket: CopyTicket) -> None:
-        if ticket.exception() is not None:
-            with self._lock:
-                retired = lane not in self._lanes
-            if not retired:
-                self._retire(lane, [ticket])
-            else:
-                with self._lock:
-                    for held, kept in self._abandoned:
-                        if held is lane and ticket not in kept:
-                            kept.append(ticket)
+    def _retire_gate(self, lane: _Lane, gate: Any) -> None:
+        """A copy gave up waiting on ``gate`` (a wedged event): its later copies get a fresh gate stream;
+        the old one stays referenced and is never used again."""
+        with lane.lock:
+            if lane.broken or lane.gate is not gate:
+                return  # the lane is retired whole, or the gate was replaced already
+            try:
+                with cupy().cuda.Device(lane.device):
+                    lane.gate = cupy().cuda.Stream(non_blocking=True)
+            except Exception:
+                logger.warning("no fresh gate stream on device %d; the lane is retired", lane.device, exc_info=True)
+                lane.broken = True
+        with self._lock:
+            self._retired.append(gate)
+            if lane.broken and lane in self._lanes:
+                self._lanes.remove(lane)
+                self._retired.append(lane)
+
+    def _settled(self, st: _CudaState, ticket: CopyTicket) -> None:
         with st.lock:
             st.tickets.discard(ticket)
-        self._drop_user(st)
+        if ticket.exception() is None:
+            return
+        owner = ticket.owner
+        if isinstance(owner, _Lane):
+            if ticket.enqueued:
+                self._retire(owner)  # the GPU may still run it: the stream is not reused
+        elif isinstance(owner, tuple):
+            self._retire_gate(*owner)  # it never left the gate, which may be wedged
 
     def _drop_user(self, st: _CudaState) -> None:
         with st.lock:

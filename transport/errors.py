@@ -9,6 +9,8 @@ an unknown code (a newer daemon) becomes ``UnknownKVError`` rather than being dr
 from __future__ import annotations
 
 import enum
+import threading
+from collections.abc import Callable
 from typing import ClassVar
 
 
@@ -148,6 +150,36 @@ class InternalError(KVError):
 
 class PoolError(InternalError):
     """The pool could not be created or configured (start-up only; travels as INTERNAL)."""
+
+
+class PagesInUse:
+    """Set on a failed copy's error as ``exc.pages_in_use`` when the GPU may still run that copy.
+
+    Until ``until`` is set, the copy may still write (store) or read (retrieve) the pool pages it
+    was given, and read or write the engine memory it was given: the caller must not free, reuse or
+    unpin those pages before then. ``call_when_free(fn)`` calls ``fn()`` once they are free (at
+    once if they already are) on the thread that learns it (a copy engine's completion thread):
+    hop to the event loop from there. After a CUDA fault it may never be set (the driver runs no
+    host function after an error in the context): the pages then stay held. ``PagesInUse.of(exc)``
+    is None for an error after which nothing of the copy can run (the pages are free at once).
+    """
+
+    __slots__ = ("_add", "until")
+
+    def __init__(self, until: threading.Event, add_callback: Callable[[Callable[[], None]], None]) -> None:
+        self.until = until
+        self._add = add_callback
+
+    def is_free(self) -> bool:
+        return self.until.is_set()
+
+    def call_when_free(self, fn: Callable[[], None]) -> None:
+        self._add(fn)
+
+    @staticmethod
+    def of(exc: BaseException) -> PagesInUse | None:
+        held = getattr(exc, "pages_in_use", None)
+        return held if isinstance(held, PagesInUse) else None
 
 
 def error_from_wire(code: int, message: str) -> KVError:

@@ -1,9 +1,11 @@
 """CPU tests of the CUDA copy engine's ordering, completion and abandonment rules.
 
 CuPy's runtime is replaced at its boundary by ``_FakeGpu``: streams are queues of operations that
-run only when the test steps the GPU, a wait on an event blocks its stream until that event
-completes, copies move real bytes with memmove (the "device" memory and the pool are host
-arrays), and host functions run when their stream reaches them, as the driver would call them.
+run only when the test steps the GPU (a paused stream does not run), a wait on an event blocks its
+stream until that event completes, copies move real bytes with memmove (the "device" memory and the
+pool are host arrays), and host functions run when their stream reaches them, as the driver would
+call them (a gate stream's host function hands the copy to the completion thread, which enqueues it
+on the copy stream).
 What needs a real GPU is in ``test_cuda_gpu.py``.
 """
 
@@ -27,7 +29,7 @@ from hkvd.cuda.completion import CompletionWatcher, CopyTicket
 from hkvd.cuda.copy import CudaCopyEngine, choose_method
 from hkvd.cuda.ipc import IpcMemRegistry
 from hkvd.transport.copy_engine import Direction, Region, Segment
-from hkvd.transport.errors import CopyFailedError, KVTimeout
+from hkvd.transport.errors import CopyFailedError, KVTimeout, PagesInUse
 
 U0 = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
 POOL = 1 << 20
@@ -42,7 +44,7 @@ class _Stream:
         self.ops: list[tuple[Any, ...]] = []
 
     def launch_host_func(self, fn: Callable[[Any], None], arg: Any) -> None:
-        self.gpu.log.append(("host", self.ptr))
+        self.gpu.note(("host", self.ptr))
         self.ops.append(("host", fn, arg))
 
     def synchronize(self) -> None:
@@ -72,12 +74,12 @@ class _FakeRuntime:
 
     def eventRecord(self, ev: int, stream: int) -> None:
         self.gpu.done[ev] = False
-        self.gpu.log.append(("record", stream, ev))
         self.gpu.streams[stream].ops.append(("record", ev))
+        self.gpu.note(("record", stream, ev))
 
     def streamWaitEvent(self, stream: int, ev: int, flags: int) -> None:
-        self.gpu.log.append(("wait", stream, ev))
         self.gpu.streams[stream].ops.append(("wait", ev))
+        self.gpu.note(("wait", stream, ev))
 
     def eventQuery(self, ev: int) -> int:
         if self.gpu.fault:
@@ -89,8 +91,8 @@ class _FakeRuntime:
 
     # copies
     def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
-        self.gpu.log.append(("memcpy", stream, dst, src, n))
         self.gpu.streams[stream].ops.append(("memcpy", dst, src, n))
+        self.gpu.note(("memcpy", stream, dst, src, n))
 
     # IPC memory: handles name host arrays the test registered
     def ipcOpenMemHandle(self, handle: bytes, flags: int) -> int:
@@ -116,6 +118,8 @@ class _FakeGpu:
         self.opened: set[bytes] = set()
         self.destroyed: list[int] = []
         self.log: list[tuple[Any, ...]] = []
+        self.changed = threading.Condition()
+        self.paused: set[int] = set()  # streams that do not run (a slow GPU)
         self.fault = False
         self.rt = _FakeRuntime(self)
         gpu = self
@@ -149,8 +153,19 @@ class _FakeGpu:
         self.engine_events[handle] = ev
         return handle
 
+    def note(self, entry: tuple[Any, ...]) -> None:
+        with self.changed:
+            self.log.append(entry)
+            self.changed.notify_all()
+
+    def until(self, pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+        """Wait (on the log's condition, no sleep loop) until ``pred()`` holds; its last value."""
+        with self.changed:
+            return self.changed.wait_for(pred, timeout_s)
+
     def complete(self, handle: bytes) -> None:
         self.done[self.engine_events[handle]] = True
+        self.note(("complete", self.engine_events[handle]))
 
     def run(self) -> None:
         """Run every stream as far as it can go (a wait on an incomplete event stops that stream)."""
@@ -158,7 +173,7 @@ class _FakeGpu:
         while progress:
             progress = False
             for s in list(self.streams.values()):
-                while s.ops:
+                while s.ops and s.ptr not in self.paused:
                     op = s.ops[0]
                     if op[0] == "wait" and not self.done[op[1]]:
                         break
@@ -232,23 +247,44 @@ def _lane_stream(s: _Setup, d: Direction) -> int:
     return int(s.att.state["cuda"].lanes[d].stream.ptr)
 
 
+def _gate_stream(s: _Setup, d: Direction) -> int:
+    return int(s.att.state["cuda"].lanes[d].gate.ptr)
+
+
+def _settle_gates(gpu: _FakeGpu, s: _Setup) -> None:
+    """Run the GPU, then let the completion thread enqueue what opened gates handed it, until quiet."""
+    for _ in range(5):
+        n = len(gpu.log)
+        gpu.run()
+        assert s.eng._watcher.flush(5.0)
+        if len(gpu.log) == n:
+            return
+
+
 # ---------------------------------------------------------------------------------------------
 # Ordering
 # ---------------------------------------------------------------------------------------------
 
 
-def test_store_is_ordered_after_the_step_event_on_the_gpu(gpu: _FakeGpu, setup: _Setup) -> None:
+def test_store_is_gated_on_the_step_event_and_enqueued_only_after_it(gpu: _FakeGpu, setup: _Setup) -> None:
     step_end = gpu.engine_event()
+    ev = gpu.engine_events[step_end]
     ticket = setup.eng.submit(setup.att, [Segment(1, 0, 0, 8192)], Direction.TO_POOL, wait_event=step_end)
-    stream = _lane_stream(setup, Direction.TO_POOL)
-    ops = gpu.ops_on(stream)
-    assert ops == ["wait", "memcpy", "record", "host"], ops  # wait first, no host poll before it
-    assert next(e for e in gpu.log if e[0] == "wait")[2] == gpu.engine_events[step_end]
-    gpu.run()  # the engine's step has not ended: nothing moves
-    assert not ticket.done() and not setup.pool[:8192].any()
+    copy_stream, gate = _lane_stream(setup, Direction.TO_POOL), _gate_stream(setup, Direction.TO_POOL)
+    assert gpu.ops_on(gate) == ["wait", "host"]  # the GPU waits on the gate; no host poll
+    assert ("wait", gate, ev) in gpu.log
+    assert gpu.ops_on(copy_stream) == []  # the copy is not enqueued behind the engine's event
+    _settle_gates(gpu, setup)  # the engine's step has not ended: nothing is enqueued, nothing moves
+    assert gpu.ops_on(copy_stream) == [] and not ticket.done() and not setup.pool[:8192].any()
+    assert ticket.result.done_event == b""  # no done event is handed out before the copy is enqueued
     gpu.complete(step_end)
-    gpu.run()
+    _settle_gates(gpu, setup)
     assert ticket.wait(5.0).nbytes == 8192
+    # Enqueued by the completion thread after the gate opened, behind a wait on the (complete) event.
+    assert gpu.ops_on(copy_stream) == ["wait", "memcpy", "record", "host"]
+    done_at = gpu.log.index(("complete", ev))
+    assert all(i > done_at for i, e in enumerate(gpu.log) if e[0] == "memcpy"), "a copy op precedes the event"
+    assert ticket.result.done_event == gpu.rt.ipcGetEventHandle(next(e[2] for e in gpu.log if e[0] == "record"))
     assert np.array_equal(setup.pool[:8192], setup.device_mem[:8192])
 
 
@@ -315,21 +351,91 @@ def test_copy_ordered_returns_only_after_the_gpu_finished(gpu: _FakeGpu, setup: 
 # ---------------------------------------------------------------------------------------------
 
 
-def test_wedged_step_event_times_out_with_nothing_stored(gpu: _FakeGpu) -> None:
+def test_wedged_step_event_times_out_with_nothing_enqueued(gpu: _FakeGpu) -> None:
     for s in _make_setup(gpu, timeout_s=0.3):
-        step_end = gpu.engine_event()  # never completes
-        with pytest.raises(KVTimeout, match="within the copy budget"):
+        step_end = gpu.engine_event()  # never completes (until the end)
+        with pytest.raises(KVTimeout, match="step-end event did not complete within the copy budget") as err:
             s.eng.copy_ordered(s.att, [Segment(1, 0, 0, 8192)], Direction.TO_POOL, wait_event=step_end)
-        assert s.att.state["cuda"].lanes[Direction.TO_POOL].broken, "the wedged lane is still in use"
-        gpu.run()
-        assert not s.pool.any()
-        # The next store gets a fresh stream, and completes.
-        before = {e[1] for e in gpu.log if e[0] == "memcpy"}
-        t = s.eng.submit(s.att, [Segment(1, 0, 0, 4096)], Direction.TO_POOL)
-        gpu.run()
+        assert PagesInUse.of(err.value) is None  # nothing can run: the pages are free at once
+        copy_stream = _lane_stream(s, Direction.TO_POOL)
+        assert gpu.ops_on(copy_stream) == [] and not any(e[0] == "memcpy" for e in gpu.log)
+        assert s.att.state["cuda"].inflight == 0  # no user of the mappings is left
+        wedged_gate = next(e[1] for e in gpu.log if e[0] == "wait")
+        assert _gate_stream(s, Direction.TO_POOL) != wedged_gate, "the wedged gate is still in use"
+        assert wedged_gate in gpu.streams and wedged_gate in {id_of(x) for x in s.eng._retired}
+        # The next store waits on a fresh gate and completes; the wedged gate is never used again.
+        step2 = gpu.engine_event()
+        n = len(gpu.log)
+        t = s.eng.submit(s.att, [Segment(1, 4096, 4096, 4096)], Direction.TO_POOL, wait_event=step2)
+        gpu.complete(step2)
+        _settle_gates(gpu, s)
         assert t.wait(5.0).nbytes == 4096
-        after = {e[1] for e in gpu.log if e[0] == "memcpy"} - before
-        assert after and not after & before
+        assert all(e[1] != wedged_gate for e in gpu.log[n:])
+        # The wedged event completes at last: the timed-out copy never runs.
+        gpu.complete(step_end)
+        _settle_gates(gpu, s)
+        assert not s.pool[:4096].any() and not s.pool[8192:].any()
+        assert len([e for e in gpu.log if e[0] == "memcpy"]) == 1
+
+
+def id_of(x: Any) -> int:
+    return int(x.ptr) if hasattr(x, "ptr") else -1
+
+
+def test_abandon_before_the_step_event_releases_at_once_and_nothing_runs_later(gpu: _FakeGpu, setup: _Setup) -> None:
+    step_end = gpu.engine_event()
+    ticket = setup.eng.submit(setup.att, [Segment(1, 0, 0, 8192)], Direction.TO_POOL, wait_event=step_end)
+    copy_stream = _lane_stream(setup, Direction.TO_POOL)
+    setup.eng.abandon(setup.att)
+    with pytest.raises(CopyFailedError, match="gone") as err:
+        ticket.wait(2.0)
+    assert PagesInUse.of(err.value) is None and ticket.gpu_finished.is_set()
+    setup.eng.detach(setup.att)
+    assert gpu.opened == set(), "the mappings of a copy that never left its gate were kept"
+    gpu.complete(step_end)  # the event completes after all (or the driver lets the wait go)
+    _settle_gates(gpu, setup)
+    assert gpu.ops_on(copy_stream) == [] and not any(e[0] == "memcpy" for e in gpu.log)
+    assert not setup.pool.any()
+
+
+def test_timed_out_enqueued_copy_holds_pages_and_mappings_until_the_gpu_ran_it(gpu: _FakeGpu) -> None:
+    for s in _make_setup(gpu, timeout_s=0.3):
+        step_end = gpu.engine_event()
+        ticket = s.eng.submit(s.att, [Segment(1, 0, 0, 8192)], Direction.TO_POOL, wait_event=step_end)
+        copy_stream = _lane_stream(s, Direction.TO_POOL)
+        gpu.paused.add(copy_stream)  # the GPU is slow: the copy is enqueued but does not run in time
+        gpu.complete(step_end)
+        _settle_gates(gpu, s)
+        assert gpu.ops_on(copy_stream) == ["wait", "memcpy", "record", "host"]
+        with pytest.raises(KVTimeout, match="not complete within the copy budget") as err:
+            ticket.wait()
+        held = PagesInUse.of(err.value)
+        assert held is not None and not held.is_free()
+        freed = threading.Event()
+        held.call_when_free(freed.set)
+        assert s.att.state["cuda"].lanes[Direction.TO_POOL].broken  # its stream is never reused
+        s.eng.detach(s.att)
+        assert gpu.opened == {b"\x05" * 64}, "mapping released under a copy the GPU may still run"
+        gpu.paused.clear()
+        _settle_gates(gpu, s)  # the late copy writes the pool: the pages had to stay held
+        assert np.array_equal(s.pool[:8192], s.device_mem[:8192])
+        assert freed.wait(5.0) and held.is_free()
+        assert gpu.until(lambda: gpu.opened == set())
+
+
+def test_abandon_of_an_enqueued_copy_holds_its_pages_until_the_gpu_ran_it(gpu: _FakeGpu, setup: _Setup) -> None:
+    setup.pool[:4096] = 3
+    ticket = setup.eng.submit(setup.att, [Segment(1, 0, 0, 4096)], Direction.FROM_POOL)
+    setup.eng.abandon(setup.att)
+    with pytest.raises(CopyFailedError, match="gone") as err:
+        ticket.wait(2.0)
+    held = PagesInUse.of(err.value)
+    assert held is not None and not held.is_free()
+    setup.eng.detach(setup.att)
+    assert gpu.opened == {b"\x05" * 64}
+    _settle_gates(gpu, setup)
+    assert held.until.wait(5.0) and gpu.until(lambda: gpu.opened == set())
+    assert (setup.device_mem[:4096] == 3).all()
 
 
 def test_cuda_error_at_the_deadline_is_a_copy_failure(gpu: _FakeGpu) -> None:
