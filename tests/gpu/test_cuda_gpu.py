@@ -23,7 +23,7 @@ import pytest
 
 from hkvd.cuda._cupy import cupy_available, device_count
 from hkvd.transport.copy_engine import Direction, Region, Segment
-from hkvd.transport.errors import CopyFailedError
+from hkvd.transport.errors import CopyFailedError, KVTimeout, PagesInUse
 
 pytestmark = pytest.mark.gpu
 
@@ -216,11 +216,13 @@ def test_store_waits_for_the_engines_step_event(engine: Engine, pool: MmapPool) 
 
 
 def test_abandon_ends_a_store_waiting_on_the_engines_event(engine: Engine, pool: MmapPool) -> None:
-    """Two stores enqueued behind a slow step event are both in flight; abandon fails them at once."""
+    """Two stores gated on a slow step event are both in flight; abandon fails them at once, nothing of
+    them is enqueued (the mappings close at once), and when the step ends after all, nothing runs."""
     from hkvd.cuda.copy import CudaCopyEngine
 
     nbytes = 1 << 20
     regions = engine.alloc(2 * nbytes, seed=9)
+    pool.array[: 2 * nbytes] = 0
     eng = CudaCopyEngine(pool, method="memcpy")
     try:
         att = eng.attach(engine.proc.pid, regions)
@@ -231,12 +233,34 @@ def test_abandon_ends_a_store_waiting_on_the_engines_event(engine: Engine, pool:
         t0 = time.monotonic()
         eng.abandon(att)
         for t in (first, second):
-            with pytest.raises(CopyFailedError, match="gone"):
+            with pytest.raises(CopyFailedError, match="gone") as err:
                 t.wait(2.0)
+            assert PagesInUse.of(err.value) is None and t.gpu_finished.is_set()
         assert time.monotonic() - t0 < 2.0
-        # The engine is alive here: let the abandoned copies run before the mappings close, so a
-        # late copy cannot touch an unmapped range and fault this process's context for later tests.
-        assert first.gpu_finished.wait(30) and second.gpu_finished.wait(30)
+        eng.detach(att)  # nothing was enqueued: the mappings close now, under no copy
+        engine.call("read")  # the engine's step ends (its device synchronises)
+        assert eng._watcher.flush(5.0)  # the gate's host function ran and enqueued nothing
+        assert not pool.array[: 2 * nbytes].any(), "an abandoned copy ran after its step ended"
+    finally:
+        eng.close()
+
+
+def test_wedged_step_event_times_out_with_nothing_enqueued(engine: Engine, pool: MmapPool) -> None:
+    from hkvd.cuda.copy import CudaCopyEngine
+
+    nbytes = 1 << 20
+    regions = engine.alloc(nbytes, seed=11)
+    pool.array[:nbytes] = 0
+    eng = CudaCopyEngine(pool, method="memcpy", copy_timeout_s=0.5)
+    try:
+        att = eng.attach(engine.proc.pid, regions)
+        (handle,) = engine.call("slow_fill", 12, 3000)
+        with pytest.raises(KVTimeout, match="step-end event did not complete") as err:
+            eng.copy_ordered(att, [Segment(1, 0, 0, nbytes)], Direction.TO_POOL, wait_event=handle)
+        assert PagesInUse.of(err.value) is None
+        engine.call("read")
+        assert eng._watcher.flush(5.0)
+        assert not pool.array[:nbytes].any(), "a timed-out copy ran once the step ended"
         eng.detach(att)
     finally:
         eng.close()
