@@ -127,7 +127,7 @@ OPTIONS: tuple[Option, ...] = (
            "N", "2"),
     Option("--copy-engine", "copy_engine", _lower, "host",
            "host (KV caches in CPU memory: process_vm_readv/writev) or cuda (GPU KV caches over CUDA IPC; "
-           "needs hkvd[gpu]; docs/gpu.md)", example='"host"', essential=True),
+           "needs hkvd[gpu-cu12], or hkvd[gpu-cu13] where only CUDA 13 libraries are installed; docs/gpu.md)", example='"host"', essential=True),
     Option("--cuda-copy-method", "cuda_copy_method", _lower, "auto",
            "with --copy-engine cuda: memcpy (the GPU's DMA copy engines, which leave the engine's SMs alone), "
            "kernel (a gather/scatter kernel on the SMs), or auto (the kernel only for requests of thousands "
