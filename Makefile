@@ -65,6 +65,7 @@ test-gpu: dev
 	HKVD_REQUIRE_GPU=1 $(BIN)/pytest -q -m gpu tests/gpu
 	$(BIN)/python bench/gpu_copy.py
 	$(BIN)/python bench/gpu_store_retrieve.py
+	$(BIN)/python bench/gpu_interference.py
 
 lint: dev
 	$(BIN)/ruff check daemon shim transport cuda tests bench
