@@ -6,11 +6,11 @@ Role
     same spec, so they cannot drift apart. ``build_groups`` / ``build_engine_spec`` turn
     ``KVCacheConfig`` into our ``GroupSpec``/``View`` table. The scheduler side has no tensors, so
     it describes views from ``KVCacheConfig.kv_cache_tensors`` and the resolved layout; the worker
-    side passes the address of every layer, checked against its tensors (``hkvd.shim.kv_views``).
-    Both derive each page's pieces from the config alone and emit one view per piece per layer in
-    ``group.layer_names`` order, so the format part (kind, tokens per block, window, dtype,
-    (num_layers, page_bytes) per view) and hence the daemon's layout fingerprint are identical on
-    both sides.
+    side passes the address of every layer and the pieces that visit its page in the canonical
+    order, read from its tensors and checked against the config (``hkvd.shim.kv_views``). Both emit
+    one view per layer in ``group.layer_names`` order, so the format part (kind, tokens per block,
+    window, dtype, (num_layers, page_bytes) per view) and hence the daemon's layout fingerprint are
+    identical on both sides; the layout tag names the canonical page order, not the layout.
 
 Errors
     ``validate_vllm`` raises ``ValueError`` with the fix for settings a restart with other flags
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only (vLLM is imp
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
+    from hkvd.shim.kv_views import Pieces
     from hkvd.transport.copy_engine import Region
 
 logger = logging.getLogger("hkvd.shim")
@@ -92,18 +93,19 @@ def _page_and_dtype(spec: KVCacheSpec) -> tuple[int, str]:
     return int(spec.real_page_size_bytes), _dtype_name(spec.dtype)
 
 
-LayerAddr = Callable[[str], tuple[int, int]]  # layer name -> (region_id, byte offset in region)
+# layer name -> (region_id, byte offset of its page of block 0 in the region, the page's pieces in canonical order)
+LayerAddr = Callable[[str], tuple[int, int, "Pieces"]]
 
 
 def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = None,
                  layout: str | None = None) -> list[GroupSpec]:
-    """Our ``GroupSpec`` list: per layer, in ``group.layer_names`` order, one ``View`` per contiguous
-    piece of its page (``hkvd.shim.kv_views``: one for layouts that keep a page whole).
+    """Our ``GroupSpec`` list: one ``View`` per layer, in ``group.layer_names`` order.
 
     ``layer_addr=None`` (scheduler side) places layer l of a ``KVCacheTensor`` at
-    ``offset + l * layer_stride`` of region 0: only the format matters for a lookup-only
-    registration. The worker passes the (region, offset) of each layer's page of block 0, which it
-    checked against its tensors. ``layout``: vLLM's resolved ``VLLM_KV_CACHE_LAYOUT``.
+    ``offset + l * layer_stride`` of region 0, without pieces: only the format matters for a
+    lookup-only registration. The worker passes the (region, offset, pieces) of each layer's page
+    of block 0, which it read from and checked against its tensors; a page that is one run gets no
+    pieces. ``layout``: vLLM's resolved ``VLLM_KV_CACHE_LAYOUT``.
     """
     from hkvd.shim.kv_views import config_place
 
@@ -123,9 +125,12 @@ def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = 
                 raise ValueError(f"hkvd: layer {name} (KV-cache layout {layout}): its pages hold "
                                  f"{sum(n for _, n in place.pieces)} B by the layout but {page_bytes} B by its "
                                  "spec. Remove the hkvd kv_transfer_config for this model.")
-            region_id, offset = layer_addr(name) if layer_addr else (0, place.start)
-            views.extend(View(region_id, offset + off, 1, place.block_stride * num_blocks, place.block_stride, n)
-                         for off, n in place.pieces)
+            region_id, offset, pieces = layer_addr(name) if layer_addr else (0, place.start, ())
+            if sum(n for _, n in pieces or place.pieces) != page_bytes:
+                raise ValueError(f"hkvd: layer {name}: the worker's pieces {list(pieces)[:4]} do not hold its "
+                                 f"{page_bytes} B page. Remove the hkvd kv_transfer_config for this model.")
+            views.append(View(region_id, offset, 1, place.block_stride * num_blocks, place.block_stride, page_bytes,
+                              () if pieces == ((0, page_bytes),) else tuple(pieces)))
         groups.append(GroupSpec(
             group_id=info.group_id, kind=info.kind, tokens_per_block=info.block_size,
             window_tokens=info.window_tokens, num_blocks=int(kv_cache_config.num_blocks), dtype=dtype,
@@ -189,11 +194,14 @@ def effective_chunk_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     return cfg.chunk_size or int(vllm_config.cache_config.block_size)
 
 
-def layout_tag(kv_cache_config: KVCacheConfig) -> str:
+def layout_tag(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig | None = None) -> str:
+    """The device type and the canonical page order entries hold (``hkvd.shim.kv_views.page_order``), e.g.
+    ``cpu/HNC``: engines of one model whose layouts or kernel block sizes differ share entries when it matches."""
     from vllm.platforms import current_platform
 
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
-    return f"{current_platform.device_type}/{layout}"
+    from hkvd.shim.kv_views import page_order
+
+    return f"{current_platform.device_type}/{page_order(resolved_layout(vllm_config, kv_cache_config))}"
 
 
 def _worker_rank() -> int:
@@ -216,7 +224,7 @@ def build_engine_spec(
         world_size=int(par.world_size),
         # The scheduler looks up with rank 0's format; each worker registers its own rank.
         rank=_worker_rank() if layer_addr else 0,
-        layout_tag=layout_tag(kv_cache_config),
+        layout_tag=layout_tag(kv_cache_config, vllm_config),
         chunk_size=effective_chunk_size(vllm_config, kv_cache_config, cfg),
         block_size=int(vllm_config.cache_config.block_size),
         max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),

@@ -91,7 +91,7 @@ class WorkerSide:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._regions: list[Region] = []
-        self._layer_addr: dict[str, tuple[int, int]] = {}
+        self._layer_addr: dict[str, tuple[int, int, tuple[tuple[int, int], ...]]] = {}
         self.link = DaemonLink(cfg, "worker", "vllm-worker", self._spec, on_connected=self._allow_daemon)
         self._gen = 0
         self._seq = 0
@@ -151,7 +151,7 @@ class WorkerSide:
         for name, tensor in tensors.items():
             kvt, spec = where[name]
             place = config_place(name, spec, layout, kvt, num_blocks)
-            offset = check_layer_tensor(name, tensor, place, spec, layout, kvt, num_blocks)
+            offset, pieces = check_layer_tensor(name, tensor, place, spec, layout, kvt, num_blocks)
             storage = tensor.untyped_storage()
             base = storage.data_ptr()
             if base not in region_of:
@@ -159,7 +159,7 @@ class WorkerSide:
                 rid = region_of[base] = len(self._regions)
                 self._regions.append(export(rid, tensor) if export is not None else
                                      Region(region_id=rid, kind="host", size=int(storage.nbytes()), addr=int(base)))
-            self._layer_addr[name] = (region_of[base], offset)
+            self._layer_addr[name] = (region_of[base], offset, pieces)
         logger.info("hkvd worker: %d KV layers in %d region(s) (%.1f GiB, layout %s)", len(self._layer_addr),
                     len(self._regions), sum(r.size for r in self._regions) / 2**30, layout)
         self._ensure(startup=True)

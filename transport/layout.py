@@ -8,11 +8,15 @@ Role
 
 Layout of an entry (the contract with every engine and every peer)
     An entry is one group's bytes for one chunk: for each block id in order, for each view in
-    order, for each layer in order, the ``page_bytes`` at
+    order, for each layer in order, the ``page_bytes`` of the page that starts at
     ``view.offset + layer * view.layer_stride + block * view.block_stride`` of ``view.region_id``.
-    Those logical bytes are laid into the pool extents in order; a page may straddle two
-    extents and is then split. Strides are not part of the format: two engines whose views have
-    the same (num_layers, page_bytes) share entries whatever their strides.
+    A page's bytes are taken in its canonical order: the view's ``pieces`` ((offset from the page
+    start, bytes) each, in that order), or the one contiguous run when it has none. Those logical
+    bytes are laid into the pool extents in order; a piece may straddle two extents and is then
+    split. Strides and pieces are not part of the format: two engines whose views have the same
+    (num_layers, page_bytes) share entries whatever their strides and pieces, so an engine whose
+    page is scattered (heads outside the block dim, kernel blocks) lists the pieces that put its
+    bytes in the canonical order its registration names (``hkvd.shim.kv_views``).
 
 Threading
     Pure and immutable, apart from a bounded cache of per-group block templates (plain dict
@@ -20,7 +24,8 @@ Threading
 
 Contracts
     - ``GroupSpec.validate`` raises ``ValueError`` naming the group and view when a view leaves
-      its region for some block in [0, num_blocks) and layer, or when a field is nonsensical.
+      its region for some block in [0, num_blocks) and layer, when its pieces are not positive,
+      disjoint and ``page_bytes`` in all, or when a field is nonsensical.
     - ``segments_for_entry`` rejects block id 0 (vLLM's null block: never copied) and ids outside
       [1, num_blocks), and extents that do not cover exactly the entry's bytes.
 """
@@ -29,11 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from hkvd.transport.copy_engine import Segment
 
 KINDS = ("full", "swa", "mamba")
 NULL_BLOCK = 0
+MAX_PIECES = 4096  # per view: beyond this a page is too scattered to copy one run at a time
+Pieces = tuple[tuple[int, int], ...]  # (byte offset from the page start, bytes), in canonical order
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,8 @@ class View:
     ``block_stride == page_bytes * num_layers`` with ``layer_stride == page_bytes`` is the
     block-major (BL) layout; ``layer_stride == num_blocks * block_stride`` is layer-major (LB).
     Mamba views usually have ``page_bytes`` smaller than ``block_stride`` (padded pages).
+    ``pieces``: where the page's bytes live, in the entry's order, as (offset from the page start,
+    bytes) runs summing to ``page_bytes``; empty (the default) is the one contiguous page.
     """
 
     region_id: int
@@ -51,11 +61,17 @@ class View:
     layer_stride: int
     block_stride: int
     page_bytes: int
+    pieces: Pieces = ()
 
     @property
     def block_bytes(self) -> int:
         """Bytes this view contributes to one block of an entry."""
         return self.num_layers * self.page_bytes
+
+    @property
+    def runs(self) -> Pieces:
+        """The page's runs in entry order: ``pieces``, or the whole page."""
+        return self.pieces or ((0, self.page_bytes),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,18 +138,39 @@ def _validate_view(where: str, v: View, num_blocks: int, regions: Mapping[int, i
         raise ValueError(f"{where}: layer_stride is 0 with {v.num_layers} layers (layers would alias)")
     if v.block_stride == 0:
         raise ValueError(f"{where}: block_stride is 0 (blocks would alias)")
+    page_end = _validate_pieces(where, v)
     if regions is None:
         return
     if v.region_id not in regions:
         raise ValueError(f"{where}: region {v.region_id} is not registered (have {sorted(regions)})")
     size = regions[v.region_id]
     # Strides are >= 0, so the last byte touched is at the last layer of the last block.
-    end = v.offset + (v.num_layers - 1) * v.layer_stride + (num_blocks - 1) * v.block_stride + v.page_bytes
+    end = v.offset + (v.num_layers - 1) * v.layer_stride + (num_blocks - 1) * v.block_stride + page_end
     if end > size:
         raise ValueError(
             f"{where}: layer {v.num_layers - 1} of block {num_blocks - 1} ends at byte {end}, past the end "
             f"of region {v.region_id} ({size} bytes)"
         )
+
+
+def _validate_pieces(where: str, v: View) -> int:
+    """Check ``v.pieces``; return the end of the page's last byte from the page start."""
+    if not v.pieces:
+        return v.page_bytes
+    if len(v.pieces) > MAX_PIECES:
+        raise ValueError(f"{where}: {len(v.pieces)} pieces, at most {MAX_PIECES}")
+    total = 0
+    for off, n in v.pieces:
+        if off < 0 or n <= 0:
+            raise ValueError(f"{where}: piece ({off}, {n}) needs offset >= 0 and bytes > 0")
+        total += n
+    if total != v.page_bytes:
+        raise ValueError(f"{where}: pieces hold {total} bytes, page_bytes is {v.page_bytes}")
+    ordered = sorted(v.pieces)
+    for (a, n), (b, _) in pairwise(ordered):
+        if a + n > b:
+            raise ValueError(f"{where}: pieces at offsets {a} ({n} bytes) and {b} overlap")
+    return ordered[-1][0] + ordered[-1][1]
 
 
 def blocks_per_entry(group: GroupSpec, chunk_size: int) -> int:
@@ -163,9 +200,9 @@ _TEMPLATES_MAX = 1024
 def _block_template(group: GroupSpec) -> tuple[tuple[tuple[int, int, int, int], ...], int]:
     """The pages of one block as runs ``(region_id, offset at block 0, block_stride, nbytes)``.
 
-    Consecutive pages merge into one run when they are adjacent in the same region for *every*
-    block, i.e. with equal block strides (block-major layouts: all layers of a view become one
-    run). Returns the runs and the block's bytes.
+    Each page contributes its pieces in order. Consecutive runs merge into one when they are
+    adjacent in the same region for *every* block, i.e. with equal block strides (block-major
+    layouts: all layers of a view become one run). Returns the runs and the block's bytes.
     """
     hit = _TEMPLATES.get(id(group))
     if hit is not None and hit[0] is group:
@@ -173,12 +210,15 @@ def _block_template(group: GroupSpec) -> tuple[tuple[tuple[int, int, int, int], 
     runs: list[list[int]] = []
     for v in group.views:
         for layer in range(v.num_layers):
-            off = v.offset + layer * v.layer_stride
-            last = runs[-1] if runs else None
-            if last is not None and last[0] == v.region_id and last[2] == v.block_stride and last[1] + last[3] == off:
-                last[3] += v.page_bytes
-            else:
-                runs.append([v.region_id, off, v.block_stride, v.page_bytes])
+            page = v.offset + layer * v.layer_stride
+            for piece, nbytes in v.runs:
+                off = page + piece
+                last = runs[-1] if runs else None
+                if (last is not None and last[0] == v.region_id and last[2] == v.block_stride
+                        and last[1] + last[3] == off):
+                    last[3] += nbytes
+                else:
+                    runs.append([v.region_id, off, v.block_stride, nbytes])
     template = tuple((r[0], r[1], r[2], r[3]) for r in runs)
     block = sum(r[3] for r in template)
     if len(_TEMPLATES) >= _TEMPLATES_MAX:
@@ -271,7 +311,7 @@ def segments_for_entries(
 def segments_for_entry(
     group: GroupSpec, block_ids: Sequence[int], extents: Sequence[tuple[int, int]]
 ) -> list[Segment]:
-    """Map an entry's pages (blocks, then views, then layers) onto pool ``extents`` in order.
+    """Map an entry's pages (blocks, then views, then layers, then pieces) onto pool ``extents`` in order.
 
     Adjacent pieces are merged when both the engine side (same region, next byte) and the pool
     side (next byte) are contiguous: a block-major engine with a one-extent entry collapses to

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hkvd.transport.copy_engine import Segment
 from hkvd.transport.layout import (
+    MAX_PIECES,
     GroupSpec,
     View,
     blocks_per_entry,
@@ -29,7 +30,8 @@ def reference_bytes(group: GroupSpec, block_ids: list[int]) -> list[tuple[int, i
         for v in group.views:
             for layer in range(v.num_layers):
                 start = v.offset + layer * v.layer_stride + b * v.block_stride
-                out.extend((v.region_id, start + i) for i in range(v.page_bytes))
+                for off, n in v.pieces or ((0, v.page_bytes),):  # a scattered page: its pieces in order
+                    out.extend((v.region_id, start + off + i) for i in range(n))
     return out
 
 
@@ -69,7 +71,11 @@ def views(draw: st.DrawFn, num_blocks: int, region_id: int) -> View:
     else:  # mamba: a padded page inside a larger per-block slot, one tensor per layer
         block_stride = page + draw(st.integers(1, 32))
         layer_stride = num_blocks * block_stride
-    return View(region_id, offset, layers, layer_stride, block_stride, page)
+    # Pieces: the page cut into up to 4 runs, listed in a random order (heads outside the block dim).
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, page - 1)), max_size=3))) - {page})
+    runs = [(lo, hi - lo) for lo, hi in itertools.pairwise([0, *cuts, page])]
+    pieces = tuple(draw(st.permutations(runs))) if draw(st.booleans()) else ()
+    return View(region_id, offset, layers, layer_stride, block_stride, page, pieces)
 
 
 @st.composite
@@ -293,3 +299,66 @@ def test_validate_without_regions_checks_format_only() -> None:
     g.validate(None)
     with pytest.raises(ValueError, match="kind"):
         replace(g, kind="linear").validate(None)
+
+
+# -- pieces: a page whose bytes are scattered, taken in the order its view lists them --------------
+
+
+def test_pieces_are_copied_in_their_order_not_address_order() -> None:
+    """A 96-byte page stored as three runs, listed last-first: an entry holds them in the listed order, so the
+    pool bytes are a permutation of the engine bytes that matches the listing, block after block."""
+    pieces = ((64, 32), (0, 32), (32, 32))
+    v = View(0, 100, 1, 0, 128, 96, pieces)
+    g = GroupSpec(0, "full", 16, 0, 8, "int8", (v,))
+    g.validate({0: 100 + 7 * 128 + 96})
+    segs = segments_for_entry(g, [2, 5], [(1000, 2 * 96)])
+    want = []
+    for i, b in enumerate((2, 5)):
+        page = 100 + b * 128
+        pool = 1000 + i * 96
+        want += [Segment(0, page + 64, pool, 32), Segment(0, page, pool + 32, 64)]  # the last two merge
+    assert segs == want
+    assert segments_for_entries([(g, [2, 5], [(1000, 2 * 96)])]) == want
+    # A whole page listed as one piece is the same as no pieces.
+    one = replace(g, views=(replace(v, pieces=((0, 96),)),))
+    assert segments_for_entry(one, [2], [(0, 96)]) == segments_for_entry(replace(g, views=(replace(v, pieces=()),)),
+                                                                          [2], [(0, 96)])
+
+
+def test_pieces_straddle_extents_and_follow_layers() -> None:
+    v = View(3, 0, 2, 1000, 100, 40, ((20, 20), (0, 20)))  # two layers, each page's halves swapped
+    g = GroupSpec(0, "full", 16, 0, 4, "int8", (v,))
+    segs = segments_for_entry(g, [1], [(0, 30), (500, 50)])
+    assert [(s.region_offset, s.pool_offset, s.nbytes) for s in segs] == [
+        (120, 0, 20), (100, 20, 10), (110, 500, 10), (1120, 510, 20), (1100, 530, 20)]
+
+
+@pytest.mark.parametrize(("pieces", "match"), [
+    (((0, 32), (32, 0)), "bytes > 0"),
+    (((-1, 32), (31, 32)), "offset >= 0"),
+    (((0, 32), (32, 31)), "pieces hold 63 bytes"),
+    (((0, 33), (32, 31)), "overlap"),
+    (((40, 32), (0, 32)), None),  # a gap is fine: only the page's own bytes are copied
+    (((40, 32), (0, 32)), "past the end"),  # ... but the last piece must stay inside the region
+])
+def test_validate_checks_pieces(pieces: tuple[tuple[int, int], ...], match: str | None) -> None:
+    v = View(0, 0, 2, 1024, 128, 64, pieces)
+    g = GroupSpec(0, "full", 16, 0, 4, "int8", (v,))
+    last = 1024 + 3 * 128
+    if match is None:
+        g.validate({0: last + 72})
+        return
+    size = last + 71 if match == "past the end" else 1 << 20
+    with pytest.raises(ValueError, match=match):
+        g.validate({0: size})
+    if match != "past the end":  # a format error even without regions
+        with pytest.raises(ValueError, match=match):
+            g.validate(None)
+
+
+def test_validate_bounds_the_number_of_pieces() -> None:
+    many = tuple((2 * i, 1) for i in range(MAX_PIECES + 1))
+    g = GroupSpec(0, "full", 16, 0, 4, "int8", (View(0, 0, 1, 0, 1 << 14, MAX_PIECES + 1, many),))
+    with pytest.raises(ValueError, match=f"at most {MAX_PIECES}"):
+        g.validate(None)
+    replace(g, views=(View(0, 0, 1, 0, 1 << 14, MAX_PIECES, many[:-1]),)).validate(None)

@@ -188,3 +188,46 @@ def test_rank_fingerprints_are_each_ranks_own():
     fps = rank_fingerprints(spec, 64, range(4))
     assert fps == tuple(fingerprint(dataclasses.replace(spec, rank=r), 64) for r in range(4))
     assert len(set(fps)) == 4 and fps[2] == fingerprint(spec, 64)
+
+
+def _pieces_spec(pieces: object) -> dict:
+    wire = _spec_wire(1, 2)
+    wire["groups"][0]["views"][1] = [*wire["groups"][0]["views"][1], pieces]
+    return wire
+
+
+def test_view_pieces_travel_in_a_register_frame():
+    from hkvd.daemon.registry import fingerprint
+    from hkvd.transport.layout import View
+
+    pieces = [[2048, 2048], [0, 2048]]
+    msg = control.Register(7, _pieces_spec(pieces))
+    got = decode_body(FrameDecoder().feed(encode(msg))[0]).engine_spec()  # type: ignore[attr-defined]
+    views = got.groups[0].views
+    assert views[0].pieces == () and views[1] == View(0, 0, 1, 4096, 4096, 4096, ((2048, 2048), (0, 2048)))
+    assert got.to_wire() == msg.spec  # a view without pieces stays 6 integers on the wire
+    # Pieces say where bytes live, not what they mean: the fingerprint ignores them.
+    assert fingerprint(got, 32) == fingerprint(control.EngineSpec.from_wire(_spec_wire(1, 2)), 32)
+
+
+@pytest.mark.parametrize(("pieces", "match"), [
+    ([], "1 to 4096"),
+    ([[0, 1]] * 4097, "1 to 4096"),
+    ("x", "1 to 4096"),
+    ([[0, 2048], [2048]], r"\[1\]: expected \[offset"),
+    ([[0, 2048], [2048, True]], r"\[1\]: expected \[offset"),
+    ([[0, 2048], (2048, 1.0)], r"\[1\]: expected \[offset"),
+])
+def test_bad_view_pieces_are_refused(pieces: object, match: str):
+    with pytest.raises(ProtocolViolation, match=r"groups\[0\]\.views\[1\]\.pieces.*" + match):
+        control.EngineSpec.from_wire(_pieces_spec(pieces))
+
+
+def test_view_pieces_are_bounded_in_all_groups_together():
+    wire = _spec_wire(17, 1)
+    for g in wire["groups"]:
+        g["views"][0].append([[i, 1] for i in range(4096)])
+    with pytest.raises(ProtocolViolation, match="at most 65536 view pieces"):
+        control.EngineSpec.from_wire(wire)
+    wire["groups"].pop()
+    assert len(control.EngineSpec.from_wire(wire).groups) == 16

@@ -12,7 +12,7 @@ from typing import Any
 
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.layout import GroupSpec, View
+from hkvd.transport.layout import MAX_PIECES, GroupSpec, View
 from hkvd.transport.wire.message import Message, MsgType, check_u64
 
 ROLES = ("scheduler", "worker", "tool", "peer")
@@ -23,6 +23,9 @@ MAX_VIEWS = 4096
 # Views of all groups together: one per layer tensor of a group; real models have hundreds. Bounds a
 # Register frame (~200 KB) and the work it costs the daemon's loop (tens of milliseconds).
 MAX_TOTAL_VIEWS = 16384
+# Pieces of all views together (a view's page scattered by heads or kernel blocks): bounds a Register
+# frame (~1 MB) and the daemon's block templates.
+MAX_TOTAL_PIECES = 65536
 MAX_IDENTITY = 256
 MAX_WORLD_SIZE = 256
 MAX_EVENT_KIND = 64
@@ -79,7 +82,8 @@ class EngineSpec:
             "groups": [
                 {"group_id": g.group_id, "kind": g.kind, "tokens_per_block": g.tokens_per_block,
                  "window_tokens": g.window_tokens, "num_blocks": g.num_blocks, "dtype": g.dtype,
-                 "views": [[v.region_id, v.offset, v.num_layers, v.layer_stride, v.block_stride, v.page_bytes]
+                 "views": [[v.region_id, v.offset, v.num_layers, v.layer_stride, v.block_stride, v.page_bytes,
+                            *([[list(p) for p in v.pieces]] if v.pieces else [])]
                            for v in g.views]}
                 for g in self.groups
             ],
@@ -104,7 +108,7 @@ class EngineSpec:
                 offset=_get(r, "offset", int, rw),
             ))
         groups = []
-        total_views = 0
+        total_views = total_pieces = 0
         for i, g in enumerate(groups_raw):
             gw = f"{w}.groups[{i}]"
             if not isinstance(g, dict):
@@ -118,12 +122,17 @@ class EngineSpec:
                                         "layer tensor of a group); register each KV-cache tensor once")
             views = []
             for j, v in enumerate(views_raw):
-                if (not isinstance(v, list) or len(v) != 6
-                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+                if (not isinstance(v, list) or len(v) not in (6, 7)
+                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v[:6])):
                     raise ProtocolViolation(f"{gw}.views[{j}]: expected 6 integers "
                                             "(region_id, offset, num_layers, layer_stride, block_stride, "
-                                            "page_bytes)")
-                views.append(View(*v))
+                                            "page_bytes), then optionally its pieces")
+                pieces = _pieces(v[6], f"{gw}.views[{j}].pieces") if len(v) == 7 else ()
+                total_pieces += len(pieces)
+                if total_pieces > MAX_TOTAL_PIECES:
+                    raise ProtocolViolation(f"{w}: at most {MAX_TOTAL_PIECES} view pieces in all groups together; "
+                                            "register a KV-cache layout that keeps pages whole")
+                views.append(View(*v[:6], pieces=pieces))
             groups.append(GroupSpec(
                 group_id=_get(g, "group_id", int, gw), kind=_get(g, "kind", str, gw),
                 tokens_per_block=_get(g, "tokens_per_block", int, gw),
@@ -166,6 +175,18 @@ class EngineSpec:
             raise ProtocolViolation(f"identity: at most {MAX_IDENTITY} characters")
         if self.event_groups and sorted(g[0] for g in self.event_groups) != sorted(gids):
             raise ProtocolViolation("event_groups must name each registered group once")
+
+
+def _pieces(raw: Any, where: str) -> tuple[tuple[int, int], ...]:
+    """A view's pieces: 1 to ``MAX_PIECES`` [offset, bytes] pairs (their values: ``GroupSpec.validate``)."""
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PIECES:
+        raise ProtocolViolation(f"{where}: a list of 1 to {MAX_PIECES} [offset, bytes] pairs")
+    out = []
+    for i, p in enumerate(raw):
+        if not isinstance(p, list) or len(p) != 2 or type(p[0]) is not int or type(p[1]) is not int:
+            raise ProtocolViolation(f"{where}[{i}]: expected [offset from the page start, bytes]")
+        out.append((p[0], p[1]))
+    return tuple(out)
 
 
 def _event_groups(raw: Any, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
