@@ -86,7 +86,7 @@ from hkvd.cuda.descriptors import (
     launch_geometry,
     total_bytes,
 )
-from hkvd.cuda.hostreg import PinnedRegistration, PoolLike
+from hkvd.cuda.hostreg import MAX_REGISTER_BYTES, PinnedRegistration, PoolLike
 from hkvd.cuda.ipc import REGISTRY, check_region_fields, match_device, visible_device_uuids
 from hkvd.cuda.ipc_events import IpcEventRing, OpenedEvents
 from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, EngineProcess, Region, Segment
@@ -298,7 +298,8 @@ class CudaCopyEngine(CopyEngine):
     """Copy engine for "cuda" regions. See the module docstring.
 
     ``pool`` needs ``base_addr`` and ``size`` (a ``HugePagePool``); it is registered as pinned
-    here unless ``register_pool=False`` (the caller then guarantees it is registered).
+    here unless ``register_pool=False`` (the caller then guarantees it is registered), in registrations of
+    at most ``pin_chunk_bytes`` (copies are split at their boundaries: ``hkvd.cuda.descriptors.split_at``).
     """
 
     name = "cuda"
@@ -312,6 +313,7 @@ class CudaCopyEngine(CopyEngine):
         threads_per_block: int = DEFAULT_THREADS_PER_BLOCK,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         register_pool: bool = True,
+        pin_chunk_bytes: int = MAX_REGISTER_BYTES,
     ) -> None:
         self.method = check_method(method)
         self.copy_timeout_s = copy_timeout_s
@@ -325,7 +327,10 @@ class CudaCopyEngine(CopyEngine):
         self._batch = dma.batch_api() if method != "kernel" else None
         if self._batch is None and method != "kernel":
             logger.info("CUDA DMA copies go one cudaMemcpyAsync per row: %s", dma.batch_api_reason())
-        self._pinned = PinnedRegistration.for_pool(pool) if register_pool else None
+        self._pinned = (PinnedRegistration.for_pool(pool, max_chunk_bytes=pin_chunk_bytes) if register_pool
+                        else None)
+        # Pool offsets where one pinned registration ends (pools past the driver's cap): no row spans one.
+        self._boundaries = self._pinned.boundaries if self._pinned is not None else ()
         self._lock = threading.Lock()
         self._lanes: list[_Lane] = []
         self._retired: list[Any] = []  # lanes and gate streams never used again: the GPU may still use them
@@ -470,7 +475,10 @@ class CudaCopyEngine(CopyEngine):
                 region_sizes=st.sizes,
                 pool_base=self._pool_base,
                 pool_size=self._pool_size,
-            )
+            ),
+            direction,
+            pool_base=self._pool_base,
+            boundaries=self._boundaries,
         )
         deadline = time.monotonic() + self.copy_timeout_s
         with st.lock:

@@ -93,7 +93,7 @@ class PinnedRegistration:
                         f"cudaHostRegister of the pool's chunk {i + 1} of {len(spans)} ({nbytes} bytes at {addr:#x}; "
                         f"the pool is {size} bytes at {base_addr:#x}) failed: {e}. The pool must be an ordinary "
                         "private or shared mapping (not already registered, not device memory); if the driver "
-                        "caps one registration below this chunk, lower hkvd.cuda.hostreg.MAX_REGISTER_BYTES"
+                        "caps one registration below this chunk, pass a smaller hkvd serve --cuda-pin-chunk-gib"
                     ) from e
                 self._registered.append(addr)
 

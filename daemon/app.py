@@ -242,7 +242,8 @@ class Daemon:
             # -> routing, server.
             self.copy_engine = copy_engine = make_copy_engine(cfg.copy_engine, self.pool,
                                                               copy_timeout_s=cfg.copy_timeout_s,
-                                                              cuda_copy_method=cfg.cuda_copy_method)
+                                                              cuda_copy_method=cfg.cuda_copy_method,
+                                                              cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
             index = Index(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool)
             announcer = self._start_kv_events(loop, index)

@@ -60,6 +60,7 @@ class DaemonConfig:
     copy_threads: int = 2
     copy_engine: str = "host"  # host (process_vm_readv/writev) or cuda (CUDA IPC; hkvd[gpu])
     cuda_copy_method: str = "auto"  # auto, memcpy (DMA copy engines) or kernel (SMs); hkvd.cuda.copy
+    cuda_pin_chunk_gib: int = 512  # the pool's pinned registrations, at most this many GiB each (hkvd.cuda.hostreg)
     event_loop: str = "uvloop"  # uvloop (a dependency) or asyncio (the standard library's loop)
     mamba_checkpoint_interval: int = 1
     shutdown_timeout_s: float = 10.0
@@ -144,6 +145,9 @@ class DaemonConfig:
         if self.cuda_copy_method not in CUDA_COPY_METHODS:
             raise ConfigError(f"--cuda-copy-method {self.cuda_copy_method!r}: choose one of {CUDA_COPY_METHODS} "
                               "(auto moves KV pages on the GPU's copy engines, docs/gpu.md)")
+        if not 1 <= self.cuda_pin_chunk_gib <= 512:
+            raise ConfigError(f"--cuda-pin-chunk-gib {self.cuda_pin_chunk_gib}: choose 1 to 512 (GiB in one "
+                              "cudaHostRegister; R580+ drivers refuse more than 512)")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"--event-loop {self.event_loop!r}: choose one of {EVENT_LOOPS}")
         if not 1 <= self.copy_threads <= 64:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hkvd.cuda._cupy import CupyMissing, cupy, device_count
 from hkvd.cuda.copy import DEFAULT_METHOD, CudaCopyEngine
+from hkvd.cuda.hostreg import MAX_REGISTER_BYTES
 from hkvd.daemon.host_engine import HostCopyEngine
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.copy_engine import CopyEngine
@@ -42,13 +43,15 @@ def check_copy_engine(name: str) -> None:
             "and the service's DeviceAllow); use --copy-engine host for CPU KV caches")
 
 
-def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float, cuda_copy_method: str = DEFAULT_METHOD
-                     ) -> CopyEngine:
+def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float, cuda_copy_method: str = DEFAULT_METHOD,
+                     cuda_pin_chunk_bytes: int = MAX_REGISTER_BYTES) -> CopyEngine:
     """Build the engine ``hkvd serve --copy-engine`` names, for ``pool`` (a ``HugePagePool``);
-    ``cuda_copy_method`` is ``--cuda-copy-method`` (the CUDA engine's path, ``hkvd.cuda.copy``)."""
+    ``cuda_copy_method`` is ``--cuda-copy-method`` (the CUDA engine's path, ``hkvd.cuda.copy``) and
+    ``cuda_pin_chunk_bytes`` the largest pinned registration (``--cuda-pin-chunk-gib``, ``hkvd.cuda.hostreg``)."""
     check_copy_engine(name)
     if name == "cuda":
 
-        return CudaCopyEngine(pool, copy_timeout_s=copy_timeout_s, method=cuda_copy_method)
+        return CudaCopyEngine(pool, copy_timeout_s=copy_timeout_s, method=cuda_copy_method,
+                              pin_chunk_bytes=cuda_pin_chunk_bytes)
 
     return HostCopyEngine(pool)

@@ -127,11 +127,15 @@ OPTIONS: tuple[Option, ...] = (
            "N", "2"),
     Option("--copy-engine", "copy_engine", _lower, "host",
            "host (KV caches in CPU memory: process_vm_readv/writev) or cuda (GPU KV caches over CUDA IPC; "
-           "needs hkvd[gpu-cu12], or hkvd[gpu-cu13] where only CUDA 13 libraries are installed; docs/gpu.md)", example='"host"', essential=True),
+           "needs hkvd[gpu-cu12], or hkvd[gpu-cu13] where only CUDA 13 libraries are installed; docs/gpu.md)",
+           example='"host"', essential=True),
     Option("--cuda-copy-method", "cuda_copy_method", _lower, "auto",
            "with --copy-engine cuda: memcpy (the GPU's DMA copy engines, which leave the engine's SMs alone), "
            "kernel (a gather/scatter kernel on the SMs), or auto (the kernel only for requests of thousands "
            "of rows under 16 KiB; docs/gpu.md)", example='"auto"'),
+    Option("--cuda-pin-chunk-gib", "cuda_pin_chunk_gib", int, "512",
+           "with --copy-engine cuda: the pool is pinned (cudaHostRegister) in registrations of at most this many "
+           "GiB, and no copy spans two; R580+ drivers refuse one registration above 512", "GIB"),
     Option("--event-loop", "event_loop", _lower, "uvloop", "uvloop, or asyncio (the standard library's loop)",
            example='"uvloop"'),
     Option("--mamba-checkpoint-interval", "mamba_checkpoint_interval", int, "1",

@@ -105,6 +105,13 @@ class _FakeRuntime:
     def deviceGetAttribute(self, attr: int, device: int) -> int:
         return 1
 
+    # pinned host memory: registrations recorded as (addr, nbytes)
+    def hostRegister(self, addr: int, n: int, flags: int) -> None:
+        self.gpu.pinned.append((addr, n))
+
+    def hostUnregister(self, addr: int) -> None:
+        self.gpu.pinned = [(a, n) for a, n in self.gpu.pinned if a != addr]
+
 
 class _FakeGpu:
     """Streams as op queues, run when the test says (``run``). See the module docstring."""
@@ -117,6 +124,7 @@ class _FakeGpu:
         self.memory: dict[bytes, int] = {}
         self.opened: set[bytes] = set()
         self.destroyed: list[int] = []
+        self.pinned: list[tuple[int, int]] = []
         self.log: list[tuple[Any, ...]] = []
         self.changed = threading.Condition()
         self.paused: set[int] = set()  # streams that do not run (a slow GPU)
@@ -206,7 +214,7 @@ class _Pool:
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch) -> _FakeGpu:
     g = _FakeGpu()
-    for mod in ("hkvd.cuda.ipc", "hkvd.cuda.ipc_events", "hkvd.cuda.copy"):
+    for mod in ("hkvd.cuda.ipc", "hkvd.cuda.ipc_events", "hkvd.cuda.copy", "hkvd.cuda.hostreg"):
         monkeypatch.setattr(f"{mod}.runtime", lambda: g.rt)
         monkeypatch.setattr(f"{mod}.cupy", lambda: g.cupy)
     monkeypatch.setattr(cuda_ipc, "REGISTRY", IpcMemRegistry())
@@ -680,3 +688,48 @@ def test_cuda_copy_method_option(gpu: _FakeGpu, monkeypatch: pytest.MonkeyPatch)
         assert isinstance(eng, CudaCopyEngine) and eng.method == "kernel"
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A pool pinned in several registrations
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", [Direction.TO_POOL, Direction.FROM_POOL])
+def test_copies_across_pinned_registrations_are_cut_at_their_boundaries(gpu: _FakeGpu,
+                                                                        direction: Direction) -> None:
+    chunk = 64 << 10  # the pool is pinned as 16 registrations of 64 KiB
+    backing = np.zeros(POOL + 4096, dtype=np.uint8)
+    skip = -int(backing.ctypes.data) % 4096
+    pool = backing[skip : skip + POOL]  # page-aligned, as the daemon's pool is
+    pool[:] = np.random.default_rng(2).integers(0, 256, POOL, dtype=np.uint8)
+    device_mem = np.random.default_rng(3).integers(0, 256, REGION, dtype=np.uint8)
+    handle = b"\x06" * 64
+    gpu.memory[handle] = int(device_mem.ctypes.data)
+    eng = CudaCopyEngine(_Pool(pool), method="memcpy", pin_chunk_bytes=chunk)
+    base = int(pool.ctypes.data)
+    assert gpu.pinned == [(base + i * chunk, chunk) for i in range(POOL // chunk)]
+    try:
+        att = eng.attach(4321, [Region(1, "cuda", REGION, handle=handle, device_uuid=U0)])
+        # Two segments, contiguous on both sides (coalesced into one row), spanning three registrations.
+        segs = [Segment(1, 1000, chunk - 300, 40_000), Segment(1, 41_000, chunk - 300 + 40_000, 60_000)]
+        before_pool, before_dev = pool.copy(), device_mem.copy()
+        ticket = eng.submit(att, segs, direction)
+        gpu.run()
+        assert ticket.wait(5.0).nbytes == 100_000
+        rows = [e for e in gpu.log if e[0] == "memcpy"]
+        assert len(rows) == 3  # cut at 64 KiB and 128 KiB of the pool, nothing else
+        for _, _, dst, src, n in rows:
+            at = (dst if direction is Direction.TO_POOL else src) - base
+            assert at // chunk == (at + n - 1) // chunk, f"a row spans two registrations: pool [{at}, {at + n})"
+        lo, hi = chunk - 300, chunk - 300 + 100_000
+        if direction is Direction.TO_POOL:
+            assert np.array_equal(pool[lo:hi], device_mem[1000:101_000])
+            assert np.array_equal(pool[:lo], before_pool[:lo]) and np.array_equal(pool[hi:], before_pool[hi:])
+        else:
+            assert np.array_equal(device_mem[1000:101_000], pool[lo:hi])
+            assert np.array_equal(device_mem[:1000], before_dev[:1000])
+            assert np.array_equal(device_mem[101_000:], before_dev[101_000:])
+    finally:
+        eng.close()
+    assert gpu.pinned == []  # every registration undone at close
