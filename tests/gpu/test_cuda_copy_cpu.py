@@ -674,8 +674,10 @@ def test_cuda_copy_method_option(gpu: _FakeGpu, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(engine_factory, "check_copy_engine", lambda name: None)
 
     class _NoPin:  # cudaHostRegister is the boundary here
+        boundaries = ()
+
         @staticmethod
-        def for_pool(pool: Any) -> Any:
+        def for_pool(pool: Any, max_chunk_bytes: int) -> Any:
             return _NoPin()
 
         def close(self) -> None:

@@ -99,7 +99,7 @@ def test_a_registration_failing_midway_undoes_the_chunks_before_it(monkeypatch: 
     rt = _Runtime(fail_at=2)
     _stand_in(monkeypatch, rt)
     base = pool.ctypes.data
-    with pytest.raises(RuntimeError, match=r"chunk 2 of 3 .*MAX_REGISTER_BYTES"):
+    with pytest.raises(RuntimeError, match=r"chunk 2 of 3 .*--cuda-pin-chunk-gib"):
         PinnedRegistration(base, POOL, max_chunk_bytes=CAP)
     assert rt.calls == [("register", base, CAP), ("register", base + CAP, CAP), ("unregister", base, CAP)]
     assert rt.registered == {}
