@@ -23,6 +23,7 @@ Errors
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -59,6 +60,7 @@ from hkvd.transport.errors import (
     NotFound,
     NotRegistered,
     OutOfRange,
+    PagesInUse,
     PermissionDenied,
     PoolFull,
     ProtocolViolation,
@@ -416,13 +418,11 @@ class KVService:
             if segments:
                 nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
                                                wait_event, urgent=pending)).nbytes
-        except BaseException:
-            for e in entries:
-                self.index.abandon_write(e)
+        except BaseException as exc:
+            self._release_after_copy(exc, functools.partial(self._abandon_writes, entries))
             raise
         if job_id in conn.aborted:
-            for e in entries:
-                self.index.abandon_write(e)
+            self._abandon_writes(entries)
             conn.aborted.discard(job_id)
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
         # Notes first: the entries are announced as they turn READY (stored; Mamba states on confirmation).
@@ -434,6 +434,10 @@ class KVService:
             self._write_behind(entries)
         self.traffic.stored(engine.spec.model, engine.spec.rank, self._count_bytes("stored_bytes", entries))
         return StoreResult(nbytes, len(entries), skipped, dropped, thinned), entries
+
+    def _abandon_writes(self, entries: list[Entry]) -> None:
+        for e in entries:
+            self.index.abandon_write(e)
 
     def _count_bytes(self, name: str, entries: list[Entry]) -> int:
         """Count ``entries``' bytes under ``name`` by group kind; their total."""
@@ -470,12 +474,12 @@ class KVService:
         self.index.pin_many(entries)
         try:
             result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
-        except BaseException:
+        except BaseException as exc:
             if msg.lease_id:
                 self.index.leases.use(msg.lease_id, written=False)
+            self._release_after_copy(exc, lambda: self.index.unpin_many(entries))
             raise
-        finally:
-            self.index.unpin_many(entries)
+        self.index.unpin_many(entries)
         self.traffic.retrieved(engine.spec.model, engine.spec.rank, self._count_bytes("retrieved_bytes", entries))
         conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event,
                                  time.perf_counter() - t0).to_done(msg.req_id))
@@ -608,7 +612,28 @@ class KVService:
             self.metrics.inc("copy_timeouts")
             # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
             await asyncio.wait([fut])
-            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:g} s") from None
+            err = KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:g} s")
+            held = None if fut.cancelled() or fut.exception() is None else PagesInUse.of(fut.exception())
+            if held is not None:  # the GPU may still run it: the caller keeps its pages (_release_after_copy)
+                err.pages_in_use = held  # type: ignore[attr-defined]
+            raise err from None
+
+    def _release_after_copy(self, exc: BaseException, release: Callable[[], None]) -> None:
+        """Give a failed copy's pool pages back (``release``): now, or, when the copy engine says the GPU
+        may still run that copy (``PagesInUse`` on its error), once it has finished. Until then the
+        entries stay pinned (WRITING ones are never served): a late write lands in pages nobody reuses."""
+        held = PagesInUse.of(exc)
+        if held is None or held.is_free():
+            release()
+            return
+        loop = asyncio.get_running_loop()
+        log.info("a failed copy may still run on the GPU: its pool pages stay held until it has finished")
+
+        def free_on_loop() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown: the pool goes with it
+                loop.call_soon_threadsafe(release)
+
+        held.call_when_free(free_on_loop)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def engine_gone(self, conn: Conn) -> None:

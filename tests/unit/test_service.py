@@ -9,6 +9,7 @@ cover the same paths through a real socket; these run in milliseconds.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,7 +27,7 @@ from hkvd.daemon.pool import HugePagePool
 from hkvd.daemon.registry import Registry
 from hkvd.daemon.service import Conn, KVService
 from hkvd.transport.copy_engine import Region
-from hkvd.transport.errors import ErrorCode, KVError
+from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire import Message, control, events, kv
@@ -259,5 +260,64 @@ async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
         service.disconnect(conn)
         bulk.shutdown()
         step.shutdown()
+        copy_engine.close()
+        pool.close()
+
+
+class _HeldCopies(HostCopyEngine):
+    """The host engine, but every copy fails as a GPU copy that timed out after it was enqueued: the GPU
+    may still run it until ``gpu_done`` (a stand-in for the CUDA engine's ``PagesInUse``)."""
+
+    def __init__(self, pool: HugePagePool) -> None:
+        super().__init__(pool)
+        self.inline_max_bytes = 0
+        self.gpu_done = threading.Event()
+        self._when_free: list[Any] = []
+
+    def _add(self, fn: Any) -> None:
+        if self.gpu_done.is_set():
+            fn()
+        else:
+            self._when_free.append(fn)
+
+    def finish(self) -> None:
+        self.gpu_done.set()
+        for fn in self._when_free:
+            fn()
+
+    def copy_ordered(self, attachment: Any, segments: Any, direction: Any, *, wait_event: Any = None) -> Any:
+        err = CopyFailedError("timed out on the GPU")
+        err.pages_in_use = PagesInUse(self.gpu_done, self._add)  # type: ignore[attr-defined]
+        raise err
+
+
+async def test_a_failed_copy_the_gpu_may_still_run_keeps_its_pages_until_it_has() -> None:
+    import asyncio
+
+    cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
+    pool = HugePagePool(cfg.l1_size_bytes, "off")
+    copy_engine = _HeldCopies(pool)
+    index = Index(pool, make_policy("lru"))
+    executor = ThreadPoolExecutor(1)
+    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), executor, Metrics())
+    sent: list[Message] = []
+    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
+                process=ClientProcess.open(os.getpid()))
+    h = Harness(service, conn, sent)
+    try:
+        await h.register()
+        reply = await h.call(kv.Store(2, _full(range(2), 1)))
+        assert isinstance(reply, kv.Error) and reply.code == ErrorCode.COPY_FAILED
+        # The store failed, but the GPU may still write its pages: they stay allocated, never served.
+        assert index.statistics().writing == 2 and pool.allocator.statistics().used_bytes > 0
+        lookup = await h.call(kv.Lookup(3, KEYS, True))
+        assert isinstance(lookup, kv.LookupReply) and lookup.hit_chunks == 0
+        copy_engine.finish()  # the GPU ran it (on the copy engine's completion thread, here this one)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert index.statistics().writing == 0 and pool.allocator.statistics().used_bytes == 0
+    finally:
+        service.disconnect(conn)
+        executor.shutdown()
         copy_engine.close()
         pool.close()
