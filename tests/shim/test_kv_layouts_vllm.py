@@ -257,3 +257,74 @@ def test_too_scattered_pages_are_refused_with_a_fix_that_works(daemon: Any, vcfg
     with pytest.raises(ValueError, match=r"layer l0 \(KV-cache layout LHBNC\).*4 separate pieces.*LBHNC"):
         Engine(vcfg, "fp8", "LHBNC", _backends()["triton"], 7, daemon.socket)
     Engine(vcfg, "fp8", "LBHNC", _backends()["triton"], 7, daemon.socket).close()
+
+
+def _logical(page: Any) -> Any:
+    """A manager block's page of vLLM's view as its logical [H, N, C] bytes (kernel blocks joined back)."""
+    import torch
+
+    if page.dim() == 4:  # [k kernel blocks, H, N/k, C]
+        page = page.permute(1, 0, 2, 3).reshape(page.shape[1], -1, page.shape[3])
+    return page.contiguous().view(torch.int8)
+
+
+SHARED = [  # (model, layout, backend) of the storing engine -> of the retrieving one
+    (("fp8", "LBHNC", "flash_attn_fixed"), ("fp8", "LHBNC", "triton")),  # 8 kernel blocks -> heads outside blocks
+    (("swa", "LBHNC", "flash_attn_fixed"), ("swa", "BLHNC", "triton")),
+    (("fp8", "BLHNC", "flashinfer"), ("fp8", "BHLNC", "triton")),
+    (("gdn", "LBHNC", "flash_attn_fixed"), ("gdn", "LBHNC", "triton")),  # 34 kernel blocks -> none
+    (("fp8", "LBNHC", "flash_attn_fixed"), ("fp8", "BLNHC", "triton")),  # the token-outer family
+]
+
+
+@pytest.mark.parametrize(("src", "dst"), SHARED, ids=["-".join(s) + "->" + "-".join(d) for s, d in SHARED])
+def test_entries_mean_the_same_across_layouts_and_kernel_splits(daemon: Any, vcfg: Any, src: tuple[str, ...],
+                                                                dst: tuple[str, ...]) -> None:
+    """An entry stored by an engine whose blocks are split into kernel blocks (and laid out one way) is retrieved
+    by one with another split and layout under the same fingerprint: each moved block's logical [H, N, C] bytes
+    through vLLM's views are the source's, and no other byte of the destination changes."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec, create_kv_cache_views, group_kernel_blocks
+
+    a = Engine(vcfg, src[0], src[1], _backends()[src[2]], 7, daemon.socket)
+    b = Engine(vcfg, dst[0], dst[1], _backends()[dst[2]], 11, daemon.socket)
+    try:
+        assert a.kernel != b.kernel or src[1] != dst[1]
+        assert a.side.link.ack.fingerprint == b.side.link.ack.fingerprint, "one model, one entry format"
+        want = b.raw.clone()
+        expected = {}
+        for kvt in b.kvc.kv_cache_tensors:
+            gid = next(i for i, g in enumerate(b.kvc.kv_cache_groups) if kvt.layers[0] in g.layer_names)
+            expected.update(zip(kvt.layers, create_kv_cache_views(
+                want, b.kvc.kv_cache_groups[gid].kv_cache_spec, b.kvc.num_blocks, b.layout, kvt, b.kernel[gid]),
+                strict=True))
+        moves = [{2: 9, 5: 3}, {1: 6}]
+        items_a, items_b = [], []
+        for gid, g in enumerate(a.kvc.kv_cache_groups):
+            for ba, bb in moves[gid].items():
+                key = secrets.token_bytes(16)
+                items_a.append([gid, 0, key, [ba]])
+                items_b.append([gid, 0, key, [bb]])
+                for name in g.layer_names:
+                    dst_page = group_kernel_blocks(expected[name], b.kvc.num_blocks)[bb].view(torch.int8)
+                    page = _logical(a.manager_page(name, ba))  # [H, N, C]
+                    if dst_page.dim() == 4:  # [k, H, N/k, C]
+                        page = page.reshape(dst_page.shape[1], dst_page.shape[0], dst_page.shape[2], -1).transpose(0, 1)
+                    dst_page.copy_(page)
+        full = [it for it in items_a if not isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
+        offers = [it for it in items_a if isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
+        if full:
+            a.call(lambda c: c.submit_store(full))
+        if offers:
+            ev = a.call(lambda c: c.submit_step_event(1, 1, offers))
+            a.call(lambda c: c.submit_step_event(2, 2, [], [ev.req_id]))
+        b.call(lambda c: c.submit_retrieve(items_b))
+        for gid, g in enumerate(b.kvc.kv_cache_groups):  # the logical content, through vLLM's own views
+            for ba, bb in moves[gid].items():
+                for name in g.layer_names:
+                    assert _logical(b.manager_page(name, bb)).equal(_logical(a.manager_page(name, ba))), (
+                        f"{name}: block {bb} of {dst} is not block {ba} of {src}")
+        assert b.raw.numpy().tobytes() == want.numpy().tobytes(), "bytes outside the loaded blocks changed"
+    finally:
+        a.close()
+        b.close()
