@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hkvd.shim.identity import engine_identity
+from hkvd.shim.kv_views import Pieces, config_place, layout_name, page_order
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.control import EngineSpec
@@ -34,7 +35,6 @@ if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only (vLLM is imp
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-    from hkvd.shim.kv_views import Pieces
     from hkvd.transport.copy_engine import Region
 
 logger = logging.getLogger("hkvd.shim")
@@ -107,7 +107,6 @@ def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = 
     of block 0, which it read from and checked against its tensors; a page that is one run gets no
     pieces. ``layout``: vLLM's resolved ``VLLM_KV_CACHE_LAYOUT``.
     """
-    from hkvd.shim.kv_views import config_place
 
     tensors = {name: t for t in kv_cache_config.kv_cache_tensors for name in t.layers}
     infos = group_infos(kv_cache_config)
@@ -141,7 +140,6 @@ def build_groups(kv_cache_config: KVCacheConfig, layer_addr: LayerAddr | None = 
 
 def resolved_layout(vllm_config: VllmConfig | None, kv_cache_config: KVCacheConfig) -> str | None:
     """The KV-cache layout vLLM resolved (``KVCacheConfig.kv_cache_layout``, else the cache config's)."""
-    from hkvd.shim.kv_views import layout_name
 
     name = getattr(kv_cache_config, "kv_cache_layout", None)
     if name is None and vllm_config is not None:
@@ -199,7 +197,6 @@ def layout_tag(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig | None = 
     ``cpu/HNC``: engines of one model whose layouts or kernel block sizes differ share entries when it matches."""
     from vllm.platforms import current_platform
 
-    from hkvd.shim.kv_views import page_order
 
     return f"{current_platform.device_type}/{page_order(resolved_layout(vllm_config, kv_cache_config))}"
 

@@ -52,13 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 from hkvd.cuda.export import export_tensor
 from hkvd.shim.gpu import GpuOrdering, one_device
+from hkvd.shim.kv_views import check_layer_tensor, config_place
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
 from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.shim_config import ShimConfig
-from hkvd.shim.spec import build_engine_spec, validate_vllm
+from hkvd.shim.spec import build_engine_spec, resolved_layout, validate_vllm
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
 from hkvd.transport.wire.control import EngineSpec
@@ -128,8 +129,6 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register every layer's KV memory: each tensor is checked against the place ``KVCacheConfig`` and
         the resolved layout give it (``hkvd.shim.kv_views``); a mismatch raises ``ValueError`` with the fix."""
-        from hkvd.shim.kv_views import check_layer_tensor, config_place
-        from hkvd.shim.spec import resolved_layout
 
         vllm_config, kv_cache_config = self._configs()
         layout = resolved_layout(vllm_config, kv_cache_config)
