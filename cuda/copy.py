@@ -303,6 +303,7 @@ class CudaCopyEngine(CopyEngine):
     """
 
     name = "cuda"
+    enqueues = True  # submit() returns once the copy is enqueued (hkvd.cuda.completion settles it)
 
     def __init__(
         self,

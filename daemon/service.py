@@ -120,6 +120,22 @@ def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
     return fields
 
 
+# An enqueued copy is settled by its engine's own budget (copy_timeout_s); the daemon's wait is a backstop
+# this long past it.
+ENQUEUED_GRACE_S = 5.0
+
+
+def _settle_future(fut: asyncio.Future[CopyResult], ticket: Any) -> None:
+    """Pass an enqueued copy's outcome (``EnqueuedCopy``) to its future on the loop."""
+    if fut.done():
+        return
+    exc = ticket.exception()
+    if exc is None:
+        fut.set_result(ticket.result)
+    else:
+        fut.set_exception(exc)
+
+
 def _settled_copy(fut: asyncio.Future[CopyResult]) -> None:
     """Retrieve a copy thread's outcome; one nobody awaits any more (timed out, cancelled) is logged at debug."""
     if fut.cancelled():
@@ -417,7 +433,7 @@ class KVService:
             segments = layout.segments_for_entries(placed)
             if segments:
                 nbytes = (await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL,
-                                               wait_event, urgent=pending)).nbytes
+                                               wait_event, urgent=pending))[0].nbytes
         except BaseException as exc:
             self._release_after_copy(exc, functools.partial(self._abandon_writes, entries))
             raise
@@ -472,14 +488,21 @@ class KVService:
         segments = layout.segments_for_entries(
             [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
         self.index.pin_many(entries)
+        unpin = functools.partial(self.index.unpin_many, entries)
         try:
-            result = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL)
+            # A device copy answers once it is enqueued (the engine's stream waits on its done event):
+            # the pages stay pinned until the device has read them (``settled``).
+            result, settled = await self._run_copy(conn, engine.attachment, segments, Direction.FROM_POOL,
+                                                   answer_enqueued=True)
         except BaseException as exc:
             if msg.lease_id:
                 self.index.leases.use(msg.lease_id, written=False)
-            self._release_after_copy(exc, lambda: self.index.unpin_many(entries))
+            self._release_after_copy(exc, unpin)
             raise
-        self.index.unpin_many(entries)
+        if settled is None:
+            unpin()
+        else:
+            settled.add_done_callback(functools.partial(self._retrieve_settled, unpin))
         self.traffic.retrieved(engine.spec.model, engine.spec.rank, self._count_bytes("retrieved_bytes", entries))
         conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event,
                                  time.perf_counter() - t0).to_done(msg.req_id))
@@ -567,24 +590,38 @@ class KVService:
 
     # ---- copies --------------------------------------------------------------------------------
     async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
-                        direction: Direction, wait_event: bytes = b"", urgent: bool = False) -> CopyResult:
+                        direction: Direction, wait_event: bytes = b"", urgent: bool = False,
+                        answer_enqueued: bool = False) -> tuple[CopyResult, asyncio.Future[CopyResult] | None]:
         """Move ``segments``: on a copy thread with a timeout (``urgent``: the step events' own), or on
-        the loop when the engine says a copy this small costs less than the hand-off (``inline_max_bytes``)."""
+        the loop when the engine says a copy this small costs less than the hand-off (``inline_max_bytes``).
+
+        An engine that ``enqueues`` (CUDA) holds the copy thread only while it enqueues. Its copy is
+        awaited until the device finished it, unless ``answer_enqueued`` (a retrieve, whose reply carries
+        the done event the engine's stream waits on): then this returns once the copy is enqueued, with
+        the future that settles when the device finished it (or failed); else that future is None."""
         assert attachment is not None
         engine = self.registry.copy_engine
         conn.inflight += 1
         t0 = time.perf_counter()
         try:
+            settled = None
             if (engine.inline_max_bytes and not wait_event
                     and sum(s.nbytes for s in segments) <= engine.inline_max_bytes):
                 result = engine.copy_ordered(attachment, segments, direction)
+            elif engine.enqueues:
+                result, settled = await self._enqueued_copy(self.step_executor if urgent else self.executor, engine,
+                                                            attachment, segments, direction, wait_event,
+                                                            answer_enqueued)
             else:
                 result = await self._threaded_copy(self.step_executor if urgent else self.executor, engine,
                                                    attachment, segments, direction, wait_event)
-            # GB/s of the last copies per direction, submit to completion (thread hand-off included)
-            self.metrics.observe_rate("copy", result.nbytes, time.perf_counter() - t0,
-                                      direction=direction.value)
-            return result
+            if settled is None:
+                # GB/s of the last copies per direction, submit to completion (thread hand-off included)
+                self.metrics.observe_rate("copy", result.nbytes, time.perf_counter() - t0,
+                                          direction=direction.value)
+            else:
+                settled.add_done_callback(functools.partial(self._count_settled, direction, t0))
+            return result, settled
         except KVTimeout:
             raise  # counted as copy_timeouts
         except KVError:
@@ -595,6 +632,60 @@ class KVService:
             raise CopyFailedError(f"{direction.value} copy failed: {e}") from None
         finally:
             conn.inflight -= 1
+
+    async def _enqueued_copy(self, executor: Executor, engine: CopyEngine, attachment: Attachment,
+                             segments: list[Segment], direction: Direction, wait_event: bytes,
+                             answer_enqueued: bool) -> tuple[CopyResult, asyncio.Future[CopyResult] | None]:
+        """``CopyEngine.submit`` on a copy thread (it returns once the copy is enqueued or gated), then the
+        device's completion, bridged to the loop. See ``_run_copy``."""
+        loop = asyncio.get_running_loop()
+        ticket = await loop.run_in_executor(executor, functools.partial(
+            engine.submit, attachment, segments, direction, wait_event=wait_event or None))
+        settled: asyncio.Future[CopyResult] = loop.create_future()
+
+        def bridge(t: Any) -> None:  # on the engine's completion thread
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                loop.call_soon_threadsafe(_settle_future, settled, t)
+
+        ticket.add_done_callback(bridge)
+        if answer_enqueued and not wait_event:  # enqueued already: its done event is in the result
+            return ticket.result, settled
+        # The engine's own budget settles the ticket (KVTimeout, PagesInUse); this bound is a backstop.
+        try:
+            async with asyncio.timeout(self.copy_timeout_s + ENQUEUED_GRACE_S):
+                return await asyncio.shield(settled), None
+        except TimeoutError:
+            self.metrics.inc("copy_timeouts")
+            settled.add_done_callback(_settled_copy)
+            err = KVTimeout(f"{direction.value} copy: no completion from the device after "
+                            f"{self.copy_timeout_s + ENQUEUED_GRACE_S:g} s")
+            err.pages_in_use = PagesInUse(  # type: ignore[attr-defined]
+                ticket.gpu_finished, lambda fn: ticket.add_finished_callback(lambda _t: fn()))
+            raise err from None
+
+    def _count_settled(self, direction: Direction, t0: float, settled: asyncio.Future[CopyResult]) -> None:
+        """A copy answered once enqueued has settled: count its rate, or its failure."""
+        if settled.cancelled():
+            return
+        exc = settled.exception()
+        if exc is None:
+            self.metrics.observe_rate("copy", settled.result().nbytes, time.perf_counter() - t0,
+                                      direction=direction.value)
+        elif isinstance(exc, KVTimeout):
+            self.metrics.inc("copy_timeouts")
+        else:
+            self.metrics.inc("copy_errors")
+
+    def _retrieve_settled(self, unpin: Callable[[], None], settled: asyncio.Future[CopyResult]) -> None:
+        """A retrieve answered once enqueued has settled on the device: unpin its pages (once the device
+        is done with them, after a failure). The engine was told of the copy already; its stream waits on
+        the done event, which a failed copy that still runs completes late, and a faulted one never."""
+        exc = None if settled.cancelled() else settled.exception()
+        if exc is None:
+            unpin()
+            return
+        log.warning("a retrieve answered once enqueued failed on the device: %s", exc)
+        self._release_after_copy(exc, unpin)
 
     async def _threaded_copy(self, executor: Executor, engine: CopyEngine, attachment: Attachment,
                              segments: list[Segment], direction: Direction, wait_event: bytes) -> CopyResult:

@@ -33,7 +33,9 @@ Contracts
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -91,11 +93,36 @@ class Attachment:
     state: dict[str, Any] = field(default_factory=dict)
 
 
+class EnqueuedCopy(Protocol):
+    """A copy a device finishes after ``CopyEngine.submit`` returned (``hkvd.cuda.completion.CopyTicket``).
+
+    ``result.nbytes`` is known at once, ``result.done_event`` once the copy is enqueued. It is settled
+    once: its done callbacks run (on the engine's own thread) when the device finished it or it
+    failed; a failure after it was enqueued carries ``PagesInUse`` (``hkvd.transport.errors``)."""
+
+    @property
+    def result(self) -> CopyResult: ...
+
+    def exception(self) -> BaseException | None: ...
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+    def add_finished_callback(self, fn: Callable[[Any], None]) -> None:
+        """``fn(copy)`` once the device will never touch the copy's memory again (perhaps never, after
+        a device fault)."""
+
+    @property
+    def gpu_finished(self) -> threading.Event: ...
+
+
 class CopyEngine(ABC):
     """Moves bytes between registered engine memory and the pool. See the module docstring."""
 
     name: str = "abstract"
     inline_max_bytes: int = 0  # copies up to this size run on the event loop (see the module docstring)
+    # True: ``submit`` enqueues a copy on a device and returns at once, so a copy thread is not held
+    # while the device moves the bytes (the CUDA engine). False: ``copy_ordered`` on a copy thread.
+    enqueues: bool = False
 
     @abstractmethod
     def attach(self, pid: int | EngineProcess, regions: list[Region]) -> Attachment:
@@ -119,6 +146,12 @@ class CopyEngine(ABC):
             raise ProtocolViolation(f"the {self.name} copy engine has no GPU events; send stores without "
                                     "wait_event (host KV caches are final when the step returns)")
         return CopyResult(self.copy(attachment, segments, direction))
+
+    def submit(self, attachment: Attachment, segments: list[Segment], direction: Direction, *,
+               wait_event: bytes | None = None) -> EnqueuedCopy:
+        """Enqueue the copy (after ``wait_event``) and return without waiting for it; engines with
+        ``enqueues`` only. Runs on a copy thread (building the copy costs CPU time)."""
+        raise NotImplementedError(f"the {self.name} copy engine copies synchronously: use copy_ordered")
 
     def abandon(self, attachment: Attachment) -> None:  # noqa: B027 - optional hook
         """The engine process is gone: every copy of ``attachment`` that waits on the engine ends soon

@@ -735,3 +735,84 @@ def test_copies_across_pinned_registrations_are_cut_at_their_boundaries(gpu: _Fa
     finally:
         eng.close()
     assert gpu.pinned == []  # every registration undone at close
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon's service over the enqueuing engine
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_gpu_ran_them(gpu: _FakeGpu) -> None:
+    """One copy thread, four retrieves in flight: each is answered with its done event before the GPU has run
+    any of them (the thread is held only while it enqueues), and the pool pages stay pinned until it has."""
+    import asyncio
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hkvd.daemon.client_process import ClientProcess
+    from hkvd.daemon.config import ConfigCell, DaemonConfig
+    from hkvd.daemon.eviction import make_policy
+    from hkvd.daemon.index import Index
+    from hkvd.daemon.metrics import Metrics
+    from hkvd.daemon.pool import HugePagePool
+    from hkvd.daemon.registry import Registry
+    from hkvd.daemon.service import Conn, KVService
+    from hkvd.transport.keys import chunk_keys
+    from hkvd.transport.layout import GroupSpec, View
+    from hkvd.transport.wire import Message, control, kv
+    from hkvd.transport.wire.control import EngineSpec
+
+    page, blocks, chunk = 4096, 64, 16
+    keys = chunk_keys(list(range(4 * chunk)), chunk)
+    cfg = DaemonConfig(chunk_size=chunk, l1_size_bytes=64 << 20, hugepages="off")
+    pool = HugePagePool(cfg.l1_size_bytes, "off")
+    eng = CudaCopyEngine(pool, method="memcpy", register_pool=False)
+    executor = ThreadPoolExecutor(1)
+    index = Index(pool, make_policy("lru"))
+    service = KVService(ConfigCell(cfg), index, Registry(chunk, eng, pool=pool), executor, Metrics())
+    sent: list[Message] = []
+    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
+                process=ClientProcess.open(os.getpid()))
+    device_mem = np.random.default_rng(4).integers(0, 256, blocks * page, dtype=np.uint8)
+    handle = b"\x07" * 64
+    gpu.memory[handle] = int(device_mem.ctypes.data)
+    group = GroupSpec(0, "full", chunk, 0, blocks, "bfloat16", (View(0, 0, 1, page, page, page),))
+    spec = EngineSpec("m", 1, 0, "t", chunk, chunk, 8192, "none",
+                      [Region(0, "cuda", blocks * page, handle=handle, device_uuid=U0)], [group])
+
+    async def call(msg: Message) -> Message:
+        before = len(sent)
+        job = service.handle(conn, msg)
+        if job is not None:
+            await job
+        assert len(sent) == before + 1, sent[before:]
+        return sent[-1]
+
+    try:
+        assert isinstance(await call(control.Register(1, spec.to_wire())), control.RegisterAck)
+        store = asyncio.create_task(call(kv.Store(2, [[0, c, keys[c], [1 + c]] for c in range(4)])))
+        while not store.done():  # the GPU runs what the copy thread enqueued
+            gpu.run()
+            await asyncio.sleep(0.002)
+        assert isinstance(store.result(), kv.Done)
+        before, first = device_mem.copy(), len(sent)
+        jobs = [service.handle(conn, kv.Retrieve(10 + c, 0, [[0, c, keys[c], [20 + c]]])) for c in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(j for j in jobs if j is not None)), 5.0)
+        replies = sent[first:]
+        assert sorted(r.req_id for r in replies) == [10, 11, 12, 13]
+        # Answered with a done event, the GPU has run none of them, and their pages are pinned.
+        assert all(isinstance(r, kv.Done) and r.info.get("event") for r in replies), replies
+        assert np.array_equal(device_mem, before)
+        assert index.statistics().pinned_entries == 4
+        gpu.run()
+        assert eng._watcher.flush(5.0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert index.statistics().pinned_entries == 0
+        for c in range(4):
+            assert np.array_equal(device_mem[(20 + c) * page:(21 + c) * page], before[(1 + c) * page:(2 + c) * page])
+    finally:
+        service.disconnect(conn)
+        executor.shutdown()
+        eng.close()
+        pool.close()
