@@ -1,34 +1,48 @@
 """The metrics port's HTTP endpoint: Prometheus ``/metrics``, ``/healthz`` and added routes on ``--metrics-port``.
 
 Role
-    A small asyncio HTTP/1.1 server (an ``asyncio.Protocol``: keep-alive and pipelining, answers in
-    request order; HTTP/1.0 clients get one answer per connection unless they ask to keep it). It
-    listens on ``--metrics-host`` (127.0.0.1 unless configured). ``/metrics`` is rendered by
-    prometheus-client's ``generate_latest`` at scrape time from ``Daemon.statistics()``: each family
-    is declared by a stats field (``hkvd.transport.stat_fields``), none is named here. ``/healthz``
-    is 503 until the pool is pre-faulted and the control socket accepts, 200 while serving, 503
-    again once shutdown begins. Other features add routes
-    (``HTTPEndpoint.route``): the usable-prefix lookups for routers (``hkvd.daemon.routing``).
-    Bounds (module constants): request head, body size (``Content-Length`` only), answers waiting
-    per connection, open connections, read and idle timeouts. Bad input is a 4xx answer; a handler
-    bug is a 500 and a log line, never the daemon's end.
+    An HTTP/1.1 server on the daemon's asyncio loop: an ``asyncio.Protocol`` per connection, with the
+    HTTP itself (request parsing, message framing, keep-alive, ``Expect: 100-continue``) done by h11,
+    a small pure-Python HTTP/1.1 state machine with no I/O of its own. It listens on
+    ``--metrics-host`` (127.0.0.1 unless configured). ``/metrics`` is rendered by prometheus-client's
+    ``generate_latest`` at scrape time from ``Daemon.statistics()``: each family is declared by a
+    stats field (``hkvd.transport.stat_fields``), none is named here. ``/healthz`` is 503 until the
+    pool is pre-faulted and the control socket accepts, 200 while serving, 503 again once shutdown
+    begins. Other features add routes (``HTTPEndpoint.route``): the usable-prefix lookups for routers
+    (``hkvd.daemon.routing``).
+
+    Keep-alive and pipelining: a connection answers its requests one at a time, in order; the next
+    pipelined request is read once the answer before it is written. HTTP/1.0 clients get one answer
+    per connection, in HTTP/1.0. An HTTP/1.1 request must carry ``Host`` (RFC 9112; every HTTP
+    client sends it), else it is a 400.
+    Bounds (module constants): request head, body size (``Content-Length`` only, no chunked bodies),
+    open connections, read and idle timeouts; reading pauses while an answer is worked out or the
+    client does not take what is written. Bad input is a 4xx answer and the connection's end (that
+    answer's status line reads HTTP/1.0: the request's version may be unknown); a handler bug is a 500
+    and a log line, never the daemon's end.
+
+Why h11
+    The wire format is the library's (h11, base dependency); the loop, the bounds and the routes stay
+    ours. aiohttp would bring its own server loop, seven packages and other answers to the bounds
+    (a 400 for an oversized head, chunked bodies taken).
 
 Dependencies
-    prometheus-client is optional (``pip install hkvd[metrics]``): it is imported only when this
-    module builds the registry, so the base install runs without it. ``require_prometheus()`` gives
-    the error the CLI prints when ``--metrics-port`` is set and it is missing.
+    h11 (base). prometheus-client is optional (``pip install hkvd[metrics]``): it is imported only when
+    this module builds the registry, so the base install runs without it. ``require_prometheus()``
+    gives the error the CLI prints when ``--metrics-port`` is set and it is missing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import h11
 
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.stat_fields import families, sample_name
@@ -39,7 +53,6 @@ READ_TIMEOUT_S = 5.0  # a request's head and body arrive within this
 IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with no request is closed after this
 MAX_REQUEST_BYTES = 8192  # request line and headers
 MAX_BODY_BYTES = 4 << 20  # a POST body (hkvd.daemon.routing takes up to 131072 token ids)
-MAX_PIPELINED = 64  # answers waiting on one connection before it stops reading
 MAX_CONNECTIONS = 256  # open connections; more are refused at accept
 HOST = "127.0.0.1"
 
@@ -185,19 +198,22 @@ class HTTPEndpoint:
 
 
 class _HTTPConnection(asyncio.Protocol):
-    """One client: HTTP/1.1 with keep-alive and pipelining (HTTP/1.0 closes after each answer unless it
-    asks to keep the connection). Answers go out in request order, also when a handler awaits. Bounds:
-    a request head of ``MAX_REQUEST_BYTES``, a body of ``MAX_BODY_BYTES`` (``Content-Length`` only, no
-    chunked bodies), ``MAX_PIPELINED`` answers waiting (reading pauses beyond), a head or body must
-    arrive within ``READ_TIMEOUT_S`` and an idle connection is closed after ``IDLE_TIMEOUT_S``."""
+    """One client, its HTTP state kept by an ``h11.Connection``. Requests are answered one at a time in
+    order (reading pauses while an answer is worked out, also when a handler awaits). Bounds: a request
+    head of ``MAX_REQUEST_BYTES``, a body of ``MAX_BODY_BYTES`` (``Content-Length`` only), a head and
+    body must arrive within ``READ_TIMEOUT_S`` of the request's first byte, and a connection with no
+    request is closed after ``IDLE_TIMEOUT_S``."""
 
     def __init__(self, endpoint: HTTPEndpoint) -> None:
         self.endpoint = endpoint
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.queue: collections.deque[tuple[asyncio.Future[Response], bool, bool, str]] = collections.deque()
-        self.closing = False  # the last answer carries Connection: close; nothing is read after it
-        self.continued = False  # "100 Continue" sent for the request whose body is awaited
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
+        self.fed = 0  # bytes handed to h11 on this connection
+        self.cycle_start = 0  # of those, where the current request begins
+        self.request: h11.Request | None = None  # its head, while its body arrives
+        self.body = bytearray()
+        self.pending: asyncio.Future[Response] | None = None  # a handler's answer being worked out
+        self.closing = False  # the last answer is written; nothing is read after it
         self.read_paused = False
         self.write_paused = False
         self.started = 0.0  # when the unfinished request's first byte came (0: none pending)
@@ -221,9 +237,9 @@ class _HTTPConnection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        for fut, *_ in self.queue:
-            fut.cancel()
-        self.queue.clear()
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
         self.transport = None
 
     def pause_writing(self) -> None:
@@ -237,132 +253,134 @@ class _HTTPConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        self.buf += data
         now = asyncio.get_running_loop().time()
         self.last = now
         if not self.started:
             self.started = now
-        out: list[bytes] = []
-        parsed = False
-        while not self.closing and self.buf:
-            req = self._parse()
-            if req is None:
+        self.fed += len(data)
+        self.h11.receive_data(data)
+        self._drive()
+
+    # ---- reading -----------------------------------------------------------------------------------------
+    def _drive(self) -> None:
+        """Take h11's events until it needs more data or a request is being answered."""
+        while self.transport is not None and not self.closing and self.pending is None:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as e:
+                if e.error_status_hint == 431:
+                    self._refuse(431, f"request head over {MAX_REQUEST_BYTES} bytes")
+                else:
+                    self._refuse(e.error_status_hint, f"bad request: {e}")
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
                 break
-            parsed = True
-            self._answer(req, out)
-        if not self.buf:
-            self.started = 0.0
-        elif parsed:  # what is left is the start of the next request
-            self.started = now
-        if out and self.transport is not None:
-            self.transport.write(b"".join(out))
-        if self.closing and not self.queue and self.transport is not None:
-            self.transport.close()
+            if isinstance(event, h11.Request):
+                if not self._take_head(event):
+                    return
+            elif isinstance(event, h11.Data):
+                self.body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                self._dispatch()
+            elif isinstance(event, h11.ConnectionClosed):
+                self._close()
+                return
         self._update_reading()
 
-    # ---- parsing -----------------------------------------------------------------------------------------
-    def _parse(self) -> Request | tuple[int, str] | None:
-        """The next complete request; (status, message) for a bad one (answered, then closed); None: wait."""
-        buf = self.buf
-        end = buf.find(b"\r\n\r\n", 0, MAX_REQUEST_BYTES + 4)
-        if end < 0:
-            if len(buf) > MAX_REQUEST_BYTES:
-                return 431, f"request head over {MAX_REQUEST_BYTES} bytes"
-            return None
-        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-        parts = lines[0].split()
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            return 400, "bad request"
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                return 400, "bad request: a header line without a colon"
-            headers[name.strip().lower()] = value.strip()
-        if "transfer-encoding" in headers:
-            return 411, "send the body with a Content-Length (chunked bodies are not taken)"
-        length = headers.get("content-length", "0")
-        if not length.isdigit():
-            return 400, "bad request: Content-Length is not a number"
-        n = int(length)
+    def _take_head(self, req: h11.Request) -> bool:
+        """Check a request's head against the bounds (False: refused, the connection ends)."""
+        head_bytes = self.fed - len(self.h11.trailing_data[0]) - self.cycle_start
+        if head_bytes > MAX_REQUEST_BYTES:  # h11 bounds a head that is still arriving, this one that came whole
+            self._refuse(431, f"request head over {MAX_REQUEST_BYTES} bytes")
+            return False
+        headers = dict(req.headers)
+        if b"transfer-encoding" in headers:
+            self._refuse(411, "send the body with a Content-Length (chunked bodies are not taken)")
+            return False
+        n = int(headers.get(b"content-length", b"0"))  # h11 has checked that it is a number
         if n > MAX_BODY_BYTES:
-            return 413, f"the body is {n} bytes; at most {MAX_BODY_BYTES} are taken"
-        start = end + 4
-        if len(buf) < start + n:
-            if not self.continued and headers.get("expect", "").lower() == "100-continue" and not self.queue:
-                self.continued = True  # the client waits for this before it sends the body
-                if self.transport is not None:
-                    self.transport.write(parts[2].encode() + b" 100 Continue\r\n\r\n")
-            return None
-        self.continued = False
-        body = bytes(buf[start:start + n])
-        del buf[:start + n]
-        path, _, query = parts[1].partition("?")
-        return Request(parts[0], path, query, headers, body, "HTTP/1.0" if parts[2] == "HTTP/1.0" else "HTTP/1.1")
+            self._refuse(413, f"the body is {n} bytes; at most {MAX_BODY_BYTES} are taken")
+            return False
+        if self.h11.they_are_waiting_for_100_continue:  # the client waits for this before it sends the body
+            self._write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")))
+        self.request = req
+        self.body = bytearray()
+        return True
 
     # ---- answering ---------------------------------------------------------------------------------------
-    def _answer(self, req: Request | tuple[int, str], out: list[bytes]) -> None:
-        if isinstance(req, tuple):
-            self.buf.clear()
-            self.closing = True
-            self._emit(text(*req), "HTTP/1.0", False, True, out)
-            return
-        version = req.version
-        conn = req.headers.get("connection", "").lower()
-        keep = (conn != "close") if version == "HTTP/1.1" else (conn == "keep-alive")
-        if not keep:
-            self.closing = True
-        head = req.method == "HEAD"
+    def _dispatch(self) -> None:
+        ev = self.request
+        assert ev is not None  # an EndOfMessage follows its Request
+        self.request = None
+        self.started = 0.0
+        target = ev.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in ev.headers}
+        req = Request(ev.method.decode("latin-1"), path, query, headers, bytes(self.body),
+                      "HTTP/1.0" if ev.http_version == b"1.0" else "HTTP/1.1")
+        self.body = bytearray()
         try:
             got = self.endpoint.dispatch(req)
         except Exception:  # an answer must never take the daemon down
             log.exception("error answering %s %s", req.method, req.path)
             got = text(500, "internal error")
         if isinstance(got, Response):
-            self._emit(got, version, head, not keep, out)
+            self._answer(got, req)
             return
         fut = asyncio.ensure_future(got)
-        self.queue.append((fut, head, not keep, version))
-        fut.add_done_callback(self._flush)
+        self.pending = fut
+        self._update_reading()
+        fut.add_done_callback(lambda f: self._answered(f, req))
 
-    def _emit(self, resp: Response, version: str, head: bool, close: bool, out: list[bytes]) -> None:
-        if self.queue:  # an earlier answer is still being worked out: this one waits its turn
-            fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-            fut.set_result(resp)
-            self.queue.append((fut, head, close, version))
-            return
-        out.append(_head(resp, version, close))
-        if not head:
-            out.append(resp.body)
+    def _answered(self, fut: asyncio.Future[Response], req: Request) -> None:
+        if fut.cancelled() or fut is not self.pending:
+            return  # the connection is gone
+        self.pending = None
+        exc = fut.exception()
+        if exc is not None:
+            log.error("error answering %s %s", req.method, req.path, exc_info=exc)
+            resp = text(500, "internal error")
+        else:
+            resp = fut.result()
+        self._answer(resp, req)
+        self._drive()  # a pipelined request may be waiting
 
-    def _flush(self, _fut: object = None) -> None:
-        out: list[bytes] = []
-        while self.queue and self.queue[0][0].done():
-            fut, head, close, version = self.queue.popleft()
-            if fut.cancelled():
-                continue
-            exc = fut.exception()
-            if exc is not None:
-                log.error("error answering a request", exc_info=exc)
-                resp = text(500, "internal error")
-            else:
-                resp = fut.result()
-            out.append(_head(resp, version, close))
-            if not head:
-                out.append(resp.body)
+    def _answer(self, resp: Response, req: Request) -> None:
         if self.transport is None:
             return
-        if out:
-            self.transport.write(b"".join(out))
-        if self.closing and not self.queue:
+        out = _serialize(self.h11, resp, head_only=req.method == "HEAD", http10=req.version == "HTTP/1.0")
+        self._write(out)
+        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+            self.h11.start_next_cycle()
+            self.cycle_start = self.fed - len(self.h11.trailing_data[0])
+            if self.cycle_start < self.fed:  # the next request has begun
+                self.started = asyncio.get_running_loop().time()
+        else:  # Connection: close, from either side or HTTP/1.0
+            self._close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request that breaks the protocol or a bound, then close the connection."""
+        try:
+            out = _serialize(self.h11, text(status, message), head_only=False, http10=True, close=True)
+        except h11.LocalProtocolError:  # no answer fits where the exchange stands: just close
+            out = b""
+        self._write(out)
+        self._close()
+
+    def _write(self, data: bytes) -> None:
+        if data and self.transport is not None:
+            self.transport.write(data)
+
+    def _close(self) -> None:
+        self.closing = True
+        if self.transport is not None:
             self.transport.close()
-        self._update_reading()
 
     def _update_reading(self) -> None:
         t = self.transport
         if t is None or t.is_closing():
             return
-        pause = self.write_paused or len(self.queue) >= MAX_PIPELINED
+        pause = self.write_paused or self.pending is not None
         if pause and not self.read_paused:
             t.pause_reading()
             self.read_paused = True
@@ -377,10 +395,10 @@ class _HTTPConnection(asyncio.Protocol):
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if self.started and now - self.started > READ_TIMEOUT_S and not self.queue:
+        if self.started and now - self.started > READ_TIMEOUT_S and self.pending is None:
             t.close()  # a request that does not arrive whole in time
             return
-        if not self.buf and not self.queue and now - self.last > IDLE_TIMEOUT_S:
+        if not self.started and self.pending is None and now - self.last > IDLE_TIMEOUT_S:
             t.close()
             return
         self.timer = loop.call_later(READ_TIMEOUT_S, self._check_timeouts)
@@ -390,7 +408,15 @@ class _HTTPConnection(asyncio.Protocol):
             self.transport.close()
 
 
-def _head(resp: Response, version: str, close: bool) -> bytes:
-    return (f"{version} {resp.status} {REASONS.get(resp.status, 'Unknown')}\r\nContent-Type: {resp.content_type}\r\n"
-            f"Content-Length: {len(resp.body)}\r\n{'Connection: close' if close else 'Connection: keep-alive'}"
-            "\r\n\r\n").encode()
+def _serialize(conn: h11.Connection, resp: Response, *, head_only: bool, http10: bool, close: bool = False) -> bytes:
+    """``resp`` as bytes through h11 (which sets ``Connection: close`` where the exchange ends). h11 writes
+    HTTP/1.1 status lines; an answer to HTTP/1.0 or a refused request is rewritten to read HTTP/1.0."""
+    headers = [("Content-Type", resp.content_type), ("Content-Length", str(len(resp.body))),
+               ("Connection", "close" if close else "keep-alive")]
+    head = conn.send(h11.Response(status_code=resp.status, headers=headers,
+                                  reason=REASONS.get(resp.status, "Unknown")))
+    assert head is not None and head.startswith(b"HTTP/1.1 ")
+    if http10:
+        head = b"HTTP/1.0" + head[8:]
+    body = b"" if head_only else (conn.send(h11.Data(data=resp.body)) or b"")
+    return head + body + (conn.send(h11.EndOfMessage()) or b"")

@@ -361,16 +361,21 @@ async def test_bounds_and_bad_requests_close_with_an_answer():
         return data
 
     try:
-        assert (await one(f"POST /echo HTTP/1.1\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
+        assert (await one(f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
                 ).startswith(b"HTTP/1.0 413")
-        assert (await one(b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")).startswith(b"HTTP/1.0 411")
-        assert (await one(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 2000 + b"\r\n")).startswith(b"HTTP/1.0 431")
-        assert (await one(b"POST /echo HTTP/1.1\r\nContent-Length: x\r\n\r\n")).startswith(b"HTTP/1.0 400")
+        assert (await one(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")).startswith(b"HTTP/1.0 411")
+        assert (await one(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 2000 + b"\r\n")).startswith(b"HTTP/1.0 431")
+        assert (await one(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n")).startswith(b"HTTP/1.0 400")
         assert (await one(b"GET /echo HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 405")
         assert (await one(b"GET /nope HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 404")
+        # A head still arriving is bounded too; HTTP/1.1 without Host is refused (RFC 9112).
+        assert (await one(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 1500)).startswith(b"HTTP/1.0 431")
+        no_host = await one(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert no_host.startswith(b"HTTP/1.0 400") and b"Host" in no_host
         # HTTP/1.0 closes after its answer; "Expect: 100-continue" gets its interim answer first.
         r, w = await asyncio.open_connection("127.0.0.1", ep.port)
-        w.write(b"POST /echo HTTP/1.1\r\nContent-Length: 3\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n")
+        w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n"
+                b"Connection: close\r\n\r\n")
         async with asyncio.timeout(10):
             assert await r.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
             w.write(b"abc")
