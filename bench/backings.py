@@ -14,7 +14,7 @@ from typing import Any
 from bench import store_retrieve
 from bench.common import human_bytes
 from bench.prefault import _backing
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.pool import HugePagePool
 
 RESERVE_BYTES = 3 << 30  # hugetlb pages for the daemon's pool, the helper's and the scratch pool
 

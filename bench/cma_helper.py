@@ -14,7 +14,7 @@ measuring a different copy. Every write (the retrieve's direction) reads the str
 read filled, as the daemon's retrieves read the entries its last store wrote.
 
 ``read_par``/``write_par`` are the same copy cut by bytes into the parts the daemon's host copy
-engine uses for that size (``hkvd.daemon.host_engine.split_count``/``split_rows``: one part below 8 MiB),
+engine uses for that size (``hkvd.daemon.engines.host_engine.split_count``/``split_rows``: one part below 8 MiB),
 moved by that many threads at once (the calling one and a pool's): the reference for the
 daemon's split copies.
 
@@ -33,7 +33,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hkvd.daemon.host_engine import (
+from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.engines.host_engine import (
     IOV_MAX,
     SPLIT_MIN_BYTES,
     _Iovec,
@@ -42,7 +43,6 @@ from hkvd.daemon.host_engine import (
     split_count,
     split_rows,
 )
-from hkvd.daemon.pool import HugePagePool
 
 
 class _Cursor:

@@ -69,9 +69,9 @@ def _bare_main(conn: Any, env: dict[str, str], max_bytes: int, hugepages: str) -
     import numpy as np
     from nixl_cu12 import nixl_agent, nixl_agent_config
 
+    from hkvd.daemon.cache.pool import HugePagePool
     from hkvd.daemon.peers.auth import client_proof, split_address
     from hkvd.daemon.peers.pulling import merge, pair_extents
-    from hkvd.daemon.pool import HugePagePool
     from hkvd.transport.aio import FrameStream
     from hkvd.transport.nixl.agent import PROGRESS_DELAY_US, _progress_delay
     from hkvd.transport.nixl.host_wire import unwrap_metadata

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.prefault import default_threads
+from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.cache.prefault import default_threads
 
 GIB = 1 << 30
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")

@@ -1,6 +1,6 @@
 """scale: the daemon's Index at 10^4, 10^5 and 10^6 entries, and the pool's pre-fault rate.
 
-Index: built in-process (``hkvd.daemon.index.Index`` over a ``HugePagePool`` that is mapped but
+Index: built in-process (``hkvd.daemon.cache.index.Index`` over a ``HugePagePool`` that is mapped but
 never touched, so the 4 KiB-entry pool costs address space only), through the daemon's own write
 path (``begin_write`` -> ``finish_write``, LRU policy). At each size: Python heap bytes per entry
 (tracemalloc, everything the index, the policy and the allocator hold), and the time of a lookup
@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from bench.common import GiB, MiB, median
-from hkvd.daemon.eviction import LRUPolicy
+from hkvd.daemon.cache.eviction import LRUPolicy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY, HeapPolicy
-from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import PAGE, HugePagePool
 
 SIZES = (10_000, 100_000, 1_000_000)
 ENTRY = PAGE  # the smallest slot: one 4 KiB page per entry

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from bench.common import Daemon, MiB, gbps, human_bytes, median, readline_timeout, stop_process
-from hkvd.daemon.host_engine import default_split_parts
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.engines.host_engine import default_split_parts
 from hkvd.shim.ptrace import PR_SET_PTRACER, PR_SET_PTRACER_ANY, _libc
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine
 from hkvd.transport.wire.kv import Item

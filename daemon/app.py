@@ -5,7 +5,7 @@ Start-up
     while the pool's first slice pre-faults and the disk tier (``--l2-path``) is scanned;
     ``READY=1`` (and ``/healthz`` 200) follow once both are done and the control socket accepts.
     The rest of the pool is faulted in behind serving by ``--prefault-threads`` threads, each
-    superblock handed to the allocator once faulted (daemon/prefault.py); ``STATUS=`` reports the
+    superblock handed to the allocator once faulted (daemon/cache/prefault.py); ``STATUS=`` reports the
     faulted share every second until it is all in. Before ready, every second with progress sends
     ``EXTEND_TIMEOUT_USEC`` so systemd's start timeout never kills a start that is progressing.
 
@@ -38,25 +38,25 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
 from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.engine_factory import make_copy_engine
-from hkvd.daemon.eviction import make_policy
+from hkvd.daemon.engines.engine_factory import make_copy_engine
+from hkvd.daemon.engines.registry import Registry
+from hkvd.daemon.engines.service import KVService
+from hkvd.daemon.engines.service_stats import ServiceStats
 from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.http import HTTPEndpoint, build_registry, ipaddress_is_loopback, text
-from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import CounterStats, Metrics
 from hkvd.daemon.notify import Notifier
 from hkvd.daemon.peers.links import PeerService, peers_wanted
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.prefault import Prefaulter, default_threads, first_slice_bytes
-from hkvd.daemon.registry import Registry
 from hkvd.daemon.routing.announcer import Announcer
 from hkvd.daemon.routing.kv_events import MEDIUM_CLUSTER, MEDIUM_DISK, Batch, EventLog
 from hkvd.daemon.routing.usable_prefix import FormatBook, UsablePrefix
 from hkvd.daemon.routing.zmq_publisher import ZmqPublisher
 from hkvd.daemon.server import Server, ServerStats
-from hkvd.daemon.service import KVService
-from hkvd.daemon.service_stats import ServiceStats
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.cluster import ClusterSettings, ClusterTier
 from hkvd.daemon.tiers.cluster_value import ClusterKeyError, FleetKeys

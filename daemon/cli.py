@@ -22,7 +22,7 @@ from hkvd.cuda._cupy import unshadow_nvidia_cuda
 from hkvd.daemon import fd_budget
 from hkvd.daemon.app import Daemon
 from hkvd.daemon.config import GIB, DaemonConfig
-from hkvd.daemon.engine_factory import check_copy_engine
+from hkvd.daemon.engines.engine_factory import check_copy_engine
 from hkvd.daemon.http import require_prometheus
 from hkvd.daemon.options import add_flags, load_toml, values_from
 from hkvd.daemon.peers.links import check_peer_config, peers_wanted

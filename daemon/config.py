@@ -15,9 +15,9 @@ import grp
 from dataclasses import dataclass, field
 from typing import Any
 
+from hkvd.daemon.cache.pool import MIN_SUPERBLOCK_BYTES
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
 from hkvd.daemon.peers.auth import PeerConfigError, parse_allow, split_address
-from hkvd.daemon.pool import MIN_SUPERBLOCK_BYTES
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.paths import default_socket_path
 
@@ -65,9 +65,9 @@ class DaemonConfig:
     mamba_checkpoint_interval: int = 1
     shutdown_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
-    superblock_bytes: int = 0  # 0: derived from the pool size (daemon/pool.py); else a multiple of 2 MiB
-    prefault_threads: int = 0  # 0: min(cores, 8) (daemon/prefault.py)
-    numa_node: int = -1  # -1: no binding; else mbind the pool to this node (daemon/backing.py)
+    superblock_bytes: int = 0  # 0: derived from the pool size (daemon/cache/pool.py); else a multiple of 2 MiB
+    prefault_threads: int = 0  # 0: min(cores, 8) (daemon/cache/prefault.py)
+    numa_node: int = -1  # -1: no binding; else mbind the pool to this node (daemon/cache/backing.py)
     metrics_port: int = 0  # 0 = no metrics endpoint
     metrics_host: str = "127.0.0.1"  # where the metrics port listens
     l2_path: str = ""  # empty: no disk tier

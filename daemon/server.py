@@ -61,9 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from hkvd.daemon.client_process import ClientProcess
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.service import Conn, KVService, request_log
+from hkvd.daemon.engines.client_process import ClientProcess
+from hkvd.daemon.engines.service import Conn, KVService, request_log
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import (
     FrameTooLarge,
@@ -252,7 +252,7 @@ class _Link(asyncio.Protocol):
         if self.server.descriptors.short(fd):  # pin nothing; the Hello decides (an engine is refused)
             self._short = self.server.descriptors.refusal(f"engine connection from pid {pid}", fd)
         else:
-            try:  # the process itself, pinned: see hkvd.daemon.client_process
+            try:  # the process itself, pinned: see hkvd.daemon.engines.client_process
                 conn.process = ClientProcess.from_socket(sock)
                 self._watch(conn.process)
             except ResourceExhausted as e:

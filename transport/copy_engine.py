@@ -3,7 +3,7 @@
 Role
     The daemon decides *what* to copy (index, leases, step ordering, peers). A copy engine
     only moves bytes between an engine's registered memory and the daemon's pool. The host
-    engine (``hkvd.daemon.host_engine``) uses process_vm_readv/writev; the CUDA engine
+    engine (``hkvd.daemon.engines.host_engine``) uses process_vm_readv/writev; the CUDA engine
     (``hkvd.cuda.copy``) uses IPC handles and batched copies on its own stream. Nothing else
     in the daemon may know which one is in use.
 

@@ -1,7 +1,7 @@
 """Stride arithmetic: where an entry's bytes live in an engine and in the pool.
 
 Role
-    Pure functions shared by the host (``hkvd.daemon.host_engine``) and CUDA (``hkvd.cuda.copy``) copy
+    Pure functions shared by the host (``hkvd.daemon.engines.host_engine``) and CUDA (``hkvd.cuda.copy``) copy
     engines and by registration. ``View`` and ``GroupSpec`` are the registered description of
     one KV-cache group (see docs/design.md, "Registration"); the wire code imports them from
     here. Nothing here touches memory.

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from hkvd.daemon.hybrid import GroupRule
-from hkvd.daemon.registry import EngineState, Registry
+from hkvd.daemon.cache.hybrid import GroupRule
+from hkvd.daemon.engines.registry import EngineState, Registry
 
 MAX_LAYOUTS = 64
 

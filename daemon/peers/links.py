@@ -1,7 +1,7 @@
 """Peer links: the daemon's side of disaggregated prefill/decode pairs.
 
 Role
-    Composes the pieces and is the one thing ``daemon/app.py`` and ``daemon/service.py`` know:
+    Composes the pieces and is the one thing ``daemon/app.py`` and ``daemon/engines/service.py`` know:
     - a ``DataTransport`` (NIXL/UCX) with the whole pool registered, so peers READ entries straight
       out of it and pulls land straight in it. By default ``hkvd.transport.nixl.hosted``: the NIXL agent
       runs in a supervised child process that maps the pool's memfd, because UCX crashed the daemon
@@ -15,7 +15,7 @@ Role
     - ``LayoutBook`` (``daemon/peers/layout_book.py``): the layouts of engines seen here, by fingerprint.
     Peers are on when ``--peer-listen`` or a peer token is configured (``peers_wanted``).
     A pull answers the engine connection that asked through ``ReplySink`` (one method and two
-    counters), so this package never imports ``daemon/service.py``: the service holds the
+    counters), so this package never imports ``daemon/engines/service.py``: the service holds the
     ``PeerService`` it is given at construction, and nothing points back.
 
 Threading
@@ -40,15 +40,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.index import Index
+from hkvd.daemon.engines.registry import EngineState, Registry
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers.auth import TOKEN_ENV, PeerConfigError, parse_allow, read_token
 from hkvd.daemon.peers.layout_book import LayoutBook
 from hkvd.daemon.peers.pulling import PeerClient, PullStats
 from hkvd.daemon.peers.serving import PeerServer, ServingStats
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.registry import EngineState, Registry
 from hkvd.transport.base import DataTransport, TransportStats
 from hkvd.transport.errors import InternalError, KVError, NotRegistered, ShuttingDown
 from hkvd.transport.nixl.agent import NixlTransport, load_nixl

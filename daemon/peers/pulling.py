@@ -48,13 +48,13 @@ import os
 import time
 from typing import Any, NamedTuple
 
+from hkvd.daemon.cache.hybrid import HitPlan, plan_hit, required_chunks
+from hkvd.daemon.cache.index import Entry, EntryState, Index
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.hybrid import HitPlan, plan_hit, required_chunks
-from hkvd.daemon.index import Entry, EntryState, Index
+from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers.auth import PeerConfigError, check_proof, client_proof, server_proof, split_address
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.registry import EngineState
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.base import DataTransport, Desc, Transfer
 from hkvd.transport.errors import (

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hkvd.daemon.hybrid import plan_hit
+from hkvd.daemon.cache.hybrid import plan_hit
 from hkvd.daemon.peers.auth import (
     GateStats,
     IPNetwork,
@@ -88,11 +88,11 @@ from hkvd.transport.wire.peer import (
 )
 
 if TYPE_CHECKING:
+    from hkvd.daemon.cache.index import Index
+    from hkvd.daemon.cache.pool import HugePagePool
     from hkvd.daemon.config import DaemonConfig
-    from hkvd.daemon.index import Index
     from hkvd.daemon.metrics import Metrics
     from hkvd.daemon.peers.layout_book import LayoutBook
-    from hkvd.daemon.pool import HugePagePool
 
 log = logging.getLogger("hkvd.peer_server")
 

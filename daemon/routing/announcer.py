@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hkvd.daemon.index import Entry, EntryKey, Index
+from hkvd.daemon.cache.index import Entry, EntryKey, Index
+from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.registry import EngineState
 from hkvd.daemon.routing.kv_events import (
     MEDIA,
     MEDIUM_CLUSTER,

@@ -3,7 +3,7 @@
 Role
     A router that picks a node for a prompt of a hybrid model needs more than "which blocks exist":
     a full-attention hit is no hit without the sliding-window suffix and a Mamba/GDN state at exactly
-    its boundary. The daemon applies that rule for every engine lookup (``hkvd.daemon.hybrid``); this
+    its boundary. The daemon applies that rule for every engine lookup (``hkvd.daemon.cache.hybrid``); this
     module answers the same question for a router, over HTTP on the metrics port
     (``hkvd.daemon.http``): ``POST /v1/usable_prefix`` and ``GET /v1/models`` (docs/routing.md).
 
@@ -67,11 +67,11 @@ from typing import Any
 
 import msgpack
 
+from hkvd.daemon.cache.hybrid import GroupRule, plan_hit
+from hkvd.daemon.cache.index import EntryKey
+from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.http import Request, Response
-from hkvd.daemon.hybrid import GroupRule, plan_hit
-from hkvd.daemon.index import EntryKey
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.registry import EngineState
 from hkvd.transport.extras import MMItem, Uncacheable, chunk_extras, read_adapter_digest
 from hkvd.transport.keys import ROOT_KEY, chunk_keys_le32
 

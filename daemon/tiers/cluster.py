@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from hkvd.daemon.index import EntryKey
+from hkvd.daemon.cache.index import EntryKey
+from hkvd.daemon.cache.pool import Extent
 from hkvd.daemon.metrics import RateWindow
-from hkvd.daemon.pool import Extent
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.cluster_value import FleetKeys, FleetKeyStats, value_key
 from hkvd.daemon.tiers.contract import Source, Tier

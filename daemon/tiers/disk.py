@@ -75,8 +75,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hkvd.daemon.cache.pool import Extent
 from hkvd.daemon.metrics import RateWindow
-from hkvd.daemon.pool import Extent
 from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.contract import Source, Tier
@@ -85,7 +85,7 @@ from hkvd.transport.stat_fields import metric, part, status_only
 
 log = logging.getLogger("hkvd.disk")
 
-EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in daemon/index.py
+EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in daemon/cache/index.py
 
 MAGIC = b"HKVDL2\r\n"
 # 2: chunk keys carry the request's extra keys and fingerprints the engine identity (version-1 files

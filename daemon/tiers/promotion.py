@@ -36,10 +36,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from hkvd.daemon.hybrid import plan_hit
-from hkvd.daemon.index import Entry, EntryKey, Index
+from hkvd.daemon.cache.hybrid import plan_hit
+from hkvd.daemon.cache.index import Entry, EntryKey, Index
+from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.registry import EngineState
 from hkvd.daemon.tiers.contract import Tier
 from hkvd.transport.errors import PoolFull
 

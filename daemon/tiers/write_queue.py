@@ -10,8 +10,8 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hkvd.daemon.index import EntryKey
-from hkvd.daemon.pool import Extent
+from hkvd.daemon.cache.index import EntryKey
+from hkvd.daemon.cache.pool import Extent
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hkvd.daemon import pool as pool_mod
+from hkvd.daemon.cache import pool as pool_mod
+from hkvd.daemon.cache.pool import HUGE_PAGE, HugePagePool
 from hkvd.daemon.cli import format_status
-from hkvd.daemon.pool import HUGE_PAGE, HugePagePool
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.errors import PoolError
 from hkvd.transport.keys import chunk_keys

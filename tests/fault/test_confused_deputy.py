@@ -213,8 +213,8 @@ def test_an_engine_that_exited_is_never_copied() -> None:
         os.read(r, 1)
         os._exit(0)
     os.close(r)
-    from hkvd.daemon.host_engine import HostCopyEngine
-    from hkvd.daemon.pool import HugePagePool
+    from hkvd.daemon.cache.pool import HugePagePool
+    from hkvd.daemon.engines.host_engine import HostCopyEngine
     from hkvd.transport.copy_engine import Direction, Segment
     from hkvd.transport.errors import CopyFailedError
 

@@ -36,15 +36,15 @@ from typing import Any
 
 import pytest
 
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.host_engine import HostCopyEngine
-from hkvd.daemon.index import Index
+from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.registry import Registry
+from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.registry import Registry
 from hkvd.daemon.server import Server
-from hkvd.daemon.service import KVService
 from hkvd.transport.copy_engine import Attachment, CopyResult, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, KVTimeout
 

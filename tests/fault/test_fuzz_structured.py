@@ -56,7 +56,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon import validation
+from hkvd.daemon.engines import validation
 from hkvd.daemon.peers.auth import client_proof
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.testing.launcher import DaemonProcess

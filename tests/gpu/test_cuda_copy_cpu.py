@@ -661,9 +661,9 @@ def test_cuda_copy_method_option(gpu: _FakeGpu, monkeypatch: pytest.MonkeyPatch)
     """``--cuda-copy-method`` reaches the engine ``hkvd serve`` builds; a bad value names the choices."""
     import argparse
 
-    from hkvd.daemon import engine_factory
     from hkvd.daemon.cli import _serve_parser, build_config
     from hkvd.daemon.config import ConfigError
+    from hkvd.daemon.engines import engine_factory
 
     parser = argparse.ArgumentParser()
     _serve_parser(parser.add_subparsers(dest="cmd"))
@@ -749,14 +749,14 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from hkvd.daemon.client_process import ClientProcess
+    from hkvd.daemon.cache.eviction import make_policy
+    from hkvd.daemon.cache.index import Index
+    from hkvd.daemon.cache.pool import HugePagePool
     from hkvd.daemon.config import ConfigCell, DaemonConfig
-    from hkvd.daemon.eviction import make_policy
-    from hkvd.daemon.index import Index
+    from hkvd.daemon.engines.client_process import ClientProcess
+    from hkvd.daemon.engines.registry import Registry
+    from hkvd.daemon.engines.service import Conn, KVService
     from hkvd.daemon.metrics import Metrics
-    from hkvd.daemon.pool import HugePagePool
-    from hkvd.daemon.registry import Registry
-    from hkvd.daemon.service import Conn, KVService
     from hkvd.transport.keys import chunk_keys
     from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire import Message, control, kv

@@ -168,7 +168,7 @@ def test_store_descriptors_follow_the_view_formula(case: Case) -> None:
 
 
 def test_descriptors_equal_what_the_host_engine_copies(case: Case) -> None:
-    cma = pytest.importorskip("hkvd.daemon.host_engine")
+    cma = pytest.importorskip("hkvd.daemon.engines.host_engine")
 
     @dataclass
     class _Pool:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hkvd.cuda import _cupy
-from hkvd.daemon.engine_factory import CopyEngineUnavailable, check_copy_engine
+from hkvd.daemon.engines.engine_factory import CopyEngineUnavailable, check_copy_engine
 
 
 def _fake_cupy(runtime: int, driver: int, *, devices: int = 1, cudart_loads: bool = True,

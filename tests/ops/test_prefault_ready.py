@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from hkvd.daemon.app import Daemon
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.cli import format_status
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.notify import Notifier
-from hkvd.daemon.pool import HugePagePool
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 

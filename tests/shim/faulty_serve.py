@@ -18,7 +18,7 @@ import sys
 
 def _install(fault: str) -> None:
     import hkvd.transport.wire  # noqa: F401 - first, as the daemon's own start-up imports it
-    from hkvd.daemon import service
+    from hkvd.daemon.engines import service
     from hkvd.transport.copy_engine import Direction
 
     kind, _, nth = fault.partition(":")

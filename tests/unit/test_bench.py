@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.pool import HugePagePool
 
 ROOT = Path(__file__).resolve().parents[2]
 # bench/ is a top-level folder of the checkout, not an installed package. The checkout's root goes
@@ -29,6 +29,7 @@ finally:
 KIB = 1024
 
 
+@pytest.mark.out_of_process
 def test_store_retrieve_rows_move_every_byte() -> None:
     page, batches = 64 * KIB, [1, 4]
     store_retrieve._allow_any_ptracer()
@@ -153,6 +154,7 @@ def test_cma_helper_reads_walk_fresh_pool_and_writes_read_the_last_read() -> Non
     assert c.take(10) == Pool.base_addr + 40
 
 
+@pytest.mark.out_of_process
 def test_store_retrieve_run_sizes_a_helper_per_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
     # Small pages store little: the helper's pool still has to be a valid pool (>= one 2 MiB superblock).
     monkeypatch.setitem(store_retrieve.QUICK, "pages", [64 * KIB, 128 * KIB])
@@ -177,6 +179,7 @@ print(json.dumps({"rows": rows, "frozen": gc.get_freeze_count(), "callbacks_kept
 """
 
 
+@pytest.mark.out_of_process
 def test_scale_gc_pauses_compares_both_collectors_and_leaves_none_frozen() -> None:
     import json
     import subprocess

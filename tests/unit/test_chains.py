@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.chains import ChainTracker
-from hkvd.daemon.eviction import HybridAwarePolicy, LRUPolicy
-from hkvd.daemon.index import Index
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.chains import ChainTracker
+from hkvd.daemon.cache.eviction import HybridAwarePolicy, LRUPolicy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 
 FP = b"f" * 16
 

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from hkvd.daemon import host_engine
-from hkvd.daemon.host_engine import IOV_MAX, HostCopyEngine
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.engines import host_engine
+from hkvd.daemon.engines.host_engine import IOV_MAX, HostCopyEngine
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.transport.copy_engine import Direction, Region, Segment
 from hkvd.transport.errors import CopyFailedError, RegistrationError
+
+pytestmark = pytest.mark.out_of_process  # a real child process to copy to and from
 
 MIB = 1 << 20
 REGION_SIZES = (256 * 1024, 96 * 1024 + 13)  # an odd size checks the last-byte probe
@@ -312,7 +314,7 @@ def test_attach_refusals(child: Child, pool: HugePagePool) -> None:
 UNPRIVILEGED = textwrap.dedent(
     """
     import os, sys
-    from hkvd.daemon.host_engine import HostCopyEngine
+    from hkvd.daemon.engines.host_engine import HostCopyEngine
     from hkvd.transport.copy_engine import Region
     from hkvd.transport.errors import RegistrationError
     class P:

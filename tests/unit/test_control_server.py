@@ -22,15 +22,15 @@ import msgpack
 import pytest
 
 from hkvd.daemon import server as server_mod
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.host_engine import HostCopyEngine
-from hkvd.daemon.index import Index
+from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.registry import Registry
+from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.registry import Registry
 from hkvd.daemon.server import FRAMES_PER_TURN, MAX_CONSECUTIVE_ERRORS, Server
-from hkvd.daemon.service import KVService
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.codec import encode
 from hkvd.transport.errors import ErrorCode

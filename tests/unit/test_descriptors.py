@@ -14,7 +14,7 @@ import pytest
 
 CHILD = textwrap.dedent("""
     import os, resource, sys
-    from hkvd.daemon.client_process import ClientProcess
+    from hkvd.daemon.engines.client_process import ClientProcess
     from hkvd.transport.errors import KVError
 
     target = int(sys.argv[1])
@@ -44,6 +44,7 @@ def target():
     p.wait()
 
 
+@pytest.mark.out_of_process
 def test_pinning_without_a_free_descriptor_is_resource_exhausted(target: int) -> None:
     out = subprocess.run([sys.executable, "-c", CHILD, str(target)], capture_output=True, text=True, timeout=60,
                          check=True).stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon.pool import Extent
+from hkvd.daemon.cache.pool import Extent
 from hkvd.daemon.tiers.disk import (
     HEADER_BYTES,
     MAGIC,

@@ -1,10 +1,10 @@
-"""The daemon's per-engine counters (``hkvd.daemon.engine_traffic``) and latency histograms
-(``hkvd.daemon.latency``) on their own; tests/unit/test_service.py has them from a served engine."""
+"""The daemon's per-engine counters (``hkvd.daemon.engines.engine_traffic``) and latency histograms
+(``hkvd.daemon.engines.latency``) on their own; tests/unit/test_service.py has them from a served engine."""
 
 from __future__ import annotations
 
-from hkvd.daemon.engine_traffic import OTHER, EngineTraffic
-from hkvd.daemon.latency import BOUNDS, Histogram, Latencies
+from hkvd.daemon.engines.engine_traffic import OTHER, EngineTraffic
+from hkvd.daemon.engines.latency import BOUNDS, Histogram, Latencies
 from hkvd.transport.stat_fields import SUFFIX, families, sample_name
 
 

@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from hkvd.daemon.eviction import make_policy
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.daemon.heap import HeapPolicy
-from hkvd.daemon.index import Index
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import PAGE, HugePagePool
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.hybrid import (
+from hkvd.daemon.cache.hybrid import (
     GroupRule,
     HitPlan,
     mamba_checkpoint_keep,

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.index import Entry, EntryState, Index
-from hkvd.daemon.pool import PAGE, HugePagePool
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Entry, EntryState, Index
+from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.transport.errors import PoolFull
 
 FP = b"f" * 16

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import zmq
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.index import Index
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import PAGE, HugePagePool
+from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import PAGE, HugePagePool
-from hkvd.daemon.registry import EngineState
 from hkvd.daemon.routing.announcer import Announcer
 from hkvd.daemon.routing.kv_events import (
     MEDIUM_CLUSTER,

@@ -1,4 +1,4 @@
-"""The lease table on its own (daemon/leases.py): TTL expiry on an injected clock, uses counting,
+"""The lease table on its own (daemon/cache/leases.py): TTL expiry on an injected clock, uses counting,
 release by id and by owner, unknown and expired ids, random non-zero ids, watches on a lease's
 end, and, through the index that owns it, entries held against eviction until their lease ends."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.index import Index
-from hkvd.daemon.leases import ENDED_KEPT, Leases
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.leases import ENDED_KEPT, Leases
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.transport.errors import LeaseExpired, PermissionDenied, PoolFull
 
 
@@ -194,7 +194,7 @@ def test_ids_are_random_non_zero_and_distinct(leases: Leases[str], monkeypatch: 
     # A zero draw and a repeat of a live id are both drawn again.
     live = next(iter(ids))
     draws = iter([0, live, 42])
-    monkeypatch.setattr("hkvd.daemon.leases.secrets.randbits", lambda _bits: next(draws))
+    monkeypatch.setattr("hkvd.daemon.cache.leases.secrets.randbits", lambda _bits: next(draws))
     assert leases.take(["a"], owner=1, ttl_s=10) == 42
 
 

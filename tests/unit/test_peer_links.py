@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.host_engine import HostCopyEngine
-from hkvd.daemon.index import Index
+from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.registry import EngineState, Registry
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers import links
 from hkvd.daemon.peers.auth import parse_allow
 from hkvd.daemon.peers.layout_book import LayoutBook
 from hkvd.daemon.peers.links import PeerService, ReplySink
 from hkvd.daemon.peers.serving import PeerServer
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.registry import EngineState, Registry
 from hkvd.transport.base import DataTransport, Desc, ReadCounters, Transfer, TransportStats
 from hkvd.transport.errors import CopyFailedError, ErrorCode, NotRegistered, ShuttingDown
 from hkvd.transport.keys import chunk_keys

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.index import EntryState, Index
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import EntryState, Index
+from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.daemon.peers.auth import (
     PeerConfigError,
     allowed,
@@ -22,7 +23,6 @@ from hkvd.daemon.peers.auth import (
     split_address,
 )
 from hkvd.daemon.peers.pulling import begin_entries, merge, pair_extents
-from hkvd.daemon.pool import PAGE, HugePagePool
 from hkvd.transport.base import Desc
 from hkvd.transport.codec import decode_body, encode
 from hkvd.transport.errors import PoolFull, ProtocolViolation

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon import pool as pool_mod
-from hkvd.daemon.pool import PAGE, Allocation, HugePagePool, SlabAllocator
+from hkvd.daemon.cache import pool as pool_mod
+from hkvd.daemon.cache.pool import PAGE, Allocation, HugePagePool, SlabAllocator
 from hkvd.transport.errors import PoolError
 
 KIB = 1024

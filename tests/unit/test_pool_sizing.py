@@ -1,5 +1,5 @@
 """Size classes do not strand memory: superblocks sized from the pool, the overhead bound of
-daemon/pool.py, the smallest pool for a set of entries, and eviction that frees whole superblocks."""
+daemon/cache/pool.py, the smallest pool for a set of entries, and eviction that frees whole superblocks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.index import Index
-from hkvd.daemon.pool import (
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import (
     HUGE_PAGE,
     MAX_SUPERBLOCK_BYTES,
     HugePagePool,
@@ -27,11 +27,11 @@ GIB = 1024 * MIB
 FP = b"f" * 16
 # One hybrid chunk of a small model: full attention, sliding window, two Mamba states (four sizes).
 HYBRID = (6 * MIB, 1536 * KIB, 640 * KIB + 12 * KIB, 96 * KIB)
-DENSITY = 7 / 8  # the bound daemon/pool.py states for entries of 32 KiB or more
+DENSITY = 7 / 8  # the bound daemon/cache/pool.py states for entries of 32 KiB or more
 
 
 def bound(capacity: int, superblock: int, classes: int) -> float:
-    """Entry bytes a pool filled without frees holds at least (daemon/pool.py, "Overhead bound")."""
+    """Entry bytes a pool filled without frees holds at least (daemon/cache/pool.py, "Overhead bound")."""
     return DENSITY * (capacity - classes * superblock)
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hkvd.daemon import backing
-from hkvd.daemon.pool import HugePagePool, SlabAllocator
-from hkvd.daemon.prefault import Prefaulter, default_threads, first_slice_bytes
+from hkvd.daemon.cache import backing
+from hkvd.daemon.cache.pool import HugePagePool, SlabAllocator
+from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
 from hkvd.transport.errors import PoolError
 
 MIB = 1 << 20
@@ -144,6 +144,7 @@ def test_backing_reads_plain_pages_from_smaps() -> None:
         assert b.resident_bytes == 8 * MIB and sum(b.node_bytes.values()) == 8 * MIB
 
 
+@pytest.mark.out_of_process  # binding finds libnuma through ctypes.util.find_library, which runs ldconfig
 def test_numa_bind_to_node_zero_and_refuse_a_node_without_memory() -> None:
     nodes = backing.memory_nodes()
     with HugePagePool(8 * MIB, "off", superblock_bytes=2 * MIB, faulted_only=True, numa_node=nodes[0]) as p:

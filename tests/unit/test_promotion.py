@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.host_engine import HostCopyEngine
-from hkvd.daemon.index import EntryKey, Index
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import EntryKey, Index
+from hkvd.daemon.cache.pool import Extent, HugePagePool
+from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.registry import EngineState, Registry
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import Extent, HugePagePool
-from hkvd.daemon.registry import EngineState, Registry
 from hkvd.daemon.tiers.contract import Source, Tier
 from hkvd.daemon.tiers.promotion import Promoter
 from hkvd.transport.keys import chunk_keys

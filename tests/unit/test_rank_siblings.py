@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.index import Index
-from hkvd.daemon.pool import HugePagePool
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 
 SB = 32 << 20
 ENTRY = 4 << 20  # 16 entries fill the two-superblock pool

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hkvd.daemon.hybrid import GroupRule
+from hkvd.daemon.cache.hybrid import GroupRule
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import UsablePrefix, parse_query
 from hkvd.shim.identity import ChunkIdentity

@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkvd.daemon.client_process import ClientProcess
+from hkvd.daemon.cache.eviction import make_policy
+from hkvd.daemon.cache.index import Index
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.eviction import make_policy
-from hkvd.daemon.host_engine import HostCopyEngine
-from hkvd.daemon.index import Index
+from hkvd.daemon.engines.client_process import ClientProcess
+from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.registry import Registry
+from hkvd.daemon.engines.service import Conn, KVService
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import HugePagePool
-from hkvd.daemon.registry import Registry
-from hkvd.daemon.service import Conn, KVService
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse
 from hkvd.transport.keys import chunk_keys

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hkvd.daemon.snapshots import JobState, SnapshotOrdering, StepDecision, StepOutcome
+from hkvd.daemon.engines.snapshots import JobState, SnapshotOrdering, StepDecision, StepOutcome
 
 OFFER = ("r1", 1, 6, 64)  # (req, group, block, boundary tokens): opaque to the machine
 

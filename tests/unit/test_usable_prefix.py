@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from hkvd.daemon.cache.hybrid import GroupRule
 from hkvd.daemon.http import MAX_BODY_BYTES, HTTPEndpoint, Request, Response
-from hkvd.daemon.hybrid import GroupRule
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import (
     MAX_FORMATS,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from hkvd.daemon.validation import (
+from hkvd.daemon.engines.validation import (
     check_chunk_size,
     check_group_kinds,
     check_mamba,

@@ -182,7 +182,7 @@ def test_a_register_with_more_views_than_any_model_is_refused():
 def test_rank_fingerprints_are_each_ranks_own():
     import dataclasses
 
-    from hkvd.daemon.registry import fingerprint, rank_fingerprints
+    from hkvd.daemon.engines.registry import fingerprint, rank_fingerprints
 
     spec = control.EngineSpec.from_wire({**_spec_wire(3, 5), "world_size": 4, "rank": 2})
     fps = rank_fingerprints(spec, 64, range(4))
@@ -197,7 +197,7 @@ def _pieces_spec(pieces: object) -> dict:
 
 
 def test_view_pieces_travel_in_a_register_frame():
-    from hkvd.daemon.registry import fingerprint
+    from hkvd.daemon.engines.registry import fingerprint
     from hkvd.transport.layout import View
 
     pieces = [[2048, 2048], [0, 2048]]

@@ -139,7 +139,7 @@ class RetrieveResult(Reply):
 class StepResult(Reply):
     what: ClassVar[str] = "step event"
     nbytes: int
-    outcome: str  # hkvd.daemon.snapshots.StepOutcome's value
+    outcome: str  # hkvd.daemon.engines.snapshots.StepOutcome's value
     stored: int = 0  # the counts of the offers' copy, as in StoreResult; all 0 when none started
     skipped: int = 0
     dropped: int = 0

@@ -39,7 +39,7 @@ Overhead bound (what "fits by bytes" means)
       most one superblock with free slots per class, so with C entry sizes it holds at least
       ``7/8 * (capacity - C * superblock_bytes)`` bytes of entries: for a 64 MiB pool and four
       sizes, 49 MiB; for 1 GiB and four sizes, 840 MiB. After frees, a class refills its own
-      holes before it takes a free superblock, and the index's eviction (daemon/index.py)
+      holes before it takes a free superblock, and the index's eviction (daemon/cache/index.py)
       evicts only entries whose freeing makes room: entries of the size class it needs, or every
       entry of a superblock at once.
     - ``superblocks_needed`` / ``smallest_pool_bytes`` give the exact room an empty pool needs
@@ -49,13 +49,13 @@ Pre-fault and admission
     ``HugePagePool(faulted_only=True)`` (the daemon) starts with an allocator that may hand out
     nothing: ``start_prefault(threads)`` faults superblocks in on background threads, in pool
     order, with one ``MADV_POPULATE_WRITE`` per superblock, and admits each to the free heap only
-    once it is fully faulted (daemon/prefault.py). The daemon serves once a first slice is in; no
+    once it is fully faulted (daemon/cache/prefault.py). The daemon serves once a first slice is in; no
     copy ever lands in unfaulted memory, and a page that cannot be had (hugetlb reservation gone,
     cgroup limit, bound NUMA node full) is a ``PoolError`` from ``populate``, never a SIGBUS in a
     copy. Without ``faulted_only`` every superblock is admitted at once and faults on first touch
     (tools, benches); ``prefault()`` then faults them all and waits.
 
-    ``backing()`` reports what the kernel put behind the mapping (daemon/backing.py:
+    ``backing()`` reports what the kernel put behind the mapping (daemon/cache/backing.py:
     /proc/self/smaps), which is what status shows, not the kind asked for. ``numa_node`` binds the
     mapping with ``mbind(MPOL_BIND)`` before the first fault.
 
@@ -90,8 +90,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, cast
 
-from hkvd.daemon.backing import Backing, bind, observe, thp_page_size
-from hkvd.daemon.prefault import Prefaulter, PrefaultStats
+from hkvd.daemon.cache.backing import Backing, bind, observe, thp_page_size
+from hkvd.daemon.cache.prefault import Prefaulter, PrefaultStats
 from hkvd.transport.errors import PoolError
 from hkvd.transport.stat_fields import Metric, Sample, metric, metrics, part, status_only
 
@@ -186,7 +186,7 @@ _POOL_BYTES = "Pool bytes by state"
 @dataclass(frozen=True, slots=True)
 class PoolStats:
     """The pool as ``hkvd status`` shows it (``pool``): occupancy, the backing the kernel reports
-    (``kind``, ``page_size``: daemon/backing.py), what was asked (``hugepages``), the faulted share and
+    (``kind``, ``page_size``: daemon/cache/backing.py), what was asked (``hugepages``), the faulted share and
     the pre-fault's state, the NUMA placement."""
 
     total_bytes: int = metric("hkvd_pool_bytes", _POOL_BYTES, labels={"state": "total"})
@@ -637,7 +637,7 @@ class HugePagePool:
     # -- prefault -----------------------------------------------------------------------------
 
     def start_prefault(self, threads: int = 1) -> Prefaulter:
-        """Start faulting the pool in on ``threads`` threads (daemon/prefault.py), superblock by
+        """Start faulting the pool in on ``threads`` threads (daemon/cache/prefault.py), superblock by
         superblock in pool order, admitting each to the allocator once faulted. Returns at once."""
         self._check_open()
         if self._prefaulter is not None:
@@ -699,7 +699,7 @@ class HugePagePool:
         return self.allocator.statistics().admitted_bytes
 
     def backing(self, refresh: bool = False) -> Backing:
-        """The pages backing the pool as the kernel reports them (daemon/backing.py), cached: pass
+        """The pages backing the pool as the kernel reports them (daemon/cache/backing.py), cached: pass
         ``refresh`` (off the event loop: it walks the page tables) after faulting more."""
         self._check_open()
         if self._backing is None or refresh:

@@ -3,7 +3,7 @@
 A policy only orders candidates; the index decides whether a candidate may go (never while a copy
 or a lease holds it). ``lru`` is plain least-recently-used. ``hybrid`` (hybrid-aware LRU) first
 evicts entries that can no longer serve any hit -- orphans: entries whose prefix chain is broken,
-and attention chunks left without any Mamba state at or after them (see ``daemon/chains.py``) --
+and attention chunks left without any Mamba state at or after them (see ``daemon/cache/chains.py``) --
 and only then falls back to LRU order. An orphan that is used by a hit again is unmarked.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterator
 class EvictionPolicy(ABC):
     name: str = "abstract"
     # Whether mark_orphan/unmark_orphan change the order: only then does the index keep the prefix
-    # chains that find orphans (daemon/chains.py; about 3 us per entry published, 4 us per drop).
+    # chains that find orphans (daemon/cache/chains.py; about 3 us per entry published, 4 us per drop).
     uses_orphans: bool = False
 
     @abstractmethod

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from hkvd.daemon.client_process import ClientProcess
-from hkvd.daemon.hybrid import GroupRule
-from hkvd.daemon.pool import HugePagePool, smallest_pool_bytes, superblocks_needed
-from hkvd.daemon.validation import validate_hybrid
+from hkvd.daemon.cache.hybrid import GroupRule
+from hkvd.daemon.cache.pool import HugePagePool, smallest_pool_bytes, superblocks_needed
+from hkvd.daemon.engines.client_process import ClientProcess
+from hkvd.daemon.engines.validation import validate_hybrid
 from hkvd.transport import layout
 from hkvd.transport.copy_engine import Attachment, CopyEngine
 from hkvd.transport.errors import OutOfRange, RegistrationError

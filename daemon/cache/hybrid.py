@@ -18,7 +18,7 @@ Contracts (docs/design.md, "Hybrid hit rule")
     - swa with a window of ``w`` tokens: the chunks covering tokens ``[max(0, n*C - w), n*C)``,
       i.e. chunk indices ``max(0, n*C - w) // C`` .. ``n - 1``.
     - mamba: the *confirmed* state after exactly ``n*C`` tokens, which is entry ``n - 1``.
-      Only the caller knows confirmation (``hkvd.daemon.snapshots``); ``present`` must answer
+      Only the caller knows confirmation (``hkvd.daemon.engines.snapshots``); ``present`` must answer
       False for an unconfirmed state.
     - ``n = 0`` is always served. Groups disagree -> minimum. Never rounded up: a mamba state
       at chunk ``k`` does not make a hit of ``k+1`` or of any ``n`` whose state is missing.

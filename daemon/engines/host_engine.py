@@ -28,7 +28,7 @@ Contracts
     - Only regions of kind "host" are accepted; attach proves access by reading the first and
       last byte of each region, and fails with ``RegistrationError`` carrying the fix. Its words do
       not depend on why a byte was unreadable, so registration cannot map another process.
-    - The engine process is pinned (``hkvd.daemon.client_process``): attach opens its address
+    - The engine process is pinned (``hkvd.daemon.engines.client_process``): attach opens its address
       space, and every copy checks before and after moving bytes that the address space is still
       there. An engine that exec'd or exited since it registered gets ``PermissionDenied``; bytes
       read across such a change are reported as failed, so they are never stored.
@@ -51,7 +51,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from hkvd.daemon.client_process import ClientProcess, PinnedMemory
+from hkvd.daemon.engines.client_process import ClientProcess, PinnedMemory
 from hkvd.transport.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
 from hkvd.transport.errors import CopyFailedError, RegistrationError
 

@@ -6,7 +6,7 @@ Role
     through the configured policy, passing over entries whose freeing would make no room for it
     (another size class, in a superblock that stays in use; see ``_alloc_evicting``); an entry is
     never evicted or reused while a copy pins it or a lease holds it. The lease table and its
-    rules (ids, TTL, uses, owners) live in ``daemon/leases.py``; the index owns one ``Leases`` and
+    rules (ids, TTL, uses, owners) live in ``daemon/cache/leases.py``; the index owns one ``Leases`` and
     keeps each entry's hold count, which the eviction walk reads.
 
 Threading
@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from hkvd.daemon.chains import ChainChange, ChainTracker, Groups
-from hkvd.daemon.eviction import EvictionPolicy
-from hkvd.daemon.leases import Leases
-from hkvd.daemon.pool import Allocation, HugePagePool
+from hkvd.daemon.cache.chains import ChainChange, ChainTracker, Groups
+from hkvd.daemon.cache.eviction import EvictionPolicy
+from hkvd.daemon.cache.leases import Leases
+from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.transport.errors import PoolFull
 from hkvd.transport.stat_fields import metric, status_only
 
@@ -266,7 +266,7 @@ class Index:
         for entry in entries:
             entry.pins -= 1
 
-    # ---- leases: the table and its rules are ``self.leases`` (daemon/leases.py) ------------------
+    # ---- leases: the table and its rules are ``self.leases`` (daemon/cache/leases.py) ------------------
     def _hold(self, key: EntryKey) -> bool:
         """A lease takes ``key``: held against eviction if it is READY (False if there is no such entry)."""
         e = self._entries.get(key)

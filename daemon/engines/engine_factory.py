@@ -13,7 +13,7 @@ from typing import Any
 from hkvd.cuda._cupy import CupyMissing, cupy, device_count
 from hkvd.cuda.copy import DEFAULT_METHOD, CudaCopyEngine
 from hkvd.cuda.hostreg import MAX_REGISTER_BYTES
-from hkvd.daemon.host_engine import HostCopyEngine
+from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.copy_engine import CopyEngine
 

@@ -32,20 +32,20 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hkvd.daemon.client_process import ClientProcess
+from hkvd.daemon.cache.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
+from hkvd.daemon.cache.index import Entry, EntryState, Index
+from hkvd.daemon.cache.pool import Extent
 from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.engine_traffic import EngineTraffic
+from hkvd.daemon.engines.client_process import ClientProcess
+from hkvd.daemon.engines.engine_traffic import EngineTraffic
+from hkvd.daemon.engines.latency import Latencies
+from hkvd.daemon.engines.registry import EngineState, Registry
+from hkvd.daemon.engines.service_stats import KVEventsStats, RateStats, ServiceStats
+from hkvd.daemon.engines.snapshots import SnapshotOrdering, StepOutcome
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
-from hkvd.daemon.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
-from hkvd.daemon.index import Entry, EntryState, Index
-from hkvd.daemon.latency import Latencies
 from hkvd.daemon.metrics import Metrics
-from hkvd.daemon.pool import Extent
-from hkvd.daemon.registry import EngineState, Registry
 from hkvd.daemon.routing.announcer import Announcer
-from hkvd.daemon.service_stats import KVEventsStats, RateStats, ServiceStats
-from hkvd.daemon.snapshots import SnapshotOrdering, StepOutcome
 from hkvd.daemon.tiers.contract import Tier
 from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.daemon.tiers.promotion import Promoter
@@ -82,7 +82,8 @@ if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py d
 
 log = logging.getLogger("hkvd.service")
 
-_TIMED: dict[type, str] = {kv.Lookup: "lookup", kv.Store: "store", kv.Retrieve: "retrieve"}  # hkvd.daemon.latency
+# Timed from request to reply (hkvd.daemon.engines.latency).
+_TIMED: dict[type, str] = {kv.Lookup: "lookup", kv.Store: "store", kv.Retrieve: "retrieve"}
 
 
 @dataclass(slots=True)
@@ -199,7 +200,7 @@ class KVService:
         wait on disk reads: the caller runs the returned coroutine as a task. Everything else is
         answered before this returns. Jobs enter ``conn.jobs`` here, before any later frame (an
         Abort of one) is served. Lookups, stores and retrieves are timed until their reply or error
-        (``hkvd.daemon.latency``).
+        (``hkvd.daemon.engines.latency``).
         """
         op = _TIMED.get(type(msg))
         if op is None:

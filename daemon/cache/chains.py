@@ -29,7 +29,7 @@ Role
     when they leave.
 
 Threading
-    Event-loop only (called by ``daemon/index.py``).
+    Event-loop only (called by ``daemon/cache/index.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in daemon/index.py
+EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in daemon/cache/index.py
 NodeKey = tuple[bytes, bytes]  # (fingerprint, chunk_key)
 Groups = tuple[frozenset[int], frozenset[int]]  # (full-attention group ids, Mamba group ids)
 

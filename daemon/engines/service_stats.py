@@ -12,19 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hkvd.daemon.engine_traffic import EngineTrafficStats
+from hkvd.daemon.cache.index import IndexStats
+from hkvd.daemon.cache.pool import PoolStats
+from hkvd.daemon.engines.engine_traffic import EngineTrafficStats
+from hkvd.daemon.engines.latency import LatencyStats
+from hkvd.daemon.engines.registry import RegistryStats
 from hkvd.daemon.fd_budget import DescriptorStats
 from hkvd.daemon.heap import HeapStats
-from hkvd.daemon.index import IndexStats
-from hkvd.daemon.latency import LatencyStats
-from hkvd.daemon.pool import PoolStats
-from hkvd.daemon.registry import RegistryStats
 from hkvd.daemon.routing.announcer import AnnouncerStats
 from hkvd.daemon.tiers.cluster import ClusterStats
 from hkvd.daemon.tiers.disk import DiskStats
 from hkvd.transport.stat_fields import metric, part, status_only
 
-if TYPE_CHECKING:  # types only, as in daemon/service.py: they import NIXL's host, zmq
+if TYPE_CHECKING:  # types only, as in daemon/engines/service.py: they import NIXL's host, zmq
     from hkvd.daemon.peers.links import PeerStats
     from hkvd.daemon.routing.zmq_publisher import PublisherStats
 
