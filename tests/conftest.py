@@ -56,8 +56,8 @@ def engine_proc() -> Callable[..., dict]:
     return run_engine
 
 
-# The fast tier lives in tests/unit alone (tests/unit/conftest.py lists its modules): under exactly
-# `-m fast`, the other folders are not even imported, which saves their collection (vLLM's import among it).
+# The fast tier lives in tests/unit alone (tests/unit/conftest.py gives the rule): under exactly `-m fast`,
+# the other folders are not even imported, which saves their collection (vLLM's import among it).
 _UNIT = Path(__file__).resolve().parent / "unit"
 
 

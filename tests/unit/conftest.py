@@ -1,60 +1,137 @@
-"""The ``fast`` tier (``make test-fast``, ``pytest -m fast tests``): the unit modules that run in-process.
+"""The ``fast`` tier (``make test-fast``, ``pytest -m fast tests``): the unit tests that run in-process.
 
-A module is listed here when none of its tests starts a subprocess (``hkvd serve``, a child engine,
-``python -c``), imports vLLM, or needs a network namespace: together they run in well under a
-minute on two cores. The unit modules left out (a subprocess each, or vLLM) run in ``make test-unit``.
+The rule
+    Every test under tests/unit is ``fast`` unless one of these puts it out:
+
+    - it carries ``out_of_process`` (``pytestmark = pytest.mark.out_of_process`` for a module,
+      ``@pytest.mark.out_of_process`` for a test): it starts a process (``hkvd serve``, a child
+      engine, ``python -c``, a compiler, ``ip netns``);
+    - it uses a fixture that starts one (``SPAWNING_FIXTURES``: tests/conftest.py's daemons and
+      engines);
+    - it uses vLLM: its module holds something of vLLM's after import, or the test function's own
+      source imports it (``import vllm``, ``from vllm ...``, ``pytest.importorskip("vllm...")``), or
+      it carries ``vllm``. Such tests get the ``vllm`` marker too (``pytest -m vllm`` finds them).
+
+    Nothing is listed by name, so a new module is in the tier from its first test.
+
+How the rule is kept
+    A ``fast`` test runs (setup, call and teardown) with process creation refused: ``subprocess``,
+    ``asyncio``'s subprocesses (through ``subprocess``), ``multiprocessing``, ``os.fork``,
+    ``os.posix_spawn`` and ``os.system`` raise ``ProcessInFastTest``, and the test fails naming the
+    marker to add, also where the code under test swallows the error. A ``fast`` test that imports
+    vLLM fails the same way. So a test that starts a process cannot join the tier unnoticed, and
+    one that stops doing so only needs its marker removed. (A process started by uvloop's own
+    ``subprocess_exec`` is not seen: tests run on asyncio's loop.)
+
+    Together the tier runs in under a minute on two cores; the rest of tests/unit runs in
+    ``make test-unit``.
 """
 
 from __future__ import annotations
 
+import inspect
+import multiprocessing.util
+import os
+import re
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 
-FAST_MODULES = frozenset({
-    "test_bench_report.py",
-    "test_bench_serving.py",
-    "test_chains.py",
-    "test_client_io.py",
-    "test_control_server.py",
-    "test_disk_tier.py",
-    "test_engine_metrics.py",
-    "test_heap.py",
-    "test_hybrid.py",
-    "test_index_writes.py",
-    "test_layers.py",
-    "test_layout.py",
-    "test_leases.py",
-    "test_options.py",
-    "test_pd.py",
-    "test_peer_links.py",
-    "test_peer_units.py",
-    "test_pool.py",
-    "test_pool_sizing.py",
-    "test_prefault.py",
-    "test_promotion.py",
-    "test_rank_siblings.py",
-    "test_replies.py",
-    "test_service.py",
-    "test_snapshots.py",
-    "test_stat_fields.py",
-    "test_usable_prefix.py",
-    "test_validation.py",
-    "test_wire.py",
-})
-# Left out: test_bench, test_cluster_value, test_cma, test_descriptors, test_packaging (subprocesses),
-# test_identity (vLLM and a subprocess), test_routing_keys (vLLM), test_results (a real hkvd serve).
-# test_connector_metadata, test_connector_stats (vLLM).
+#: tests/conftest.py's fixtures that start ``hkvd serve`` or an engine process.
+SPAWNING_FIXTURES = frozenset({"daemon", "daemon_factory", "engine_proc"})
 
-missing = sorted(m for m in FAST_MODULES if not (HERE / m).is_file())
-if missing:  # a renamed module would leave the tier silently
-    raise pytest.UsageError(f"tests/unit/conftest.py lists fast modules that do not exist: {', '.join(missing)}")
+FIX = ("give the test @pytest.mark.out_of_process (or its module pytestmark = pytest.mark.out_of_process); "
+       "the fast tier is in-process only (tests/unit/conftest.py)")
+
+
+class ProcessInFastTest(RuntimeError):
+    """A ``fast`` test started a process."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "out_of_process: a tests/unit test that starts a process (hkvd serve, a "
+                            "child engine, python -c): out of the fast tier (tests/unit/conftest.py)")
+
+
+VLLM_IMPORT = re.compile(r"^\s*(import|from)\s+vllm\b|importorskip\(\s*[\"']vllm\b", re.MULTILINE)
+
+
+def _module_uses_vllm(module: types.ModuleType | None) -> bool:
+    """Whether ``module`` holds something of vLLM's (it imported vLLM at its top)."""
+    for value in vars(module).values() if module is not None else ():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and (name == "vllm" or name.startswith("vllm.")):
+            return True
+    return False
+
+
+def _test_imports_vllm(item: pytest.Item) -> bool:
+    """Whether the test function itself imports vLLM (``import vllm``, ``pytest.importorskip("vllm")``)."""
+    fn = getattr(item, "function", None)
+    try:
+        return fn is not None and VLLM_IMPORT.search(inspect.getsource(fn)) is not None
+    except (OSError, TypeError):
+        return False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    fast = pytest.mark.fast
+    fast, vllm = pytest.mark.fast, pytest.mark.vllm
+    vllm_modules: dict[Path, bool] = {}
     for item in items:
-        if item.path.parent == HERE and item.path.name in FAST_MODULES:
+        if HERE not in item.path.parents:
+            continue
+        module = getattr(item, "module", None)
+        if item.path not in vllm_modules:
+            vllm_modules[item.path] = _module_uses_vllm(module)
+        if (vllm_modules[item.path] or _test_imports_vllm(item)) and item.get_closest_marker("vllm") is None:
+            item.add_marker(vllm)
+        if (item.get_closest_marker("out_of_process") is None and item.get_closest_marker("vllm") is None
+                and not SPAWNING_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
             item.add_marker(fast)
+
+
+# ---- the guard ----------------------------------------------------------------------------------------------
+
+def _refusing(what: str, seen: list[str]) -> Callable[..., Any]:
+    def refuse(*_args: object, **_kwargs: object) -> Any:
+        seen.append(what)
+        raise ProcessInFastTest(f"a fast test started a process ({what}): {FIX}")
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _refuse_processes_in_fast_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Autouse fixtures are set up before the others a test uses: their set-up is guarded too."""
+    if request.node.get_closest_marker("fast") is None:
+        yield
+        return
+    seen: list[str] = []
+    targets: list[tuple[object, str, str]] = [
+        (subprocess.Popen, "_execute_child", "subprocess"),
+        (multiprocessing.util, "spawnv_passfds", "multiprocessing"),
+        (os, "fork", "os.fork"), (os, "forkpty", "os.forkpty"), (os, "posix_spawn", "os.posix_spawn"),
+        (os, "posix_spawnp", "os.posix_spawnp"), (os, "system", "os.system"),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets if hasattr(obj, name)]
+    had_vllm = "vllm" in sys.modules
+    for obj, name, what in targets:
+        if hasattr(obj, name):
+            setattr(obj, name, _refusing(what, seen))
+    try:
+        yield
+    finally:
+        for obj, name, original in saved:
+            setattr(obj, name, original)
+    if seen:  # also when the code under test caught the error
+        pytest.fail(f"{request.node.nodeid} started a process ({', '.join(sorted(set(seen)))}): {FIX}",
+                    pytrace=False)
+    if not had_vllm and "vllm" in sys.modules:
+        pytest.fail(f"{request.node.nodeid} imported vLLM, which the fast tier runs without: give it "
+                    "@pytest.mark.vllm (tests/unit/conftest.py)", pytrace=False)

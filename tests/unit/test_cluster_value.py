@@ -137,6 +137,7 @@ def test_the_cluster_needs_a_key_file_or_an_explicit_insecure() -> None:
         DaemonConfig(cluster=url, cluster_insecure=True, cluster_accept_key_file="/etc/hkvd/k")
 
 
+@pytest.mark.out_of_process
 @pytest.mark.parametrize(("extra", "why"), [
     ((), "also set --cluster-key-file PATH"),
     (("--cluster-key-file", "KEY"), "chmod 600"),

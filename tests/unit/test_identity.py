@@ -118,6 +118,7 @@ print(",".join(k.hex() for k in chunk_keys(list(range(48)), 16, extras=extras)))
 """
 
 
+@pytest.mark.out_of_process
 def test_keys_are_stable_across_processes():
     outs = set()
     for seed in ("0", "1", "random"):

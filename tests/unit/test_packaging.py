@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,12 +28,14 @@ def test_top_level_cuda_does_not_resolve_into_the_repo():
         assert not any(str(REPO / "cuda") in str(loc) for loc in locations)
 
 
+@pytest.mark.out_of_process
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "hkvd.daemon", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "serve" in out and "status" in out
 
 
+@pytest.mark.out_of_process
 def test_python_m_from_the_checkout_root_does_not_shadow_nvidias_cuda():
     """``python -m hkvd.daemon`` run from the checkout's root puts the root on sys.path, where ./cuda
     would shadow NVIDIA's ``cuda`` (CuPy failed to import there, on a GPU node). The CLI drops it."""
