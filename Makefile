@@ -1,6 +1,7 @@
-# hkvd developer targets. Everything installs into .venv; torch comes from the CPU wheel on disk.
+# hkvd developer targets. Everything installs into .venv (VENV=PATH for another, e.g. a clean one without
+# vLLM: `make test-fast VENV=/tmp/hkvd-clean`); torch comes from the CPU wheel on disk.
 PY ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 WHEELS ?= /opt/wheels
 PIP := $(BIN)/pip install --find-links $(WHEELS)
@@ -40,10 +41,13 @@ cluster: dev
 test: vllm cluster
 	$(BIN)/pytest -q tests
 
-# In-process unit tests only (the `fast` marker, tests/unit/conftest.py): under a minute on 2 cores.
+# In-process unit tests only (the `fast` marker: every tests/unit test that starts no process and uses no
+# vLLM, tests/unit/conftest.py): under a minute on 2 cores. test-fast and test-unit need no vLLM (its tests
+# skip): CI runs test-fast in a clean venv without it (.ci/run).
 test-fast: dev
 	$(BIN)/pytest -q -m fast tests
 
+# All of tests/unit (processes included) and the end-to-end tests against a real hkvd serve.
 test-unit: dev
 	$(BIN)/pytest -q tests/unit tests/e2e
 
