@@ -291,8 +291,10 @@ def flag_table(essential_only: bool) -> str:
 
 def example_toml() -> str:
     lines = ["# /etc/hkvd/hkvd.toml: keys as the `hkvd serve` flags (dashes or underscores); flags win over this file.",
-             "# `systemctl reload hkvd` (SIGHUP) re-reads it: log-level and lease-ttl-s apply at once; every other",
-             "# key is logged as \"needs a restart\" and takes effect on `systemctl restart hkvd`.",
+             "# `systemctl reload hkvd` (SIGHUP) re-reads it: log-level and lease-ttl-s apply at once, and with",
+             "# --cluster the fleet key files (cluster-key-file, cluster-accept-key-file) are read again (the running",
+             "# keys stay if the new files fail their checks); every other key is logged as \"needs a restart\" and",
+             "# takes effect on `systemctl restart hkvd`.",
              "# Generated from hkvd.daemon.options: `python -m hkvd.daemon.options --write`."]
     for o in OPTIONS:
         if not o.in_toml:
