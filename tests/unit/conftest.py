@@ -8,9 +8,10 @@ The rule
       engine, ``python -c``, a compiler, ``ip netns``);
     - it uses a fixture that starts one (``SPAWNING_FIXTURES``: tests/conftest.py's daemons and
       engines);
-    - it uses vLLM: its module holds something of vLLM's after import, or the test function's own
-      source imports it (``import vllm``, ``from vllm ...``, ``pytest.importorskip("vllm...")``), or
-      it carries ``vllm``. Such tests get the ``vllm`` marker too (``pytest -m vllm`` finds them).
+    - it uses vLLM: its module's source imports vLLM anywhere, in a test or a helper (``import
+      vllm``, ``from vllm ...``, ``pytest.importorskip("vllm...")``), or the module holds something
+      of vLLM's after import, or the test carries ``vllm``. Such tests get the ``vllm`` marker too
+      (``pytest -m vllm`` finds them).
 
     Nothing is listed by name, so a new module is in the tier from its first test.
 
@@ -29,7 +30,6 @@ How the rule is kept
 
 from __future__ import annotations
 
-import inspect
 import multiprocessing.util
 import os
 import re
@@ -72,12 +72,12 @@ def _module_uses_vllm(module: types.ModuleType | None) -> bool:
     return False
 
 
-def _test_imports_vllm(item: pytest.Item) -> bool:
-    """Whether the test function itself imports vLLM (``import vllm``, ``pytest.importorskip("vllm")``)."""
-    fn = getattr(item, "function", None)
+def _source_imports_vllm(path: Path) -> bool:
+    """Whether the module's source imports vLLM anywhere (``import vllm``, ``from vllm ...``,
+    ``pytest.importorskip("vllm...")``), in a test or in a helper."""
     try:
-        return fn is not None and VLLM_IMPORT.search(inspect.getsource(fn)) is not None
-    except (OSError, TypeError):
+        return VLLM_IMPORT.search(path.read_text()) is not None
+    except OSError:
         return False
 
 
@@ -89,8 +89,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         module = getattr(item, "module", None)
         if item.path not in vllm_modules:
-            vllm_modules[item.path] = _module_uses_vllm(module)
-        if (vllm_modules[item.path] or _test_imports_vllm(item)) and item.get_closest_marker("vllm") is None:
+            vllm_modules[item.path] = _module_uses_vllm(module) or _source_imports_vllm(item.path)
+        if vllm_modules[item.path] and item.get_closest_marker("vllm") is None:
             item.add_marker(vllm)
         if (item.get_closest_marker("out_of_process") is None and item.get_closest_marker("vllm") is None
                 and not SPAWNING_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
