@@ -26,8 +26,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from hkvd.shim.results import Completion, KVEventsResult, LookupResult, RegisterAck, Result
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
@@ -46,6 +46,7 @@ from hkvd.transport.wire.kv import Item, items_to_wire
 from hkvd.transport.wire.replies import REPLIES, Acknowledged
 
 READ_BYTES = 1 << 16
+M = TypeVar("M", bound=Message)
 
 
 class DaemonClient:
@@ -221,7 +222,7 @@ class DaemonClient:
         if self._sock is None:
             raise DaemonUnavailable(f"not connected to hkvd at {self.socket_path}")
 
-    def _submit(self, make: Any) -> int:
+    def _submit(self, make: Callable[[int], Message]) -> int:
         with self._lock:
             self._require()
             req_id = next(self._ids)
@@ -282,7 +283,7 @@ class DaemonClient:
         except (OSError, KVError) as e:
             self._lost(f"read failed: {e}")
 
-    def _wait_message(self, cls: type, timeout_s: float) -> Any:
+    def _wait_message(self, cls: type[M], timeout_s: float) -> M:
         assert self._sock is not None
         deadline = time.monotonic() + timeout_s
         while True:

@@ -33,6 +33,7 @@ import logging
 import time
 from typing import Any
 
+from hkvd.shim.client import DaemonClient
 from hkvd.shim.results import Completion, KVEventsResult
 
 logger = logging.getLogger("hkvd.shim")
@@ -46,14 +47,14 @@ class EventFeed:
         self._since = 0
         self._server = ""  # the daemon run the feed reads from
         self._inflight: int | None = None
-        self._inflight_client: Any = None
+        self._inflight_client: DaemonClient | None = None
         self._last_poll = -1e9
         self._events: list[Any] = []
         self._held: dict[tuple[str, int | None], set[Any]] = {}
         self._decoder: Any = None
         self.stats = {"polls": 0, "batches": 0, "events": 0, "lost": 0, "errors": 0}
 
-    def maybe_poll(self, client: Any) -> None:
+    def maybe_poll(self, client: DaemonClient) -> None:
         """Submit a poll if none is in flight and ``interval_s`` passed; ``client`` is the live connection."""
         server = str(getattr(client, "server_id", ""))
         if server != self._server:

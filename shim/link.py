@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from hkvd.shim.client import DaemonClient
+from hkvd.shim.results import RegisterAck
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.errors import KVError, RegistrationError
+from hkvd.transport.wire.control import EngineSpec
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -40,15 +41,15 @@ class DaemonLink:
     registration so callers can drop state (leases, job ids, step seq) tied to a dead one.
     """
 
-    def __init__(self, cfg: ShimConfig, role: str, name: str, spec_fn: Callable[[], Any],
-                 on_connected: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, cfg: ShimConfig, role: str, name: str, spec_fn: Callable[[], EngineSpec],
+                 on_connected: Callable[[DaemonClient], None] | None = None) -> None:
         self.cfg = cfg
         self.role = role
         self.name = name
         self._spec_fn = spec_fn
         self._on_connected = on_connected
-        self.client: Any = None
-        self.ack: Any = None
+        self.client: DaemonClient | None = None
+        self.ack: RegisterAck | None = None  # set with client
         self.generation = 0
         self._next_try = 0.0
         self._warned = False
@@ -57,7 +58,7 @@ class DaemonLink:
     def up(self) -> bool:
         return self.client is not None
 
-    def ensure(self, *, startup: bool = False) -> Any:
+    def ensure(self, *, startup: bool = False) -> DaemonClient | None:
         if self.client is not None:
             return self.client
         now = time.monotonic()
@@ -128,7 +129,7 @@ class DaemonLink:
             "retrying every %.1f s", self.role, self.cfg.socket_path, exc, self.cfg.reconnect_interval_s)
 
 
-def _close_quietly(client: Any) -> None:
+def _close_quietly(client: DaemonClient) -> None:
     try:
         client.close()
     except Exception:  # close() must never turn an outage into a crash

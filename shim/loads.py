@@ -34,12 +34,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+from hkvd.shim.client import DaemonClient
+from hkvd.shim.jobs import LoadJob
+from hkvd.shim.results import Completion
 from hkvd.transport.wire.replies import RetrieveResult
-
-if TYPE_CHECKING:  # metadata imports pd, which imports this module
-    from hkvd.shim.metadata import LoadJob
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -80,7 +79,7 @@ class Loads:
         """The requests whose loads are in flight (the daemon may be writing into their blocks)."""
         return {p.job.req_id for p in self._flying.values()}
 
-    def start(self, client: Any, job: LoadJob, lease_id: int, deadline: float = 0.0,
+    def start(self, client: DaemonClient, job: LoadJob, lease_id: int, deadline: float = 0.0,
               budget: str = "load_timeout_s") -> None:
         """Submit ``job``'s Retrieve; the client's error (connection lost) propagates, nothing is kept."""
         rid = client.submit_retrieve(job.items, lease_id)
@@ -88,7 +87,7 @@ class Loads:
         self._flying[rid] = _Load(job, deadline or now + self.timeout_s, budget, now)
         self.stats["loads_started"] += 1
 
-    def absorb(self, c: Any) -> bool:
+    def absorb(self, c: Completion) -> bool:
         """Take one completion if it ends a load of ours; True when it did."""
         p = self._flying.pop(c.req_id, None)
         if p is None:
@@ -119,7 +118,7 @@ class Loads:
         end = time.monotonic() + horizon_s
         return any(p.started + self._s_per_block * len(p.job.block_ids) <= end for p in self._flying.values())
 
-    def expire(self, client: Any) -> None:
+    def expire(self, client: DaemonClient | None) -> None:
         """Abort loads past their deadline, once each; each still ends with the daemon's reply."""
         now = time.monotonic()
         for rid, p in self._flying.items():

@@ -27,13 +27,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hkvd.shim.client import DaemonClient
+from hkvd.shim.jobs import LoadJob, PullSpec
 from hkvd.shim.loads import Loads
+from hkvd.shim.results import Completion
 from hkvd.transport.wire.replies import PullResult
-
-if TYPE_CHECKING:  # metadata imports this module (PullSpec)
-    from hkvd.shim.metadata import LoadJob
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -44,15 +44,6 @@ CHUNKS = "hkvd_chunks"
 CHUNK_SIZE = "hkvd_chunk_size"
 LAST_KEY = "hkvd_last_key"
 LEASE = "hkvd_lease"
-
-
-@dataclass(frozen=True, slots=True)
-class PullSpec:
-    """What the worker pulls before loading (pickled to the workers with the LoadJob)."""
-
-    peer: str
-    keys: list[bytes]
-    release_lease: int
 
 
 def producer_params(peer: str, keys: list[bytes], n: int, chunk_size: int, lease_id: int) -> dict[str, Any]:
@@ -125,7 +116,7 @@ class PullLoads:
     def in_flight(self) -> int:
         return len(self._pulls)
 
-    def start(self, client: Any, job: LoadJob) -> None:
+    def start(self, client: DaemonClient, job: LoadJob) -> None:
         """Pull ``job.pull`` first, then load ``job``."""
         spec = job.pull
         if spec is None:  # the worker starts here only the loads that pull
@@ -137,7 +128,7 @@ class PullLoads:
             raise
         self._pulls[rid] = _Pending(job, spec, time.monotonic() + self.timeout_s)
 
-    def absorb(self, c: Any, client: Any) -> bool:
+    def absorb(self, c: Completion, client: DaemonClient | None) -> bool:
         """Handle one completion if it is one of our pulls'; True when it was."""
         if c.req_id in self._late:
             self._late.discard(c.req_id)
@@ -150,7 +141,7 @@ class PullLoads:
         self._pulled(p, c, client)
         return True
 
-    def _pulled(self, p: _Pending, c: Any, client: Any) -> None:
+    def _pulled(self, p: _Pending, c: Completion, client: DaemonClient | None) -> None:
         job, want = p.job, len(p.spec.keys)
         if not c.ok:
             self._fail(job, f"pull from {p.spec.peer} failed: {c.error}")
@@ -168,12 +159,15 @@ class PullLoads:
             _release(client, lease)
             self._fail(job, "the load plan was refused (null block in it)")
             return
+        if client is None:
+            self._fail(job, "could not submit the load: the daemon connection is gone")
+            return
         try:
             self.loads.start(client, job, lease, deadline=p.deadline, budget="pull_timeout_s")
         except Exception as e:
             self._fail(job, f"could not submit the load: {e}")
 
-    def expire(self, client: Any) -> None:
+    def expire(self, client: DaemonClient | None) -> None:
         now = time.monotonic()
         for rid, p in list(self._pulls.items()):
             if p.deadline <= now:
@@ -195,7 +189,7 @@ class PullLoads:
         self.loads.fail(job, why)
 
 
-def _abort(client: Any, rid: int) -> None:
+def _abort(client: DaemonClient | None, rid: int) -> None:
     if client is not None:
         try:
             client.abort(rid)
@@ -203,7 +197,7 @@ def _abort(client: Any, rid: int) -> None:
             logger.debug("hkvd: abort of %d failed", rid, exc_info=True)
 
 
-def _release(client: Any, lease_id: int) -> None:
+def _release(client: DaemonClient | None, lease_id: int) -> None:
     if lease_id and client is not None:
         try:
             client.release(lease_id)

@@ -72,11 +72,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hkvd.shim import pd
+from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
+from hkvd.shim.jobs import LoadJob, PullSpec, StoreJob
 from hkvd.shim.kv_event_feed import EventFeed
 from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.link import DaemonLink
-from hkvd.shim.metadata import HkvdConnectorMetadata, Item, LoadJob, StoreJob
+from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.results import LookupResult
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
@@ -84,6 +86,7 @@ from hkvd.transport.errors import DaemonUnavailable
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
+from hkvd.transport.wire.kv import Item
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
@@ -116,7 +119,7 @@ class _Req:
     had_copies: bool = False
     load_failed: bool = False  # its load failed once: recompute, never load it again
     pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
-    pull: pd.PullSpec | None = None  # until the load job that carries it is planned
+    pull: PullSpec | None = None  # until the load job that carries it is planned
     loading: bool = False  # a load (a pull first, for pd) is in flight: the worker reports its end
     # Chunk keys over the prompt's full chunks; with store_decode extended over known output tokens.
     keys: list[bytes] = field(default_factory=list)
@@ -165,11 +168,12 @@ class SchedulerSide:
         self._connect(startup=True)
 
     # ---- link ----------------------------------------------------------------------------------
-    def _connect(self, startup: bool = False) -> Any:
+    def _connect(self, startup: bool = False) -> DaemonClient | None:
         gen = self.link.generation
         client = self.link.ensure(startup=startup)
-        if client is not None and self.link.generation != gen:
-            chunk = int(self.link.ack.chunk_size)
+        ack = self.link.ack
+        if client is not None and ack is not None and self.link.generation != gen:
+            chunk = int(ack.chunk_size)
             if chunk % self.block_size:
                 self.link.close()
                 if not startup:  # a daemon restarted with another chunk size: stay down, recompute
@@ -193,7 +197,7 @@ class SchedulerSide:
                     st.lookup_id = None
         return client
 
-    def _client(self) -> Any:
+    def _client(self) -> DaemonClient | None:
         return self._connect() if not self.link.up else self.link.client
 
     def _keys(self, st: _Req) -> list[bytes]:
@@ -507,8 +511,8 @@ class SchedulerSide:
 
     def _watch(self, req_id: str, lease_id: int) -> None:
         """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""
-        client = self.link.client
-        if not self.cfg.early_load_reports or client is None or not self.link.ack.lease_watch:
+        client, ack = self.link.client, self.link.ack
+        if not self.cfg.early_load_reports or client is None or ack is None or not ack.lease_watch:
             return
         try:
             self._watches[client.submit_watch(lease_id)] = (req_id, lease_id)

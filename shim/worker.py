@@ -46,18 +46,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hkvd.cuda.export import export_tensor
+from hkvd.shim.client import DaemonClient
 from hkvd.shim.gpu import GpuOrdering, one_device
+from hkvd.shim.jobs import item_blocks
 from hkvd.shim.kv_views import check_layer_tensor, config_place
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
-from hkvd.shim.metadata import HkvdConnectorMetadata, item_blocks
+from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.pd import PullLoads
 from hkvd.shim.ptrace import allow_ptracer
+from hkvd.shim.results import Completion
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import build_engine_spec, resolved_layout, validate_vllm
 from hkvd.transport.copy_engine import Region
@@ -122,7 +125,7 @@ class WorkerSide:
                                  layer_addr=lambda name: self._layer_addr[name])
 
     @staticmethod
-    def _allow_daemon(client: Any) -> None:
+    def _allow_daemon(client: DaemonClient) -> None:
         if client.daemon_pid:
             allow_ptracer(int(client.daemon_pid))
 
@@ -163,7 +166,7 @@ class WorkerSide:
                     len(self._regions), sum(r.size for r in self._regions) / 2**30, layout)
         self._ensure(startup=True)
 
-    def _ensure(self, startup: bool = False) -> Any:
+    def _ensure(self, startup: bool = False) -> DaemonClient | None:
         if not self._regions:
             return None
         client = self.link.ensure(startup=startup)
@@ -199,7 +202,7 @@ class WorkerSide:
         if not client.connected:
             self._lost(ConnectionError("connection lost"))
 
-    def _absorb(self, completions: Any) -> None:
+    def _absorb(self, completions: Iterable[Completion]) -> None:
 
         lost: BaseException | None = None
         for c in completions:

@@ -119,7 +119,7 @@ def _run_step(side: Any, meta: Any) -> tuple[set[str] | None, set[str]]:
 
 
 def test_fence_waits_for_copy_out_of_reused_block_then_confirms() -> None:
-    from hkvd.shim.metadata import StoreJob
+    from hkvd.shim.jobs import StoreJob
 
     side, client = _side()
     offer = ("r1", Item(1, 0, b"k" * 16, [9]))
@@ -147,7 +147,7 @@ def test_fence_timeout_aborts_and_never_confirms() -> None:
 
 
 def test_delayed_free_waits_for_copies() -> None:
-    from hkvd.shim.metadata import StoreJob
+    from hkvd.shim.jobs import StoreJob
 
     side, client = _side()
     _run_step(side, _meta(1, stores=[StoreJob("r1", [Item(0, 0, b"k" * 16, [5])])]))
@@ -159,7 +159,7 @@ def test_delayed_free_waits_for_copies() -> None:
 
 
 def test_loads_end_with_the_daemons_reply_and_never_hold_a_step() -> None:
-    from hkvd.shim.metadata import LoadJob
+    from hkvd.shim.jobs import LoadJob
 
     side, client = _side()
     ok = LoadJob("a", 7, [Item(0, 0, b"k" * 16, [3])], [3])
@@ -196,7 +196,7 @@ class FakeGpu:
 
 
 def test_gpu_load_waits_on_the_daemons_event_before_it_is_reported() -> None:
-    from hkvd.shim.metadata import LoadJob
+    from hkvd.shim.jobs import LoadJob
 
     side, client = _side()
     side._gpu = gpu = FakeGpu(side)
@@ -215,7 +215,7 @@ def test_gpu_load_waits_on_the_daemons_event_before_it_is_reported() -> None:
 
 
 def test_daemon_down_fails_loads_and_releases_delayed_frees() -> None:
-    from hkvd.shim.metadata import LoadJob, StoreJob
+    from hkvd.shim.jobs import LoadJob, StoreJob
 
     side, _client = _side()
     _run_step(side, _meta(1, stores=[StoreJob("r1", [Item(0, 0, b"k" * 16, [5])])]))
@@ -233,7 +233,7 @@ def test_a_load_past_its_timeout_keeps_its_blocks_until_the_daemon_ends_the_copy
     into them after the shim's timeout, so the report waits for the daemon's reply."""
     import time
 
-    from hkvd.shim.metadata import LoadJob
+    from hkvd.shim.jobs import LoadJob
 
     side, client = _side()
     _, failed = _run_step(side, _meta(1, loads=[LoadJob("slow", 7, [Item(0, 0, b"k" * 16, [3])], [3])]))
@@ -287,7 +287,7 @@ def test_a_load_about_to_end_is_waited_for_at_the_steps_end_within_its_budget(se
     """The settle wait reports a nearly done load in this step; without it, a step later."""
     import time
 
-    from hkvd.shim.metadata import LoadJob
+    from hkvd.shim.jobs import LoadJob
 
     side, _ = _settling_side(0.5 if settle else 0.0, 0.05)
     client = ReplyAfter(1, 0.004)
@@ -311,7 +311,7 @@ def test_a_load_not_due_within_the_budget_is_not_waited_for() -> None:
     """A long load (its blocks at the engine's measured pace) does not hold the step."""
     import time
 
-    from hkvd.shim.metadata import LoadJob
+    from hkvd.shim.jobs import LoadJob
 
     side, _ = _settling_side(0.5, 0.05)
     client = ReplyAfter(1, 0.002)
@@ -339,7 +339,7 @@ def test_a_load_read_a_step_late_does_not_stop_the_wait_for_the_next_short_one()
     """The pace comes from the daemon's own time for a load, not from when the worker read its reply."""
     import time
 
-    from hkvd.shim.metadata import LoadJob
+    from hkvd.shim.jobs import LoadJob
 
     side, _ = _settling_side(0.5, 0.05)
     client = ReplyAfter(1, 0.0)

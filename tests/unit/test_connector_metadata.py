@@ -28,8 +28,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from hkvd.shim.metadata import HkvdConnectorMetadata, LoadJob, StoreJob, item_blocks
-from hkvd.shim.pd import PullSpec
+from hkvd.shim.jobs import LoadJob, PullSpec, StoreJob, item_blocks
+from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.results import Completion, LookupResult, RegisterAck
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hkvd.shim.connector import HkvdConnector
 from hkvd.shim.connector_stats import FIELDS, HkvdConnectorStats, StatsReporter
-from hkvd.shim.metadata import LoadJob
+from hkvd.shim.jobs import LoadJob
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.worker import WorkerSide
 from hkvd.transport.wire.replies import RetrieveResult

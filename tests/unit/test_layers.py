@@ -214,6 +214,76 @@ def test_the_checks_see_a_package_cycle_a_shared_name_and_skip_type_checking(tmp
     assert cycles(_sources()) == []
 
 
+# The shim's own plan: a shim module imports only shim modules of a lower tier, with every kind of
+# import counted (under ``if TYPE_CHECKING:`` too: a type-only circle still knots the modules together
+# for a reader and for go-to-definition). Every shim module has a place here; a new one must be given one.
+SHIM_TIERS: tuple[frozenset[str], ...] = (
+    # 0. Data and leaf helpers: settings, the jobs pickled to the workers, the daemon's typed results,
+    #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, connector stats.
+    frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
+               "connector_stats"}),
+    # 1. The daemon client, the engine spec, the step metadata, a request's states.
+    frozenset({"client", "spec", "metadata", "request_state"}),
+    # 2. What drives the client (the link, the worker's loads, the KV event feed); block tables into items.
+    frozenset({"link", "loads", "kv_event_feed", "plans"}),
+    # 3. Prefill/decode pulls (they end in loads).
+    frozenset({"pd"}),
+    # 4. The connector's two halves.
+    frozenset({"scheduler", "worker"}),
+    # 5. The connector vLLM loads.
+    frozenset({"connector"}),
+    # 6. The package of tools for tests and benchmarks (shim/testing/): nothing of the product imports it.
+    frozenset({"testing"}),
+)
+
+
+def _shim_tier(name: str) -> int | None:
+    return next((i for i, tier in enumerate(SHIM_TIERS) if name in tier), None)
+
+
+def shim_plan_breaks(sources: list[Path]) -> list[str]:
+    """Shim imports against ``SHIM_TIERS`` (type-only and in-function imports included), and shim
+    modules the plan does not place."""
+    bad = []
+    for path in sources:
+        rel = path.relative_to(REPO)
+        if rel.parts[0] != "shim" or rel.parts[1:] == ("__init__.py",):
+            continue
+        name = rel.parts[1].removesuffix(".py")  # a module of shim/, or a package in it (shim/testing/)
+        mine = _shim_tier(name)
+        if mine is None:
+            bad.append(f"{rel} has no tier in SHIM_TIERS: give it one")
+            continue
+        for target, line, where in _imports(path):
+            parts = target.split(".")
+            if parts[:2] != ["hkvd", "shim"] or len(parts) < 3:
+                continue
+            theirs = _shim_tier(parts[2])
+            if theirs is None or theirs >= mine:
+                bad.append(f"{rel}:{line} imports {target} ({where}): shim/{name} (tier {mine}) may import "
+                           f"only shim modules of a lower tier, not tier {theirs}")
+    return bad
+
+
+def test_the_shim_follows_its_plan():
+    assert shim_plan_breaks(_sources()) == []
+
+
+def test_the_shim_plan_sees_a_type_only_import_upward(tmp_path, monkeypatch):
+    # A leaf that imports the scheduler only for annotations breaks the plan; so does an unplaced module.
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    for layer in LAYERS:
+        (tmp_path / layer).mkdir()
+    (tmp_path / "shim" / "jobs.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hkvd.shim.scheduler import SchedulerSide\n")
+    (tmp_path / "shim" / "scheduler.py").write_text("from hkvd.shim.jobs import LoadJob\n")
+    (tmp_path / "shim" / "stray.py").write_text("")
+    bad = shim_plan_breaks(_sources())
+    assert len(bad) == 2
+    assert "shim/jobs.py:3 imports hkvd.shim.scheduler.SchedulerSide (typing)" in bad[0]
+    assert "shim/stray.py has no tier" in bad[1]
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 def test_every_layer_has_sources(layer):
     assert list((REPO / layer).rglob("*.py")), f"{layer}/ has no modules: the plan above is stale"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from hkvd.shim import pd
+from hkvd.shim.jobs import PullSpec
 from hkvd.shim.loads import Loads
 from hkvd.shim.results import Completion
 from hkvd.transport.errors import Aborted, DaemonUnavailable
@@ -70,7 +71,7 @@ class ScriptedClient:
 
 def _job(req: str = "r1", n: int = 4) -> SimpleNamespace:
     return SimpleNamespace(req_id=req, items=[[0, 0, KEYS[0], [1]]], block_ids=[1],
-                           pull=pd.PullSpec("p:1", KEYS[:n], 9))
+                           pull=PullSpec("p:1", KEYS[:n], 9))
 
 
 class Worker:

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The copies the scheduler side plans and the worker side runs: pure data, pickled by vLLM.
+
+Role
+    ``LoadJob`` (blocks to fill from the daemon, optionally after a prefill/decode pull described
+    by ``PullSpec``) and ``StoreJob`` (complete chunks to copy out). ``hkvd.shim.metadata`` carries
+    them to the workers; ``hkvd.shim.loads`` and ``hkvd.shim.pd`` run them. This module imports
+    only the wire's types, so every shim module may import it without closing a circle.
+
+An item is the wire's ``Item(group_id, chunk_index, key, block_ids, parent)`` (docs/design.md,
+"Items"): full/swa items carry chunk_size / block_size block ids, a mamba item one block id
+holding the state after ``(chunk_index + 1) * chunk_size`` tokens. Block id 0 (vLLM's null
+block) never appears in an item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hkvd.transport.wire.block_notes import BlockNote
+from hkvd.transport.wire.kv import Item
+
+
+def item_blocks(items: list[Item]) -> set[int]:
+    return {b for it in items for b in it.block_ids}
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """What the worker pulls before loading (pickled to the workers with the LoadJob)."""
+
+    peer: str
+    keys: list[bytes]
+    release_lease: int
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """A load, done in this step's ``start_load_kv`` while its request waits (WAITING_FOR_REMOTE_KVS)."""
+
+    req_id: str
+    lease_id: int
+    items: list[Item]
+    # Every block the load writes (a failed load is reported per request: vLLM recomputes it).
+    block_ids: list[int]
+    # Prefill/decode: pull these chunks from the prefill engine's daemon first (hkvd.shim.pd).
+    pull: PullSpec | None = None
+
+
+@dataclass(slots=True)
+class StoreJob:
+    """Attention chunks that are complete after this step's forward (copied after it)."""
+
+    req_id: str
+    items: list[Item]
+    # vLLM's names of the chunks, one per chunk key, sent with the store for KV events (docs/routing.md).
+    notes: list[BlockNote] = field(default_factory=list)
