@@ -208,8 +208,6 @@ class _HTTPConnection(asyncio.Protocol):
         self.endpoint = endpoint
         self.transport: asyncio.Transport | None = None
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-        self.fed = 0  # bytes handed to h11 on this connection
-        self.cycle_start = 0  # of those, where the current request begins
         self.request: h11.Request | None = None  # its head, while its body arrives
         self.body = bytearray()
         self.pending: asyncio.Future[Response] | None = None  # a handler's answer being worked out
@@ -257,7 +255,6 @@ class _HTTPConnection(asyncio.Protocol):
         self.last = now
         if not self.started:
             self.started = now
-        self.fed += len(data)
         self.h11.receive_data(data)
         self._drive()
 
@@ -289,8 +286,10 @@ class _HTTPConnection(asyncio.Protocol):
 
     def _take_head(self, req: h11.Request) -> bool:
         """Check a request's head against the bounds (False: refused, the connection ends)."""
-        head_bytes = self.fed - len(self.h11.trailing_data[0]) - self.cycle_start
-        if head_bytes > MAX_REQUEST_BYTES:  # h11 bounds a head that is still arriving, this one that came whole
+        # h11 bounds a head still arriving (max_incomplete_event_size); this, one that came whole: its
+        # request line and header fields as parsed (the raw head differs only by optional whitespace).
+        head_bytes = len(req.method) + len(req.target) + 12 + sum(len(k) + len(v) + 4 for k, v in req.headers)
+        if head_bytes > MAX_REQUEST_BYTES:
             self._refuse(431, f"request head over {MAX_REQUEST_BYTES} bytes")
             return False
         headers = dict(req.headers)
@@ -352,8 +351,7 @@ class _HTTPConnection(asyncio.Protocol):
         self._write(out)
         if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
             self.h11.start_next_cycle()
-            self.cycle_start = self.fed - len(self.h11.trailing_data[0])
-            if self.cycle_start < self.fed:  # the next request has begun
+            if self.h11.trailing_data[0]:  # the next request has begun
                 self.started = asyncio.get_running_loop().time()
         else:  # Connection: close, from either side or HTTP/1.0
             self._close()
