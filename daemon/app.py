@@ -38,10 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Index
-from hkvd.daemon.cache.pool import HugePagePool
-from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
+from hkvd.daemon.cache import Cache, HugePagePool, Prefaulter, default_threads, first_slice_bytes, make_policy
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.engine_factory import make_copy_engine
 from hkvd.daemon.engines.registry import Registry
@@ -244,7 +241,7 @@ class Daemon:
                                                               copy_timeout_s=cfg.copy_timeout_s,
                                                               cuda_copy_method=cfg.cuda_copy_method,
                                                               cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
-            index = Index(self.pool, make_policy(cfg.eviction_policy))
+            index = Cache(self.pool, make_policy(cfg.eviction_policy))
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool)
             announcer = self._start_kv_events(loop, index)
             if peers_wanted(cfg):
@@ -253,8 +250,9 @@ class Daemon:
                 await self.peers.start()
                 background.append(tg.create_task(self.peers.run()))
             formats = FormatBook()
-            self.service = KVService(self.config, index, registry, executor, self.metrics, disk=self.disk,
-                                     cluster=self.cluster, peers=self.peers, heap=self.heap, formats=formats,
+            self.service = KVService(self.config, index, registry, copy_engine, executor, self.metrics,
+                                     disk=self.disk, cluster=self.cluster, peers=self.peers, heap=self.heap,
+                                     formats=formats,
                                      announcer=announcer, publisher=self.publisher,
                                      step_executor=step_executor)
             self.routing = UsablePrefix(self.service, self.metrics, book=formats)
@@ -279,7 +277,7 @@ class Daemon:
             for task in background:
                 task.cancel()
 
-    def _start_kv_events(self, loop: asyncio.AbstractEventLoop, index: Index) -> Announcer:
+    def _start_kv_events(self, loop: asyncio.AbstractEventLoop, index: Cache) -> Announcer:
         """KV events (docs/routing.md): kept for engines' polls always; published node-wide with
         --kv-events-endpoint (bound here: a bad or busy endpoint fails the start). Before the service,
         which is given the announcer and the publisher."""
@@ -441,11 +439,11 @@ class Daemon:
             await asyncio.sleep(STATUS_EVERY_S)
             self.notifier.status(self.summary())
 
-    async def _housekeeping(self, index: Index) -> None:
+    async def _housekeeping(self, index: Cache) -> None:
         """Every second: expire leases; freeze the heap when enough entries were written (daemon/heap.py)."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            expired = index.leases.expire()
+            expired = index.expire_leases()
             if expired:
                 self.metrics.inc("leases_expired", expired)
             self.heap.maybe_freeze(index.writes)

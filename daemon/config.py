@@ -15,7 +15,7 @@ import grp
 from dataclasses import dataclass, field
 from typing import Any
 
-from hkvd.daemon.cache.pool import MIN_SUPERBLOCK_BYTES
+from hkvd.daemon.cache import MIN_SUPERBLOCK_BYTES
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
 from hkvd.daemon.peers.auth import PeerConfigError, parse_allow, split_address
 from hkvd.daemon.startup_errors import StartupError

@@ -1,7 +1,30 @@
 """The cache: the one place that decides what counts as a hit and what gets leased.
 
-``index`` keeps entry keys -> pool pages with their states and pins; ``leases`` the lookup leases;
-``hybrid`` the hybrid hit rule; ``chains`` which entries can serve no hit any more; ``eviction``
-the eviction policies; ``pool`` (with ``backing`` and ``prefault``) the huge-page pool and its
-accounting.
+``core`` is the facade (``Cache``: the hit rule over every tier and rank, leases, stores, reads);
+under it, ``index`` keeps entry keys -> pool pages with their states and pins, ``leases`` the
+lookup leases, ``hybrid`` the hybrid hit rule, ``chains`` which entries can serve no hit any more,
+``eviction`` the eviction policies, and ``pool`` (with ``backing`` and ``prefault``) the huge-page
+pool and its accounting. Code outside this package imports the names below, never the modules
+under it (``tests/unit/test_layers.py``).
 """
+
+from hkvd.daemon.cache.core import Cache, HasFn, Shape, plan_keys, plan_ranks
+from hkvd.daemon.cache.eviction import EvictionPolicy, make_policy
+from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, mamba_checkpoint_keep, required_chunks
+from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, IndexStats
+from hkvd.daemon.cache.pool import (
+    MIN_SUPERBLOCK_BYTES,
+    Extent,
+    HugePagePool,
+    PoolStats,
+    smallest_pool_bytes,
+    superblocks_needed,
+)
+from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
+
+__all__ = [
+    "MIN_SUPERBLOCK_BYTES", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy",
+    "Extent", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PoolStats", "Prefaulter", "Shape",
+    "default_threads", "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "plan_keys", "plan_ranks",
+    "required_chunks", "smallest_pool_bytes", "superblocks_needed",
+]

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from hkvd.daemon.cache.hybrid import GroupRule
-from hkvd.daemon.cache.pool import HugePagePool, smallest_pool_bytes, superblocks_needed
+from hkvd.daemon.cache import GroupRule, HugePagePool, smallest_pool_bytes, superblocks_needed
 from hkvd.daemon.engines.client_process import ClientProcess
 from hkvd.daemon.engines.validation import validate_hybrid
 from hkvd.transport import layout

@@ -32,9 +32,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hkvd.daemon.cache.hybrid import HitPlan, mamba_checkpoint_keep, plan_hit
-from hkvd.daemon.cache.index import Entry, EntryState, Index
-from hkvd.daemon.cache.pool import Extent
+from hkvd.daemon.cache import Cache, Entry, EntryState, Extent, HitPlan, mamba_checkpoint_keep
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
 from hkvd.daemon.engines.engine_traffic import EngineTraffic
@@ -150,6 +148,9 @@ class KVService:
     """Built whole by ``daemon/app.py``, its collaborators given at construction and never swapped:
 
     - ``config``: the running config, read at each use (``cfg``); SIGHUP swaps it (``ConfigCell``);
+    - ``index``: the cache (``hkvd.daemon.cache``): every hit, lease, store and read goes through it;
+    - ``copy_engine``: moves bytes between engines' memory and the pool; the one ``registry`` attaches
+      engines with (``daemon/app.py`` builds it and hands both the same one);
     - ``disk``, ``cluster``: the tiers below the pool, or None;
     - ``peers``: peer links (pulls), or None: a ``Pull`` is refused;
     - ``heap``: the GC policy, for ``status`` only;
@@ -161,14 +162,15 @@ class KVService:
       whose copies have seconds; None: they share ``executor``.
     """
 
-    def __init__(self, config: ConfigCell, index: Index, registry: Registry, executor: Executor,
-                 metrics: Metrics, *, disk: DiskTier | None = None, cluster: Tier[ClusterStats] | None = None,
-                 peers: PeerService | None = None, heap: HeapPolicy | None = None,
-                 formats: FormatBook | None = None, announcer: Announcer | None = None,
+    def __init__(self, config: ConfigCell, index: Cache, registry: Registry, copy_engine: CopyEngine,
+                 executor: Executor, metrics: Metrics, *, disk: DiskTier | None = None,
+                 cluster: Tier[ClusterStats] | None = None, peers: PeerService | None = None,
+                 heap: HeapPolicy | None = None, formats: FormatBook | None = None, announcer: Announcer | None = None,
                  publisher: ZmqPublisher | None = None, step_executor: Executor | None = None) -> None:
         self.config = config
         self.index = index
         self.registry = registry
+        self.copy_engine = copy_engine
         self.executor = executor
         self.step_executor = step_executor or executor
         self.metrics = metrics
@@ -242,7 +244,7 @@ class KVService:
             case control.Ping():
                 conn.send(control.Pong(msg.req_id))
             case kv.Release():
-                self.index.leases.release(msg.lease_id)
+                self.index.release(msg.lease_id)
             case kv.WatchLease():
                 self._watch_lease(conn, msg)
             case kv.Uncacheable():
@@ -292,9 +294,7 @@ class KVService:
         conn.snapshots = SnapshotOrdering(state.engine_id)
         if self.announcer is not None:
             self.announcer.register(state)
-        for fp in state.rank_fingerprints:  # every rank's entries have this rank's format
-            self.index.set_groups(fp, state.kinds)
-        self.index.set_ranks(state.rank_fingerprints)
+        self.index.add_format(state.rank_fingerprints, state.kinds)  # every rank's entries have this rank's format
         self.metrics.inc("engines_registered")
         log.info("registered engine %d (pid %d, model %s, rank %d/%d, %s, %d groups, fingerprint %s)",
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
@@ -334,30 +334,15 @@ class KVService:
 
     def _plan_lookup(self, engine: EngineState, keys: list[bytes]) -> tuple[HitPlan, dict[str, int]]:
         """The best hit the pool can serve to every rank, and the entries it lacks by kind."""
-        fps = engine.rank_fingerprints
-        kinds = engine.kinds
-        is_ready = self.index.is_ready
-        missing: dict[str, int] = {}
-
-        def present(group_id: int, chunk: int) -> bool:  # the pool only: what a retrieve can be served from
-            key = keys[chunk]
-            lacking = sum(not is_ready((fp, group_id, key)) for fp in fps)
-            if not lacking:
-                return True
-            kind = kinds[group_id]
-            missing[kind] = missing.get(kind, 0) + lacking
-            return False
-
-        return plan_hit(engine.rules, len(keys), engine.chunk_size, present), missing
+        missing: dict[str, int] = {}  # the pool only: what a retrieve can be served from
+        return self.index.plan(engine, keys, engine.rank_fingerprints, missing=missing), missing
 
     def _answer_lookup(self, conn: Conn, engine: EngineState, msg: kv.Lookup, plan: HitPlan,
                        missing: dict[str, int]) -> None:
-        keys, fps, kinds = msg.keys, engine.rank_fingerprints, engine.kinds
+        keys, kinds = msg.keys, engine.kinds
         lease_id = 0
-        if msg.lease and plan.hit_chunks > 0:
-            # Every rank's entries, under one lease that serves one retrieve per rank.
-            lease_keys = [(fp, gid, keys[c]) for fp in fps for gid, chunks in plan.needed.items() for c in chunks]
-            lease_id = self.index.leases.take(lease_keys, conn.conn_id, self.cfg.lease_ttl_s, uses=len(fps))
+        if msg.lease and plan.hit_chunks > 0:  # every rank's entries, one retrieve per rank
+            lease_id = self.index.lease(plan, keys, engine.rank_fingerprints, conn.conn_id, self.cfg.lease_ttl_s)
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
         self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
@@ -415,7 +400,7 @@ class KVService:
                 continue
             keep.append((it, g))
         fp, sizes = engine.fingerprint, engine.entry_bytes
-        begun = self.index.begin_writes([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
+        begun = self.index.begin_store([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
                                          for it, g in keep], job_id)
         entries: list[Entry] = []
         placed: list[tuple[GroupSpec, list[int], tuple[Extent, ...]]] = []
@@ -444,7 +429,7 @@ class KVService:
             raise Aborted(f"job {job_id} was aborted by the client; nothing was stored")
         # Notes first: the entries are announced as they turn READY (stored; Mamba states on confirmation).
         noted = announcer.accept(engine, notes or []) if announcer is not None else []
-        self.index.finish_writes(entries, pending=pending)
+        self.index.complete_store(entries, pending=pending)
         if announcer is not None:
             announcer.settle(engine, noted)
         if not pending:
@@ -473,7 +458,7 @@ class KVService:
         groups = [engine.check_item(it) for it in items]
         get, fp, ready = self.index.get, engine.fingerprint, EntryState.READY
         if msg.lease_id:
-            lease = self.index.leases.check(msg.lease_id)
+            lease = self.index.check_lease(msg.lease_id)
             if (k := lease.uncovered((fp, it.group_id, it.key) for it in items)) is not None:
                 raise OutOfRange(f"lease {msg.lease_id} does not cover group {k[1]} chunk key {k[2].hex()[:12]} of "
                                  f"engine {engine.engine_id} (rank {engine.spec.rank}); it was granted for other "
@@ -488,8 +473,7 @@ class KVService:
             entries.append(e)
         segments = layout.segments_for_entries(
             [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
-        self.index.pin_many(entries)
-        unpin = functools.partial(self.index.unpin_many, entries)
+        unpin = self.index.pin_for_read(entries)
         try:
             # A device copy answers once it is enqueued (the engine's stream waits on its done event):
             # the pages stay pinned until the device has read them (``settled``).
@@ -497,7 +481,7 @@ class KVService:
                                                    answer_enqueued=True)
         except BaseException as exc:
             if msg.lease_id:
-                self.index.leases.use(msg.lease_id, written=False)
+                self.index.use_lease(msg.lease_id, written=False)
             self._release_after_copy(exc, unpin)
             raise
         if settled is None:
@@ -510,7 +494,7 @@ class KVService:
         if msg.lease_id:
             # Every byte is in the engine's blocks, unless the engine's stream must still wait for
             # the copy (a GPU done event): only the worker can report that load.
-            self.index.leases.use(msg.lease_id, written=not result.done_event)
+            self.index.use_lease(msg.lease_id, written=not result.done_event)
 
     def _watch_lease(self, conn: Conn, msg: kv.WatchLease) -> None:
         """Answer once every retrieve under the lease wrote its bytes (Done) or the lease ended
@@ -524,7 +508,7 @@ class KVService:
                 conn.send(kv.Error(msg.req_id, int(ErrorCode.LEASE_EXPIRED),
                                    f"lease {msg.lease_id} ended before every rank's retrieve wrote its blocks"))
 
-        self.index.leases.watch(msg.lease_id, conn.conn_id, notify)
+        self.index.watch_lease(msg.lease_id, conn.conn_id, notify)
 
     # ---- step events (Mamba boundary states) ---------------------------------------------------
     async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:
@@ -601,7 +585,7 @@ class KVService:
         the done event the engine's stream waits on): then this returns once the copy is enqueued, with
         the future that settles when the device finished it (or failed); else that future is None."""
         assert attachment is not None
-        engine = self.registry.copy_engine
+        engine = self.copy_engine
         conn.inflight += 1
         t0 = time.perf_counter()
         try:
@@ -736,11 +720,11 @@ class KVService:
         conn.gone = True
         engine = conn.engine
         if engine is not None and engine.attachment is not None:
-            self.registry.copy_engine.abandon(engine.attachment)
+            self.copy_engine.abandon(engine.attachment)
 
     def disconnect(self, conn: Conn) -> None:
         """Release at once what the connection held: leases, unconfirmed states, its registration."""
-        released = self.index.leases.release_owner(conn.conn_id)
+        released = self.index.release_owner(conn.conn_id)
         if conn.snapshots is not None:
             self._drop_jobs(conn, conn.snapshots.on_disconnect())
             conn.snapshots = None  # a later Abort or re-registration must not reach the closed ordering

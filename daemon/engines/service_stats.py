@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hkvd.daemon.cache.index import IndexStats
-from hkvd.daemon.cache.pool import PoolStats
+from hkvd.daemon.cache import IndexStats, PoolStats
 from hkvd.daemon.engines.engine_traffic import EngineTrafficStats
 from hkvd.daemon.engines.latency import LatencyStats
 from hkvd.daemon.engines.registry import RegistryStats

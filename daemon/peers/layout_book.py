@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from hkvd.daemon.cache.hybrid import GroupRule
+from hkvd.daemon.cache import GroupRule
 from hkvd.daemon.engines.registry import EngineState, Registry
 
 MAX_LAYOUTS = 64

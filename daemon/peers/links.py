@@ -40,8 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from hkvd.daemon.cache.index import Index
-from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.cache import Cache, HugePagePool
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.registry import EngineState, Registry
 from hkvd.daemon.metrics import Metrics
@@ -114,7 +113,7 @@ class PeerStats:
 
 
 class PeerService:
-    def __init__(self, cfg: DaemonConfig, pool: HugePagePool, index: Index, registry: Registry,
+    def __init__(self, cfg: DaemonConfig, pool: HugePagePool, index: Cache, registry: Registry,
                  metrics: Metrics) -> None:
         self.cfg = cfg
         self.pool = pool

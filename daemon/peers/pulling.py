@@ -3,10 +3,10 @@
 Role
     For ``Pull(req_id, peer, keys, max_chunks, release_lease)`` from an engine registered here:
     connect (or reuse a link) to the serving daemon, prove the token, agree on the engine's layout,
-    ``PeerLookup`` + lease, allocate local entries (``Index.begin_writes``), READ the leased pages
+    ``PeerLookup`` + lease, allocate local entries (``Cache.begin_store``), READ the leased pages
     straight into them with the transport (in two batches: the first quarter's READ starts as soon
     as its entries are allocated, so allocating the rest overlaps the copy), check sizes,
-    publish them all once every READ completed (``finish_writes``: READY),
+    publish them all once every READ completed (``complete_store``: READY),
     release the remote lease, and answer with the hit the engine can now ``Retrieve`` locally (and
     a local lease on it).
 
@@ -48,9 +48,7 @@ import os
 import time
 from typing import Any, NamedTuple
 
-from hkvd.daemon.cache.hybrid import HitPlan, plan_hit, required_chunks
-from hkvd.daemon.cache.index import Entry, EntryState, Index
-from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.cache import Cache, Entry, HitPlan, HugePagePool, required_chunks
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
@@ -209,17 +207,17 @@ def merge(descs: list[Desc]) -> list[Desc]:
     return out
 
 
-def begin_entries(index: Index, base: int, fp: bytes, kinds: dict[int, str], keys: list[bytes],
+def begin_entries(index: Cache, base: int, fp: bytes, kinds: dict[int, str], keys: list[bytes],
                   part: list[RemoteEntry], job_id: int) -> tuple[list[Entry], list[Desc]]:
     """Begin local entries for ``part`` (an engine's, of layout ``fp``, group kinds ``kinds``, chunk
-    keys ``keys``) in one ``Index.begin_writes`` and pair their extents (at pool address ``base``)
+    keys ``keys``) in one ``Cache.begin_store`` and pair their extents (at pool address ``base``)
     with the peer's (the caller merges pieces contiguous on both sides: ``merge``).
 
     Entries present here already (READY, or written by another job: ``_settle`` waits for those)
     are skipped. No room for one of them: every entry begun here is given back and the
     ``PoolFull`` raised.
     """
-    got = index.begin_writes(
+    got = index.begin_store(
         [((fp, e.group_id, keys[e.chunk_index]), e.nbytes, kinds[e.group_id],
           keys[e.chunk_index - 1] if e.chunk_index else b"") for e in part], job_id)
     begun = [le for le in got if isinstance(le, Entry)]
@@ -261,7 +259,7 @@ class PullStats:
 
 
 class PeerClient:
-    def __init__(self, cfg: DaemonConfig, token: bytes, node: str, index: Index, pool: HugePagePool,
+    def __init__(self, cfg: DaemonConfig, token: bytes, node: str, index: Cache, pool: HugePagePool,
                  transport: DataTransport, metrics: Metrics) -> None:
         self.cfg = cfg
         self.token = token
@@ -492,7 +490,7 @@ class PeerClient:
             raise
         pulled = 0
         for _, begun in reads:
-            self.index.finish_writes(begun, pending=False)
+            self.index.complete_store(begun, pending=False)
             pulled += len(begun)
         nbytes = sum(t.nbytes for t, _ in reads)
         seconds = max(max(t.finished_at for t, _ in reads) - reads[0][0].started_at, 1e-9)
@@ -561,12 +559,7 @@ class PeerClient:
 
     # ---- local side ----------------------------------------------------------------------------
     def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> HitPlan:
-        fp = engine.fingerprint
-
-        def present(group_id: int, chunk: int) -> bool:
-            return self.index.is_ready((fp, group_id, keys[chunk]))
-
-        return plan_hit(engine.rules, n, engine.chunk_size, present)
+        return self.index.plan(engine, keys, (engine.fingerprint,), max_chunks=n)
 
     async def _settle(self, engine: EngineState, keys: list[bytes], hit: int, deadline: float) -> HitPlan:
         """The hit now servable here. Entries another job is still writing are waited for (bounded)."""
@@ -574,11 +567,7 @@ class PeerClient:
             plan = self._plan_local(engine, keys, hit)
             if plan.hit_chunks >= hit or time.monotonic() >= deadline:
                 return plan
-            fp = engine.fingerprint
-            busy = any(
-                (e := self.index.get((fp, r.group_id, keys[c]))) is not None and e.state is not EntryState.READY
-                for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size))
-            if not busy:
+            if not self.index.busy(engine, keys, engine.fingerprint, hit):
                 return plan
             await asyncio.sleep(SETTLE_POLL_S)
 
@@ -586,9 +575,7 @@ class PeerClient:
                 pulled: int, started: float) -> PullResult:
         lease_id = 0
         if plan.hit_chunks:
-            fp = engine.fingerprint
-            held = [(fp, gid, keys[c]) for gid, chunks in plan.needed.items() for c in chunks]
-            lease_id = self.index.leases.take(held, owner, self.cfg.lease_ttl_s)
+            lease_id = self.index.lease(plan, keys, (engine.fingerprint,), owner, self.cfg.lease_ttl_s)
         needed = sum(len(c) for c in plan.needed.values())
         elapsed = time.monotonic() - started
         self.metrics.inc("peer_pull_chunks", plan.hit_chunks)

@@ -48,7 +48,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hkvd.daemon.cache.hybrid import plan_hit
 from hkvd.daemon.peers.auth import (
     GateStats,
     IPNetwork,
@@ -88,8 +87,7 @@ from hkvd.transport.wire.peer import (
 )
 
 if TYPE_CHECKING:
-    from hkvd.daemon.cache.index import Index
-    from hkvd.daemon.cache.pool import HugePagePool
+    from hkvd.daemon.cache import Cache, HugePagePool
     from hkvd.daemon.config import DaemonConfig
     from hkvd.daemon.metrics import Metrics
     from hkvd.daemon.peers.layout_book import LayoutBook
@@ -211,7 +209,7 @@ class ServingStats:
 
 
 class PeerServer:
-    def __init__(self, cfg: DaemonConfig, token: bytes, allow: tuple[IPNetwork, ...], node: str, index: Index,
+    def __init__(self, cfg: DaemonConfig, token: bytes, allow: tuple[IPNetwork, ...], node: str, index: Cache,
                  pool: HugePagePool, layouts: LayoutBook, agent: str, agent_metadata: bytes,
                  metrics: Metrics) -> None:
         self.cfg = cfg
@@ -438,7 +436,7 @@ class PeerServer:
             case PeerLookup():
                 return await self._lookup(session, msg)
             case PeerRelease():  # only a lease this link's own lookups took
-                if not self.index.leases.release(msg.lease_id, owner=session.owner):
+                if not self.index.release(msg.lease_id, owner=session.owner):
                     self.metrics.inc("peer_release_refused")
                 return None
             case _:
@@ -455,12 +453,9 @@ class PeerServer:
         keys = msg.keys
         want = min(msg.max_chunks or len(keys), len(keys))
 
-        def present(group_id: int, chunk: int) -> bool:
-            return self.index.is_ready((fp, group_id, keys[chunk]))
-
         deadline = time.monotonic() + min(msg.wait_s, self.cfg.peer_timeout_s / 2)
         while True:
-            plan = plan_hit(layout.rules, len(keys), layout.chunk_size, present, max_chunks=want)
+            plan = self.index.plan(layout, keys, (fp,), max_chunks=want)
             if plan.hit_chunks >= want or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(WAIT_POLL_S)
@@ -469,8 +464,7 @@ class PeerServer:
         lease_id = served = 0
         if plan.hit_chunks:
             needed = [(gid, c) for gid, chunks in sorted(plan.needed.items()) for c in chunks]
-            lease_id = self.index.leases.take([(fp, gid, keys[c]) for gid, c in needed], session.owner,
-                                        self.cfg.lease_ttl_s)
+            lease_id = self.index.lease(plan, keys, (fp,), session.owner, self.cfg.lease_ttl_s)
             base, get = self.pool.base_addr, self.index.get
             for gid, c in needed:
                 e = get((fp, gid, keys[c]))
@@ -479,7 +473,7 @@ class PeerServer:
                 table.append((gid, c, e.nbytes, len(ext)))
                 extents.extend([(base + off, n) for off, n in ext])
                 served += e.nbytes
-        if msg.release_lease and self.index.leases.release(msg.release_lease):
+        if msg.release_lease and self.index.release(msg.release_lease):
             self.metrics.inc("peer_hold_leases_released")
         session.lookups += 1
         self.metrics.inc("peer_lookups")

@@ -4,7 +4,7 @@ Role
     The engine's scheduler side sends a *note* with each chunk it stores (``Store.notes``,
     ``StepEvent.notes``; ``hkvd.transport.wire.block_notes``): vLLM's hashes of the chunk's
     blocks, its parent hash, tokens, extra keys and adapter. The announcer keeps a note while any
-    tier holds the chunk, follows the index (``Index.on_ready`` / ``on_drop``) and the tiers'
+    tier holds the chunk, follows the index (``Cache.on_ready`` / ``on_drop``) and the tiers'
     membership changes (``tier_changed``), and publishes per group and tier (``medium``):
 
     - ``BlockStored(medium)`` when the tier starts holding the group's entry: the pool when it
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hkvd.daemon.cache.index import Entry, EntryKey, Index
+from hkvd.daemon.cache import Cache, Entry, EntryKey
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.kv_events import (
@@ -121,7 +121,7 @@ class AnnouncerStats:
 
 
 class Announcer:
-    def __init__(self, index: Index, events: EventLog, metrics: Metrics, *, topic: str = "",
+    def __init__(self, index: Cache, events: EventLog, metrics: Metrics, *, topic: str = "",
                  disk: Callable[[EntryKey], bool] | None = None,
                  max_cluster_units: int = DEFAULT_MAX_CLUSTER_UNITS) -> None:
         """``disk(key)``: whether the disk tier holds the entry (None: no disk tier)."""

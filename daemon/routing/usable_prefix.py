@@ -67,8 +67,7 @@ from typing import Any
 
 import msgpack
 
-from hkvd.daemon.cache.hybrid import GroupRule, plan_hit
-from hkvd.daemon.cache.index import EntryKey
+from hkvd.daemon.cache import EntryKey, GroupRule, plan_ranks
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
@@ -595,18 +594,7 @@ class UsablePrefix:
     @staticmethod
     def _plan(fmt: Format, keys: list[bytes], limit: int, has: Callable[[EntryKey], bool]) -> int:
         """Tokens of the hybrid hit over ``keys[:limit]`` when ``has`` says which entries are there."""
-        fps = fmt.rank_fingerprints
-        if len(fps) == 1:
-            fp = fps[0]
-
-            def present(group_id: int, chunk: int) -> bool:
-                return has((fp, group_id, keys[chunk]))
-        else:
-            def present(group_id: int, chunk: int) -> bool:
-                key = keys[chunk]
-                return all(has((f, group_id, key)) for f in fps)
-
-        return plan_hit(fmt.rules, min(limit, len(keys)), fmt.chunk_size, present).hit_chunks * fmt.chunk_size
+        return plan_ranks(fmt, keys, fmt.rank_fingerprints, has, limit).hit_chunks * fmt.chunk_size
 
 
 def _any_of(fns: list[Callable[[EntryKey], bool]]) -> Callable[[EntryKey], bool]:

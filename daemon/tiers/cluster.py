@@ -59,8 +59,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from hkvd.daemon.cache.index import EntryKey
-from hkvd.daemon.cache.pool import Extent
+from hkvd.daemon.cache import EntryKey, Extent
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.cluster_value import FleetKeys, FleetKeyStats, value_key

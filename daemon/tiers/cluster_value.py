@@ -35,7 +35,7 @@ import dataclasses
 import hmac
 from collections.abc import Callable, Iterable
 
-from hkvd.daemon.cache.index import EntryKey
+from hkvd.daemon.cache import EntryKey
 from hkvd.daemon.secret_files import MIN_SECRET_BYTES, read_secret
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.disk import HEAD_BYTES, HEADER_BYTES, MAC_BYTES, FormatError, Header, parse_head

@@ -11,8 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Generic, NamedTuple, TypeVar
 
-from hkvd.daemon.cache.index import EntryKey
-from hkvd.daemon.cache.pool import Extent
+from hkvd.daemon.cache import EntryKey, Extent
 
 StatsT_co = TypeVar("StatsT_co", covariant=True)  # what ``statistics()`` returns: DiskStats, ClusterStats
 

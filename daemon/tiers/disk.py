@@ -75,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hkvd.daemon.cache.pool import Extent
+from hkvd.daemon.cache import Extent
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.startup_errors import StartupError

@@ -36,8 +36,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from hkvd.daemon.cache.hybrid import plan_hit
-from hkvd.daemon.cache.index import Entry, EntryKey, Index
+from hkvd.daemon.cache import Cache, Entry, EntryKey
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.tiers.contract import Tier
@@ -53,7 +52,7 @@ PROMOTION_OWNER = -1  # the owner of promotion's own leases (engines' connection
 class Promoter:
     """Reads into the pool what a short lookup's best hit over pool + tiers needs (module docstring)."""
 
-    def __init__(self, index: Index, metrics: Metrics, tiers: Sequence[Tier[object]]) -> None:
+    def __init__(self, index: Cache, metrics: Metrics, tiers: Sequence[Tier[object]]) -> None:
         self.index = index
         self.metrics = metrics
         self.tiers = list(tiers)
@@ -87,9 +86,8 @@ class Promoter:
                 held.setdefault(k, tier)
         failed: set[EntryKey] = set()
 
-        def present(group_id: int, chunk: int) -> bool:
-            key = keys[chunk]
-            return all(ready(k) or (k not in failed and k in held) for k in [(fp, group_id, key) for fp in fps])
+        def has(k: EntryKey) -> bool:  # in the pool, or in a tier whose read has not failed
+            return ready(k) or (k not in failed and k in held)
 
         promoted = False
         pin = 0  # a lease on the pool's part of the plan: the reads' allocations must not evict it
@@ -98,14 +96,14 @@ class Promoter:
             for _ in range(PROMOTE_ROUNDS):
                 if not held:
                     break
-                plan = plan_hit(engine.rules, len(keys), engine.chunk_size, present)
+                plan = self.index.plan(engine, keys, fps, has=has)
                 needed = [((fp, gid, keys[c]), c) for fp in fps for gid, chunks in plan.needed.items() for c in chunks]
                 wanted = [(k, c) for k, c in needed if not ready(k)]
                 if not wanted:
                     break
                 if pin:
-                    self.index.leases.release(pin)
-                pin = self.index.leases.take([k for k, _ in needed if ready(k)], PROMOTION_OWNER, ttl_s)
+                    self.index.release(pin)
+                pin = self.index.hold([k for k, _ in needed if ready(k)], PROMOTION_OWNER, ttl_s)
                 by_tier: dict[str, list[tuple[EntryKey, int]]] = {}
                 for k, c in wanted:
                     by_tier.setdefault(held[k].name, []).append((k, c))
@@ -119,7 +117,7 @@ class Promoter:
                 failed.update(bad)
         finally:
             if pin:  # the caller plans again at once, without yielding: nothing is evicted in between
-                self.index.leases.release(pin)
+                self.index.release(pin)
         return promoted
 
     async def _promote(self, tier: Tier[object], engine: EngineState, keys: list[bytes],

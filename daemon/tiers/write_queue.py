@@ -10,8 +10,7 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hkvd.daemon.cache.index import EntryKey
-from hkvd.daemon.cache.pool import Extent
+from hkvd.daemon.cache import EntryKey, Extent
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
@@ -96,8 +96,8 @@ def in_process_daemon(copy_timeout_s: float = 30.0,
         pool = HugePagePool(cfg.l1_size_bytes, "off")
         engine = engine_type(pool)
         executor = ThreadPoolExecutor(1)  # one copy thread: "free" means a job submitted now runs at once
-        service = KVService(ConfigCell(cfg), Index(pool, make_policy("lru")), Registry(16, engine, pool=pool),
-                            executor, Metrics())
+        service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(16, engine, pool=pool),
+                            engine, executor, Metrics())
         service.copy_timeout_s = copy_timeout_s  # the config's is at least 30 s
         try:
             yield Server(cfg, service), engine, executor

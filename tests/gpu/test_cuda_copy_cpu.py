@@ -749,8 +749,8 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     import os
     from concurrent.futures import ThreadPoolExecutor
 
+    from hkvd.daemon.cache import Cache
     from hkvd.daemon.cache.eviction import make_policy
-    from hkvd.daemon.cache.index import Index
     from hkvd.daemon.cache.pool import HugePagePool
     from hkvd.daemon.config import ConfigCell, DaemonConfig
     from hkvd.daemon.engines.client_process import ClientProcess
@@ -768,8 +768,8 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     eng = CudaCopyEngine(pool, method="memcpy", register_pool=False)
     executor = ThreadPoolExecutor(1)
-    index = Index(pool, make_policy("lru"))
-    service = KVService(ConfigCell(cfg), index, Registry(chunk, eng, pool=pool), executor, Metrics())
+    index = Cache(pool, make_policy("lru"))
+    service = KVService(ConfigCell(cfg), index, Registry(chunk, eng, pool=pool), eng, executor, Metrics())
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))

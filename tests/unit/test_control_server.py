@@ -22,8 +22,8 @@ import msgpack
 import pytest
 
 from hkvd.daemon import server as server_mod
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
@@ -54,8 +54,8 @@ def unstarted_server(socket_path: str) -> Iterator[Server]:
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     copy_engine = HostCopyEngine(pool)
     executor = ThreadPoolExecutor(1)
-    service = KVService(ConfigCell(cfg), Index(pool, make_policy("lru")), Registry(32, copy_engine, pool=pool),
-                        executor, Metrics())
+    service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(32, copy_engine, pool=pool),
+                        copy_engine, executor, Metrics())
     try:
         yield Server(cfg, service)
     finally:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import zmq
 
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
@@ -190,7 +190,7 @@ class World:
 
     def __init__(self, ranks: int = 1, pool_bytes: int = 4 << 20) -> None:
         self.pool = HugePagePool(pool_bytes, "off", superblock_bytes=2 << 20)
-        self.index = Index(self.pool, make_policy("lru"))
+        self.index = Cache(self.pool, make_policy("lru"))
         self.log = EventLog(64)
         self.seen = 0
         self.disk: set[tuple[bytes, int, bytes]] = set()

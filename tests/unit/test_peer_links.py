@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
@@ -137,7 +137,7 @@ class Side:
 
     def __init__(self) -> None:
         self.pool = HugePagePool(8 << 20, "off")
-        self.index = Index(self.pool, make_policy("lru"))
+        self.index = Cache(self.pool, make_policy("lru"))
         self.copy_engine = HostCopyEngine(self.pool)
         self.registry = Registry(CHUNK, self.copy_engine, pool=self.pool)
         group = GroupSpec(0, "full", 16, 0, 64, "bfloat16", (View(0, 0, 1, 64 * PAGE, PAGE, PAGE),))

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import EntryState, Index
+from hkvd.daemon.cache.index import EntryState
 from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.daemon.peers.auth import (
     PeerConfigError,
@@ -82,7 +83,7 @@ def _remote(n: int, pages: list[int], cuts: list[list[int]], contiguous: bool) -
        cuts=st.lists(st.lists(st.integers(0, 3 * PAGE), max_size=3), min_size=1, max_size=3),
        contiguous=st.booleans(), present=st.sets(st.integers(0, 23), max_size=6))
 def test_begin_entries_maps_every_new_entry_byte_for_byte(pool, n, pages, cuts, contiguous, present) -> None:
-    index = Index(pool, make_policy("lru"))
+    index = Cache(pool, make_policy("lru"))
     used = pool.statistics().used_bytes
     keys = [i.to_bytes(16, "little") for i in range(n)]
     part = _remote(n, pages, cuts, contiguous)
@@ -122,7 +123,7 @@ def test_begin_entries_maps_every_new_entry_byte_for_byte(pool, n, pages, cuts, 
 
 
 def test_begin_entries_gives_everything_back_when_one_does_not_fit(pool) -> None:
-    index = Index(pool, make_policy("lru"))
+    index = Cache(pool, make_policy("lru"))
     free = pool.statistics().free_bytes
     part = [RemoteEntry(0, i, 4 << 20, [((1 << 40) + i * (4 << 20), 4 << 20)]) for i in range(80)]  # 320 MiB
     keys = [i.to_bytes(16, "little") for i in range(80)]

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import EntryKey, Index
+from hkvd.daemon.cache.index import EntryKey
 from hkvd.daemon.cache.pool import Extent, HugePagePool
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import EngineState, Registry
@@ -96,8 +97,8 @@ def pool() -> Iterator[HugePagePool]:
 
 
 @pytest.fixture
-def index(pool: HugePagePool) -> Index:
-    return Index(pool, make_policy("lru"))
+def index(pool: HugePagePool) -> Cache:
+    return Cache(pool, make_policy("lru"))
 
 
 @pytest.fixture
@@ -118,13 +119,13 @@ def payload(chunk: int) -> bytes:
     return bytes([chunk + 1]) * ENTRY
 
 
-def pool_bytes(pool: HugePagePool, index: Index, k: EntryKey) -> bytes:
+def pool_bytes(pool: HugePagePool, index: Cache, k: EntryKey) -> bytes:
     e = index.get(k)
     assert e is not None
     return b"".join(bytes(pool.buffer[off:off + n]) for off, n in e.alloc.extents)
 
 
-def store(index: Index, pool: HugePagePool, k: EntryKey, data: bytes) -> None:
+def store(index: Cache, pool: HugePagePool, k: EntryKey, data: bytes) -> None:
     e = index.begin_write(k, ENTRY, "full", 0)
     assert e is not None
     (off, n), = e.alloc.extents

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hkvd.daemon.cache import Cache
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
@@ -86,9 +86,10 @@ async def h() -> AsyncIterator[Harness]:
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     copy_engine = HostCopyEngine(pool)
-    index = Index(pool, make_policy("lru"))
+    index = Cache(pool, make_policy("lru"))
     executor = ThreadPoolExecutor(2)
-    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), executor, Metrics())
+    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
+                        Metrics())
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
@@ -242,8 +243,8 @@ async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
     copy_engine = HostCopyEngine(pool)
     copy_engine.inline_max_bytes = 0  # every copy on a thread, as large ones are
     bulk, step = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
-    service = KVService(ConfigCell(cfg), Index(pool, make_policy("lru")), Registry(CHUNK, copy_engine, pool=pool),
-                        bulk, Metrics(), step_executor=step)
+    service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(CHUNK, copy_engine, pool=pool),
+                        copy_engine, bulk, Metrics(), step_executor=step)
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
@@ -297,9 +298,10 @@ async def test_a_failed_copy_the_gpu_may_still_run_keeps_its_pages_until_it_has(
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     copy_engine = _HeldCopies(pool)
-    index = Index(pool, make_policy("lru"))
+    index = Cache(pool, make_policy("lru"))
     executor = ThreadPoolExecutor(1)
-    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), executor, Metrics())
+    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
+                        Metrics())
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
