@@ -363,7 +363,8 @@ async def test_bounds_and_bad_requests_close_with_an_answer():
     try:
         assert (await one(f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
                 ).startswith(b"HTTP/1.0 413")
-        assert (await one(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")).startswith(b"HTTP/1.0 411")
+        assert (await one(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+                ).startswith(b"HTTP/1.0 411")
         assert (await one(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 2000 + b"\r\n")).startswith(b"HTTP/1.0 431")
         assert (await one(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n")).startswith(b"HTTP/1.0 400")
         assert (await one(b"GET /echo HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 405")
