@@ -287,3 +287,74 @@ def test_the_shim_plan_sees_a_type_only_import_upward(tmp_path, monkeypatch):
 @pytest.mark.parametrize("layer", LAYERS)
 def test_every_layer_has_sources(layer):
     assert list((REPO / layer).rglob("*.py")), f"{layer}/ has no modules: the plan above is stale"
+
+
+# The daemon's plan: the cache (daemon/cache/) is the one place that decides what counts as a hit and
+# what gets leased. It imports no daemon module outside itself, and the rest of the daemon reaches it
+# only through the names ``hkvd.daemon.cache`` exports, never through a module under it. Every kind of
+# import counts (under ``if TYPE_CHECKING:`` and inside functions too). The daemon's top level keeps
+# only process plumbing; everything else lives in a package (cache, engines, peers, routing, tiers).
+DAEMON_CACHE = "hkvd.daemon.cache"
+DAEMON_TOP_LEVEL = frozenset({"__init__", "__main__", "app", "cli", "config", "options", "server", "http", "metrics",
+                              "heap", "notify", "fd_budget", "secret_files", "startup_errors"})
+
+
+def _names_a_module(package_dir: Path, target: str, package: str) -> bool:
+    """Whether ``target``, an import under ``package``, names a module or package in it (not an exported name)."""
+    part = target[len(package) + 1:].split(".")[0]
+    return (package_dir / f"{part}.py").exists() or (package_dir / part).is_dir()
+
+
+def daemon_plan_breaks(sources: list[Path]) -> list[str]:
+    """Daemon imports against the cache's boundary, and modules at the daemon's top level that are not
+    process plumbing."""
+    bad = []
+    cache_dir = REPO / "daemon" / "cache"
+    for path in sources:
+        rel = path.relative_to(REPO)
+        if rel.parts[0] != "daemon":
+            continue
+        inside = rel.parts[1] == "cache"
+        if len(rel.parts) == 2 and path.stem not in DAEMON_TOP_LEVEL:
+            bad.append(f"{rel} sits at the daemon's top level, which keeps only process plumbing: move it into the "
+                       "package it belongs to (or name it in DAEMON_TOP_LEVEL if it is plumbing)")
+        for target, line, where in _imports(path):
+            if not target.startswith("hkvd.daemon."):
+                continue
+            in_cache = target == DAEMON_CACHE or target.startswith(DAEMON_CACHE + ".")
+            if inside and not in_cache:
+                bad.append(f"{rel}:{line} imports {target} ({where}): daemon/cache/ imports no daemon module "
+                           "outside it")
+            elif not inside and in_cache and target != DAEMON_CACHE and _names_a_module(cache_dir, target,
+                                                                                       DAEMON_CACHE):
+                bad.append(f"{rel}:{line} imports {target} ({where}): outside daemon/cache/, import the names "
+                           f"{DAEMON_CACHE} exports, never a module under it")
+    return bad
+
+
+def test_the_daemon_follows_its_plan():
+    assert daemon_plan_breaks(_sources()) == []
+
+
+def test_the_daemon_plan_sees_type_only_imports_across_the_cache_boundary(tmp_path, monkeypatch):
+    # The cache importing the registry for annotations breaks the plan, so does a peer module that takes
+    # Entry from the index module for annotations, and a module at the top level; the package's own
+    # exports are what the rest of the daemon imports.
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    for layer in LAYERS:
+        (tmp_path / layer).mkdir()
+    for pkg in ("cache", "peers"):
+        (tmp_path / "daemon" / pkg).mkdir()
+    (tmp_path / "daemon" / "cache" / "__init__.py").write_text("from hkvd.daemon.cache.index import Entry\n")
+    (tmp_path / "daemon" / "cache" / "index.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hkvd.daemon.engines.registry import EngineState\n")
+    (tmp_path / "daemon" / "peers" / "serving.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom hkvd.daemon.cache import Cache\nfrom hkvd.daemon import config\n"
+        "if TYPE_CHECKING:\n    from hkvd.daemon.cache.index import Entry\n")
+    (tmp_path / "daemon" / "config.py").write_text("")
+    (tmp_path / "daemon" / "stray.py").write_text("")
+    bad = daemon_plan_breaks(_sources())
+    assert len(bad) == 3, bad
+    assert "daemon/cache/index.py:3 imports hkvd.daemon.engines.registry.EngineState (typing)" in bad[0]
+    assert "daemon/peers/serving.py:5 imports hkvd.daemon.cache.index.Entry (typing)" in bad[1]
+    assert "daemon/stray.py sits at the daemon's top level" in bad[2]
