@@ -347,7 +347,8 @@ def test_the_daemon_plan_sees_type_only_imports_across_the_cache_boundary(tmp_pa
         (tmp_path / "daemon" / pkg).mkdir()
     (tmp_path / "daemon" / "cache" / "__init__.py").write_text("from hkvd.daemon.cache.index import Entry\n")
     (tmp_path / "daemon" / "cache" / "index.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hkvd.daemon.engines.registry import EngineState\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from hkvd.daemon.engines.registry import EngineState\n")
     (tmp_path / "daemon" / "peers" / "serving.py").write_text(
         "from typing import TYPE_CHECKING\nfrom hkvd.daemon.cache import Cache\nfrom hkvd.daemon import config\n"
         "if TYPE_CHECKING:\n    from hkvd.daemon.cache.index import Entry\n")
