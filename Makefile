@@ -43,7 +43,7 @@ test: vllm cluster
 
 # In-process unit tests only (the `fast` marker: every tests/unit test that starts no process and uses no
 # vLLM, tests/unit/conftest.py): under a minute on 2 cores. test-fast and test-unit need no vLLM (its tests
-# skip): CI runs test-fast in a clean venv without it (.ci/run).
+# skip): CI runs both in a clean venv without it (.ci/run).
 test-fast: dev
 	$(BIN)/pytest -q -m fast tests
 
