@@ -16,12 +16,14 @@ The rule
     Nothing is listed by name, so a new module is in the tier from its first test.
 
 How the rule is kept
-    A ``fast`` test runs (setup, call and teardown) with process creation refused: ``subprocess``,
+    A ``fast`` test runs (its function-scoped fixtures, its call and their teardown; module- and
+    session-scoped fixtures are set up outside it) with process creation refused: ``subprocess``,
     ``asyncio``'s subprocesses (through ``subprocess``), ``multiprocessing``, ``os.fork``,
     ``os.posix_spawn`` and ``os.system`` raise ``ProcessInFastTest``, and the test fails naming the
     marker to add, also where the code under test swallows the error. A ``fast`` test that imports
-    vLLM fails the same way. So a test that starts a process cannot join the tier unnoticed, and
-    one that stops doing so only needs its marker removed. (A process started by uvloop's own
+    vLLM fails the same way (seen where no earlier module has imported it, as in a venv without it).
+    So a test that starts a process cannot join the tier unnoticed, and one that stops doing so only
+    needs its marker removed. (A process started by uvloop's own
     ``subprocess_exec`` is not seen: tests run on asyncio's loop.)
 
     Together the tier runs in under a minute on two cores; the rest of tests/unit runs in
