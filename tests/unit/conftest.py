@@ -21,10 +21,10 @@ How the rule is kept
     ``asyncio``'s subprocesses (through ``subprocess``), ``multiprocessing``, ``os.fork``,
     ``os.posix_spawn`` and ``os.system`` raise ``ProcessInFastTest``, and the test fails naming the
     marker to add, also where the code under test swallows the error. A ``fast`` test that imports
-    vLLM fails the same way (seen where no earlier module has imported it, as in a venv without it).
-    So a test that starts a process cannot join the tier unnoticed, and one that stops doing so only
-    needs its marker removed. (A process started by uvloop's own
-    ``subprocess_exec`` is not seen: tests run on asyncio's loop.)
+    vLLM fails the same way, where no earlier module has imported it (without vLLM installed, such a
+    test skips or fails on its import). So a test that starts a process cannot join the tier
+    unnoticed, and one that stops doing so only needs its marker removed. (A process started by
+    uvloop's own ``subprocess_exec`` is not seen: tests run on asyncio's loop.)
 
     Together the tier runs in under a minute on two cores; the rest of tests/unit runs in
     ``make test-unit``.
