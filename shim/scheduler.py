@@ -56,6 +56,14 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       ``take_events`` also returns the daemon's events for this engine's layout
       (``hkvd.shim.kv_event_feed``).
 
+Request states (``hkvd.shim.request_state``)
+    Each request's record moves through named states (waiting for lookup, looked up, loading,
+    loaded, running, failed, storing, finished) on the events of vLLM's hooks and the daemon's
+    replies, by one table. A load is reported finished to vLLM by one path (``LoadReports``), from
+    the worker's report or the lease watch, whichever comes first. An event the table does not
+    allow is a bug: it raises with ``HKVD_STRICT_STATES=1`` (tests), and otherwise is logged once
+    and the request is recomputed (a load vLLM already waits for is sent empty, so it fails).
+
 Failure handling
     Daemon down: every lookup is a miss (recompute) and the link retries in the background of
     later calls; see ``DaemonLink``. A failed load is reported by the worker and vLLM
@@ -65,20 +73,21 @@ Failure handling
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hkvd.shim import pd
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
-from hkvd.shim.jobs import LoadJob, PullSpec, StoreJob
+from hkvd.shim.jobs import LoadJob, StoreJob
 from hkvd.shim.kv_event_feed import EventFeed
 from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.metadata import HkvdConnectorMetadata
+from hkvd.shim.request_state import Event, InvalidTransition, LoadReports, RequestRecord
 from hkvd.shim.results import LookupResult
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
@@ -103,28 +112,8 @@ PEER_ASK_INTERVAL_S = 30.0
 # request_finished may wait this long for the hold lease of a producer's prefix (a UDS round trip
 # is ~0.1 ms); past it the params carry no lease and the entries are held by recency only.
 PD_HOLD_WAIT_S = 0.05
-
-
-@dataclass(slots=True)
-class _Req:
-    tokens: list[int]
-    num_tokens: int
-    lookup_id: int | None = None
-    lookup_sent_at: float = 0.0
-    lookup_gen: int = 0
-    hit_chunks: int | None = None  # None: not answered yet
-    lease_id: int = 0
-    lease_used: bool = False
-    next_store_chunk: int = 0
-    had_copies: bool = False
-    load_failed: bool = False  # its load failed once: recompute, never load it again
-    pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
-    pull: PullSpec | None = None  # until the load job that carries it is planned
-    loading: bool = False  # a load (a pull first, for pd) is in flight: the worker reports its end
-    # Chunk keys over the prompt's full chunks; with store_decode extended over known output tokens.
-    keys: list[bytes] = field(default_factory=list)
-    request: Request | None = None  # its extra keys (LoRA, images, cache_salt) join the chunk keys
-    uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
+# Set to 1 (tests): a request state transition the table lacks raises instead of recomputing the request.
+STRICT_ENV = "HKVD_STRICT_STATES"
 
 
 class SchedulerSide:
@@ -143,14 +132,15 @@ class SchedulerSide:
         self.kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
         self._peer_address = cfg.peer_address  # a producer's daemon peer listener (pd)
         self._peer_asked_at = -1e9
-        self._reqs: dict[str, _Req] = {}
-        self._by_lookup: dict[int, str] = {}
-        # Loads reported by this side (early_load_reports): the lease watches in flight (watch id ->
-        # request, lease), the requests whose watch said written (reported at the next output), and
-        # those reported, whose worker report is still to come (taken out of vLLM's view once it does).
+        # Every request vLLM announced and has not finished, each in its state (hkvd.shim.request_state).
+        self._reqs: dict[str, RequestRecord] = {}
+        self._by_lookup: dict[int, str] = {}  # the lookups in flight: client request id -> request
+        # The lease watches in flight (early_load_reports): watch id -> (request, lease).
         self._watches: dict[int, tuple[str, int]] = {}
-        self._loaded_early: set[str] = set()
-        self._reported_early: Counter[str] = Counter()
+        self._reports = LoadReports()  # the one source of "load finished" (workers' reports, lease watches)
+        # An invalid transition raises instead of failing the request safely (hkvd.shim.request_state): for tests.
+        self.strict = os.environ.get(STRICT_ENV) == "1"
+        self._invalid_logged = False
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
@@ -193,14 +183,14 @@ class SchedulerSide:
             self._by_lookup.clear()  # lookups and watches of the old connection never complete
             self._watches.clear()
             for st in self._reqs.values():
-                if st.hit_chunks is None:
+                if not st.answered:
                     st.lookup_id = None
         return client
 
     def _client(self) -> DaemonClient | None:
         return self._connect() if not self.link.up else self.link.client
 
-    def _keys(self, st: _Req) -> list[bytes]:
+    def _keys(self, st: RequestRecord) -> list[bytes]:
         """The prompt's chunk keys, extra keys mixed in; [] for a request that cannot be keyed (never cached)."""
         if not st.keys and self.chunk_size and not st.uncacheable:
 
@@ -213,7 +203,7 @@ class SchedulerSide:
             st.keys = chunk_keys(st.tokens, self.chunk_size, extras=extras)
         return st.keys
 
-    def _keys_through(self, st: _Req, n: int) -> list[bytes]:
+    def _keys_through(self, st: RequestRecord, n: int) -> list[bytes]:
         """The chunk keys, extended past the prompt up to ``n`` chunks over the tokens vLLM knows.
 
         Only with ``store_decode``; the extension continues the prompt's rolling keys, so the next
@@ -237,13 +227,13 @@ class SchedulerSide:
                                extras=extras))
         return keys
 
-    def _known_tokens(self, st: _Req) -> int:
+    def _known_tokens(self, st: RequestRecord) -> int:
         """Tokens a stored chunk may end at: the prompt's, and with store_decode the output tokens known."""
         if self.cfg.store_decode and st.request is not None:
             return max(st.num_tokens, int(st.request.num_tokens))
         return st.num_tokens
 
-    def _store_items(self, st: _Req, table: Sequence[Sequence[int]], lo: int, hi: int) -> list[Item]:
+    def _store_items(self, st: RequestRecord, table: Sequence[Sequence[int]], lo: int, hi: int) -> list[Item]:
         """Store items for chunks [lo, hi) of every attention group, from block table ``table``."""
         keys = self._keys_through(st, hi)
         C = self.chunk_size
@@ -259,7 +249,7 @@ class SchedulerSide:
                     items.append(Item(g.group_id, i, keys[i], ids, _parent(keys, i)))
         return items
 
-    def _note_uncacheable(self, st: _Req, exc: Uncacheable) -> None:
+    def _note_uncacheable(self, st: RequestRecord, exc: Uncacheable) -> None:
         st.uncacheable = exc.reason
         self.stats["uncacheable"] += 1
         self._identity.note(str(getattr(st.request, "request_id", "?")), exc)
@@ -288,7 +278,7 @@ class SchedulerSide:
             if watched is not None:
                 st = self._reqs.get(watched[0])
                 if c.ok and st is not None and st.loading and st.lease_id == watched[1]:
-                    self._loaded_early.add(watched[0])
+                    self._reports.watched(watched[0])
                 continue
             req_id = self._by_lookup.pop(c.req_id, None)
             st = self._reqs.get(req_id) if req_id is not None else None
@@ -299,9 +289,9 @@ class SchedulerSide:
             if c.ok:
                 found = c.get(LookupResult)
                 st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
+                self._fire(st, Event.ANSWERED)
             else:
-
-                st.hit_chunks = 0
+                self._answer(st, 0)
                 if isinstance(c.error, DaemonUnavailable):
                     self.link.lost(c.error)
                 else:
@@ -318,16 +308,16 @@ class SchedulerSide:
         except Exception as e:
             self.link.lost(e)
 
-    def _submit_lookup(self, req_id: str, st: _Req) -> None:
+    def _submit_lookup(self, req_id: str, st: RequestRecord) -> None:
         client = self._client()
         if client is None:
-            st.hit_chunks = 0
+            self._answer(st, 0)
             return
         keys = self._keys(st)
         # Leave at least the last prompt token to compute: vLLM needs logits for it.
         n = min(len(keys), (st.num_tokens - 1) // self.chunk_size)
         if n <= 0:
-            st.hit_chunks = 0
+            self._answer(st, 0)
             return
         try:
             rid = client.submit_lookup(keys[:n], lease=True)
@@ -341,7 +331,7 @@ class SchedulerSide:
                 rid = client.submit_lookup(keys[:n], lease=True)
             except Exception as e2:
                 self.link.lost(e2)
-                st.hit_chunks = 0
+                self._answer(st, 0)
                 return
         st.lookup_id, st.lookup_sent_at, st.lookup_gen = rid, time.monotonic(), self.link.generation
         self._by_lookup[rid] = req_id
@@ -350,7 +340,7 @@ class SchedulerSide:
     # ---- vLLM hooks ----------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
         tokens = prompt_tokens(request)
-        st = _Req(tokens=tokens, num_tokens=len(tokens), request=request)
+        st = RequestRecord(request.request_id, tokens, len(tokens), request=request)
         self._reqs[request.request_id] = st
         if tokens:
             self._submit_lookup(request.request_id, st)
@@ -362,31 +352,31 @@ class SchedulerSide:
             st = self._reqs[request.request_id]
         if st.load_failed:  # vLLM recomputes it; a second load could fail the same way
             return 0, False
-        if st.lease_used:
-            # Asked again after its load was planned: the request was preempted and its blocks
-            # freed. The lease is spent (a retrieve releases it), so look the prefix up afresh.
-            st.hit_chunks, st.lookup_id, st.lease_id, st.lease_used = None, None, 0, False
+        # Asked again after its load was planned: the request was preempted and its blocks freed. The
+        # lease is spent (a retrieve releases it), so look the prefix up afresh.
+        if st.lease_used and not self._fire(st, Event.ASKED_AGAIN):
+            return 0, False
         if not st.pd_checked:
             st.pd_checked = True
             self._plan_pull(request, st)
-        if st.hit_chunks is None:
+        if not st.answered:
             if st.lookup_id is None or st.lookup_gen != self.link.generation:
                 self._submit_lookup(request.request_id, st)
             deadline = time.monotonic() + self.cfg.lookup_wait_s
-            while st.hit_chunks is None and self.link.client is not None:
+            while not st.answered and self.link.client is not None:
                 # Other replies (other requests' lookups, lease watches) may come first: wait on for this one.
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._pump(left)
-            if st.hit_chunks is None:
+            if not st.answered:
                 if time.monotonic() - st.lookup_sent_at < self.cfg.lookup_timeout_s:
                     self.stats["lookups_deferred"] += 1
                     return None, False
                 logger.warning("hkvd: lookup for %s unanswered after %.1f s; recomputing", request.request_id,
                                self.cfg.lookup_timeout_s)
                 self._by_lookup.pop(st.lookup_id or 0, None)
-                st.hit_chunks = 0
+                self._answer(st, 0)
         hit_tokens = st.hit_chunks * self.chunk_size
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -404,6 +394,7 @@ class SchedulerSide:
                 self._release(st.lease_id)
                 st.lease_used = True
             st.pull = None  # nothing external to load (vLLM's own cache covered it)
+            self._fire(st, Event.ALLOCATED)
             return
         n = st.hit_chunks
         C = self.chunk_size
@@ -439,10 +430,11 @@ class SchedulerSide:
             logger.warning("hkvd: load plan for %s names vLLM's null block (window starts mid-chunk?); "
                            "recomputing it", request.request_id)
             items = []
+        if not self._fire(st, Event.LOAD_PLANNED):
+            items, st.pull = [], None  # the worker refuses it, reports the load failed: vLLM recomputes
         self._loads.append(LoadJob(request.request_id, st.lease_id, items, all_blocks, pull=st.pull))
         if items and st.pull is None and st.lease_id:
             self._watch(request.request_id, st.lease_id)
-        st.loading = True
         if st.pull is not None:
             st.pull = None
             self.stats["pull_jobs"] = self.stats.get("pull_jobs", 0) + 1
@@ -522,19 +514,11 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         recving = set(getattr(output, "finished_recving", None) or ())
         failed = set(getattr(output, "failed_recving", None) or ())
-        for req_id in [r for r in recving if self._reported_early[r]]:
-            # Reported by this side already: vLLM must not see it twice (it would be running by now).
-            self._reported_early[req_id] -= 1
-            if not self._reported_early[req_id]:
-                del self._reported_early[req_id]
-            recving.discard(req_id)
-            failed.discard(req_id)
-        for req_id in recving:
+        self._reports.from_workers(recving, failed)  # vLLM must not hear a load a watch reported
+        for req_id in recving | failed:
             st = self._reqs.get(req_id)
             if st is not None:
-                st.loading = False
-            self._loaded_early.discard(req_id)
-        self._note_failed_loads(failed)
+                self._fire(st, Event.LOAD_FAILED if req_id in failed else Event.LOAD_DONE)
         self._pump()
         self._report_early(recving)
         if recving or getattr(output, "finished_recving", None) is not None:
@@ -546,26 +530,44 @@ class SchedulerSide:
         Under vLLM's async scheduling the output handed here is the previous step's, read after the
         current step ran: a worker's report of a load that ended during the current step reaches vLLM
         with the next output, a step later than this one. The worker still reports it; that report is
-        then taken out (``update_connector_output``). Never for GPU KV caches (the engine's stream must
+        then taken out (``LoadReports.from_workers``). Never for GPU KV caches (the engine's stream must
         first wait for the daemon's copy, which only the worker does: the daemon does not count it
         written) nor for prefill/decode pulls (not watched)."""
-        for req_id in self._loaded_early:
+        for req_id in self._reports.take_watched():
             st = self._reqs.get(req_id)
             if st is None or not st.loading:  # finished meanwhile (its blocks wait for the worker's report)
                 continue
-            st.loading = False
+            self._fire(st, Event.LOAD_DONE)
             recving.add(req_id)
-            self._reported_early[req_id] += 1
+            self._reports.reported_by_watch(req_id)
             self.stats["loads_reported_early"] += 1
-        self._loaded_early.clear()
 
-    def _note_failed_loads(self, req_ids: Iterable[str]) -> None:
-        for req_id in req_ids:
-            st = self._reqs.get(req_id)
-            if st is not None:
-                st.load_failed = True
-                st.hit_chunks, st.lease_id = 0, 0
-                st.next_store_chunk = 0  # recomputed from scratch: store it again (a new daemon lacks it)
+    @property
+    def _reported_early(self) -> Counter[str]:
+        """Loads this side reported whose workers' reports are still to come."""
+        return self._reports.awaiting_workers
+
+    # ---- request states (hkvd.shim.request_state) -------------------------------------------------
+    def _answer(self, st: RequestRecord, hit_chunks: int) -> None:
+        st.hit_chunks = hit_chunks
+        self._fire(st, Event.ANSWERED)
+
+    def _fire(self, st: RequestRecord, event: Event) -> bool:
+        """Apply ``event`` to ``st``. A transition the table lacks raises with ``strict``; otherwise it is
+        logged (once at ERROR) and the request fails safely: recomputed, never loaded. False then."""
+        try:
+            st.fire(event)
+            return True
+        except InvalidTransition as e:
+            if self.strict:
+                raise
+            log = logger.debug if self._invalid_logged else logger.error
+            self._invalid_logged = True
+            log("%s", e)
+            if st.lease_id and not st.lease_used:
+                self._release(st.lease_id)
+            st.fail_safe(event)
+            return False
 
     def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -584,13 +586,17 @@ class SchedulerSide:
             # Aborted while its load runs (vLLM schedules nothing else of a request that waits for
             # remote KV): vLLM frees its blocks when the worker reports the load, after the daemon's
             # reply. Never also in delayed_free: a second report would free them twice.
+            self._fire(st, Event.FINISHED)
             return True, params
         if st.had_copies:
+            self._fire(st, Event.FINISHED_STORING)
             self._delayed.append(request.request_id)
             return True, params
+        self._fire(st, Event.FINISHED)
         return False, params
 
-    def _store_on_finish(self, request: Request, st: _Req, block_ids: list[int] | tuple[list[int], ...]) -> None:
+    def _store_on_finish(self, request: Request, st: RequestRecord,
+                         block_ids: list[int] | tuple[list[int], ...]) -> None:
         """Store the computed chunks not stored yet, from the blocks the finished request hands back.
 
         Under async scheduling a chunk whose last token was still a placeholder when it filled, and
@@ -614,7 +620,7 @@ class SchedulerSide:
             self.stats["store_items"] += len(items)
 
     # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------
-    def _plan_pull(self, request: Request, st: _Req) -> None:
+    def _plan_pull(self, request: Request, st: RequestRecord) -> None:
         """A consumer's request carrying a producer's params: claim its chunks, pull them first."""
         if self.kv_role == "kv_producer" or not self.chunk_size:
             return
@@ -626,9 +632,10 @@ class SchedulerSide:
             self._by_lookup.pop(st.lookup_id, None)
         if st.lease_id and not st.lease_used:
             self._release(st.lease_id)
-        st.hit_chunks, st.lease_id, st.pull = plan[0], 0, plan[1]
+        st.lease_id, st.pull = 0, plan[1]
+        self._answer(st, plan[0])
 
-    def _producer_params(self, req_id: str, st: _Req) -> dict[str, Any] | None:
+    def _producer_params(self, req_id: str, st: RequestRecord) -> dict[str, Any] | None:
         C = self.chunk_size
         keys = self._keys(st)
         n = min(len(keys), (st.num_tokens - 1) // C) if C else 0
@@ -674,7 +681,7 @@ class SchedulerSide:
         mode = int(getattr(self.link.ack, "kv_events", 0) or 0) if self.link.up else 0
         return mode >= KV_EVENTS_PUBLISHED or (mode >= KV_EVENTS_ACCEPTED and self.engine_events)
 
-    def _notes_for(self, st: _Req, items: list[Item], skip: set[bytes] | frozenset[bytes] = frozenset()
+    def _notes_for(self, st: RequestRecord, items: list[Item], skip: set[bytes] | frozenset[bytes] = frozenset()
                    ) -> list[BlockNote]:
         """One note per chunk key of ``items`` (vLLM's hashes for its blocks), or none."""
         if not items or st.request is None or not self._wants_notes():

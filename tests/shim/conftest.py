@@ -36,6 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
 
 
+@pytest.fixture(autouse=True)
+def strict_request_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request state transition the shim's table lacks raises, in this process and in the engines the
+    tests start (``hkvd.shim.request_state``; in production it is logged and the request recomputed)."""
+    monkeypatch.setenv("HKVD_STRICT_STATES", "1")
+
+
 @pytest.fixture(scope="session")
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # HKVD_TEST_MODELS=DIR keeps the built models between runs; unset, they go to a temp dir

@@ -288,7 +288,8 @@ def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
     from vllm.v1.request import Request
 
     from hkvd.shim.identity import ChunkIdentity, prompt_tokens
-    from hkvd.shim.scheduler import SchedulerSide, _Req
+    from hkvd.shim.request_state import RequestRecord
+    from hkvd.shim.scheduler import SchedulerSide
     from hkvd.shim.shim_config import ShimConfig
 
     side = SchedulerSide.__new__(SchedulerSide)  # only the keying half: no daemon, no vLLM config
@@ -302,7 +303,7 @@ def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
                        cache_salt=salt)
 
     def keys(req: Request, n: int) -> list[bytes]:
-        st = _Req(tokens=prompt_tokens(req), num_tokens=req.num_prompt_tokens, request=req)
+        st = RequestRecord(req.request_id, prompt_tokens(req), req.num_prompt_tokens, request=req)
         return side._keys_through(st, n)
 
     first = request("turn1", list(range(10, 110)))  # 100 tokens: 6 full chunks, the image in chunks 1-3

@@ -8,6 +8,7 @@ output and the block tables are the few attributes the shim reads of them.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from vllm.v1.request import Request
 
 from hkvd.shim.jobs import LoadJob, PullSpec, StoreJob, item_blocks
 from hkvd.shim.metadata import HkvdConnectorMetadata
+from hkvd.shim.request_state import InvalidTransition, State
 from hkvd.shim.results import Completion, LookupResult, RegisterAck
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig
@@ -257,3 +259,48 @@ def test_a_request_whose_lookup_has_not_answered_is_passed_over_and_counted(sche
     client.answer()
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
     assert sched.stats["lookups_deferred"] == 2
+
+
+def test_an_invalid_transition_raises_under_strict_and_otherwise_recomputes_the_request(
+        sched: SchedulerSide, caplog: pytest.LogCaptureFixture) -> None:
+    client = ScriptedClient(hit=2, lease_id=77)
+    connect(sched, client)
+    req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    # A load reported for a request whose blocks were never allocated: a bug, or vLLM changed its order.
+    sched.strict = True
+    with pytest.raises(InvalidTransition):
+        sched.update_connector_output(SimpleNamespace(finished_recving={"r1"}, failed_recving=None))
+    assert sched._reqs["r1"].state is State.LOOKED_UP
+    sched.strict = False
+    with caplog.at_level(logging.DEBUG, "hkvd.shim"):
+        for _ in range(2):
+            output = SimpleNamespace(finished_recving={"r1"}, failed_recving=None)
+            sched.update_connector_output(output)
+            assert output.finished_recving == {"r1"}  # vLLM's own view is untouched
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "no transition from 'looked up' on 'load reported finished'" in errors[0].message
+    assert client.released == [77]  # the lease it will never load under is given back
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # recomputed, never loaded
+
+
+def test_a_load_planned_in_an_invalid_state_reaches_the_worker_empty_and_fails(sched: SchedulerSide) -> None:
+    client = ScriptedClient(hit=2, lease_id=77)
+    connect(sched, client)
+    req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: (TABLE,))
+    sched.update_state_after_alloc(req, blocks, 2 * CHUNK)
+    sched.update_state_after_alloc(req, blocks, 2 * CHUNK)  # again while it loads: vLLM never does
+    meta = sched.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=0))
+    assert [len(j.items) for j in meta.loads] == [2, 0]  # the second is refused: vLLM still waits for it
+    w = worker(ScriptedClient())
+    w.bind(meta)
+    w.start_load_kv()
+    _, recving, failed = w.get_transfer_results(set())
+    assert recving == failed == {"r1"}
+    sched.update_connector_output(SimpleNamespace(finished_recving=recving, failed_recving=failed))
+    assert sched._reqs["r1"].state is State.FAILED
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
