@@ -18,7 +18,8 @@ For each phase it prints the step times' p50 and p99 as ratios to the first phas
 the copies reached (stores and retrieves together) with its ratio to the same method's rate alone.
 Targets, printed beside: with the default method (``hkvd.cuda.copy.DEFAULT_METHOD``), p50 <= 1.05x
 and p99 <= 1.15x, with the copies at >= 0.6 of their rate alone. Sized to finish within 3 minutes
-with the defaults (3 daemons, 8 phases of 6 s; not yet timed on a GPU). ``--log`` also writes the output to ``bench/results/gpu_interference_<gpu>_<date>.log``.
+with the defaults (3 daemons, 8 phases of 6 s; not yet timed on a GPU). ``--log`` also writes the
+output to ``bench/results/gpu_interference_<gpu>_<date>.log``.
 
 Without CuPy, torch with CUDA, or a GPU it prints why and exits 0 (1 with HKVD_REQUIRE_GPU=1).
 """
