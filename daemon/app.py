@@ -242,20 +242,18 @@ class Daemon:
                                                               cuda_copy_method=cfg.cuda_copy_method,
                                                               cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
             index = Cache(self.pool, make_policy(cfg.eviction_policy))
-            registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool)
+            registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool, formats=index.formats)
             announcer = self._start_kv_events(loop, index)
             if peers_wanted(cfg):
 
                 self.peers = PeerService(cfg, self.pool, index, registry, self.metrics)
                 await self.peers.start()
                 background.append(tg.create_task(self.peers.run()))
-            formats = FormatBook()
             self.service = KVService(self.config, index, registry, copy_engine, executor, self.metrics,
                                      disk=self.disk, cluster=self.cluster, peers=self.peers, heap=self.heap,
-                                     formats=formats,
                                      announcer=announcer, publisher=self.publisher,
                                      step_executor=step_executor)
-            self.routing = UsablePrefix(self.service, self.metrics, book=formats)
+            self.routing = UsablePrefix(self.service, self.metrics, book=FormatBook(index.formats))
             self.server = Server(cfg, self.service)
             await self.server.start()  # listening: connections are accepted from here on
             self.ready.set()

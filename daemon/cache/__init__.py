@@ -1,6 +1,7 @@
 """The cache: the one place that decides what counts as a hit and what gets leased.
 
-``core`` is the facade (``Cache``: the hit rule over every tier and rank, leases, stores, reads);
+``core`` is the facade (``Cache``: the hit rule over every tier and rank, leases, stores, reads,
+and ``formats``, the one record of engine formats, ``Formats``);
 under it, ``index`` keeps entry keys -> pool pages with their states and pins, ``leases`` the
 lookup leases, ``hybrid`` the hybrid hit rule, ``chains`` which entries can serve no hit any more,
 ``eviction`` the eviction policies, and ``pool`` (with ``backing`` and ``prefault``) the huge-page
@@ -10,6 +11,7 @@ under it (``tests/unit/test_layers.py``).
 
 from hkvd.daemon.cache.core import Cache, HasFn, Shape, plan_keys, plan_ranks
 from hkvd.daemon.cache.eviction import EvictionPolicy, make_policy
+from hkvd.daemon.cache.formats import MAX_WORLDS, Formats, WorldFormat
 from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, mamba_checkpoint_keep, required_chunks
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, IndexStats
 from hkvd.daemon.cache.pool import (
@@ -23,8 +25,8 @@ from hkvd.daemon.cache.pool import (
 from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
 
 __all__ = [
-    "MIN_SUPERBLOCK_BYTES", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy",
-    "Extent", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PoolStats", "Prefaulter", "Shape",
-    "default_threads", "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "plan_keys", "plan_ranks",
-    "required_chunks", "smallest_pool_bytes", "superblocks_needed",
+    "MAX_WORLDS", "MIN_SUPERBLOCK_BYTES", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy", "Extent",
+    "Formats", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PoolStats", "Prefaulter", "Shape",
+    "WorldFormat", "default_threads", "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "plan_keys",
+    "plan_ranks", "required_chunks", "smallest_pool_bytes", "superblocks_needed",
 ]

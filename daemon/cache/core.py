@@ -23,12 +23,16 @@ Threading
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from hkvd.daemon.cache.eviction import EvictionPolicy
+from hkvd.daemon.cache.formats import Formats
 from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, plan_hit, required_chunks
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.cache.leases import Lease
+from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.transport.errors import PoolFull
 
 #: ``has(entry_key)``: is that entry available where the plan may take it from?
@@ -77,7 +81,13 @@ def plan_keys(plan: HitPlan, keys: Sequence[bytes], fingerprints: Sequence[bytes
 
 
 class Cache(Index):
-    """The index with the decisions every caller shares (module docstring)."""
+    """The index with the decisions every caller shares (module docstring), and ``formats``: the one
+    record of the engine worlds registered here (``Formats``), which the registry feeds."""
+
+    def __init__(self, pool: HugePagePool, policy: EvictionPolicy, clock: Callable[[], float] = time.monotonic,
+                 formats: Formats | None = None) -> None:
+        super().__init__(pool, policy, clock)
+        self.formats = formats if formats is not None else Formats()
 
     # ---- hits ----------------------------------------------------------------------------------
     def plan(self, shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], *, has: HasFn | None = None,

@@ -6,6 +6,8 @@ same fingerprint, because the fingerprint hashes the *format* of entries (identi
 group kinds, block sizes, dtypes, per-view layer counts and page bytes), never addresses or
 strides. Registration is refused (``RegistrationError`` naming the smallest ``--l1-size-gb`` that
 works) when the pool cannot hold one chunk of the engine: every group's entry, for every rank.
+Every registration is recorded in ``formats`` (``hkvd.daemon.cache.Formats``, the cache's one record
+of engine formats), which keeps a world's format after its engines leave.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from hkvd.daemon.cache import GroupRule, HugePagePool, smallest_pool_bytes, superblocks_needed
+from hkvd.daemon.cache import Formats, GroupRule, HugePagePool, smallest_pool_bytes, superblocks_needed
 from hkvd.daemon.engines.client_process import ClientProcess
 from hkvd.daemon.engines.validation import validate_hybrid
 from hkvd.transport import layout
@@ -151,10 +153,13 @@ class EngineState:
 
 
 class Registry:
-    def __init__(self, default_chunk_size: int, copy_engine: CopyEngine, pool: HugePagePool | None = None) -> None:
+    def __init__(self, default_chunk_size: int, copy_engine: CopyEngine, pool: HugePagePool | None = None,
+                 formats: Formats | None = None) -> None:
         self.default_chunk_size = default_chunk_size
         self.copy_engine = copy_engine
         self.pool = pool  # registrations whose one chunk it cannot hold are refused; None: not checked
+        # Where registrations are recorded (daemon/app.py hands it the cache's); None: a record of its own.
+        self.formats = formats if formats is not None else Formats()
         self._engines: dict[int, EngineState] = {}
         self._ids = itertools.count(1)
 
@@ -192,6 +197,8 @@ class Registry:
             attachment=attachment,
         )
         self._engines[state.engine_id] = state
+        self.formats.add(rank_fps, spec.rank, model=spec.model, chunk_size=chunk_size, rules=state.rules,
+                         kinds=state.kinds, entry_bytes=state.entry_bytes, live=True)
         return state
 
     def _check_pool_holds_chunk(self, spec: EngineSpec, chunk_size: int) -> None:
@@ -221,7 +228,10 @@ class Registry:
 
     def unregister(self, engine_id: int) -> None:
         state = self._engines.pop(engine_id, None)
-        if state is not None and state.attachment is not None:
+        if state is None:
+            return
+        self.formats.leave(state.rank_fingerprints)
+        if state.attachment is not None:
             self.copy_engine.detach(state.attachment)
 
     def engines(self) -> list[EngineState]:

@@ -74,7 +74,6 @@ from hkvd.transport.wire.replies import Acknowledged, RetrieveResult, StepResult
 
 if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py does), and they import NIXL's host, zmq
     from hkvd.daemon.peers.links import PeerService
-    from hkvd.daemon.routing.usable_prefix import FormatBook
     from hkvd.daemon.routing.zmq_publisher import ZmqPublisher
     from hkvd.daemon.tiers.cluster import ClusterStats
 
@@ -154,7 +153,6 @@ class KVService:
     - ``disk``, ``cluster``: the tiers below the pool, or None;
     - ``peers``: peer links (pulls), or None: a ``Pull`` is refused;
     - ``heap``: the GC policy, for ``status`` only;
-    - ``formats``: engines' formats by model, for routers (``daemon/routing/usable_prefix.py``);
     - ``announcer``, ``publisher``: KV events (``daemon/routing``). No announcer: registrations say KV
       events are unsupported, and notes are ignored; no publisher: they are kept for polls only;
     - ``step_executor``: the thread for step events' copies too large for the loop (Mamba states, due
@@ -165,7 +163,7 @@ class KVService:
     def __init__(self, config: ConfigCell, index: Cache, registry: Registry, copy_engine: CopyEngine,
                  executor: Executor, metrics: Metrics, *, disk: DiskTier | None = None,
                  cluster: Tier[ClusterStats] | None = None, peers: PeerService | None = None,
-                 heap: HeapPolicy | None = None, formats: FormatBook | None = None, announcer: Announcer | None = None,
+                 heap: HeapPolicy | None = None, announcer: Announcer | None = None,
                  publisher: ZmqPublisher | None = None, step_executor: Executor | None = None) -> None:
         self.config = config
         self.index = index
@@ -181,7 +179,6 @@ class KVService:
         self.shutting_down = False
         self.peers = peers
         self.heap = heap
-        self.formats = formats
         self.announcer = announcer
         self.publisher = publisher
         self.copy_timeout_s = config.current.copy_timeout_s  # not reloadable
@@ -287,10 +284,6 @@ class KVService:
             raise RegistrationError("a scheduler connection registers without regions (lookup only)")
         state = self.registry.register(spec, conn.process or conn.pid, conn.conn_id)
         conn.engine = state
-        if self.peers is not None:  # peers can serve its entries after it leaves
-            self.peers.layouts.add(state)
-        if self.formats is not None:  # routers name it by model and format (daemon/routing/usable_prefix.py)
-            self.formats.add(state)
         conn.snapshots = SnapshotOrdering(state.engine_id)
         if self.announcer is not None:
             self.announcer.register(state)

@@ -2,20 +2,18 @@
 
 Role
     A serving daemon answers a peer's lookup with the hybrid hit rule and entry sizes of the
-    layout (fingerprint) asked for. ``LayoutBook`` keeps them by fingerprint, up to
-    ``MAX_LAYOUTS``, after the engine that registered them leaves, so a finished prefill engine's
-    entries can still be served.
+    layout (fingerprint) asked for. ``LayoutBook`` is the peer view of the cache's record of engine
+    formats (``hkvd.daemon.cache.Formats``, fed by the registry): the layouts of the ranks that
+    registered here, kept after their engines leave (within the record's bound), so a finished
+    prefill engine's entries can still be served.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from hkvd.daemon.cache import GroupRule
-from hkvd.daemon.engines.registry import EngineState, Registry
-
-MAX_LAYOUTS = 64
+from hkvd.daemon.cache import Formats, GroupRule, WorldFormat
+from hkvd.daemon.engines.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,34 +27,23 @@ class Layout:
     entry_bytes: dict[int, int]
 
     @classmethod
-    def of(cls, engine: EngineState) -> Layout:
-        return cls(engine.fingerprint, engine.chunk_size, tuple(engine.rules),
-                   dict(engine.kinds), dict(engine.entry_bytes))
+    def of(cls, world: WorldFormat, fingerprint: bytes) -> Layout:
+        return cls(fingerprint, world.chunk_size, world.rules, dict(world.kinds), dict(world.entry_bytes))
 
 
 class LayoutBook:
-    """Layouts of engines registered here, kept (up to ``MAX_LAYOUTS``) after they leave."""
+    """The layouts of the ranks registered here (the registry's ``formats``)."""
 
     def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-        self._known: OrderedDict[bytes, Layout] = OrderedDict()
-
-    def add(self, engine: EngineState) -> None:
-        """Called at every registration (``KVService``), so a layout outlives its engine."""
-        if engine.fingerprint not in self._known:
-            self._known[engine.fingerprint] = Layout.of(engine)
-        self._known.move_to_end(engine.fingerprint)
-        while len(self._known) > MAX_LAYOUTS:
-            self._known.popitem(last=False)
-
-    def refresh(self) -> None:
-        for e in self.registry.engines():
-            self.add(e)
+        self.formats: Formats = registry.formats
 
     def get(self, fingerprint: bytes) -> Layout | None:
-        self.refresh()
-        return self._known.get(fingerprint)
+        """The layout of ``fingerprint`` when that rank registered here; None otherwise."""
+        w = self.formats.world(fingerprint)
+        if w is None or w.rank_of(fingerprint) not in w.ranks:
+            return None
+        return Layout.of(w, fingerprint)
 
     def fingerprints(self) -> list[bytes]:
-        self.refresh()
-        return list(self._known)
+        """Every rank that registered, the least recently registered world first."""
+        return [w.fingerprints[r] for w in self.formats.worlds() for r in sorted(w.ranks)]

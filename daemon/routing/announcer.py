@@ -19,11 +19,14 @@ Role
     per rank: a tier holds it (and it is announced, once) only while it holds every rank's entry.
 
 Identity
-    A unit is (layout, group, chunk key); the layout is the rank-0 fingerprint of the engine
-    world (``World``). Engines of the same layout share entries, so they share announcements: a
-    chunk stored by one engine is announced once for all. Notes are kept per (layout, chunk key);
-    the first note of a chunk wins (the same tokens and extras give the same hashes under the same
-    hash settings, which every engine of a fleet and its indexer must share: docs/routing.md).
+    A unit is (layout, group, chunk key); the layout is the rank-0 fingerprint of the engine world.
+    A world's ranks come from the cache's record of engine formats (``Cache.formats``,
+    ``hkvd.daemon.cache.Formats``); the announcer keeps only how each world's events are named
+    (``World``), and holds a world in the record while it keeps notes of its chunks. Engines of the
+    same layout share entries, so they share announcements: a chunk stored by one engine is
+    announced once for all. Notes are kept per (layout, chunk key); the first note of a chunk wins
+    (the same tokens and extras give the same hashes under the same hash settings, which every
+    engine of a fleet and its indexer must share: docs/routing.md).
 
     Events name no tenant: a note never carries a ``cache_salt`` (the shim strips it from the extra
     keys), and a salted chunk is announced under the hashes vLLM computed with the salt only.
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hkvd.daemon.cache import Cache, Entry, EntryKey
+from hkvd.daemon.cache import Cache, Entry, EntryKey, Formats
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.kv_events import (
@@ -83,12 +86,9 @@ class GroupMeta:
 
 @dataclass(frozen=True, slots=True)
 class World:
-    """The ranks of one engine layout, and how its events are named."""
+    """How the events of one engine world are named (its ranks are the cache's record's)."""
 
-    fp0: bytes
-    fps: tuple[bytes, ...]
-    model: str
-    chunk_size: int
+    fp0: bytes  # the world's rank-0 fingerprint: the layout
     block_size: int
     groups: dict[int, GroupMeta]
     topic: bytes
@@ -104,8 +104,7 @@ def world_of(state: EngineState, topic_template: str) -> World:
         groups[gid] = GroupMeta(g.kind, kind, window, g.tokens_per_block)
     block = spec.block_size or min(g.tokens_per_block for g in state.groups.values())
     fps = state.rank_fingerprints or (state.fingerprint,)
-    return World(fps[0], fps, spec.model, state.chunk_size, block, groups,
-                 topic_template.replace("{model}", spec.model).encode())
+    return World(fps[0], block, groups, topic_template.replace("{model}", spec.model).encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +130,10 @@ class Announcer:
         self.topic = topic
         self.disk = disk
         self.max_cluster_units = max_cluster_units
-        self._worlds: dict[bytes, World] = {}  # every rank's fingerprint -> its world
+        self.formats: Formats = index.formats  # every rank's fingerprint -> its world
+        self._named: dict[bytes, World] = {}  # layout -> how its events are named
         self._notes: dict[tuple[bytes, bytes], BlockNote] = {}  # (layout, chunk key) -> note
+        self._noted: dict[bytes, int] = {}  # layout -> notes kept (the world is held in ``formats`` while > 0)
         self._announced: dict[EntryKey, frozenset[str]] = {}  # unit -> media announced
         self._counts: dict[str, int] = dict.fromkeys(MEDIA, 0)  # units announced, per medium
         self._cluster: collections.OrderedDict[EntryKey, None] = collections.OrderedDict()  # rank keys put
@@ -161,17 +162,24 @@ class Announcer:
         self.index.on_ready = self.index.on_drop = None
         self._announced.clear()
         self._notes.clear()
+        for fp0 in self._noted:
+            self.formats.release(fp0)
+        self._noted.clear()
         self._counts = dict.fromkeys(MEDIA, 0)
 
     def register(self, state: EngineState) -> None:
-        """An engine registered: know its layout (kept after it leaves, as its entries are)."""
+        """An engine registered: know how its world's events are named (kept after it leaves, as its
+        entries are). The registry records the world in ``formats``; an engine it did not register is
+        recorded here."""
         fps = state.rank_fingerprints or (state.fingerprint,)
-        if fps[0] in self._worlds:
+        if self.formats.world(fps[0]) is None:
+            self.formats.add(fps, fps.index(state.fingerprint), model=state.spec.model, chunk_size=state.chunk_size,
+                             rules=state.rules, kinds=state.kinds, entry_bytes=state.entry_bytes)
+        if fps[0] in self._named:
             return
         w = world_of(state, self.topic)
         self._open(w.topic)
-        for fp in fps:
-            self._worlds[fp] = w
+        self._named[fps[0]] = w
 
     # ---- notes from the engine -------------------------------------------------------------------
     def check(self, engine: EngineState, notes: list[BlockNote], items: Iterable[Item]) -> None:
@@ -184,14 +192,18 @@ class Announcer:
             if note.key not in keys:
                 raise OutOfRange(f"a note names chunk key {note.key.hex()[:12]}, which no item of the message "
                                  "stores")
-            check_against(note, w.chunk_size, w.block_size)
+            check_against(note, engine.chunk_size, w.block_size)
 
     def accept(self, engine: EngineState, notes: list[BlockNote]) -> list[bytes]:
         """Keep the notes of chunks that have none yet (call once their entries are written, before they
         turn READY); return every note's chunk key, for ``settle``."""
         w = self._world(engine)
         for note in notes:
-            self._notes.setdefault((w.fp0, note.key), note)
+            if (w.fp0, note.key) not in self._notes:
+                self._notes[(w.fp0, note.key)] = note
+                self._noted[w.fp0] = n = self._noted.get(w.fp0, 0) + 1
+                if n == 1:
+                    self.formats.hold(w.fp0)
         return [n.key for n in notes]
 
     def settle(self, engine: EngineState, keys: Iterable[bytes]) -> None:
@@ -208,22 +220,33 @@ class Announcer:
 
     def _world(self, engine: EngineState) -> World:
         fps = engine.rank_fingerprints or (engine.fingerprint,)
-        w = self._worlds.get(fps[0])
+        w = self._lookup(fps[0])
         if w is None:
             self.register(engine)
-            w = self._worlds[fps[0]]
+            w = self._named[fps[0]]
         return w
+
+    def _fps(self, w: World) -> tuple[bytes, ...]:
+        """Every rank's fingerprint of ``w`` (the record keeps a world while its notes are kept here)."""
+        fmt = self.formats.world(w.fp0)
+        assert fmt is not None, "a world with notes is held in the record"
+        return fmt.fingerprints
+
+    def _lookup(self, fp: bytes) -> World | None:
+        """The world of any rank's fingerprint, while the record knows it."""
+        fmt = self.formats.world(fp)
+        return self._named.get(fmt.fingerprints[0]) if fmt is not None else None
 
     # ---- changes in the index and the tiers -------------------------------------------------------
     def _on_ready(self, entry: Entry) -> None:
         fp, gid, ck = entry.key
-        w = self._worlds.get(fp)
+        w = self._lookup(fp)
         if w is not None and (w.fp0, ck) in self._notes:
             self._sync(w, gid, ck)
 
     def _on_drop(self, entry: Entry) -> None:
         fp, gid, ck = entry.key
-        w = self._worlds.get(fp)
+        w = self._lookup(fp)
         if w is not None and (w.fp0, ck) in self._notes:
             self._sync(w, gid, ck)
             self._forget_unheld(w, ck)
@@ -239,7 +262,7 @@ class Announcer:
                 else:
                     self._cluster.pop(key, None)
             fp, gid, ck = key
-            w = self._worlds.get(fp)
+            w = self._lookup(fp)
             if w is None or (w.fp0, ck) not in self._notes:
                 if medium == MEDIUM_CLUSTER:  # no note: nothing to announce there, nothing to remember
                     self._cluster.pop(key, None)
@@ -250,14 +273,14 @@ class Announcer:
         while len(self._cluster) > self.max_cluster_units:
             old, _ = self._cluster.popitem(last=False)
             fp, gid, ck = old
-            w = self._worlds.get(fp)
+            w = self._lookup(fp)
             if w is not None:
                 self._sync(w, gid, ck)
                 self._forget_unheld(w, ck)
 
     # ---- the core --------------------------------------------------------------------------------
     def _held(self, w: World, gid: int, ck: bytes) -> frozenset[str]:
-        keys = [(fp, gid, ck) for fp in w.fps]
+        keys = [(fp, gid, ck) for fp in self._fps(w)]
         media = []
         is_ready = self.index.is_ready
         if all(is_ready(k) for k in keys):
@@ -302,11 +325,15 @@ class Announcer:
         for gid in w.groups:
             if (w.fp0, gid, ck) in self._announced:
                 return
-            for fp in w.fps:
+            for fp in self._fps(w):
                 k = (fp, gid, ck)
                 if get(k) is not None or (disk is not None and disk(k)):
                     return
         del self._notes[(w.fp0, ck)]
+        self._noted[w.fp0] -= 1
+        if not self._noted[w.fp0]:
+            del self._noted[w.fp0]
+            self.formats.release(w.fp0)
 
     @staticmethod
     def _hashes(g: GroupMeta, note: BlockNote) -> list[ExternalHash]:
@@ -341,5 +368,5 @@ class Announcer:
 
     def statistics(self) -> AnnouncerStats:
         return AnnouncerStats(notes=len(self._notes), announced=dict(self._counts),
-                              layouts=len({w.fp0 for w in self._worlds.values()}), events=self.events.events,
+                              layouts=len(self._named), events=self.events.events,
                               batches=self.events.batches, next_seq=self.events.next_seq)

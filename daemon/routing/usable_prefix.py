@@ -8,8 +8,9 @@ Role
     (``hkvd.daemon.http``): ``POST /v1/usable_prefix`` and ``GET /v1/models`` (docs/routing.md).
 
 Formats
-    Index keys start with the engine layout's fingerprint, which a router cannot know. ``FormatBook``
-    keeps the layouts of the engines that registered here (up to ``MAX_FORMATS``, kept after they
+    Index keys start with the engine layout's fingerprint, which a router cannot know.
+    ``FormatBook`` shows the cache's record of engine formats (``hkvd.daemon.cache.Formats``: the
+    layouts of the engines that registered here, up to ``MAX_FORMATS`` worlds, kept after they
     leave), each under the model name its engine registered and a short public label (``format``:
     the chunk size and 8 hex digits of a hash of the fingerprint, which reveal no fingerprint bits).
     A request names the model (the registered name, or its last path component) and, where the model
@@ -67,7 +68,7 @@ from typing import Any
 
 import msgpack
 
-from hkvd.daemon.cache import EntryKey, GroupRule, plan_ranks
+from hkvd.daemon.cache import MAX_WORLDS, EntryKey, Formats, GroupRule, plan_ranks
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
@@ -78,7 +79,7 @@ log = logging.getLogger("hkvd.routing")
 
 MAX_TOKENS = 131072
 MAX_MM_ITEMS = 4096
-MAX_FORMATS = 64
+MAX_FORMATS = MAX_WORLDS  # worlds the routing view keeps (the record's bound)
 MAX_NAME = 4096  # characters of a model name, format, salt, adapter name or path, mm identifier
 SLICE_CHUNKS = 2048  # keys of a long prompt hashed per turn of the event loop
 ADAPTER_CACHE = 64
@@ -149,36 +150,48 @@ def format_label(chunk_size: int, fingerprint: bytes) -> str:
 
 
 class FormatBook:
-    """The formats of the engines registered here, kept (up to ``MAX_FORMATS``) after they leave."""
+    """The routing view of the cache's record of engine formats (``hkvd.daemon.cache.Formats``): each
+    world under its model name and label, kept (within the record's bound, ``MAX_FORMATS`` worlds)
+    after its engines leave."""
 
-    def __init__(self, max_formats: int = MAX_FORMATS) -> None:
-        self.max_formats = max_formats
-        self._known: collections.OrderedDict[tuple[bytes, ...], Format] = collections.OrderedDict()
+    def __init__(self, formats: Formats | None = None) -> None:
+        self.formats = formats if formats is not None else Formats()
+        self._known: dict[tuple[bytes, ...], Format] = {}  # the record's worlds with their labels
+        self._version = -1
 
     def add(self, engine: EngineState) -> None:
-        """Called at every registration (``KVService``): every rank of a world is one format."""
+        """Record a registration of ``engine`` (the registry does so for a daemon's engines)."""
         fps = engine.rank_fingerprints or (engine.fingerprint,)
-        fmt = self._known.get(fps)
-        if fmt is None:
-            fmt = Format(engine.spec.model, format_label(engine.chunk_size, fps[0]), engine.chunk_size,
-                         len(fps), fps, tuple(engine.rules), dict(engine.kinds), dict(engine.entry_bytes), 0.0)
-            self._known[fps] = fmt
-        fmt.registered = time.time()
-        self._known.move_to_end(fps)
-        while len(self._known) > self.max_formats:
-            self._known.popitem(last=False)
+        self.formats.add(fps, fps.index(engine.fingerprint), model=engine.spec.model,
+                         chunk_size=engine.chunk_size, rules=engine.rules, kinds=engine.kinds,
+                         entry_bytes=engine.entry_bytes)
+
+    def _views(self) -> dict[tuple[bytes, ...], Format]:
+        """The record's worlds as routers see them, labels made once per world."""
+        if self._version != self.formats.version:
+            known = {}
+            for w in self.formats.worlds():
+                fmt = self._known.get(w.fingerprints)
+                if fmt is None:
+                    fmt = Format(w.model, format_label(w.chunk_size, w.fingerprints[0]), w.chunk_size,
+                                 len(w.fingerprints), w.fingerprints, w.rules, w.kinds, w.entry_bytes, 0.0)
+                fmt.registered = w.registered
+                known[w.fingerprints] = fmt
+            self._known, self._version = known, self.formats.version
+        return self._known
 
     def __len__(self) -> int:
-        return len(self._known)
+        return len(self._views())
 
     def listing(self) -> list[dict[str, Any]]:
-        return [f.describe() for f in sorted(self._known.values(), key=lambda f: (f.model, f.label))]
+        return [f.describe() for f in sorted(self._views().values(), key=lambda f: (f.model, f.label))]
 
     def find(self, model: str, label: str | None) -> Format:
         """The format a request names; ``BadRequest`` (404 for an unknown model) naming what is known."""
-        found = [f for f in self._known.values() if f.model == model]
+        known = self._views().values()
+        found = [f for f in known if f.model == model]
         if not found:
-            found = [f for f in self._known.values() if PurePath(f.model).name == model]
+            found = [f for f in known if PurePath(f.model).name == model]
         if not found:
             raise BadRequest(f"no engine of model {model!r} registered with this daemon (or its format was "
                              "forgotten); GET /v1/models lists the models and formats it knows", 404)
