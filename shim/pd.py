@@ -7,7 +7,8 @@ Flow (one request, two engines, each with its own ``hkvd serve``; see examples/p
        usual; ``request_finished_all_groups`` returns ``producer_params``: the address of its
        daemon's peer listener (``hkvd serve --peer-listen``), the number of chunks, the key of the
        last one (it names the whole prefix: keys are chained), and a lease that holds the entries
-       on the prefill daemon until the decode side pulls them (or the lease expires).
+       on the prefill daemon until the decode side pulls them (or the lease expires); the
+       scheduler side's ``ProducerSide`` asks its daemon for the address and the lease.
     2. The proxy sends the same prompt to the decode engine with those params. Its scheduler side
        (``consumer_plan``) checks them against its own chunk keys, claims the chunks as an
        asynchronous external hit (the request waits in WAITING_FOR_REMOTE_KVS) and hands the
@@ -26,13 +27,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.jobs import LoadJob, PullSpec
+from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
-from hkvd.shim.results import Completion
+from hkvd.shim.results import Completion, LookupResult
 from hkvd.transport.wire.replies import PullResult
 
 logger = logging.getLogger("hkvd.shim")
@@ -44,11 +47,63 @@ CHUNKS = "hkvd_chunks"
 CHUNK_SIZE = "hkvd_chunk_size"
 LAST_KEY = "hkvd_last_key"
 LEASE = "hkvd_lease"
+PEER_ASK_INTERVAL_S = 30.0
+# request_finished may wait this long for the hold lease of a producer's prefix (a UDS round trip
+# is ~0.1 ms); past it the params carry no lease and the entries are held by recency only.
+PD_HOLD_WAIT_S = 0.05
 
 
 def producer_params(peer: str, keys: list[bytes], n: int, chunk_size: int, lease_id: int) -> dict[str, Any]:
     return {DO_REMOTE_PREFILL: True, PEER: peer, CHUNKS: n, CHUNK_SIZE: chunk_size, LAST_KEY: keys[n - 1].hex(),
             LEASE: int(lease_id)}
+
+
+class ProducerSide:
+    """The scheduler side of a producer: the params a finished request hands the decode engine."""
+
+    def __init__(self, link: DaemonLink, kv_role: str, peer_address: str,
+                 connect: Callable[[], DaemonClient | None]) -> None:
+        self._link, self._kv_role, self._connect = link, kv_role, connect
+        self._peer_address = peer_address  # this engine's daemon's peer listener
+        self._peer_asked_at = -1e9
+
+    def params(self, keys: list[bytes], n: int, chunk_size: int) -> dict[str, Any] | None:
+        """``producer_params`` for the first ``n`` chunks, with a hold lease on them; None without a peer address."""
+        peer = self._peer() if n > 0 else ""
+        if not peer:
+            return None
+        return producer_params(peer, keys, n, chunk_size, self._hold(keys[:n]))
+
+    def _peer(self) -> str:
+        """``peer_address``, else the daemon's advertised peer address (asked at most every 30 s)."""
+        if self._peer_address or time.monotonic() - self._peer_asked_at < PEER_ASK_INTERVAL_S:
+            return self._peer_address
+        self._peer_asked_at = time.monotonic()
+        client = self._connect()
+        try:
+            peer = (client.status().get("peer") or {}) if client is not None else {}
+        except Exception as e:
+            self._link.lost(e)
+            return ""
+        self._peer_address = str(peer.get("advertise") or "")
+        if not self._peer_address:
+            logger.error("hkvd: kv_role %s hands decode engines its daemon's peer address, but the daemon at %s "
+                         "serves no peers; start it with --peer-listen HOST:PORT (and --peer-token-file), or set "
+                         "kv_connector_extra_config peer_address", self._kv_role, self._link.cfg.socket_path)
+        return self._peer_address
+
+    def _hold(self, keys: list[bytes]) -> int:
+        """A lease on the prefix until the decode side pulls it (0 if none in ``PD_HOLD_WAIT_S``)."""
+        client = self._link.client
+        if client is None:
+            return 0
+        try:
+            rid = client.submit_lookup(keys, lease=True)
+            c = client.wait([rid], PD_HOLD_WAIT_S)[rid]
+        except Exception as e:  # a late reply is an unknown lookup to the scheduler's poll: its lease is released
+            logger.debug("hkvd: no hold lease for the decode side: %s", e)
+            return 0
+        return c.get(LookupResult).lease_id if c.ok else 0
 
 
 def wants_params(kv_role: str, request_params: dict[str, Any] | None) -> bool:

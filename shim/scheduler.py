@@ -76,10 +76,9 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hkvd.shim import pd
+from hkvd.shim import pd, plans
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
 from hkvd.shim.jobs import LoadJob, StoreJob
@@ -108,10 +107,6 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
 
 logger = logging.getLogger("hkvd.shim")
 
-PEER_ASK_INTERVAL_S = 30.0
-# request_finished may wait this long for the hold lease of a producer's prefix (a UDS round trip
-# is ~0.1 ms); past it the params carry no lease and the entries are held by recency only.
-PD_HOLD_WAIT_S = 0.05
 # Set to 1 (tests): a request state transition the table lacks raises instead of recomputing the request.
 STRICT_ENV = "HKVD_STRICT_STATES"
 
@@ -130,8 +125,7 @@ class SchedulerSide:
         )
         self.chunk_size = cfg.chunk_size
         self.kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
-        self._peer_address = cfg.peer_address  # a producer's daemon peer listener (pd)
-        self._peer_asked_at = -1e9
+        self._producer = pd.ProducerSide(self.link, self.kv_role, cfg.peer_address, self._client)
         # Every request vLLM announced and has not finished, each in its state (hkvd.shim.request_state).
         self._reqs: dict[str, RequestRecord] = {}
         self._by_lookup: dict[int, str] = {}  # the lookups in flight: client request id -> request
@@ -232,22 +226,6 @@ class SchedulerSide:
         if self.cfg.store_decode and st.request is not None:
             return max(st.num_tokens, int(st.request.num_tokens))
         return st.num_tokens
-
-    def _store_items(self, st: RequestRecord, table: Sequence[Sequence[int]], lo: int, hi: int) -> list[Item]:
-        """Store items for chunks [lo, hi) of every attention group, from block table ``table``."""
-        keys = self._keys_through(st, hi)
-        C = self.chunk_size
-        items: list[Item] = []
-        for i in range(lo, min(hi, len(keys))):
-            for g in self.groups:
-                if g.kind == "mamba":
-                    continue
-                bpe = C // g.block_size
-                ids = list(table[g.group_id][i * bpe:(i + 1) * bpe])
-                # Sliding-window blocks out of the window are already null: nothing to store.
-                if len(ids) == bpe and 0 not in ids:
-                    items.append(Item(g.group_id, i, keys[i], ids, _parent(keys, i)))
-        return items
 
     def _note_uncacheable(self, st: RequestRecord, exc: Uncacheable) -> None:
         st.uncacheable = exc.reason
@@ -397,34 +375,8 @@ class SchedulerSide:
             self._fire(st, Event.ALLOCATED)
             return
         n = st.hit_chunks
-        C = self.chunk_size
-        hit = n * C
-        local = hit - num_external_tokens
-        block_ids = blocks.get_block_ids()
-        keys = self._keys(st)
-        items: list[Item] = []
-        bad = False
-        # A chunk partly covered by the local hit is loaded whole: vLLM's local hit is
-        # block-aligned, not chunk-aligned, and an item names every block of its chunk. The
-        # overwritten local blocks receive the same prefix's bytes before any forward reads them.
-        first = local // C
-        for g in self.groups:
-            ids = block_ids[g.group_id]
-            if g.kind == "mamba":
-                idx = hit // g.block_size - 1
-                blk = ids[idx] if idx < len(ids) else 0
-                bad |= blk == 0
-                items.append(Item(g.group_id, n - 1, keys[n - 1], [blk]))
-                continue
-            bpe = C // g.block_size
-            lo = first
-            if g.kind == "swa":
-                lo = max(lo, max(0, hit - g.window_tokens) // C)
-            for i in range(lo, n):
-                chunk_ids = list(ids[i * bpe:(i + 1) * bpe])
-                if len(chunk_ids) != bpe or 0 in chunk_ids:
-                    bad = True
-                items.append(Item(g.group_id, i, keys[i], chunk_ids))
+        items, bad = plans.load_items(self.groups, self._keys(st), n, n * self.chunk_size - num_external_tokens,
+                                      blocks.get_block_ids(), self.chunk_size)
         all_blocks = sorted({b for it in items for b in it.block_ids if b})
         if bad:
             logger.warning("hkvd: load plan for %s names vLLM's null block (window starts mid-chunk?); "
@@ -477,7 +429,7 @@ class SchedulerSide:
             table = block_state.get_block_ids(req_id)
             if table is None:
                 continue
-            items = self._store_items(st, table, st.next_store_chunk, last)
+            items = plans.store_items(self.groups, self._keys_through(st, last), table, st.next_store_chunk, last, C)
             st.next_store_chunk = last
             if items:
                 meta.stores.append(StoreJob(req_id, items, self._notes_for(st, items)))
@@ -494,7 +446,7 @@ class SchedulerSide:
                 keys = self._keys_through(st, ci + 1)
                 if ci >= len(keys):
                     continue  # no key: past the prompt with store_decode off, or tokens not known
-                offer = Item(int(group_id), ci, keys[ci], [int(block_id)], _parent(keys, ci))
+                offer = Item(int(group_id), ci, keys[ci], [int(block_id)], plans.parent(keys, ci))
                 meta.offers.append((req_id, offer))
                 meta.offer_notes.extend(self._notes_for(st, [offer], skip={n.key for n in meta.offer_notes}))
                 st.had_copies = True
@@ -581,7 +533,7 @@ class SchedulerSide:
             self._release(st.lease_id)
         params = None
         if pd.wants_params(self.kv_role, getattr(request, "kv_transfer_params", None)):
-            params = self._producer_params(request.request_id, st)
+            params = self._producer_params(st)
         if st.loading:
             # Aborted while its load runs (vLLM schedules nothing else of a request that waits for
             # remote KV): vLLM frees its blocks when the worker reports the load, after the daemon's
@@ -612,7 +564,7 @@ class SchedulerSide:
         last = min(computed, self._known_tokens(st)) // C
         if last <= st.next_store_chunk:
             return
-        items = self._store_items(st, block_ids, st.next_store_chunk, last)
+        items = plans.store_items(self.groups, self._keys_through(st, last), block_ids, st.next_store_chunk, last, C)
         st.next_store_chunk = last
         if items:
             self._finish_stores.append(StoreJob(request.request_id, items, self._notes_for(st, items)))
@@ -635,45 +587,10 @@ class SchedulerSide:
         st.lease_id, st.pull = 0, plan[1]
         self._answer(st, plan[0])
 
-    def _producer_params(self, req_id: str, st: RequestRecord) -> dict[str, Any] | None:
+    def _producer_params(self, st: RequestRecord) -> dict[str, Any] | None:
         C = self.chunk_size
         keys = self._keys(st)
-        n = min(len(keys), (st.num_tokens - 1) // C) if C else 0
-        peer = self._peer() if n > 0 else ""
-        if not peer:
-            return None
-        return pd.producer_params(peer, keys, n, C, self._hold(keys[:n]))
-
-    def _peer(self) -> str:
-        """``peer_address``, else the daemon's advertised peer address (asked at most every 30 s)."""
-        if self._peer_address or time.monotonic() - self._peer_asked_at < PEER_ASK_INTERVAL_S:
-            return self._peer_address
-        self._peer_asked_at = time.monotonic()
-        client = self._client()
-        try:
-            peer = (client.status().get("peer") or {}) if client is not None else {}
-        except Exception as e:
-            self.link.lost(e)
-            return ""
-        self._peer_address = str(peer.get("advertise") or "")
-        if not self._peer_address:
-            logger.error("hkvd: kv_role %s hands decode engines its daemon's peer address, but the daemon at %s "
-                         "serves no peers; start it with --peer-listen HOST:PORT (and --peer-token-file), or set "
-                         "kv_connector_extra_config peer_address", self.kv_role, self.cfg.socket_path)
-        return self._peer_address
-
-    def _hold(self, keys: list[bytes]) -> int:
-        """A lease on the prefix until the decode side pulls it (0 if none in ``PD_HOLD_WAIT_S``)."""
-        client = self.link.client
-        if client is None:
-            return 0
-        try:
-            rid = client.submit_lookup(keys, lease=True)
-            c = client.wait([rid], PD_HOLD_WAIT_S)[rid]
-        except Exception as e:  # a late reply is an unknown lookup to _pump: its lease is released
-            logger.debug("hkvd: no hold lease for the decode side: %s", e)
-            return 0
-        return c.get(LookupResult).lease_id if c.ok else 0
+        return self._producer.params(keys, min(len(keys), (st.num_tokens - 1) // C) if C else 0, C)
 
     # ---- KV events (docs/routing.md) ------------------------------------------------------------
     def _wants_notes(self) -> bool:
@@ -716,7 +633,3 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self.link.close()
 
-
-def _parent(keys: list[bytes], i: int) -> bytes:
-    """The parent key the daemon's chain tracker uses (chunk 0 has none)."""
-    return keys[i - 1] if i else b""

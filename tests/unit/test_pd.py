@@ -16,7 +16,7 @@ import pytest
 from hkvd.shim import pd
 from hkvd.shim.jobs import PullSpec
 from hkvd.shim.loads import Loads
-from hkvd.shim.results import Completion
+from hkvd.shim.results import Completion, LookupResult
 from hkvd.transport.errors import Aborted, DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.replies import PullResult, RetrieveResult
@@ -40,6 +40,51 @@ def test_params_round_trip_and_checks() -> None:
     assert pd.consumer_plan(None, KEYS, 7, 128) is None
     assert pd.wants_params("kv_producer", None) and not pd.wants_params("kv_consumer", {"do_remote_decode": True})
     assert pd.wants_params("kv_both", {"do_remote_decode": True}) and not pd.wants_params("kv_both", {})
+
+
+class ProducerClient:
+    """What a producer's scheduler asks its daemon: its advertised peer address, and a hold lease."""
+
+    def __init__(self, advertise: str) -> None:
+        self.advertise, self.statuses = advertise, 0
+        self.lookups: list[list[bytes]] = []
+
+    def status(self) -> dict[str, Any]:
+        self.statuses += 1
+        return {"peer": {"advertise": self.advertise}}
+
+    def submit_lookup(self, keys: list[bytes], lease: bool = True) -> int:
+        self.lookups.append(list(keys))
+        return len(self.lookups)
+
+    def wait(self, req_ids: list[int], timeout_s: float) -> dict[int, Completion]:
+        return {rid: Completion(rid, True, LookupResult(len(self.lookups[rid - 1]), 33, 30.0), None)
+                for rid in req_ids}
+
+
+def _producer(client: ProducerClient, peer_address: str = "") -> pd.ProducerSide:
+    link = SimpleNamespace(client=client, cfg=SimpleNamespace(socket_path="/run/hkvd.sock"), lost=lambda e: None)
+    return pd.ProducerSide(link, "kv_producer", peer_address, lambda: client)  # type: ignore[arg-type]
+
+
+def test_a_producer_hands_out_its_daemons_peer_address_and_a_hold_lease_on_the_prefix() -> None:
+    client = ProducerClient("10.0.0.5:7470")
+    side = _producer(client)
+    assert side.params(KEYS, 0, 128) is None and client.statuses == 0  # nothing to hand: nothing asked
+    assert side.params(KEYS, 3, 128) == pd.producer_params("10.0.0.5:7470", KEYS, 3, 128, 33)
+    assert client.lookups == [KEYS[:3]]  # the lease holds the three chunks until the decode side pulls
+    side.params(KEYS, 3, 128)
+    assert client.statuses == 1  # the address is kept
+    assert _producer(client, "192.0.2.1:7000").params(KEYS, 2, 128)[pd.PEER] == "192.0.2.1:7000"  # type: ignore[index]
+
+
+def test_a_producer_whose_daemon_serves_no_peers_hands_out_nothing_and_asks_again_later(
+        caplog: pytest.LogCaptureFixture) -> None:
+    client = ProducerClient("")
+    side = _producer(client)
+    assert side.params(KEYS, 3, 128) is None and side.params(KEYS, 3, 128) is None
+    assert client.statuses == 1 and client.lookups == []  # asked at most every PEER_ASK_INTERVAL_S
+    assert "--peer-listen" in caplog.text
 
 
 class ScriptedClient:
