@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import grp
 import itertools
 import logging
@@ -358,7 +357,11 @@ class _Link(asyncio.Protocol):
         fd = process.pidfd
         loop.add_reader(fd, self._process_exited)
         assert self.conn is not None
-        self.conn.unwatch = functools.partial(loop.remove_reader, fd)
+
+        def unwatch() -> None:
+            loop.remove_reader(fd)
+
+        self.conn.unwatch = unwatch
 
     def _process_exited(self) -> None:
         conn = self.conn

@@ -304,7 +304,7 @@ class Index:
         slot = allocator.plan(nbytes)[0]
         noted: dict[int, _Noted] = {}  # superblock -> evictable entries seen holding slots in it
         for key in self.policy.candidates():
-            e = self._entries.get(key)
+            e = self._entries.get(key)  # type: ignore[call-overload]  # the policy holds the index's keys
             if e is None or not self._evictable(e):
                 continue
             if e.alloc.slot_bytes == slot:

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from hkvd.daemon.engines.client_process import ClientProcess, PinnedMemory
-from hkvd.transport.copy_engine import Attachment, CopyEngine, Direction, Region, Segment
+from hkvd.transport.copy_engine import Attachment, CopyEngine, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, RegistrationError
 
 IOV_MAX = 1024  # Linux UIO_MAXIOV: more iovecs per call is EINVAL
@@ -136,11 +136,11 @@ class HostCopyEngine(CopyEngine):
         self._splitter: ThreadPoolExecutor | None = None  # made on the first split copy
         self._splitter_lock = threading.Lock()
 
-    def attach(self, pid: int | ClientProcess, regions: list[Region]) -> Attachment:
+    def attach(self, pid: int | EngineProcess, regions: list[Region]) -> Attachment:
         """Pin the process (a bare pid is pinned as it is now) and prove access to every region."""
         if isinstance(pid, ClientProcess):
             return self._attach(pid, regions, {})
-        process = ClientProcess.open(pid)
+        process = ClientProcess.open(pid if isinstance(pid, int) else pid.pid)
         try:
             return self._attach(process, regions, {"owned": process})
         except BaseException:

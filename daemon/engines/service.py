@@ -357,7 +357,7 @@ class KVService:
             for e in entries:
                 if e.state is EntryState.READY and tier.offer(
                         e.key, e.kind, e.nbytes, e.parent, e.alloc.extents,
-                        lambda e=e: self.index.unpin(e)):
+                        functools.partial(self.index.unpin, e)):
                     self.index.pin(e)
 
     def _by_kind(self, name: str) -> dict[str, float]:
@@ -682,7 +682,8 @@ class KVService:
             # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
             await asyncio.wait([fut])
             err = KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:g} s")
-            held = None if fut.cancelled() or fut.exception() is None else PagesInUse.of(fut.exception())
+            failure = None if fut.cancelled() else fut.exception()
+            held = None if failure is None else PagesInUse.of(failure)
             if held is not None:  # the GPU may still run it: the caller keeps its pages (_release_after_copy)
                 err.pages_in_use = held  # type: ignore[attr-defined]
             raise err from None

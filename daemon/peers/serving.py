@@ -397,6 +397,7 @@ class PeerServer:
 
     async def _serve(self, stream: FrameStream, session: _Session) -> None:
         errors = 0
+        bad: KVError | None
         while True:
             try:
                 msg = await stream.recv(3600.0)  # idle links stay open; each request is bounded below
@@ -410,8 +411,8 @@ class PeerServer:
                 bad = None
             req_id = getattr(msg, "req_id", 0)
             try:
-                if bad is not None:
-                    raise bad
+                if bad is not None or msg is None:
+                    raise bad or ProtocolViolation("no message")
                 reply = await self._handle(session, msg)
             except KVError as e:
                 errors += 1

@@ -132,7 +132,7 @@ class EngineSpec:
                 if total_pieces > MAX_TOTAL_PIECES:
                     raise ProtocolViolation(f"{w}: at most {MAX_TOTAL_PIECES} view pieces in all groups together; "
                                             "register a KV-cache layout that keeps pages whole")
-                views.append(View(*v[:6], pieces=pieces))
+                views.append(View(v[0], v[1], v[2], v[3], v[4], v[5], pieces=pieces))
             groups.append(GroupSpec(
                 group_id=_get(g, "group_id", int, gw), kind=_get(g, "kind", str, gw),
                 tokens_per_block=_get(g, "tokens_per_block", int, gw),
