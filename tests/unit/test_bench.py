@@ -30,7 +30,6 @@ KIB = 1024
 
 
 @pytest.mark.out_of_process
-@pytest.mark.out_of_process
 def test_store_retrieve_rows_move_every_byte() -> None:
     page, batches = 64 * KIB, [1, 4]
     store_retrieve._allow_any_ptracer()
@@ -156,7 +155,6 @@ def test_cma_helper_reads_walk_fresh_pool_and_writes_read_the_last_read() -> Non
 
 
 @pytest.mark.out_of_process
-@pytest.mark.out_of_process
 def test_store_retrieve_run_sizes_a_helper_per_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
     # Small pages store little: the helper's pool still has to be a valid pool (>= one 2 MiB superblock).
     monkeypatch.setitem(store_retrieve.QUICK, "pages", [64 * KIB, 128 * KIB])
@@ -181,7 +179,6 @@ print(json.dumps({"rows": rows, "frozen": gc.get_freeze_count(), "callbacks_kept
 """
 
 
-@pytest.mark.out_of_process
 @pytest.mark.out_of_process
 def test_scale_gc_pauses_compares_both_collectors_and_leaves_none_frozen() -> None:
     import json

@@ -22,8 +22,6 @@ from hkvd.transport.errors import CopyFailedError, RegistrationError
 
 pytestmark = pytest.mark.out_of_process  # a real child process to copy to and from
 
-pytestmark = pytest.mark.out_of_process  # a real child process to copy to and from
-
 MIB = 1 << 20
 REGION_SIZES = (256 * 1024, 96 * 1024 + 13)  # an odd size checks the last-byte probe
 

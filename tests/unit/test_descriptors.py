@@ -45,7 +45,6 @@ def target():
 
 
 @pytest.mark.out_of_process
-@pytest.mark.out_of_process
 def test_pinning_without_a_free_descriptor_is_resource_exhausted(target: int) -> None:
     out = subprocess.run([sys.executable, "-c", CHILD, str(target)], capture_output=True, text=True, timeout=60,
                          check=True).stdout

@@ -145,7 +145,6 @@ def test_backing_reads_plain_pages_from_smaps() -> None:
 
 
 @pytest.mark.out_of_process  # binding finds libnuma through ctypes.util.find_library, which runs ldconfig
-@pytest.mark.out_of_process  # binding finds libnuma through ctypes.util.find_library, which runs ldconfig
 def test_numa_bind_to_node_zero_and_refuse_a_node_without_memory() -> None:
     nodes = backing.memory_nodes()
     with HugePagePool(8 * MIB, "off", superblock_bytes=2 * MIB, faulted_only=True, numa_node=nodes[0]) as p:
