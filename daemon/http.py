@@ -12,9 +12,10 @@ Role
     (``hkvd.daemon.routing``), asked once per routed request.
 
     Keep-alive and pipelining: a connection answers its requests one at a time, in order; what one
-    read brings is parsed at once, and reading pauses while a handler's answer is awaited. The answers
-    to one read go out in one write. HTTP/1.0 clients get one answer per connection, in HTTP/1.0;
-    ``Expect: 100-continue`` gets its interim answer in turn. An HTTP/1.1 request must carry ``Host``
+    read brings is parsed at once, and reading pauses while a handler's answer is awaited. Answers go
+    out together, in writes of up to about ``WRITE_BATCH_BYTES``; while the client takes none
+    (``pause_writing``) no more are worked out. HTTP/1.0 clients get one answer per connection, in
+    HTTP/1.0; ``Expect: 100-continue`` gets its interim answer in turn. An HTTP/1.1 request must carry ``Host``
     (RFC 9112; every HTTP client sends it), else it is a 400.
     Bounds (module constants): request head, body size (``Content-Length`` only, no chunked bodies),
     open connections, read and idle timeouts; reading pauses while an answer is worked out or the
@@ -28,8 +29,9 @@ Why httptools
     Routers ask this endpoint on every request they route, so its cost per request is the floor under
     their lookups. Measured on a 2-vCPU x86_64 VM shared with other work (2026-11-27; pipelined
     ``GET /healthz``, 4 keep-alive connections x 16 in flight, client in another process, server on
-    uvloop): httptools 109,000-117,000 answers/s at 5.5-6.3 us of server CPU per answer; h11 (pure
-    Python) 6,900-8,500 answers/s at 99-131 us (its parse and serialization alone took about 88 us
+    uvloop; 8-11 alternating runs each): httptools 95,000-164,000 answers/s at 5.5-10.5 us of server
+    CPU per answer, on par with a minimal hand-written parser (99,000-146,000, 5.5-9.5 us); h11 (pure
+    Python) 6,900-10,200 answers/s at 97-144 us (its parse and serialization alone took about 88 us
     per request there). aiohttp would bring its own server and request machinery, several packages
     and other answers to the bounds (a 400 for an oversized head, chunked bodies taken). With
     httptools the wire parsing is the library's (C, also uvicorn's parser); the loop, the bounds, the
@@ -66,6 +68,7 @@ IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with no request is closed after
 MAX_REQUEST_BYTES = 8192  # request line and headers
 MAX_BODY_BYTES = 4 << 20  # a POST body (hkvd.daemon.routing takes up to 131072 token ids)
 MAX_CONNECTIONS = 256  # open connections; more are refused at accept
+WRITE_BATCH_BYTES = 1 << 16  # answers to pipelined requests are written together up to about this
 HOST = "127.0.0.1"
 
 
@@ -285,7 +288,7 @@ class _HTTPConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        self._update_reading()
+        self._drive([])  # answers held back while the client took none
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -382,13 +385,22 @@ class _HTTPConnection(asyncio.Protocol):
 
     # ---- answering ---------------------------------------------------------------------------------------
     def _drive(self, out: list[bytes]) -> None:
-        """Answer what is ready, in order, until a handler awaits; write the answers at once."""
-        while self.ready and self.pending is None:
+        """Answer what is ready, in order, until a handler awaits or the client stops taking answers
+        (``pause_writing``); answers go out together, in writes of about ``WRITE_BATCH_BYTES``."""
+        t = self.transport
+        size = sum(map(len, out))
+        while self.ready and self.pending is None and not self.write_paused and t is not None:
+            if size >= WRITE_BATCH_BYTES:
+                t.write(b"".join(out))  # may pause writing: what is left waits for resume_writing
+                out.clear()
+                size = 0
+                continue
             item = self.ready.popleft()
             if isinstance(item, bytes):
                 out.append(item)
+                size += len(item)
             elif isinstance(item, _Refusal):
-                _emit(out, text(item.status, item.message), "HTTP/1.0", close=True, head_only=False)
+                size += _emit(out, text(item.status, item.message), "HTTP/1.0", close=True, head_only=False)
             else:
                 req, close = item
                 fut: asyncio.Future[Response] | None = None
@@ -401,12 +413,11 @@ class _HTTPConnection(asyncio.Protocol):
                     got, fut = text(500, "internal error"), None
                 if fut is None:
                     assert isinstance(got, Response)
-                    _emit(out, got, req.version, close=close, head_only=req.method == "HEAD")
+                    size += _emit(out, got, req.version, close=close, head_only=req.method == "HEAD")
                 else:
                     self.pending = fut
                     fut.add_done_callback(functools.partial(self._answered, req=req, close=close))
-        t = self.transport
-        if t is None:
+        if t is None or t is not self.transport:
             return
         if out:
             t.write(b"".join(out))
@@ -468,10 +479,13 @@ class _HTTPConnection(asyncio.Protocol):
             self.transport.close()
 
 
-def _emit(out: list[bytes], resp: Response, version: str, *, close: bool, head_only: bool) -> None:
-    """``resp``'s status line, headers and (unless answering HEAD) body onto ``out``."""
-    out.append(f"{version} {resp.status} {REASONS.get(resp.status, 'Unknown')}\r\nContent-Type: {resp.content_type}"
-               f"\r\nContent-Length: {len(resp.body)}\r\nConnection: {'close' if close else 'keep-alive'}\r\n\r\n"
-               .encode("latin-1"))
-    if not head_only:
-        out.append(resp.body)
+def _emit(out: list[bytes], resp: Response, version: str, *, close: bool, head_only: bool) -> int:
+    """``resp``'s status line, headers and (unless answering HEAD) body onto ``out``; how many bytes."""
+    head = (f"{version} {resp.status} {REASONS.get(resp.status, 'Unknown')}\r\nContent-Type: {resp.content_type}"
+            f"\r\nContent-Length: {len(resp.body)}\r\nConnection: {'close' if close else 'keep-alive'}\r\n\r\n"
+            ).encode("latin-1")
+    out.append(head)
+    if head_only:
+        return len(head)
+    out.append(resp.body)
+    return len(head) + len(resp.body)

@@ -162,3 +162,34 @@ async def test_connections_over_the_bound_are_refused_and_a_stalled_request_time
             w.close()
     finally:
         await ep.close()
+
+
+async def test_answers_wait_while_the_client_takes_none_then_all_come_in_order(monkeypatch):
+    paused = asyncio.Event()
+    pause_writing = http._HTTPConnection.pause_writing
+
+    def observed(self: http._HTTPConnection) -> None:
+        pause_writing(self)
+        paused.set()
+
+    monkeypatch.setattr(http._HTTPConnection, "pause_writing", observed)
+    ep = HTTPEndpoint(0, lambda: (True, "ok"), lambda: b"m 1\n")
+    big = 1 << 20
+    ep.route("GET", "/big", lambda req: Response(200, "text/plain", req.query.encode().ljust(big, b".")))
+    await ep.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", ep.port)
+        w.write(b"".join(b"GET /big?%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(64)))  # 64 MiB of answers
+        async with asyncio.timeout(10):  # the client reads nothing: the server stops writing, and reading
+            await paused.wait()
+        (conn,) = ep.connections
+        assert conn.read_paused and conn.transport is not None
+        assert conn.transport.get_write_buffer_size() < 8 * big
+        assert len(conn.ready) > 32  # the rest are answered once the client takes these
+        async with asyncio.timeout(30):
+            got = [await _answer(r) for _ in range(64)]
+        assert [b[:3].rstrip(b".") for _, _, b in got] == [str(i).encode() for i in range(64)]
+        assert all(len(b) == big for _, _, b in got)
+        w.close()
+    finally:
+        await ep.close()
