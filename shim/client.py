@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from hkvd.shim.results import Completion, KVEventsResult, LookupResult, RegisterAck, Result
+from hkvd.shim.results import Completion, Result
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import (
     DaemonUnavailable,
@@ -110,12 +110,12 @@ class DaemonClient:
         self.close()
 
     # ---- blocking control calls (registration time, tools) -------------------------------------
-    def register(self, spec: EngineSpec) -> RegisterAck:
+    def register(self, spec: EngineSpec) -> control.RegisterAck:
         req = self._submit(lambda r: control.Register(r, spec.to_wire()))
         c = self.wait([req], self.timeout_s)[req]
         if c.error is not None:
             raise c.error
-        return c.get(RegisterAck)
+        return c.get(control.RegisterAck)
 
     def status(self) -> dict[str, Any]:
         req = self._submit(lambda r: control.Status(r))
@@ -329,10 +329,8 @@ class DaemonClient:
         match msg:
             case kv.Done():
                 self._done_result(msg)
-            case kv.LookupReply():
-                self._complete(msg.req_id, LookupResult(msg.hit_chunks, msg.lease_id, msg.lease_ttl_s))
-            case events.KVEvents():
-                self._complete(msg.req_id, KVEventsResult(msg.next, msg.lost, list(msg.batches)))
+            case kv.LookupReply() | events.KVEvents() | control.RegisterAck():
+                self._complete(msg.req_id, msg)  # the reply message is the result (hkvd.shim.results)
             case kv.Error() if msg.req_id in self._outstanding:
                 self._complete(msg.req_id, None, error_from_wire(msg.code, msg.message))
             case kv.Error():
@@ -340,9 +338,6 @@ class DaemonClient:
                 self._lost(f"hkvd reported: {error_from_wire(msg.code, msg.message)}")
             case kv.AbortAck():
                 pass
-            case control.RegisterAck():
-                self._complete(msg.req_id, RegisterAck(msg.engine_id, msg.fingerprint, msg.chunk_size,
-                                                       msg.kv_events, msg.lease_watch))
             case control.StatusReply():
                 self._complete(msg.req_id, msg.status)
             case control.Pong():

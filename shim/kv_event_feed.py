@@ -34,7 +34,8 @@ import time
 from typing import Any
 
 from hkvd.shim.client import DaemonClient
-from hkvd.shim.results import Completion, KVEventsResult
+from hkvd.shim.results import Completion
+from hkvd.transport.wire.events import KVEvents
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -80,7 +81,7 @@ class EventFeed:
             self.stats["errors"] += 1
             logger.debug("hkvd: KV events poll failed: %s", c.error)
             return True
-        res = c.get(KVEventsResult)
+        res = c.get(KVEvents)
         if res.lost:
             self.stats["lost"] += res.lost
             logger.warning("hkvd: %d KV event batches were gone from the daemon's buffer before this engine read "

@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable
 
 from hkvd.shim.client import DaemonClient
-from hkvd.shim.results import RegisterAck
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.errors import KVError, RegistrationError
-from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.control import EngineSpec, RegisterAck
 
 logger = logging.getLogger("hkvd.shim")
 

@@ -35,7 +35,8 @@ from hkvd.shim.client import DaemonClient
 from hkvd.shim.jobs import LoadJob, PullSpec
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
-from hkvd.shim.results import Completion, LookupResult
+from hkvd.shim.results import Completion
+from hkvd.transport.wire.kv import LookupReply
 from hkvd.transport.wire.replies import PullResult
 
 logger = logging.getLogger("hkvd.shim")
@@ -103,7 +104,7 @@ class ProducerSide:
         except Exception as e:  # a late reply is an unknown lookup to the scheduler's poll: its lease is released
             logger.debug("hkvd: no hold lease for the decode side: %s", e)
             return 0
-        return c.get(LookupResult).lease_id if c.ok else 0
+        return c.get(LookupReply).lease_id if c.ok else 0
 
 
 def wants_params(kv_role: str, request_params: dict[str, Any] | None) -> bool:

@@ -87,14 +87,13 @@ from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.request_state import Event, InvalidTransition, LoadReports, RequestRecord
-from hkvd.shim.results import LookupResult
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
 from hkvd.transport.errors import DaemonUnavailable
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
-from hkvd.transport.wire.kv import Item
+from hkvd.transport.wire.kv import Item, LookupReply
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
@@ -261,11 +260,11 @@ class SchedulerSide:
             req_id = self._by_lookup.pop(c.req_id, None)
             st = self._reqs.get(req_id) if req_id is not None else None
             if st is None:
-                if c.ok and c.get(LookupResult).lease_id:
-                    self._release(c.get(LookupResult).lease_id)
+                if c.ok and c.get(LookupReply).lease_id:
+                    self._release(c.get(LookupReply).lease_id)
                 continue
             if c.ok:
-                found = c.get(LookupResult)
+                found = c.get(LookupReply)
                 st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
                 self._fire(st, Event.ANSWERED)
             else:

@@ -26,13 +26,13 @@ import numpy as np
 
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.ptrace import allow_ptracer
-from hkvd.shim.results import Completion, LookupResult
+from hkvd.shim.results import Completion
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.kv import Item
+from hkvd.transport.wire.kv import Item, LookupReply
 from hkvd.transport.wire.replies import StoreResult
 
 
@@ -137,7 +137,7 @@ class SyntheticEngine:
 
     def lookup(self, keys: Sequence[bytes], lease: bool = True) -> tuple[int, int]:
         c = self.run(self.client.submit_lookup(keys, lease))
-        found = c.get(LookupResult)
+        found = c.get(LookupReply)
         return found.hit_chunks, found.lease_id
 
     def close(self) -> None:

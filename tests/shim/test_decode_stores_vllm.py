@@ -246,8 +246,8 @@ def test_preempted_in_decode_serves_only_what_it_computed(h, tiny_models, daemon
     """Two requests decode until vLLM's 64 blocks run out and it preempts one mid-decode: the blocks it
     held go to the other at once. Chunks stored before the preemption stay served; every byte served
     for the preempted request's prefix, before and after it resumed, is what it computed there."""
-    from hkvd.shim.results import LookupResult
     from hkvd.transport.keys import chunk_keys
+    from hkvd.transport.wire.kv import LookupReply
 
     d = daemon_factory(chunk_size=16)
     run = _runner(h, tiny_models["gemma3"], d.socket, mode)
@@ -266,7 +266,7 @@ def test_preempted_in_decode_serves_only_what_it_computed(h, tiny_models, daemon
     client = run.sched.connector._sched.link.client
     keys = chunk_keys(truth_at_preemption, 16)
     rid = client.submit_lookup(keys, lease=False)
-    before = client.wait([rid], 5.0)[rid].get(LookupResult).hit_chunks
+    before = client.wait([rid], 5.0)[rid].get(LookupReply).hit_chunks
     # Every chunk it completed before the preemption (async: but the one whose last token was in flight).
     assert before >= (len(truth_at_preemption) - 2) // 16 - (mode == "async"), (before, len(truth_at_preemption))
     run.run()

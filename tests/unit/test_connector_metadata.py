@@ -32,12 +32,13 @@ from vllm.v1.request import Request
 from hkvd.shim.jobs import LoadJob, PullSpec, StoreJob, item_blocks
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.request_state import InvalidTransition, State
-from hkvd.shim.results import Completion, LookupResult, RegisterAck
+from hkvd.shim.results import Completion
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.worker import WorkerSide
 from hkvd.transport.errors import NotFound
-from hkvd.transport.wire.kv import Item
+from hkvd.transport.wire.control import RegisterAck
+from hkvd.transport.wire.kv import Item, LookupReply
 
 pytestmark = pytest.mark.vllm
 
@@ -67,7 +68,7 @@ class ScriptedClient:
 
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
         rid = self._id("lookup", list(keys))
-        self.done.append(Completion(rid, True, LookupResult(min(self.hit, len(keys)), self.lease_id, 30.0), None))
+        self.done.append(Completion(rid, True, LookupReply(rid, min(self.hit, len(keys)), self.lease_id, 30.0), None))
         return rid
 
     def submit_retrieve(self, items: Sequence[Item], lease_id: int = 0) -> int:
@@ -130,7 +131,7 @@ def sched() -> SchedulerSide:
 
 
 def connect(side: SchedulerSide, client: ScriptedClient) -> None:
-    side.link.client, side.link.ack = client, RegisterAck(1, b"f" * 16, CHUNK, 0)
+    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, CHUNK, 0)
     side.link.generation += 1
 
 

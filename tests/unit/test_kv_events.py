@@ -36,11 +36,12 @@ from hkvd.daemon.routing.kv_events import (
 from hkvd.daemon.routing.zmq_publisher import END_SEQ, ZmqPublisher
 from hkvd.shim.kv_event_feed import EventFeed
 from hkvd.shim.kv_event_notes import NoteMaker
-from hkvd.shim.results import Completion, KVEventsResult
+from hkvd.shim.results import Completion
 from hkvd.transport.errors import OutOfRange
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.events import KVEvents
 from hkvd.transport.wire.kv import Item
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -384,7 +385,7 @@ def test_the_feed_hands_vllm_the_events_and_withdraws_a_gone_daemons() -> None:
     feed.maybe_poll(first)  # one poll in flight at most
     assert first.polls == [0]
     assert not feed.on_completion(Completion(99, True, None, None))  # not the feed's
-    assert feed.on_completion(Completion(1, True, KVEventsResult(7, 0, [batch.payload]), None))
+    assert feed.on_completion(Completion(1, True, KVEvents(1, 7, 0, [batch.payload]), None))
     got = feed.take()
     assert [type(e) for e in got] == [kv_events.BlockStored, kv_events.BlockRemoved]
     feed.maybe_poll(first)

@@ -16,9 +16,10 @@ import pytest
 from hkvd.shim import pd
 from hkvd.shim.jobs import PullSpec
 from hkvd.shim.loads import Loads
-from hkvd.shim.results import Completion, LookupResult
+from hkvd.shim.results import Completion
 from hkvd.transport.errors import Aborted, DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
+from hkvd.transport.wire.kv import LookupReply
 from hkvd.transport.wire.replies import PullResult, RetrieveResult
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
@@ -58,7 +59,7 @@ class ProducerClient:
         return len(self.lookups)
 
     def wait(self, req_ids: list[int], timeout_s: float) -> dict[int, Completion]:
-        return {rid: Completion(rid, True, LookupResult(len(self.lookups[rid - 1]), 33, 30.0), None)
+        return {rid: Completion(rid, True, LookupReply(rid, len(self.lookups[rid - 1]), 33, 30.0), None)
                 for rid in req_ids}
 
 

@@ -4,6 +4,7 @@ before (protocol 2), every reply survives a Done frame, and the reader rejects a
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any
 
 import msgpack
@@ -169,3 +170,54 @@ def test_extra_keys_are_ignored_and_an_int_is_taken_as_a_float():
 def test_a_reply_missing_or_mistyping_a_field_is_a_protocol_violation(cls, info, match):
     with pytest.raises(ProtocolViolation, match=match):
         cls.from_done(0, info)
+
+
+# ---- the one codec: a reply declared with its fields needs no code of its own -----------------------------------
+@pytest.fixture
+def forget_probes():
+    """The test's Reply subclasses gone once it ends (Reply.__subclasses__ must list only the real ones)."""
+    yield
+    gc.collect()
+
+
+def test_a_reply_declared_by_its_fields_alone_round_trips_with_its_groups(forget_probes):
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Probe(Reply):
+        what = "probe"
+        WIRE = (("b", "c"), ("a",))
+        nbytes: int
+        a: str
+        b: int = 0
+        c: float = 0.0
+
+    assert Probe(1, "x").to_done(2) == kv.Done(2, 1, {"a": "x"})  # the group at its defaults is left out whole
+    assert list(Probe(1, "x", 0, 0.5).to_info().items()) == [("b", 0), ("c", 0.5), ("a", "x")]  # WIRE's order
+    for reply in (Probe(1, "x"), Probe(3, "y", 4, 0.25)):
+        done = _through_the_wire(reply.to_done(6))
+        assert Probe.from_done(done.nbytes, done.info) == reply
+    with pytest.raises(ProtocolViolation, match="reply to a probe: 'b' is str, not int"):
+        Probe.from_done(0, {"a": "x", "b": "1"})
+    with pytest.raises(ProtocolViolation, match="reply to a probe lacks 'a'"):
+        Probe.from_done(0, {"b": 1})
+
+
+def test_a_reply_declared_with_a_field_the_codec_cannot_carry_is_refused(forget_probes):
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Listy(Reply):
+        what = "listy"
+        nbytes: int
+        keys: list[bytes]
+
+    with pytest.raises(TypeError, match=r"Listy\.keys: a reply field is one of"):
+        Listy(0, []).to_info()
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Unnamed(Reply):
+        what = "unnamed"
+        WIRE = (("a",),)
+        nbytes: int
+        a: int
+        b: int = 0
+
+    with pytest.raises(TypeError, match=r"Unnamed\.WIRE must name each field but nbytes once"):
+        Unnamed.from_done(0, {"a": 1})

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from hkvd.shim.results import Completion, LookupResult
+from hkvd.shim.results import Completion
 from hkvd.transport.errors import NotFound
+from hkvd.transport.wire.kv import LookupReply
 from hkvd.transport.wire.replies import RetrieveResult, StoreResult
 
 
 def test_completion_get_checks_the_kind_and_raises_the_error():
-    ok = Completion(1, True, LookupResult(3, 4, 30.0), None)
-    assert ok.get(LookupResult).hit_chunks == 3
+    ok = Completion(1, True, LookupReply(1, 3, 4, 30.0), None)
+    assert ok.get(LookupReply).hit_chunks == 3
     with pytest.raises(TypeError, match="not a StoreResult"):
         ok.get(StoreResult)
     with pytest.raises(NotFound):
@@ -27,7 +28,7 @@ def test_the_client_types_each_reply_by_its_request(daemon):
     items = eng.items(0, keys, first_block=1)
     assert eng.store(items).get(StoreResult).stored == len(keys) >= 1
     c = eng.run(eng.client.submit_lookup(keys))
-    found = c.get(LookupResult)
+    found = c.get(LookupReply)
     assert found.hit_chunks == len(keys) and found.lease_id != 0
     assert eng.retrieve(items, found.lease_id).get(RetrieveResult).entries == len(keys)
     eng.close()

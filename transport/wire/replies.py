@@ -1,19 +1,24 @@
-"""Done replies: what a store, retrieve, step event, pull or unregister returns, typed once for both ends.
+"""Replies: what each request returns, declared once for the daemon that sends it and the shim that reads it.
 
 Role
-    The daemon answers each of these requests with ``Done(req_id, nbytes, info)``
-    (``hkvd.transport.wire.kv``); ``info`` is a msgpack map whose keys differ per request. This module
-    is the one place those keys are named. The daemon builds a reply and sends ``reply.to_done(req_id)``;
-    the shim's client knows which request a ``Done`` answers (``REPLIES``) and reads it back with
-    ``from_done(nbytes, info)``. Callers read ``reply.hit_chunks``: a misspelt or missing field is an
-    error, never a 0.
+    A request is answered in one of two forms, and both are declared in ``hkvd.transport.wire``:
+    - its own message (``LookupReply``, ``RegisterAck``, ``KVEvents``, ``StatusReply``, ``Pong``): a
+      ``Message`` whose typed fields travel as an array (``hkvd.transport.wire.message``);
+    - a job's ``Done(req_id, nbytes, info)`` (``hkvd.transport.wire.kv``), whose ``info`` is a msgpack
+      map: a ``Reply`` below (store, retrieve, step event, pull, unregister), its fields declared once
+      with their types. The daemon sends ``reply.to_done(req_id)``; the shim's client knows which
+      request a ``Done`` answers (``REPLIES``) and reads it back with ``from_done(nbytes, info)``.
+    Either way the shim's result is the very type the daemon sent. Callers read ``reply.hit_chunks``:
+    a misspelt or missing field is an error, never a 0.
 
-Wire form
-    ``to_info`` builds the map the daemon has sent since protocol 2: the same keys, in the same order,
-    with the same types (tests/unit/test_replies.py pins them), so the bytes on the wire did not
-    change. A group of fields only some replies carry is left out whole when all of it is at its
-    default, as the daemon always did:
-    - a retrieve's ``event``: CPU engines get no CUDA event;
+Wire form of a ``Done`` reply
+    One generic codec (``Reply.to_info``/``Reply.from_done``) reads the dataclass fields after
+    ``nbytes``: each is a key of ``info``, in the order of ``WIRE`` (default: the fields' order), each
+    group of keys in ``WIRE`` sent whole or, when every field of it has a default and is at it, left
+    out whole. These are the maps the daemon has sent since protocol 2: the same keys, in the same
+    order, with the same types (tests/unit/test_replies.py pins them), so the bytes on the wire did
+    not change. The groups left out at their default:
+    - a retrieve's ``event``: CPU engines get no CUDA event; its ``seconds`` when not measured;
     - a step event's ``stored/skipped/dropped/thinned``: the event started no copy. A copy starts only
       for offers and counts each offer once, so a step that copied never has all four at 0;
     - a pull's ``lookup_s/read_s/descs``: the pull read nothing from the peer (the hit was local).
@@ -23,16 +28,18 @@ Contracts
       a required field or has one of the wrong type (an int is taken as a float; a bool is never an
       int). Optional fields that are absent take their defaults. Extra keys are ignored: a newer
       daemon may add some.
+    - A reply's fields are ``int``, ``float``, ``str``, ``bytes`` or ``bool``; a class declaring
+      another type, or a ``WIRE`` that does not name each field once, fails at its first use.
     - Replies are frozen; the daemon completes one with ``dataclasses.replace``.
     - No torch, no I/O: the shim imports this inside vLLM, the daemon on its event loop.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar, NamedTuple, Self
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.control import Unregister
@@ -41,43 +48,86 @@ from hkvd.transport.wire.kv import Done, Retrieve, Store
 from hkvd.transport.wire.message import Message
 from hkvd.transport.wire.peer import Pull
 
-# The four counts of a write job (store, or a step event's offers), in their order on the wire.
-_COUNTS = ("stored", "skipped", "dropped", "thinned")
+Scalar = int | float | str | bytes | bool
+_KINDS = (int, float, str, bytes, bool)
 
 
-def _field(info: dict[str, Any], key: str, kind: type, what: str, default: Any = dataclasses.MISSING) -> Any:
-    if key not in info:
-        if default is not dataclasses.MISSING:
-            return default
-        raise ProtocolViolation(f"the daemon's reply to a {what} lacks {key!r}; run hkvd serve and the shim "
-                                "from the same hkvd version")
-    value = info[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ProtocolViolation(f"the daemon's reply to a {what}: {key!r} is {type(value).__name__}, "
-                                f"not {kind.__name__}")
-    return value
+class _Key(NamedTuple):
+    name: str
+    kind: type
+    default: Scalar | None  # None: required
 
 
-class Reply(abc.ABC):
-    """Base of the typed ``Done`` replies: frozen slotted dataclasses whose first field is ``nbytes``."""
+class _Codec(NamedTuple):
+    groups: tuple[tuple[_Key, ...], ...]  # info's keys in wire order, grouped as they are left out together
+    keys: tuple[_Key, ...]  # the same keys in field order (the constructor's)
+
+
+class Reply:
+    """Base of the typed ``Done`` replies: frozen slotted dataclasses whose first field is ``nbytes``.
+
+    A subclass declares ``what`` (the request, as errors name it), its fields with their types and
+    defaults, and, only if its keys travel in another order or in groups, ``WIRE``."""
 
     __slots__ = ()
-    what: ClassVar[str]  # the request, as a ProtocolViolation names it
+    what: ClassVar[str]
+    WIRE: ClassVar[tuple[tuple[str, ...], ...]] = ()  # () = each field alone, in the fields' order
     nbytes: int  # bytes the job copied (Done.nbytes)
 
-    @abc.abstractmethod
-    def to_info(self) -> dict[str, Any]:
+    @classmethod
+    def _codec(cls) -> _Codec:
+        codec = cls.__dict__.get("_codec_cache")
+        if codec is None:
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+            hints = typing.get_type_hints(cls)
+            if not fields or fields[0].name != "nbytes":
+                raise TypeError(f"{cls.__name__}: a reply's first field is nbytes")
+            keys: dict[str, _Key] = {}
+            for f in fields[1:]:
+                if hints[f.name] not in _KINDS:
+                    raise TypeError(f"{cls.__name__}.{f.name}: a reply field is one of {_KINDS}")
+                default = None if f.default is dataclasses.MISSING else f.default
+                keys[f.name] = _Key(f.name, hints[f.name], default)  # type: ignore[arg-type]
+            wire = cls.WIRE or tuple((k,) for k in keys)
+            named = [k for group in wire for k in group]
+            if sorted(named) != sorted(keys):
+                raise TypeError(f"{cls.__name__}.WIRE must name each field but nbytes once, got {named}")
+            codec = _Codec(tuple(tuple(keys[k] for k in group) for group in wire), tuple(keys.values()))
+            cls._codec_cache = codec  # type: ignore[attr-defined]
+        return codec
+
+    def to_info(self) -> dict[str, Scalar]:
         """``Done.info`` for this reply (the daemon's side)."""
+        info: dict[str, Scalar] = {}
+        for group in self._codec().groups:
+            values = [getattr(self, k.name) for k in group]
+            if all(k.default is not None and v == k.default for k, v in zip(group, values, strict=True)):
+                continue  # an optional group at its default is not sent
+            info.update((k.name, v) for k, v in zip(group, values, strict=True))
+        return info
 
     @classmethod
-    @abc.abstractmethod
-    def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
+    def from_done(cls, nbytes: int, info: dict[str, object]) -> Self:
         """The reply a ``Done`` carries (the reading side); ``ProtocolViolation`` on a missing or mistyped field."""
+        return cls(nbytes, *(_field(info, k, cls.what) for k in cls._codec().keys))  # type: ignore[call-arg]
 
     def to_done(self, req_id: int) -> Done:
-        return Done(req_id, self.nbytes, self.to_info())
+        return Done(req_id, self.nbytes, dict(self.to_info()))
+
+
+def _field(info: dict[str, object], key: _Key, what: str) -> Scalar:
+    if key.name not in info:
+        if key.default is not None:
+            return key.default
+        raise ProtocolViolation(f"the daemon's reply to a {what} lacks {key.name!r}; run hkvd serve and the shim "
+                                "from the same hkvd version")
+    value = info[key.name]
+    if key.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, key.kind) or (isinstance(value, bool) and key.kind is not bool):
+        raise ProtocolViolation(f"the daemon's reply to a {what}: {key.name!r} is {type(value).__name__}, "
+                                f"not {key.kind.__name__}")
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +137,6 @@ class Acknowledged(Reply):
 
     what: ClassVar[str] = "request"
     nbytes: int = 0
-
-    def to_info(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
-        return cls(nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +148,6 @@ class StoreResult(Reply):
     dropped: int  # entries that found no room, counted by the daemon
     thinned: int  # Mamba states left out by --mamba-checkpoint-interval
 
-    def to_info(self) -> dict[str, Any]:
-        return {"stored": self.stored, "skipped": self.skipped, "dropped": self.dropped, "thinned": self.thinned}
-
-    @classmethod
-    def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
-        return cls(nbytes, *(_field(info, k, int, cls.what) for k in _COUNTS))
-
 
 @dataclass(frozen=True, slots=True)
 class RetrieveResult(Reply):
@@ -121,23 +157,12 @@ class RetrieveResult(Reply):
     event: bytes = b""  # GPU engines: IPC handle of the event recorded after the copy
     seconds: float = 0.0  # the daemon's time from taking the Retrieve to its reply (0: not measured)
 
-    def to_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"entries": self.entries}
-        if self.event:  # the engine's stream waits on it before a forward reads the blocks
-            info["event"] = self.event
-        if self.seconds:
-            info["seconds"] = self.seconds
-        return info
-
-    @classmethod
-    def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
-        return cls(nbytes, _field(info, "entries", int, cls.what), _field(info, "event", bytes, cls.what, b""),
-                   _field(info, "seconds", float, cls.what, 0.0))
-
 
 @dataclass(frozen=True, slots=True)
 class StepResult(Reply):
     what: ClassVar[str] = "step event"
+    # The counts, sent together and only when a copy ran (module docstring), come before the outcome.
+    WIRE: ClassVar[tuple[tuple[str, ...], ...]] = (("stored", "skipped", "dropped", "thinned"), ("outcome",))
     nbytes: int
     outcome: str  # hkvd.daemon.engines.snapshots.StepOutcome's value
     stored: int = 0  # the counts of the offers' copy, as in StoreResult; all 0 when none started
@@ -150,22 +175,14 @@ class StepResult(Reply):
         """A step event whose offers were copied, with that copy's bytes and counts."""
         return cls(copied.nbytes, outcome, copied.stored, copied.skipped, copied.dropped, copied.thinned)
 
-    def to_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {}
-        if self.stored or self.skipped or self.dropped or self.thinned:  # a copy ran (module docstring)
-            info.update(stored=self.stored, skipped=self.skipped, dropped=self.dropped, thinned=self.thinned)
-        info["outcome"] = self.outcome
-        return info
-
-    @classmethod
-    def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
-        counts = (_field(info, k, int, cls.what, 0) for k in _COUNTS)
-        return cls(nbytes, _field(info, "outcome", str, cls.what), *counts)
-
 
 @dataclass(frozen=True, slots=True)
 class PullResult(Reply):
     what: ClassVar[str] = "pull"
+    # The READ's timings, sent together and only when the pull read from the peer (module docstring).
+    WIRE: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("hit_chunks",), ("lease_id",), ("lease_ttl_s",), ("pulled",), ("local",), ("seconds",),
+        ("lookup_s", "read_s", "descs"))
     nbytes: int
     hit_chunks: int
     lease_id: int
@@ -176,23 +193,6 @@ class PullResult(Reply):
     lookup_s: float = 0.0  # of ``seconds``: the peer's lookup; 0 when nothing had to be read
     read_s: float = 0.0  # of ``seconds``: the transport's READ
     descs: int = 0  # transfer descriptors the READ took
-
-    def to_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"hit_chunks": self.hit_chunks, "lease_id": self.lease_id,
-                                "lease_ttl_s": self.lease_ttl_s, "pulled": self.pulled, "local": self.local,
-                                "seconds": self.seconds}
-        if self.lookup_s or self.read_s or self.descs:  # the pull read from the peer (module docstring)
-            info.update(lookup_s=self.lookup_s, read_s=self.read_s, descs=self.descs)
-        return info
-
-    @classmethod
-    def from_done(cls, nbytes: int, info: dict[str, Any]) -> Self:
-        w = cls.what
-        return cls(nbytes, _field(info, "hit_chunks", int, w), _field(info, "lease_id", int, w),
-                   _field(info, "lease_ttl_s", float, w), _field(info, "pulled", int, w),
-                   _field(info, "local", int, w), _field(info, "seconds", float, w),
-                   _field(info, "lookup_s", float, w, 0.0), _field(info, "read_s", float, w, 0.0),
-                   _field(info, "descs", int, w, 0))
 
 
 # Which reply a Done carries, by the request it answers. A Done to any other request is an Acknowledged.
