@@ -9,14 +9,15 @@ are allowed. Kernels without Yama need nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
+
+from hkvd.transport.libc import LIBC
 
 PR_SET_PTRACER = 0x59616D61  # "Yama"
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value  # any process may attach (benchmarks only)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = LIBC
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.prctl.restype = ctypes.c_int
 

@@ -19,13 +19,13 @@ Cost
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import platform
 from typing import NamedTuple
 
 from hkvd.transport.errors import PoolError
+from hkvd.transport.libc import LIBC
 
 _NODE_ROOT = "/sys/devices/system/node"
 _MPOL_BIND = 2
@@ -148,7 +148,7 @@ def bind(addr: int, nbytes: int, node: int, *, nodes: list[int] | None = None) -
     maxnode = max(node + 1, 64)
     mask = (ctypes.c_ulong * (-(-maxnode // 64)))()
     mask[node // 64] = 1 << (node % 64)
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = LIBC
     libc.syscall.restype = ctypes.c_long
     rc = libc.syscall(ctypes.c_long(number), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), ctypes.c_int(_MPOL_BIND),
                       mask, ctypes.c_ulong(maxnode + 1), ctypes.c_uint(_MPOL_MF_STRICT))

@@ -80,7 +80,6 @@ Contracts
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import heapq
 import mmap
@@ -93,6 +92,7 @@ from typing import Literal, NamedTuple, cast
 from hkvd.daemon.cache.backing import Backing, bind, observe, thp_page_size
 from hkvd.daemon.cache.prefault import Prefaulter, PrefaultStats
 from hkvd.transport.errors import PoolError
+from hkvd.transport.libc import LIBC
 from hkvd.transport.stat_fields import Metric, Sample, metric, metrics, part, status_only
 
 PAGE = 4096
@@ -116,7 +116,7 @@ def _load_madvise() -> Callable[[int, int, int], int]:
     """libc's ``madvise`` through ctypes, which drops the GIL for the call. ``mmap.madvise`` holds
     it: a background populate of one superblock then stalls the daemon's event loop for as long as
     the fault takes (15 ms for 32 MiB on an idle VM, far more under load)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = LIBC
     fn = libc.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int

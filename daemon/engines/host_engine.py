@@ -42,7 +42,6 @@ from __future__ import annotations
 import array
 import bisect
 import ctypes
-import ctypes.util
 import errno
 import itertools
 import os
@@ -54,6 +53,7 @@ from typing import Any, Protocol
 from hkvd.daemon.engines.client_process import ClientProcess, PinnedMemory
 from hkvd.transport.copy_engine import Attachment, CopyEngine, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, RegistrationError
+from hkvd.transport.libc import LIBC
 
 IOV_MAX = 1024  # Linux UIO_MAXIOV: more iovecs per call is EINVAL
 
@@ -70,7 +70,7 @@ SPLIT_MIN_BYTES = 8 << 20
 
 
 def _load_libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = LIBC
     for name in ("process_vm_readv", "process_vm_writev"):
         fn = getattr(libc, name)
         fn.argtypes = [
