@@ -42,7 +42,7 @@ from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Messa
 from hkvd.transport.wire import peer as peer_wire
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.kv import Item, items_to_wire
+from hkvd.transport.wire.kv import Item
 from hkvd.transport.wire.replies import REPLIES, Acknowledged
 
 READ_BYTES = 1 << 16
@@ -137,15 +137,15 @@ class DaemonClient:
                      notes: Sequence[BlockNote] | None = None) -> int:
         """``wait_event``: IPC handle of the step-end CUDA event to order the copy after (GPU KV only).
         ``notes``: vLLM's names of the chunks, for KV events; only to a daemon whose RegisterAck takes them."""
-        return self._submit(lambda r: kv.Store(r, items_to_wire(_items(items)), wait_event, _notes(notes)))
+        return self._submit(lambda r: kv.Store(r, _items(items), wait_event, _notes(notes)))
 
     def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
-        return self._submit(lambda r: kv.Retrieve(r, lease_id, items_to_wire(_items(items))))
+        return self._submit(lambda r: kv.Retrieve(r, lease_id, _items(items)))
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
                           confirms: Iterable[int] = (), wait_event: bytes = b"",
                           notes: Sequence[BlockNote] | None = None) -> int:
-        return self._submit(lambda r: events.StepEvent(r, seq, step, items_to_wire(_items(offers)),
+        return self._submit(lambda r: events.StepEvent(r, seq, step, _items(offers),
                                                        list(confirms), wait_event, _notes(notes)))
 
     def submit_events_poll(self, since: int) -> int:

@@ -369,7 +369,7 @@ class KVService:
     # ---- store ---------------------------------------------------------------------------------
     async def _store(self, conn: Conn, msg: kv.Store) -> None:
         engine = self._engine(conn, copy=True)
-        items = msg.parsed()
+        items = msg.items
         notes = self._check_notes(engine, msg.parsed_notes(), items)
         stored, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
                                             wait_event=msg.wait_event, notes=notes)
@@ -447,7 +447,7 @@ class KVService:
     async def _retrieve(self, conn: Conn, msg: kv.Retrieve) -> None:
         t0 = time.perf_counter()
         engine = self._engine(conn, copy=True)
-        items = msg.parsed()
+        items = msg.items
         groups = [engine.check_item(it) for it in items]
         get, fp, ready = self.index.get, engine.fingerprint, EntryState.READY
         if msg.lease_id:
@@ -507,7 +507,7 @@ class KVService:
     async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:
         engine = self._engine(conn, copy=True)
         assert conn.snapshots is not None
-        offers = msg.parsed()
+        offers = msg.offers
         for it in offers:
             if engine.check_item(it).kind != "mamba":
                 raise ProtocolViolation(f"StepEvent offers carry Mamba states only; group {it.group_id} is "

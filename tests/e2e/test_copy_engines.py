@@ -29,11 +29,11 @@ def test_store_with_a_gpu_event_on_the_host_engine_is_refused_and_stores_nothing
 
 
 def test_old_clients_without_the_optional_fields_still_parse():
-    msg = kv.Store(7, [[0, 0, b"k" * 16, [1]]])
+    msg = kv.Store(7, [kv.Item(0, 0, b"k" * 16, [1])])
     wire = msg.to_wire()
     assert len(wire) == 3  # the default event is not sent
     assert kv.Store.from_wire(wire[1:]) == msg
-    with_event = kv.Store(7, [[0, 0, b"k" * 16, [1]]], b"e" * 64)
+    with_event = kv.Store(7, [kv.Item(0, 0, b"k" * 16, [1])], b"e" * 64)
     assert kv.Store.from_wire(with_event.to_wire()[1:]) == with_event
     with pytest.raises(ProtocolViolation, match="64 bytes"):
         kv.Store.from_wire([7, [], b"short"])

@@ -207,7 +207,7 @@ def _typed(hint: Any, name: str, ctx: Context) -> st.SearchStrategy[Any]:
         return _garbage()
     if origin is list:
         (inner,) = typing.get_args(hint)
-        if inner is Any:  # the messages' item lists (Store.items, StepEvent.offers, ...)
+        if inner is kv.Item:  # the messages' item lists (Store.items, StepEvent.offers, ...)
             element, filler = _item(ctx), ctx.items[0]
         else:
             fillers: dict[Any, Any] = {bytes: ctx.keys[0], int: 1}
@@ -253,12 +253,13 @@ def _plausible(hint: Any, name: str, ctx: Context) -> st.SearchStrategy[Any]:
     origin = typing.get_origin(hint)
     if origin is list:
         (inner,) = typing.get_args(hint)
-        pools: dict[Any, list[Any]] = {Any: ctx.items, bytes: ctx.keys}
+        pools: dict[Any, list[Any]] = {kv.Item: ctx.items, bytes: ctx.keys}
         pool = pools.get(inner, [])
         if not pool:
             return st.lists(_plausible(inner, name, ctx), max_size=4)
         # Items: one group's chunks in order (a store, a retrieve, a step event's Mamba offers), or a mix.
-        runs = [[it for it in pool if it[0] == g] for g in sorted({it[0] for it in pool})] if inner is Any else [pool]
+        groups = sorted({it[0] for it in pool})
+        runs = [[it for it in pool if it[0] == g] for g in groups] if inner is kv.Item else [pool]
         prefixes = [run[:n] for run in runs for n in range(len(run) + 1)]
         return st.one_of(st.sampled_from(prefixes), st.lists(st.sampled_from(pool), max_size=len(pool)))
     if origin is dict:

@@ -790,13 +790,13 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
 
     try:
         assert isinstance(await call(control.Register(1, spec.to_wire())), control.RegisterAck)
-        store = asyncio.create_task(call(kv.Store(2, [[0, c, keys[c], [1 + c]] for c in range(4)])))
+        store = asyncio.create_task(call(kv.Store(2, [kv.Item(0, c, keys[c], [1 + c]) for c in range(4)])))
         while not store.done():  # the GPU runs what the copy thread enqueued
             gpu.run()
             await asyncio.sleep(0.002)
         assert isinstance(store.result(), kv.Done)
         before, first = device_mem.copy(), len(sent)
-        jobs = [service.handle(conn, kv.Retrieve(10 + c, 0, [[0, c, keys[c], [20 + c]]])) for c in range(4)]
+        jobs = [service.handle(conn, kv.Retrieve(10 + c, 0, [kv.Item(0, c, keys[c], [20 + c])])) for c in range(4)]
         await asyncio.wait_for(asyncio.gather(*(j for j in jobs if j is not None)), 5.0)
         replies = sent[first:]
         assert sorted(r.req_id for r in replies) == [10, 11, 12, 13]

@@ -100,8 +100,8 @@ async def h() -> AsyncIterator[Harness]:
     pool.close()
 
 
-def _full(chunks: range, first_block: int) -> list[Any]:
-    return [[0, c, KEYS[c], [first_block + 2 * i, first_block + 2 * i + 1]] for i, c in enumerate(chunks)]
+def _full(chunks: range, first_block: int) -> list[kv.Item]:
+    return [kv.Item(0, c, KEYS[c], [first_block + 2 * i, first_block + 2 * i + 1]) for i, c in enumerate(chunks)]
 
 
 async def test_store_lookup_retrieve_round_trip(h: Harness) -> None:
@@ -153,7 +153,7 @@ async def test_a_lease_watch_hears_every_retrieve_written_or_the_lease_end(h: Ha
 async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness) -> None:
     await h.register(mamba=True)
     await h.call(kv.Store(2, _full(range(2), 1)))
-    offer = [[1, 1, KEYS[1], [5]]]  # the state after chunk 1
+    offer = [kv.Item(1, 1, KEYS[1], [5])]  # the state after chunk 1
     done = await h.call(events.StepEvent(3, 0, 1, offer, []))
     assert isinstance(done, kv.Done)
     assert list(done.info.items()) == [("stored", 1), ("skipped", 0), ("dropped", 0), ("thinned", 0),
@@ -168,10 +168,10 @@ async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness)
 
 @pytest.mark.parametrize(("registered", "msg", "code"), [
     (False, kv.Store(2, _full(range(1), 1)), ErrorCode.NOT_REGISTERED),
-    (True, kv.Store(2, [[0, 0, KEYS[0], [BLOCKS - 1, BLOCKS]]]), ErrorCode.OUT_OF_RANGE),
-    (True, kv.Store(2, [[0, 0, KEYS[0], [0, 1]]]), ErrorCode.OUT_OF_RANGE),  # vLLM's null block
+    (True, kv.Store(2, [kv.Item(0, 0, KEYS[0], [BLOCKS - 1, BLOCKS])]), ErrorCode.OUT_OF_RANGE),
+    (True, kv.Store(2, [kv.Item(0, 0, KEYS[0], [0, 1])]), ErrorCode.OUT_OF_RANGE),  # vLLM's null block
     (True, kv.Retrieve(2, 12345, _full(range(1), 1)), ErrorCode.LEASE_EXPIRED),
-    (True, kv.Store(2, [[7, 0, KEYS[0], [1, 2]]]), ErrorCode.OUT_OF_RANGE),  # no group 7
+    (True, kv.Store(2, [kv.Item(7, 0, KEYS[0], [1, 2])]), ErrorCode.OUT_OF_RANGE),  # no group 7
 ])
 async def test_bad_requests_get_typed_errors_and_change_nothing(h: Harness, registered: bool, msg: Message,
                                                                 code: ErrorCode) -> None:
@@ -205,7 +205,7 @@ async def test_per_engine_counters_and_latency_histograms_reach_status_and_metri
     reply = await h.call(kv.Lookup(3, KEYS, True))  # 4 chunks asked, 3 held
     assert isinstance(reply, kv.LookupReply) and reply.hit_chunks == 3
     await h.call(kv.Retrieve(4, reply.lease_id, _full(range(2), 11)))
-    bad = await h.call(kv.Retrieve(5, 0, [[0, 3, KEYS[3], [20, 21]]]))  # not held: an error, timed too
+    bad = await h.call(kv.Retrieve(5, 0, [kv.Item(0, 3, KEYS[3], [20, 21])]))  # not held: an error, timed too
     assert isinstance(bad, kv.Error)
     h.service.disconnect(h.conn)  # the engine leaves; its counters stay
     status = h.service.status()
@@ -253,7 +253,7 @@ async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
     busy = bulk.submit(release.wait, 10.0)  # a long load on the only bulk copy thread
     try:
         await h.register(mamba=True)
-        done = await asyncio.wait_for(h.call(events.StepEvent(3, 0, 1, [[1, 1, KEYS[1], [5]]], [])), 5.0)
+        done = await asyncio.wait_for(h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [5])], [])), 5.0)
         assert isinstance(done, kv.Done) and done.nbytes == PAGE
         assert not busy.done()  # answered while the bulk thread was still held
     finally:

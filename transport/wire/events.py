@@ -20,7 +20,7 @@ from typing import Any
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
-from hkvd.transport.wire.kv import Item, check_event, checked_items, parse_items
+from hkvd.transport.wire.kv import Item, check_event
 from hkvd.transport.wire.message import MAX_ITEMS, Message, MsgType, check_u64
 
 
@@ -30,7 +30,7 @@ class StepEvent(Message):
     req_id: int
     seq: int
     step: int
-    offers: list[Any]
+    offers: list[Item]  # decoded and checked with the frame (Item.decode_list)
     confirms: list[int]
     wait_event: bytes = b""  # the step's end event (CUDA IPC handle), as in Store.wait_event
     notes: Any = None  # vLLM's names of the offered chunks, as in Store.notes
@@ -42,13 +42,9 @@ class StepEvent(Message):
         if len(self.confirms) > MAX_ITEMS:
             raise ProtocolViolation(f"StepEvent: at most {MAX_ITEMS} confirms")
         check_event(self.wait_event, "StepEvent.wait_event")
-        parsed = parse_items(self.offers, "StepEvent.offers")
-        if any(len(it.block_ids) != 1 for it in parsed):
+        if any(len(it.block_ids) != 1 for it in self.offers):
             raise ProtocolViolation("StepEvent.offers: a boundary state names exactly one block")
         check_notes(self.notes, "StepEvent.notes")
-
-    def parsed(self) -> list[Item]:
-        return checked_items(self.offers)  # validated when decoded
 
     def parsed_notes(self) -> list[BlockNote]:
         return checked_notes(self.notes)

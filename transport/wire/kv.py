@@ -1,6 +1,6 @@
 """KV messages: lookup, store, retrieve, completion, abort, errors, lease release.
 
-An *item* names one pool entry and the engine blocks it maps to:
+An *item* (``Item``) names one pool entry and the engine blocks it maps to; on the wire
 ``[group_id, chunk_index, key, block_ids]``, optionally followed by ``parent``, the key of chunk
 ``chunk_index - 1`` (the daemon uses it to find entries no hit can reach; see docs/design.md).
 Stores and retrieves are jobs: the daemon answers ``Done(req_id)`` or ``Error(req_id)`` when the copies are over.
@@ -19,21 +19,32 @@ MAX_BLOCKS_PER_ITEM = 4096
 
 
 class Item(NamedTuple):
+    """One pool entry and the engine blocks it maps to; a message's items are ``Item``s, decoded once."""
+
     group_id: int
     chunk_index: int
     key: bytes
     block_ids: list[int]
     parent: bytes = b""  # key of the previous chunk; b"" for chunk 0 or when the client omits it
 
+    @classmethod
+    def decode_list(cls, raw: object, where: str) -> list[Item]:
+        return parse_items(raw, where)
 
-def check_items(raw: list[Any], where: str) -> None:
-    """Raise ``ProtocolViolation`` naming the first bad item of ``raw``; build nothing.
+    @staticmethod
+    def encode_list(records: list[Item]) -> list[list[Any]]:
+        return items_to_wire(records)
+
+
+def parse_items(raw: object, where: str) -> list[Item]:
+    """The items of ``raw``; ``ProtocolViolation`` naming the first bad one.
 
     ``type(x) is int`` is exact for msgpack's output: it excludes bools (true/false) and floats.
     """
     if type(raw) is not list or len(raw) > MAX_ITEMS:
         got = f"{len(raw)} items" if isinstance(raw, list) else type(raw).__name__
         raise ProtocolViolation(f"{where}: a list of at most {MAX_ITEMS} items, got {got}")
+    items = []
     for i, it in enumerate(raw):
         if type(it) is not list or not 4 <= len(it) <= 5:
             raise ProtocolViolation(f"{where}[{i}]: an item is [group_id, chunk_index, key, block_ids] "
@@ -47,22 +58,20 @@ def check_items(raw: list[Any], where: str) -> None:
                 or (len(blocks) == 1 and type(blocks[0]) is not int)
                 or (len(blocks) > 1 and not all(type(b) is int for b in blocks))):
             raise ProtocolViolation(f"{where}[{i}]: block_ids must be 1..{MAX_BLOCKS_PER_ITEM} integers")
+        parent = b""
         if len(it) == 5:
             parent = it[4]
             if type(parent) is not bytes or len(parent) not in (0, KEY_BYTES) or (parent and idx == 0):
                 raise ProtocolViolation(f"{where}[{i}]: parent_key must be {KEY_BYTES} bytes (the key of chunk "
                                         "chunk_index - 1), or empty; chunk 0 has no parent")
+        items.append(Item(gid, idx, key, blocks, parent))
+    return items
 
 
-def parse_items(raw: list[Any], where: str) -> list[Item]:
-    """``check_items``, then the items."""
-    check_items(raw, where)
-    return checked_items(raw)
-
-
-def checked_items(raw: list[Any]) -> list[Item]:
-    """Items of a message whose ``validate`` already ran ``check_items`` on ``raw``: no checks again."""
-    return [Item(it[0], it[1], it[2], it[3], it[4] if len(it) == 5 else b"") for it in raw]
+def items_to_wire(items: list[Item]) -> list[list[Any]]:
+    """The arrays ``parse_items`` takes: the parent only when there is one (as a client always sent)."""
+    return [[it.group_id, it.chunk_index, it.key, list(it.block_ids), *((it.parent,) if it.parent else ())]
+            for it in items]
 
 
 EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
@@ -71,11 +80,6 @@ EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 def check_event(handle: bytes, where: str) -> None:
     if handle and len(handle) != EVENT_HANDLE_BYTES:
         raise ProtocolViolation(f"{where}: a CUDA IPC event handle is {EVENT_HANDLE_BYTES} bytes (or empty for none)")
-
-
-def items_to_wire(items: list[Item]) -> list[list[Any]]:
-    return [[it.group_id, it.chunk_index, it.key, list(it.block_ids), *((it.parent,) if it.parent else ())]
-            for it in items]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +110,7 @@ class LookupReply(Message):
 class Store(Message):
     TYPE = MsgType.STORE
     req_id: int
-    items: list[Any]
+    items: list[Item]  # decoded and checked with the frame (Item.decode_list)
     # IPC handle of the engine's step-end CUDA event: the daemon's stream waits on it before reading
     # (cuda copy engine only; b"" = the blocks are already final, as on the host engine).
     wait_event: bytes = b""
@@ -116,12 +120,8 @@ class Store(Message):
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
-        check_items(self.items, "Store.items")
         check_event(self.wait_event, "Store.wait_event")
         check_notes(self.notes, "Store.notes")
-
-    def parsed(self) -> list[Item]:
-        return checked_items(self.items)  # validated when decoded
 
     def parsed_notes(self) -> list[BlockNote]:
         return checked_notes(self.notes)
@@ -132,15 +132,11 @@ class Retrieve(Message):
     TYPE = MsgType.RETRIEVE
     req_id: int
     lease_id: int
-    items: list[Any]
+    items: list[Item]  # decoded and checked with the frame (Item.decode_list)
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_u64(self.lease_id, "lease_id")
-        check_items(self.items, "Retrieve.items")
-
-    def parsed(self) -> list[Item]:
-        return checked_items(self.items)  # validated when decoded
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ A frame is a 4-byte big-endian length followed by ``msgpack.packb([msg_type, *fi
 types are explicit, append-only integers grouped by family (control 1-19, kv 20-39, events 40-49,
 peer 60-79): a number, once shipped, never changes meaning. Messages are frozen slotted dataclasses;
 ``from_wire`` type-checks every field (bad input gets ``ProtocolViolation``, never a crash) and
-``validate`` checks the values.
+``validate`` checks the values. A list field of records (``list[Item]``) is decoded once, by the record
+type's ``decode_list`` (validated: a ``ProtocolViolation`` names the first bad record), and encoded by its
+``encode_list``: the message holds typed records, never raw arrays.
 
 A message class registers in ``MESSAGE_CLASSES`` when its family module (``control``, ``kv``,
 ``events``, ``peer``) is imported; the package ``hkvd.transport.wire`` imports every family, and
@@ -72,6 +74,29 @@ class MsgType(enum.IntEnum):
 MESSAGE_CLASSES: dict[int, type[Message]] = {}
 
 
+class Records(typing.Protocol):
+    """A record type a message's list field holds (``hkvd.transport.wire.kv.Item``): decoded and encoded whole."""
+
+    @classmethod
+    def decode_list(cls, raw: object, where: str) -> list[Any]:
+        """The records of ``raw``, every one checked; ``ProtocolViolation`` naming ``where`` and the first bad one."""
+        ...
+
+    @staticmethod
+    def encode_list(records: list[Any]) -> list[Any]:
+        """The wire form of ``records``, the arrays ``decode_list`` takes."""
+        ...
+
+
+def _records(hint: Any) -> type[Records] | None:
+    """The record type of a ``list[R]`` field whose ``R`` decodes itself, else None."""
+    if typing.get_origin(hint) is list:
+        (inner,) = typing.get_args(hint)
+        if hasattr(inner, "decode_list"):
+            return typing.cast(type[Records], inner)
+    return None
+
+
 def _check(value: Any, hint: Any, where: str) -> None:
     origin = typing.get_origin(hint)
     if hint is Any:
@@ -114,8 +139,9 @@ class Message:
             MESSAGE_CLASSES[cls.TYPE] = cls
 
     @classmethod
-    def _layout(cls) -> tuple[list[tuple[str, Any]], int, tuple[Any, ...]]:
-        """(name, type hint) of each field, how many fields are required, each field's default.
+    def _layout(cls) -> tuple[list[tuple[str, Any, type[Records] | None]], int, tuple[Any, ...]]:
+        """(name, type hint, record type of a list of records) of each field, how many fields are required,
+        each field's default.
 
         Computed once per class (to_wire and from_wire run for every frame). Fields added later get
         defaults, so older peers still parse.
@@ -126,13 +152,15 @@ class Message:
             resolved = typing.get_type_hints(cls)
             required = len([f for f in fields
                             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
-            layout = ([(f.name, resolved[f.name]) for f in fields], required, tuple(f.default for f in fields))
+            layout = ([(f.name, resolved[f.name], _records(resolved[f.name])) for f in fields], required,
+                      tuple(f.default for f in fields))
             cls._layout_cache = layout  # type: ignore[attr-defined]
         return layout
 
     def to_wire(self) -> list[Any]:
         hints, required, defaults = self._layout()
-        values = [getattr(self, name) for name, _ in hints]
+        values = [getattr(self, name) if records is None else records.encode_list(getattr(self, name))
+                  for name, _, records in hints]
         # Trailing optional fields left at their default are not sent.
         while len(values) > required and values[-1] == defaults[len(values) - 1]:
             values.pop()
@@ -144,10 +172,13 @@ class Message:
         if not required <= len(fields) <= len(hints):
             want = str(len(hints)) if required == len(hints) else f"{required} to {len(hints)}"
             raise ProtocolViolation(f"{cls.__name__}: expected {want} fields, got {len(fields)}")
-        hints = hints[:len(fields)]
-        for value, (name, hint) in zip(fields, hints, strict=True):
-            _check(value, hint, f"{cls.__name__}.{name}")
-        msg = cls(*fields)
+        values = list(fields)
+        for i, (name, hint, records) in enumerate(hints[:len(fields)]):
+            if records is None:
+                _check(values[i], hint, f"{cls.__name__}.{name}")
+            else:
+                values[i] = records.decode_list(values[i], f"{cls.__name__}.{name}")
+        msg = cls(*values)
         msg.validate()
         return msg
 
@@ -175,5 +206,5 @@ def check_u64(value: int, what: str) -> None:
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "KEY_BYTES", "MAX_ITEMS", "MAX_KEYS", "MESSAGE_CLASSES", "PROTOCOL_VERSION",
-    "Message", "MsgType", "check_u64", "message_from_wire",
+    "Message", "MsgType", "Records", "check_u64", "message_from_wire",
 ]
