@@ -43,9 +43,10 @@ from hkvd.transport.wire import peer as peer_wire
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
-from hkvd.transport.wire.replies import REPLIES, Acknowledged
+from hkvd.transport.wire.replies import ANSWERS, REPLIES, Acknowledged
 
 READ_BYTES = 1 << 16
+_ANSWER_TYPES = frozenset(ANSWERS.values())
 M = TypeVar("M", bound=Message)
 
 
@@ -119,7 +120,7 @@ class DaemonClient:
 
     def status(self) -> dict[str, Any]:
         req = self._submit(lambda r: control.Status(r))
-        return self.wait([req], self.timeout_s)[req].get(dict)
+        return self.wait([req], self.timeout_s)[req].get(control.StatusReply).status
 
     def ping(self) -> float:
         t0 = time.perf_counter()
@@ -325,12 +326,24 @@ class DaemonClient:
         except ProtocolViolation as e:
             self._complete(msg.req_id, None, e)
 
+    def _answer(self, msg: Message) -> None:
+        req_id: int = msg.req_id  # type: ignore[attr-defined]  # every answer message has one (ANSWERS)
+        request = self._outstanding.get(req_id)
+        if request is None:  # not ours (or already failed): nothing to complete
+            return
+        if ANSWERS.get(request) is type(msg):
+            self._complete(req_id, msg)  # the answer message is the result (hkvd.shim.results)
+        else:
+            self._complete(req_id, None, ProtocolViolation(
+                f"hkvd answered a {request.__name__} with a {type(msg).__name__}; run hkvd serve and the shim "
+                "from the same hkvd version"))
+
     def _on_message(self, msg: Message) -> None:
         match msg:
             case kv.Done():
                 self._done_result(msg)
-            case kv.LookupReply() | events.KVEvents() | control.RegisterAck():
-                self._complete(msg.req_id, msg)  # the reply message is the result (hkvd.shim.results)
+            case _ if type(msg) in _ANSWER_TYPES:
+                self._answer(msg)
             case kv.Error() if msg.req_id in self._outstanding:
                 self._complete(msg.req_id, None, error_from_wire(msg.code, msg.message))
             case kv.Error():
@@ -338,10 +351,6 @@ class DaemonClient:
                 self._lost(f"hkvd reported: {error_from_wire(msg.code, msg.message)}")
             case kv.AbortAck():
                 pass
-            case control.StatusReply():
-                self._complete(msg.req_id, msg.status)
-            case control.Pong():
-                self._complete(msg.req_id, Acknowledged())
             case _:
                 pass
 

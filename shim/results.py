@@ -5,7 +5,7 @@ Role
     result, which is the reply type the daemon sends, declared once in ``hkvd.transport.wire``
     (``hkvd.transport.wire.replies`` tells which): a ``Done``'s typed reply (``StoreResult``,
     ``RetrieveResult``, ``StepResult``, ``PullResult``, ``Acknowledged``) or the reply message itself
-    (``LookupReply``, ``RegisterAck``, ``KVEvents``; a status report's free-form map). Only
+    (``LookupReply``, ``RegisterAck``, ``KVEvents``, ``StatusReply``, ``Pong``). Only
     ``Completion`` is the shim's own. A caller reads ``result.hit_chunks``: a misspelt or missing field
     is an error, never a 0.
 
@@ -16,17 +16,14 @@ Contracts
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import NamedTuple, TypeAlias, TypeVar
 
 from hkvd.transport.errors import KVError
-from hkvd.transport.wire.control import RegisterAck
-from hkvd.transport.wire.events import KVEvents
-from hkvd.transport.wire.kv import LookupReply
+from hkvd.transport.wire.message import Message
 from hkvd.transport.wire.replies import Reply
 
-# Reply: a Done's (StoreResult, RetrieveResult, StepResult, PullResult; Acknowledged, also for a Pong).
-# dict: a status report, free-form by design.
-Result: TypeAlias = Reply | LookupReply | RegisterAck | KVEvents | dict[str, Any]
+# Reply: a Done's (hkvd.transport.wire.replies.REPLIES); Message: an answer message (replies.ANSWERS).
+Result: TypeAlias = Reply | Message
 R = TypeVar("R")
 
 

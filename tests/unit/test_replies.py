@@ -14,6 +14,7 @@ from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire import control, events, kv, peer
 from hkvd.transport.wire.replies import (
+    ANSWERS,
     REPLIES,
     Acknowledged,
     PullResult,
@@ -221,3 +222,34 @@ def test_a_reply_declared_with_a_field_the_codec_cannot_carry_is_refused(forget_
 
     with pytest.raises(TypeError, match=r"Unnamed\.WIRE must name each field but nbytes once"):
         Unnamed.from_done(0, {"a": 1})
+
+
+# ---- answer messages: the client's result is the message the daemon sent, checked against the request ----------
+ANSWER_SAMPLES = [kv.LookupReply(1, 3, 4, 30.0), control.RegisterAck(1, 2, b"f" * 16, 256, 1, True),
+                  events.KVEvents(1, 5, 0, [b"\x90"]), control.StatusReply(1, {"pool": {}}), control.Pong(1)]
+
+
+def _client_answered(request: type, answer: Any) -> Any:
+    from hkvd.shim.client import DaemonClient
+
+    client = DaemonClient("/nonexistent", client_name="t", role="tool")
+    client._outstanding[1] = request  # as _submit records a request it sent
+    client._on_message(answer)
+    (done,) = client.poll()
+    assert done.req_id == 1 and client.outstanding == 0
+    return done
+
+
+def test_every_answer_message_is_the_result_of_its_request():
+    assert {type(a) for a in ANSWER_SAMPLES} == set(ANSWERS.values())
+    for request, answer_type in ANSWERS.items():
+        (answer,) = [a for a in ANSWER_SAMPLES if type(a) is answer_type]
+        done = _client_answered(request, decode_body(FrameDecoder().feed(encode(answer))[0]))
+        assert done.ok and done.get(answer_type) == answer
+
+
+def test_an_answer_to_another_request_is_a_protocol_violation():
+    done = _client_answered(kv.Lookup, control.Pong(1))
+    assert not done.ok
+    with pytest.raises(ProtocolViolation, match="answered a Lookup with a Pong"):
+        done.get(kv.LookupReply)

@@ -2,8 +2,8 @@
 
 Role
     A request is answered in one of two forms, and both are declared in ``hkvd.transport.wire``:
-    - its own message (``LookupReply``, ``RegisterAck``, ``KVEvents``, ``StatusReply``, ``Pong``): a
-      ``Message`` whose typed fields travel as an array (``hkvd.transport.wire.message``);
+    - its own message (``ANSWERS``: ``LookupReply``, ``RegisterAck``, ``KVEvents``, ``StatusReply``,
+      ``Pong``): a ``Message`` whose typed fields travel as an array (``hkvd.transport.wire.message``);
     - a job's ``Done(req_id, nbytes, info)`` (``hkvd.transport.wire.kv``), whose ``info`` is a msgpack
       map: a ``Reply`` below (store, retrieve, step event, pull, unregister), its fields declared once
       with their types. The daemon sends ``reply.to_done(req_id)``; the shim's client knows which
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Self
 
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire.control import Unregister
-from hkvd.transport.wire.events import StepEvent
-from hkvd.transport.wire.kv import Done, Retrieve, Store
+from hkvd.transport.wire.control import Ping, Pong, Register, RegisterAck, Status, StatusReply, Unregister
+from hkvd.transport.wire.events import KVEvents, KVEventsPoll, StepEvent
+from hkvd.transport.wire.kv import Done, Lookup, LookupReply, Retrieve, Store
 from hkvd.transport.wire.message import Message
 from hkvd.transport.wire.peer import Pull
 
@@ -200,5 +200,11 @@ REPLIES: dict[type[Message], type[Reply]] = {
     Store: StoreResult, Retrieve: RetrieveResult, StepEvent: StepResult, Pull: PullResult, Unregister: Acknowledged,
 }
 
+# Which message answers a request that is not a job: that message is the request's result, as sent.
+ANSWERS: dict[type[Message], type[Message]] = {
+    Lookup: LookupReply, Register: RegisterAck, KVEventsPoll: KVEvents, Status: StatusReply, Ping: Pong,
+}
 
-__all__ = ["REPLIES", "Acknowledged", "PullResult", "Reply", "RetrieveResult", "StepResult", "StoreResult"]
+
+__all__ = ["ANSWERS", "REPLIES", "Acknowledged", "PullResult", "Reply", "RetrieveResult", "StepResult",
+           "StoreResult"]
