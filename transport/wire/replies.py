@@ -132,8 +132,8 @@ def _field(info: dict[str, object], key: _Key, what: str) -> Scalar:
 
 @dataclass(frozen=True, slots=True)
 class Acknowledged(Reply):
-    """A request whose only answer is that it was done: ``Done(req_id, 0, {})`` to an unregister (and,
-    in the shim's client, a ``Pong``)."""
+    """A request whose only answer is that it was done: ``Done(req_id, 0, {})`` to an unregister (and to a
+    ``WatchLease``, which ``REPLIES`` leaves to the default)."""
 
     what: ClassVar[str] = "request"
     nbytes: int = 0
