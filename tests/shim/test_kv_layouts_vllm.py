@@ -134,6 +134,21 @@ class Engine:
         self.side.shutdown()
 
 
+def _move(a: Engine, b: Engine, items_a: list[Any], items_b: list[Any]) -> None:
+    """Store ``items_a`` from engine ``a`` (attention chunks as a store, Mamba states as a confirmed step
+    event's offers), then retrieve them into ``b`` as ``items_b``."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    full = [it for it in items_a if not isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
+    offers = [it for it in items_a if isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
+    if full:
+        a.call(lambda c: c.submit_store(full))
+    if offers:
+        ev = a.call(lambda c: c.submit_step_event(1, 1, offers))
+        a.call(lambda c: c.submit_step_event(2, 2, [], [ev.req_id]))
+    b.call(lambda c: c.submit_retrieve(items_b))
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import importlib
@@ -168,7 +183,7 @@ CASES = [(m, lay, be) for m in ("gdn", "swa", "fp8", "mla") for lay in LAYOUTS
 
 @pytest.mark.parametrize(("model", "layout", "backend"), CASES, ids=["-".join(c) for c in CASES])
 def test_store_and_retrieve_byte_exact(daemon: Any, vcfg: Any, model: str, layout: str, backend: str) -> None:
-    from vllm.v1.kv_cache_interface import MambaSpec, create_kv_cache_views, group_kernel_blocks
+    from vllm.v1.kv_cache_interface import create_kv_cache_views, group_kernel_blocks
 
     be = _backends()[backend]
     a = Engine(vcfg, model, layout, be, 7, daemon.socket)
@@ -192,14 +207,7 @@ def test_store_and_retrieve_byte_exact(daemon: Any, vcfg: Any, model: str, layou
                 items_b.append([gid, 0, key, [bb]])
                 for name in g.layer_names:
                     group_kernel_blocks(expected[name], b.kvc.num_blocks)[bb].copy_(a.manager_page(name, ba))
-        full = [it for it in items_a if not isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
-        offers = [it for it in items_a if isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
-        if full:
-            a.call(lambda c: c.submit_store(full))
-        if offers:
-            ev = a.call(lambda c: c.submit_step_event(1, 1, offers))
-            a.call(lambda c: c.submit_step_event(2, 2, [], [ev.req_id]))
-        b.call(lambda c: c.submit_retrieve(items_b))
+        _move(a, b, items_a, items_b)
         assert b.raw.numpy().tobytes() == want.numpy().tobytes(), (
             f"{model}/{layout}/{backend} (kernel blocks {b.kernel}): B's buffer differs from vLLM's views")
     finally:
@@ -284,7 +292,7 @@ def test_entries_mean_the_same_across_layouts_and_kernel_splits(daemon: Any, vcf
     by one with another split and layout under the same fingerprint: each moved block's logical [H, N, C] bytes
     through vLLM's views are the source's, and no other byte of the destination changes."""
     import torch
-    from vllm.v1.kv_cache_interface import MambaSpec, create_kv_cache_views, group_kernel_blocks
+    from vllm.v1.kv_cache_interface import create_kv_cache_views, group_kernel_blocks
 
     a = Engine(vcfg, src[0], src[1], _backends()[src[2]], 7, daemon.socket)
     b = Engine(vcfg, dst[0], dst[1], _backends()[dst[2]], 11, daemon.socket)
@@ -311,14 +319,7 @@ def test_entries_mean_the_same_across_layouts_and_kernel_splits(daemon: Any, vcf
                     if dst_page.dim() == 4:  # [k, H, N/k, C]
                         page = page.reshape(dst_page.shape[1], dst_page.shape[0], dst_page.shape[2], -1).transpose(0, 1)
                     dst_page.copy_(page)
-        full = [it for it in items_a if not isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
-        offers = [it for it in items_a if isinstance(a.kvc.kv_cache_groups[it[0]].kv_cache_spec, MambaSpec)]
-        if full:
-            a.call(lambda c: c.submit_store(full))
-        if offers:
-            ev = a.call(lambda c: c.submit_step_event(1, 1, offers))
-            a.call(lambda c: c.submit_step_event(2, 2, [], [ev.req_id]))
-        b.call(lambda c: c.submit_retrieve(items_b))
+        _move(a, b, items_a, items_b)
         for gid, g in enumerate(b.kvc.kv_cache_groups):  # the logical content, through vLLM's own views
             for ba, bb in moves[gid].items():
                 for name in g.layer_names:

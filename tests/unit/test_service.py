@@ -8,9 +8,10 @@ cover the same paths through a real socket; these run in milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,23 +82,33 @@ class Harness:
         return ack
 
 
-@pytest.fixture
-async def h() -> AsyncIterator[Harness]:
+@contextlib.contextmanager
+def _harness(make_engine: Callable[[HugePagePool], HostCopyEngine] = HostCopyEngine,
+             threads: int = 2) -> Iterator[Harness]:
+    """A service over a 64 MiB pool, the copy engine ``make_engine`` builds, and this process as its engine."""
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
     pool = HugePagePool(cfg.l1_size_bytes, "off")
-    copy_engine = HostCopyEngine(pool)
+    copy_engine = make_engine(pool)
     index = Cache(pool, make_policy("lru"))
-    executor = ThreadPoolExecutor(2)
+    executor = ThreadPoolExecutor(threads)
     service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
                         Metrics())
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
-    yield Harness(service, conn, sent)
-    service.disconnect(conn)
-    executor.shutdown()
-    copy_engine.close()
-    pool.close()
+    try:
+        yield Harness(service, conn, sent)
+    finally:
+        service.disconnect(conn)
+        executor.shutdown()
+        copy_engine.close()
+        pool.close()
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    with _harness() as harness:
+        yield harness
 
 
 def _full(chunks: range, first_block: int) -> list[kv.Item]:
@@ -271,6 +282,7 @@ class _HeldCopies(HostCopyEngine):
 
     def __init__(self, pool: HugePagePool) -> None:
         super().__init__(pool)
+        self.pool = pool
         self.inline_max_bytes = 0
         self.gpu_done = threading.Event()
         self._when_free: list[Any] = []
@@ -295,18 +307,10 @@ class _HeldCopies(HostCopyEngine):
 async def test_a_failed_copy_the_gpu_may_still_run_keeps_its_pages_until_it_has() -> None:
     import asyncio
 
-    cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
-    pool = HugePagePool(cfg.l1_size_bytes, "off")
-    copy_engine = _HeldCopies(pool)
-    index = Cache(pool, make_policy("lru"))
-    executor = ThreadPoolExecutor(1)
-    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
-                        Metrics())
-    sent: list[Message] = []
-    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
-                process=ClientProcess.open(os.getpid()))
-    h = Harness(service, conn, sent)
-    try:
+    with _harness(_HeldCopies, threads=1) as h:
+        copy_engine = h.service.registry.copy_engine
+        assert isinstance(copy_engine, _HeldCopies)
+        index, pool = h.service.index, copy_engine.pool
         await h.register()
         reply = await h.call(kv.Store(2, _full(range(2), 1)))
         assert isinstance(reply, kv.Error) and reply.code == ErrorCode.COPY_FAILED
@@ -318,8 +322,3 @@ async def test_a_failed_copy_the_gpu_may_still_run_keeps_its_pages_until_it_has(
         for _ in range(3):
             await asyncio.sleep(0)
         assert index.statistics().writing == 0 and pool.allocator.statistics().used_bytes == 0
-    finally:
-        service.disconnect(conn)
-        executor.shutdown()
-        copy_engine.close()
-        pool.close()
