@@ -164,8 +164,7 @@ class CopyTicket:
             never = self._launch is not None or not self.enqueued
             self._launch = None
             if exc is not None and not never and not self.gpu_finished.is_set():
-                exc.pages_in_use = PagesInUse(  # type: ignore[attr-defined]
-                    self.gpu_finished, lambda fn: self.add_finished_callback(lambda _t: fn()))
+                exc.pages_in_use = PagesInUse.until_finished(self)  # type: ignore[attr-defined]
             callbacks, self._callbacks = self._callbacks, []
         if never:
             self.mark_gpu_finished()

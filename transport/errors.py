@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class ErrorCode(enum.IntEnum):
@@ -175,6 +175,12 @@ class PagesInUse:
 
     def call_when_free(self, fn: Callable[[], None]) -> None:
         self._add(fn)
+
+    @classmethod
+    def until_finished(cls, copy: Any) -> PagesInUse:
+        """In use until ``copy`` (an ``EnqueuedCopy``: ``gpu_finished``, ``add_finished_callback``) is done
+        with its memory on the device."""
+        return cls(copy.gpu_finished, lambda fn: copy.add_finished_callback(lambda _copy: fn()))
 
     @staticmethod
     def of(exc: BaseException) -> PagesInUse | None:

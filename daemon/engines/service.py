@@ -637,8 +637,7 @@ class KVService:
             settled.add_done_callback(_settled_copy)
             err = KVTimeout(f"{direction.value} copy: no completion from the device after "
                             f"{self.copy_timeout_s + ENQUEUED_GRACE_S:g} s")
-            err.pages_in_use = PagesInUse(  # type: ignore[attr-defined]
-                ticket.gpu_finished, lambda fn: ticket.add_finished_callback(lambda _t: fn()))
+            err.pages_in_use = PagesInUse.until_finished(ticket)  # type: ignore[attr-defined]
             raise err from None
 
     def _count_settled(self, direction: Direction, t0: float, settled: asyncio.Future[CopyResult]) -> None:
@@ -681,12 +680,7 @@ class KVService:
             self.metrics.inc("copy_timeouts")
             # The thread still uses the pages: wait for it (bounded by the kernel call) before unpinning.
             await asyncio.wait([fut])
-            err = KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:g} s")
-            failure = None if fut.cancelled() else fut.exception()
-            held = None if failure is None else PagesInUse.of(failure)
-            if held is not None:  # the GPU may still run it: the caller keeps its pages (_release_after_copy)
-                err.pages_in_use = held  # type: ignore[attr-defined]
-            raise err from None
+            raise KVTimeout(f"{direction.value} copy took longer than {self.copy_timeout_s:g} s") from None
 
     def _release_after_copy(self, exc: BaseException, release: Callable[[], None]) -> None:
         """Give a failed copy's pool pages back (``release``): now, or, when the copy engine says the GPU
