@@ -346,7 +346,7 @@ class Daemon:
             log.error("%s", p.error)
         else:
             self.metrics.inc("prefault_gbps", p.gbps)
-        backing = await asyncio.to_thread(self.pool.backing, True)
+        backing = self.pool.backing()  # re-read by the last pre-fault worker, before it reported done
         log.info("pool pre-faulted: %d MiB in %.1f s (%.2f GB/s, %d threads); backed by %s pages of %d KiB "
                  "(%d MiB huge)", p.faulted_bytes >> 20, p.elapsed_s, p.gbps, p.threads, backing.kind,
                  backing.page_size >> 10, backing.huge_bytes >> 20)

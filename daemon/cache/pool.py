@@ -644,7 +644,8 @@ class HugePagePool:
             raise PoolError("the pool is already being pre-faulted")
         self._prefaulter = Prefaulter(self.populate, self.allocator.admit, capacity=self.allocator.capacity,
                                       superblock_bytes=self.allocator.superblock_bytes,
-                                      page_size=self.page_size, threads=threads)
+                                      page_size=self.page_size, threads=threads,
+                                      on_done=lambda: self.backing(refresh=True))
         return self._prefaulter.start()
 
     @property

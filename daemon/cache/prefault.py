@@ -22,10 +22,13 @@ Contracts
     - ``admit`` is called exactly once per range, after ``populate`` of that whole range returned.
     - ``progress().faulted_bytes`` counts admitted bytes only; it reaches ``total_bytes`` iff
       ``done`` and no error.
+    - ``on_done`` runs once, on the last worker, before ``done`` is reported: whoever sees ``done``
+      sees what it did.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hkvd.transport.stat_fields import status_only
+
+log = logging.getLogger(__name__)
 
 # More threads than this stop helping: page faults contend on the shmem / hugetlb locks of one
 # file (measured on this VM in bench/prefault.py; bare-metal reports show the same knee near 8).
@@ -88,11 +93,15 @@ class PrefaultStats:
 
 class Prefaulter:
     def __init__(self, populate: Callable[[int, int], None], admit: Callable[[int, int], None], *,
-                 capacity: int, superblock_bytes: int, page_size: int, threads: int) -> None:
+                 capacity: int, superblock_bytes: int, page_size: int, threads: int,
+                 on_done: Callable[[], None] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._populate = populate
         self._admit = admit
+        # Runs on the last worker once every range is done, before progress reports ``done``: whoever
+        # sees ``done`` also sees what it did (the pool re-reads its backing there).
+        self._on_done = on_done
         self.superblock_bytes = superblock_bytes
         # One range = one superblock, or all superblocks of one huge page when pages are larger
         # (1 GiB hugetlb pages): a populate must cover whole pages.
@@ -104,7 +113,8 @@ class Prefaulter:
         self._changed = threading.Condition(self._lock)
         self._next = 0  # next superblock to hand to a worker
         self._faulted = 0
-        self._running = 0
+        self._running = 0  # 0: done (every worker exited and on_done ran)
+        self._active = 0  # workers not yet exited
         self._error = ""
         self._stop = False
         self._start = 0.0
@@ -113,7 +123,7 @@ class Prefaulter:
 
     def start(self) -> Prefaulter:
         self._start = time.perf_counter()
-        self._running = self.threads
+        self._running = self._active = self.threads
         for i in range(self.threads):
             t = threading.Thread(target=self._work, name=f"hkvd-prefault-{i}", daemon=True)
             self._workers.append(t)
@@ -145,11 +155,22 @@ class Prefaulter:
                     self._faulted += count * self.superblock_bytes
                     self._changed.notify_all()
         finally:
-            with self._changed:
-                self._running -= 1
-                if self._running == 0:
-                    self._end = time.perf_counter()
-                self._changed.notify_all()
+            with self._lock:
+                self._active -= 1
+                last = self._active == 0
+            if last:
+                self._finish()
+
+    def _finish(self) -> None:
+        if self._on_done is not None:
+            try:
+                self._on_done()
+            except Exception:  # what it reports is a status; the fill itself is done either way
+                log.exception("after pre-faulting the pool")
+        with self._changed:
+            self._running = 0
+            self._end = time.perf_counter()
+            self._changed.notify_all()
 
     def progress(self) -> PrefaultProgress:
         with self._lock:

@@ -56,6 +56,38 @@ def test_prefaulter_admits_each_range_after_its_populate_in_order() -> None:
     assert sorted(e[1] for e in events if e[0] == "populate") == list(range(8))
 
 
+def test_done_is_reported_only_after_on_done_ran() -> None:
+    """Whoever sees ``done`` sees what the last worker did after the fill (the pool's backing,
+    re-read there), and a failing hook is logged without turning the fill into an error."""
+    release = threading.Event()
+    ran = threading.Event()
+
+    def on_done() -> None:
+        ran.set()
+        release.wait(30)
+        raise RuntimeError("smaps unreadable")
+
+    pf = Prefaulter(lambda o, n: None, lambda f, c: None, capacity=8 * MIB, superblock_bytes=2 * MIB,
+                    page_size=4096, threads=2, on_done=on_done).start()
+    assert ran.wait(30)
+    p = pf.wait_for(8 * MIB, 0.05)
+    assert p.faulted_bytes == 8 * MIB and not p.done  # every range is in, the hook still runs
+    assert not pf.wait_for(16 * MIB, 0.05).done
+    release.set()
+    p = pf.wait_for(16 * MIB, 30)
+    pf.stop()
+    assert p.done and not p.error
+
+
+def test_pool_status_after_prefault_shows_the_backing_of_the_whole_pool() -> None:
+    with HugePagePool(16 * MIB, "off", superblock_bytes=2 * MIB, faulted_only=True) as p:
+        assert p.backing().resident_bytes == 0  # observed (and cached) before any fault
+        pf = p.start_prefault(2)
+        assert pf.wait_for(pf.total_bytes, 30).faulted_bytes == 16 * MIB
+        pf.stop()  # returns once the workers exited: the last one re-read the backing first
+        assert pf.progress().done and p.backing().resident_bytes == 16 * MIB
+
+
 def test_one_gib_pages_populate_whole_pages() -> None:
     ranges: list[tuple[int, int]] = []
     pf = Prefaulter(lambda o, n: ranges.append((o, n)), lambda f, c: None, capacity=2 << 30,
