@@ -22,6 +22,7 @@ from hkvd.transport.wire.replies import (
     RetrieveResult,
     StepResult,
     StoreResult,
+    VerifyResult,
 )
 
 EVENT = b"e" * 64  # a CUDA IPC event handle's size
@@ -69,6 +70,8 @@ CASES: list[tuple[Reply, tuple[int, dict[str, Any]]]] = [
     (PullResult(0, 4, 17, 30.0, 0, 4, 0.000123), _old_pull(0, 4, 17, 30.0, 0, 4, 0.000123, None)),
     (PullResult(1 << 20, 4, 18, 30.0, 3, 1, 0.25, 0.001, 0.2, 7),
      _old_pull(1 << 20, 4, 18, 30.0, 3, 1, 0.25, (0.001, 0.2, 7))),
+    (VerifyResult(1 << 20, 4, 1, 0, 0.5, True),
+     (1 << 20, {"checked": 4, "diverged": 1, "missing": 0, "max_error": 0.5, "quarantined": True})),
     (Acknowledged(), (0, {})),  # service: Unregister
 ]
 IDS = [f"{type(r).__name__}-{i}" for i, (r, _) in enumerate(CASES)]
@@ -85,7 +88,7 @@ def test_every_reply_type_has_a_case_and_answers_its_request():
     assert {type(r) for r, _ in CASES} == set(REPLIES.values())
     assert {c.__name__ for c in Reply.__subclasses__()} == {c.__name__ for c in REPLIES.values()}
     answers = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult, events.StepEvent: StepResult,
-               peer.Pull: PullResult, control.Unregister: Acknowledged}
+               peer.Pull: PullResult, kv.Verify: VerifyResult, control.Unregister: Acknowledged}
     assert answers == REPLIES
 
 
@@ -112,6 +115,7 @@ REQUIRED = {
     RetrieveResult: ("entries",),
     StepResult: ("outcome",),
     PullResult: ("hit_chunks", "lease_id", "lease_ttl_s", "pulled", "local", "seconds"),
+    VerifyResult: ("checked", "diverged", "missing", "max_error", "quarantined"),
     Acknowledged: (),
 }
 FULL = [CASES[0][0], CASES[3][0], CASES[5][0], CASES[8][0]]  # every optional group present

@@ -27,9 +27,11 @@ SAMPLES = [
     control.RegisterAck(1, 2, b"f" * 16, 256), control.Unregister(3), control.Bye("r"), control.Status(4),
     control.StatusReply(4, {"x": [1]}), control.Ping(5), control.Pong(5),
     kv.Lookup(1, [KEY], True), kv.LookupReply(1, 3, 4, 30.0), kv.Store(2, [kv.Item(0, 0, KEY, [1, 2])]),
-    kv.Retrieve(3, 9, [kv.Item(1, 0, KEY, [5])]), kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
+    kv.Retrieve(3, 9, [kv.Item(1, 0, KEY, [5])]), kv.Verify(4, [kv.Item(2, 1, KEY, [7], KEY)]),
+    kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
     kv.Error(2, 20, "m"), kv.Release(9), kv.WatchLease(4, 9), kv.Uncacheable("unknown_extra_key_x"),
     events.StepEvent(1, 0, 5, [kv.Item(1, 3, KEY, [7])], [2, 3]),
+    events.StepEvent(1, 1, 6, [], [], b"", None, [kv.Item(1, 4, KEY, [8])]),
     events.KVEventsPoll(6, 17), events.KVEvents(6, 19, 1, [b"\x92\xcb" + bytes(8) + b"\x90"]),
     peer.PeerHello(1, "node", b"n" * 32), peer.PeerChallenge(1, "node", b"s" * 32, b"p" * 32),
     peer.PeerAuth(b"p" * 32, [b"f" * 16]), peer.PeerWelcome("agent", b"md", [b"f" * 16], 30.0),
@@ -80,6 +82,8 @@ def test_notes_and_the_events_mode_ride_on_as_optional_trailing_fields():
         assert decode_body(FrameDecoder().feed(encode(msg))[0]) == msg
     # Without notes, nothing is added to what an older daemon parses.
     assert kv.Store(2, [kv.Item(0, 0, KEY, [1, 2])]).to_wire() == [int(MsgType.STORE), 2, [[0, 0, KEY, [1, 2]]]]
+    # A field with a default factory left at it is not sent either: older daemons parse the frame.
+    assert events.StepEvent(1, 0, 5, [], [2]).to_wire() == [int(MsgType.STEP_EVENT), 1, 0, 5, [], [2]]
     assert kv.Store(2, [kv.Item(0, 0, KEY, [1, 2])], b"", [NOTE]).parsed_notes()[0].lora_name == "lora-a"
 
 

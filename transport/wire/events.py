@@ -15,7 +15,7 @@ batches between ``since`` and the oldest one the daemon still keeps (the poller 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hkvd.transport.errors import ProtocolViolation
@@ -34,6 +34,9 @@ class StepEvent(Message):
     confirms: list[int]
     wait_event: bytes = b""  # the step's end event (CUDA IPC handle), as in Store.wait_event
     notes: Any = None  # vLLM's names of the offered chunks, as in Store.notes
+    # Boundary states this step recomputed for a sampled hit (kv.Verify's docstring): copied under the same
+    # ordering rules as offers, then compared with the entries under their keys once confirmed; never stored.
+    verifies: list[Item] = field(default_factory=list)
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -44,6 +47,8 @@ class StepEvent(Message):
         check_event(self.wait_event, "StepEvent.wait_event")
         if any(len(it.block_ids) != 1 for it in self.offers):
             raise ProtocolViolation("StepEvent.offers: a boundary state names exactly one block")
+        if any(len(it.block_ids) != 1 for it in self.verifies):
+            raise ProtocolViolation("StepEvent.verifies: a boundary state names exactly one block")
         check_notes(self.notes, "StepEvent.notes")
 
     def parsed_notes(self) -> list[BlockNote]:

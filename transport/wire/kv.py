@@ -140,6 +140,24 @@ class Retrieve(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Verify(Message):
+    """A sampled hit, recomputed: the engine computed these chunks instead of loading them, and its blocks
+    named by ``items`` now hold them (after ``wait_event`` on GPU engines, as for a ``Store``). The daemon
+    reads those blocks through its copy path, compares them with the entries it holds under the same keys
+    (per group kind, within a tolerance), and answers ``Done`` with a ``VerifyResult``. Nothing is stored;
+    an entry the daemon no longer holds is counted as missing, not compared."""
+
+    TYPE = MsgType.VERIFY
+    req_id: int
+    items: list[Item]  # decoded and checked with the frame (Item.decode_list)
+    wait_event: bytes = b""
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        check_event(self.wait_event, "Verify.wait_event")
+
+
+@dataclass(frozen=True, slots=True)
 class Done(Message):
     TYPE = MsgType.DONE
     req_id: int

@@ -56,6 +56,7 @@ class MsgType(enum.IntEnum):
     RELEASE = 28
     UNCACHEABLE = 29
     WATCH_LEASE = 30
+    VERIFY = 31
     # events
     STEP_EVENT = 40
     KV_EVENTS_POLL = 41
@@ -153,7 +154,8 @@ class Message:
             required = len([f for f in fields
                             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
             layout = ([(f.name, resolved[f.name], _records(resolved[f.name])) for f in fields], required,
-                      tuple(f.default for f in fields))
+                      tuple(f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                            for f in fields))
             cls._layout_cache = layout  # type: ignore[attr-defined]
         return layout
 

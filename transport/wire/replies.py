@@ -44,7 +44,7 @@ from typing import ClassVar, NamedTuple, Self
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.control import Ping, Pong, Register, RegisterAck, Status, StatusReply, Unregister
 from hkvd.transport.wire.events import KVEvents, KVEventsPoll, StepEvent
-from hkvd.transport.wire.kv import Done, Lookup, LookupReply, Retrieve, Store
+from hkvd.transport.wire.kv import Done, Lookup, LookupReply, Retrieve, Store, Verify
 from hkvd.transport.wire.message import Message
 from hkvd.transport.wire.peer import Pull
 
@@ -195,9 +195,21 @@ class PullResult(Reply):
     descs: int = 0  # transfer descriptors the READ took
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyResult(Reply):
+    what: ClassVar[str] = "verify"
+    nbytes: int  # bytes read from the engine's blocks and compared
+    checked: int  # entries compared
+    diverged: int  # entries past their group kind's tolerance
+    missing: int  # entries the daemon no longer held (evicted meanwhile): not compared
+    max_error: float  # the largest difference seen, in the tolerance's units (0.0: every byte equal)
+    quarantined: bool  # this check put (or kept) the engine's fingerprint and a group in quarantine
+
+
 # Which reply a Done carries, by the request it answers. A Done to any other request is an Acknowledged.
 REPLIES: dict[type[Message], type[Reply]] = {
-    Store: StoreResult, Retrieve: RetrieveResult, StepEvent: StepResult, Pull: PullResult, Unregister: Acknowledged,
+    Store: StoreResult, Retrieve: RetrieveResult, StepEvent: StepResult, Pull: PullResult, Verify: VerifyResult,
+    Unregister: Acknowledged,
 }
 
 # Which message answers a request that is not a job: that message is the request's result, as sent.
@@ -207,4 +219,4 @@ ANSWERS: dict[type[Message], type[Message]] = {
 
 
 __all__ = ["ANSWERS", "REPLIES", "Acknowledged", "PullResult", "Reply", "RetrieveResult", "StepResult",
-           "StoreResult"]
+           "StoreResult", "VerifyResult"]
