@@ -145,9 +145,15 @@ class DaemonClient:
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
                           confirms: Iterable[int] = (), wait_event: bytes = b"",
-                          notes: Sequence[BlockNote] | None = None) -> int:
-        return self._submit(lambda r: events.StepEvent(r, seq, step, _items(offers),
-                                                       list(confirms), wait_event, _notes(notes)))
+                          notes: Sequence[BlockNote] | None = None,
+                          verifies: Sequence[Item | Sequence[Any]] = ()) -> int:
+        """``verifies``: boundary states a sampled hit recomputed, compared once confirmed (never stored)."""
+        return self._submit(lambda r: events.StepEvent(r, seq, step, _items(offers), list(confirms), wait_event,
+                                                       _notes(notes), _items(verifies)))
+
+    def submit_verify(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"") -> int:
+        """A sampled hit's recomputed chunks, to compare with the entries under their keys; a ``VerifyResult``."""
+        return self._submit(lambda r: kv.Verify(r, _items(items), wait_event))
 
     def submit_events_poll(self, since: int) -> int:
         """Ask for the KV event batches of this engine's layout numbered ``since`` and later."""

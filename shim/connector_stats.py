@@ -26,6 +26,13 @@ Fields (``FIELDS``)
     Retrieve's submission to the daemon's reply being read, summed; ``stored_bytes``: the bytes the
     daemon copied out of the worker's KV cache (stores and Mamba step-event offers).
 
+    Sampled verification (``verify_fraction``, ``hkvd.shim.verify``): ``verifies`` and ``verifies_failed``:
+    Verify requests answered, or answered with an error (counted and logged, the request unaffected);
+    ``verify_checks``, ``verify_matches``, ``verify_divergences``, ``verify_missing``: entries, as the
+    daemon's ``VerifyResult`` counts them; ``verify_boundary_states``: Mamba states sent in step events
+    (compared by the daemon once confirmed, counted there); ``verify_max_error``: the largest difference
+    any reply reported, a running maximum (``MAX_FIELDS``: sent as is, combined by max, no counter).
+
     What costs a request scheduling steps: ``lookups_deferred`` (scheduler side): times a waiting
     request was passed over in a step because its lookup's reply had not come within
     ``lookup_wait_s``; ``load_settles_won``: loads reported in the step that started them, or a
@@ -47,7 +54,11 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes",
-          "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early")
+          "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early",
+          "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences", "verify_missing",
+          "verify_boundary_states", "verify_max_error")
+# Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
+MAX_FIELDS = frozenset({"verify_max_error"})
 
 
 @dataclass
@@ -64,22 +75,27 @@ class HkvdConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add ``other``'s fields into these (another worker's, or a later interval's); returns self."""
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            self.data[k] = max(self.data.get(k, 0), v) if k in MAX_FIELDS else self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         ok = int(d.get("loads_ok", 0))
-        return {"loads_ok": ok, "loads_failed": int(d.get("loads_failed", 0)),
+        out: dict[str, int | float] = {"loads_ok": ok, "loads_failed": int(d.get("loads_failed", 0)),
                 "loaded_MiB": round(d.get("loaded_bytes", 0) / 2**20, 3),
                 "avg_load_ms": round(d.get("load_seconds", 0) / ok * 1e3, 3) if ok else 0.0,
                 "stored_MiB": round(d.get("stored_bytes", 0) / 2**20, 3),
                 "lookups_deferred": int(d.get("lookups_deferred", 0)),
                 "load_settles_won": int(d.get("load_settles_won", 0)),
                 "loads_reported_early": int(d.get("loads_reported_early", 0))}
+        if d.get("verifies", 0) or d.get("verifies_failed", 0):  # sampled checks: only when some ran
+            out.update({k: int(d.get(k, 0)) for k in ("verify_checks", "verify_matches", "verify_divergences",
+                                                      "verify_missing", "verifies_failed")})
+            out["verify_max_error"] = float(d.get("verify_max_error", 0.0))
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(v for k, v in self.data.items() if k not in MAX_FIELDS)
 
 
 class StatsReporter:
@@ -89,9 +105,12 @@ class StatsReporter:
         self._reported: dict[str, float] = dict.fromkeys(FIELDS, 0)
 
     def take(self, totals: Mapping[str, float]) -> HkvdConnectorStats | None:
-        delta = {k: totals.get(k, 0) - self._reported[k] for k in FIELDS}
+        delta = {k: totals.get(k, 0) - self._reported[k] for k in FIELDS if k not in MAX_FIELDS}
         self._reported = {k: totals.get(k, 0) for k in FIELDS}
-        return HkvdConnectorStats(data=delta) if any(delta.values()) else None
+        if not any(delta.values()):
+            return None
+        # A running maximum goes as is: the maximum over intervals is the maximum so far.
+        return HkvdConnectorStats(data={**delta, **{k: totals.get(k, 0) for k in MAX_FIELDS}})
 
 
 COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:hkvd_<name>_total), its help
@@ -104,6 +123,13 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
     "load_settle_seconds": "Seconds the worker waited at steps' ends for loads about to end",
     "loads_reported_early": "Loads the scheduler reported once hkvd said every rank's copy was in, before any "
                             "worker read its reply (early_load_reports)",
+    "verifies": "Sampled hits' Verify requests hkvd answered (verify_fraction)",
+    "verifies_failed": "Sampled hits' Verify requests that got an error (nothing compared; the request is unaffected)",
+    "verify_checks": "Entries hkvd compared with a sampled hit's recomputed chunks",
+    "verify_matches": "Compared entries within their group kind's tolerance",
+    "verify_divergences": "Compared entries past their group kind's tolerance",
+    "verify_missing": "Entries of a sampled hit hkvd no longer held (not compared)",
+    "verify_boundary_states": "Recomputed Mamba boundary states sent for comparison in step events",
 }
 
 

@@ -55,3 +55,12 @@ class StoreJob:
     items: list[Item]
     # vLLM's names of the chunks, one per chunk key, sent with the store for KV events (docs/routing.md).
     notes: list[BlockNote] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class VerifyJob:
+    """Chunks a sampled hit's request computed instead of loading (the daemon holds them): sent as one
+    ``Verify`` at the point, and with the ordering, a ``StoreJob`` of them would have had."""
+
+    req_id: str
+    items: list[Item]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from hkvd.shim.jobs import LoadJob, StoreJob
+from hkvd.shim.jobs import LoadJob, StoreJob, VerifyJob
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.kv import Item
 
@@ -23,6 +23,10 @@ class HkvdConnectorMetadata(KVConnectorMetadata):
     # Mamba boundary states offered this step: (req_id, item). Sent as one StepEvent.
     offers: list[tuple[str, Item]] = field(default_factory=list)
     offer_notes: list[BlockNote] = field(default_factory=list)  # the offered chunks' notes, as StoreJob.notes
+    # Sampled hits (hkvd.shim.verify): attention chunks to compare instead of storing, one Verify per job,
+    # and Mamba boundary states to compare instead of offering, (req_id, item), in this step's StepEvent.
+    verifies: list[VerifyJob] = field(default_factory=list)
+    boundary_verifies: list[tuple[str, Item]] = field(default_factory=list)
     # Blocks this step's forward (or vLLM's zeroing before it) may write: newly allocated ones.
     # In-flight copies out of them must finish first (handle_preemptions).
     fence_blocks: set[int] = field(default_factory=set)

@@ -74,3 +74,10 @@ def load_items(groups: list[GroupInfo], keys: list[bytes], n: int, local_tokens:
                 bad = True
             items.append(Item(g.group_id, i, keys[i], chunk_ids))
     return items, bad
+
+
+def split_verified(items: list[Item], verify_upto: int) -> tuple[list[Item], list[Item]]:
+    """(to store, to verify): a sampled hit's chunks below ``verify_upto`` are in the daemon already, so
+    the engine's recomputed copies are compared with them instead of stored (``hkvd.shim.verify``)."""
+    return ([it for it in items if it.chunk_index >= verify_upto],
+            [it for it in items if it.chunk_index < verify_upto])

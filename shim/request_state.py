@@ -121,6 +121,10 @@ class RequestRecord:
     # Chunk keys over the prompt's full chunks; with store_decode extended over known output tokens.
     keys: list[bytes] = field(default_factory=list)
     uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
+    # A sampled hit (hkvd.shim.verify): computed, not loaded; chunks [verify_from, verify_upto) that it
+    # computes are compared with the daemon's entries instead of stored. verify_upto 0: not sampled.
+    verify_from: int = 0
+    verify_upto: int = 0
 
     @property
     def answered(self) -> bool:
@@ -142,6 +146,7 @@ class RequestRecord:
         self.state = to
         if to is State.LOOKUP:  # asked again: the old answer and its lease are spent
             self.hit_chunks, self.lookup_id, self.lease_id, self.lease_used = 0, None, 0, False
+            self.verify_from = self.verify_upto = 0
         elif to is State.FAILED:  # recomputed from scratch: store it again (a new daemon lacks it)
             self.hit_chunks, self.lease_id, self.next_store_chunk = 0, 0, 0
         return to

@@ -48,6 +48,10 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       claims the chunks and its worker pulls them from the producer's daemon first
       (``hkvd.shim.pd``). A request finished while its load (or pull) runs keeps its blocks until
       the worker reports it in ``finished_recving``, once the daemon has ended the copy.
+    - Sampled verification (``verify_fraction``, ``hkvd.shim.verify``): a request whose hit is
+      sampled is reported with no external tokens and computed; the chunks of its hit that it
+      computes go out as ``VerifyJob`` items (and Mamba states as the step event's verifies) where
+      they would have been stored, and are compared by the daemon, never stored.
     - Leases the daemon granted for hits that are not loaded (local cache won, request
       finished before allocation) are released at once; a retrieve releases its own lease.
     - KV events (docs/routing.md): when the daemon publishes them node-wide, or the engine runs
@@ -78,10 +82,10 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from hkvd.shim import pd, plans
+from hkvd.shim import pd, plans, verify
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
-from hkvd.shim.jobs import LoadJob, StoreJob
+from hkvd.shim.jobs import LoadJob, StoreJob, VerifyJob
 from hkvd.shim.kv_event_feed import EventFeed
 from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.link import DaemonLink
@@ -137,12 +141,14 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
+        self._finish_verifies: list[VerifyJob] = []  # the same, of sampled hits (hkvd.shim.verify)
         self._step = 0
         self._identity = ChunkIdentity()
         # lookups_deferred: passes over a waiting request whose lookup's reply had not come yet.
         # loads_reported_early: loads this side reported finished before any worker did (lease watches).
         self.stats = {"lookups": 0, "lookups_deferred": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0,
-                      "offer_items": 0, "uncacheable": 0, "notes": 0, "loads_reported_early": 0}
+                      "offer_items": 0, "uncacheable": 0, "notes": 0, "loads_reported_early": 0,
+                      "verify_sampled": 0, "verify_items": 0}
         # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.engine_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
@@ -357,6 +363,13 @@ class SchedulerSide:
         hit_tokens = st.hit_chunks * self.chunk_size
         if hit_tokens <= num_computed_tokens:
             return 0, False
+        if st.pull is None and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed):
+            # Sampled: the engine computes it (its answer never depends on the entries under test) and the
+            # chunks it computes are compared, not stored; its lease is released once it is allocated.
+            st.verify_upto = st.hit_chunks
+            st.verify_from = -(-num_computed_tokens // self.chunk_size)  # chunks vLLM's own cache holds whole
+            return 0, False
+        st.verify_from = st.verify_upto = 0
         return hit_tokens - num_computed_tokens, True  # async: see "Contracts" above
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -365,7 +378,10 @@ class SchedulerSide:
             return
         if st.hit_chunks:
             # The daemon holds chunks [0, hit) for every group the hit rule needs: never store them again.
-            st.next_store_chunk = max(st.next_store_chunk, st.hit_chunks)
+            # A sampled hit's chunks from verify_from on are computed here and compared instead.
+            st.next_store_chunk = max(st.next_store_chunk, st.verify_from if st.verify_upto else st.hit_chunks)
+            if st.verify_upto:
+                self.stats["verify_sampled"] += 1
         if num_external_tokens <= 0 or not st.hit_chunks:
             if st.lease_id and not st.lease_used:
                 self._release(st.lease_id)
@@ -398,8 +414,8 @@ class SchedulerSide:
         self._step += 1
         self._pump()
         meta = HkvdConnectorMetadata(step=self._step, loads=self._loads, delayed_free=self._delayed,
-                                     stores=self._finish_stores)
-        self._loads, self._delayed, self._finish_stores = [], [], []
+                                     stores=self._finish_stores, verifies=self._finish_verifies)
+        self._loads, self._delayed, self._finish_stores, self._finish_verifies = [], [], [], []
         # Blocks that may be written in this step: newly allocated ones (vLLM zeroes them and
         # the forward fills them). Copies still reading them must finish first.
         for r in so.scheduled_new_reqs:
@@ -430,10 +446,7 @@ class SchedulerSide:
                 continue
             items = plans.store_items(self.groups, self._keys_through(st, last), table, st.next_store_chunk, last, C)
             st.next_store_chunk = last
-            if items:
-                meta.stores.append(StoreJob(req_id, items, self._notes_for(st, items)))
-                st.had_copies = True
-                self.stats["store_items"] += len(items)
+            self._plan_copies(st, items, meta.stores, meta.verifies)
         for req_id, offers in (block_state.boundary_state_offloads or {}).items():
             st = self._reqs.get(req_id)
             if st is None:
@@ -446,9 +459,13 @@ class SchedulerSide:
                 if ci >= len(keys):
                     continue  # no key: past the prompt with store_decode off, or tokens not known
                 offer = Item(int(group_id), ci, keys[ci], [int(block_id)], plans.parent(keys, ci))
+                st.had_copies = True
+                if ci < st.verify_upto:  # a sampled hit's recomputed state: compare it, never store it
+                    meta.boundary_verifies.append((req_id, offer))
+                    self.stats["verify_items"] += 1
+                    continue
                 meta.offers.append((req_id, offer))
                 meta.offer_notes.extend(self._notes_for(st, [offer], skip={n.key for n in meta.offer_notes}))
-                st.had_copies = True
                 self.stats["offer_items"] += 1
         return meta
 
@@ -565,10 +582,19 @@ class SchedulerSide:
             return
         items = plans.store_items(self.groups, self._keys_through(st, last), block_ids, st.next_store_chunk, last, C)
         st.next_store_chunk = last
+        self._plan_copies(st, items, self._finish_stores, self._finish_verifies)
+
+    def _plan_copies(self, st: RequestRecord, items: list[Item], stores: list[StoreJob],
+                     verifies: list[VerifyJob]) -> None:
+        """Chunks complete in the engine's blocks: stored, or for a sampled hit's chunks, compared."""
+        items, checks = plans.split_verified(items, st.verify_upto)
         if items:
-            self._finish_stores.append(StoreJob(request.request_id, items, self._notes_for(st, items)))
-            st.had_copies = True
+            stores.append(StoreJob(st.req_id, items, self._notes_for(st, items)))
             self.stats["store_items"] += len(items)
+        if checks:
+            verifies.append(VerifyJob(st.req_id, checks))
+            self.stats["verify_items"] += len(checks)
+        st.had_copies |= bool(items or checks)
 
     # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------
     def _plan_pull(self, request: Request, st: RequestRecord) -> None:

@@ -61,6 +61,12 @@ class ShimConfig:
     # blocks and the Mamba states vLLM offers there), under keys that continue the prompt's, so a
     # chat's next turn (prompt + answer + new message) also hits the answer. False: prompt chunks only.
     store_decode: bool = True
+    # Sampled verification (docs/verification.md): this fraction of the requests with an hkvd hit is
+    # computed by the engine instead of loaded, and the chunks it computes are sent to the daemon to
+    # compare with the entries under their keys. 0: off; 1: every hit. Which requests: a hash of
+    # verify_seed and the request id (hkvd.shim.verify.sampled), so the same id is always treated alike.
+    verify_fraction: float = 0.01
+    verify_seed: int = 0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimConfig:
@@ -89,6 +95,9 @@ class ShimConfig:
             raise ValueError("hkvd: load_failure_policy must be 'recompute' or 'fail'")
         if not 0.0 <= cfg.load_settle_fraction <= 1.0:
             raise ValueError("hkvd: load_settle_fraction must be in [0, 1] (0 = never wait for a load)")
+        if not 0.0 <= cfg.verify_fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"hkvd: verify_fraction={cfg.verify_fraction!r} must be in [0, 1] (0 = no sampled "
+                             "verification, 0.01 = one hit in a hundred, 1 = every hit)")
         if cfg.load_settle_max_s < 0:
             raise ValueError("hkvd: load_settle_max_s must be >= 0 seconds")
         for name in ("connect_timeout_s", "lookup_timeout_s", "load_timeout_s", "fence_timeout_s",

@@ -23,9 +23,12 @@ Role
        errors are never reported (vLLM 0.32 stops the engine on them for models with several
        KV-cache groups). Mamba layers get no per-layer hooks, so every group is moved in bulk by
        one Retrieve.
-    3. ``wait_for_save`` (after the forward): submit the step's attention stores and one
-       ``StepEvent`` carrying this step's Mamba offers and the confirms of earlier step
-       events whose Done arrived before any block they read was reused.
+    3. ``wait_for_save`` (after the forward): submit the step's attention stores, the
+       ``Verify`` of each sampled hit's recomputed chunks (``hkvd.shim.verify``), and one
+       ``StepEvent`` carrying this step's Mamba offers (and a sampled hit's recomputed states, as
+       its verifies) and the confirms of earlier step events whose Done arrived before any block
+       they read was reused. A Verify that fails is counted and logged; nothing waits on it but
+       the free of its request's blocks, as for a store.
     4. ``get_finished``: report requests whose free was delayed once their copies are done.
 
 Threading model
@@ -63,10 +66,11 @@ from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.results import Completion
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import build_engine_spec, resolved_layout, validate_vllm
+from hkvd.shim.verify import VerifyTally
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult
+from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult, VerifyResult
 
 if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only
     import torch
@@ -78,7 +82,7 @@ logger = logging.getLogger("hkvd.shim")
 
 @dataclass(slots=True)
 class _Job:
-    kind: str  # store | step
+    kind: str  # store | step | verify
     blocks: set[int]
     reqs: set[str] = field(default_factory=set)
 
@@ -111,7 +115,9 @@ class WorkerSide:
         # load_settles: steps that waited for a load about to end (_settle); _won: ones that got it.
         # stored_bytes: the bytes the daemon copied out of this worker's KV cache (stores and step-event offers).
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
-                      "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_seconds": 0.0}
+                      "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_seconds": 0.0,
+                      "boundary_verifies": 0}
+        self.verify = VerifyTally()  # sampled checks' results (Verify replies), for vLLM's connector stats
 
     # ---- registration --------------------------------------------------------------------------
     def _configs(self) -> tuple[VllmConfig, KVCacheConfig]:
@@ -215,6 +221,14 @@ class WorkerSide:
                 s = self._req_jobs.get(r)
                 if s is not None:
                     s.discard(c.req_id)
+            if job.kind == "verify":  # never a store's failure, never the link's unless it is down
+                if c.ok:
+                    self.verify.result(",".join(job.reqs), c.get(VerifyResult))
+                else:
+                    self.verify.failed(",".join(job.reqs), c.error)
+                    if isinstance(c.error, DaemonUnavailable):
+                        lost = c.error
+                continue
             if c.ok:
                 if job.kind == "step":
                     self._confirmable.append(c.req_id)
@@ -318,16 +332,24 @@ class WorkerSide:
             return
         try:
             # GPU: the daemon's stream waits for the end of this step's forward before reading.
-            event = self._gpu.step_end_event() if self._gpu is not None and (meta.stores or meta.offers) else b""
+            copies = meta.stores or meta.offers or meta.verifies or meta.boundary_verifies
+            event = self._gpu.step_end_event() if self._gpu is not None and copies else b""
             for sj in meta.stores:
                 rid = client.submit_store(sj.items, wait_event=event, notes=sj.notes)
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
+            for vj in meta.verifies:  # sampled hits (hkvd.shim.verify): where their stores would have gone
+                rid = client.submit_verify(vj.items, wait_event=event)
+                self._track(rid, _Job("verify", item_blocks(vj.items), {vj.req_id}))
             offers = [it for _, it in meta.offers]
+            checks = [it for _, it in meta.boundary_verifies]
             confirms, self._confirmable = self._confirmable, []
             self._seq += 1
             rid = client.submit_step_event(self._seq, meta.step, offers, confirms,
-                                           wait_event=event if offers else b"", notes=meta.offer_notes)
-            self._track(rid, _Job("step", item_blocks(offers), {r for r, _ in meta.offers}))
+                                           wait_event=event if offers or checks else b"", notes=meta.offer_notes,
+                                           verifies=checks)
+            self._track(rid, _Job("step", item_blocks(offers) | item_blocks(checks),
+                                  {r for r, _ in meta.offers} | {r for r, _ in meta.boundary_verifies}))
+            self.stats["boundary_verifies"] += len(checks)
             self.stats["step_events"] += 1
         except Exception as e:
             self._lost(e)
@@ -383,7 +405,8 @@ class WorkerSide:
         return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
                 "loaded_bytes": loads["loaded_bytes"], "load_seconds": loads["load_seconds"],
                 "stored_bytes": self.stats["stored_bytes"], "load_settles_won": self.stats["load_settles_won"],
-                "load_settle_seconds": self.stats["load_settle_seconds"]}
+                "load_settle_seconds": self.stats["load_settle_seconds"],
+                "verify_boundary_states": self.stats["boundary_verifies"], **self.verify.totals}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed loads are reported per request (get_transfer_results)

@@ -78,8 +78,11 @@ class ScriptedClient:
         return self._id("store", list(items))
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item], confirms: Iterable[int],
-                          wait_event: bytes = b"", notes: Any = None) -> int:
-        return self._id("step", step, list(offers), list(confirms))
+                          wait_event: bytes = b"", notes: Any = None, verifies: Sequence[Item] = ()) -> int:
+        return self._id("step", step, list(offers), list(confirms), list(verifies))
+
+    def submit_verify(self, items: Sequence[Item], wait_event: bytes = b"") -> int:
+        return self._id("verify", list(items))
 
     def fail(self, rid: int) -> None:
         self.done.append(Completion(rid, False, None, NotFound("scripted failure")))
@@ -305,3 +308,55 @@ def test_a_load_planned_in_an_invalid_state_reaches_the_worker_empty_and_fails(s
     sched.update_connector_output(SimpleNamespace(finished_recving=recving, failed_recving=failed))
     assert sched._reqs["r1"].state is State.FAILED
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_be_stored() -> None:
+    """verify_fraction 1: the hit of chunks 0-1 is reported as no external tokens, its lease released; the
+    step that computes the prompt sends chunks 0-1 as one Verify (the request's own blocks) and stores chunk 2."""
+    from hkvd.transport.wire.replies import StoreResult
+
+    sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
+                                                                       chunk_size=CHUNK, verify_fraction=1.0))
+    client = ScriptedClient(hit=2, lease_id=77)
+    connect(sched, client)
+    req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed, not loaded
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # repeatable, as vLLM may ask again
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 0)
+    assert client.released == [77] and sched.stats["verify_sampled"] == 1
+    meta = sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
+    keys = client.kinds("lookup")[0][2]
+    assert meta.loads == []
+    [check] = meta.verifies
+    assert (check.req_id, check.items) == ("r1", [Item(0, 0, keys[0], [1, 2]), Item(0, 1, keys[1], [3, 4], keys[0])])
+    [store] = meta.stores
+    assert store.items == [Item(0, 2, keys[2], [5, 6], keys[1])]  # past the hit: stored as usual
+
+    assert sched.request_finished(req, TABLE) == (True, None)  # its blocks wait for the Verify's read
+    wclient = ScriptedClient()
+    w = worker(wclient)
+    shipped = pickle.loads(pickle.dumps(meta))
+    w.bind(shipped)
+    w.wait_for_save()
+    w.bind(HkvdConnectorMetadata(step=2, delayed_free=["r1"]))
+    [(vid, _, items)] = wclient.kinds("verify")
+    assert items == check.items
+    wclient.done.append(Completion(wclient.kinds("store")[0][0], True, StoreResult(4096, 1, 0, 0, 0), None))
+    assert w.get_finished(set()) == (None, None)  # the daemon still reads its blocks for the comparison
+    wclient.fail(vid)  # a daemon without verification answers an error: counted, the request unaffected
+    assert w.get_finished(set()) == ({"r1"}, None)
+    assert w.transfer_totals()["verifies_failed"] == 1 and w.link.client is wclient  # the link stays up
+
+
+def test_a_hit_that_is_not_sampled_is_loaded_and_never_verified() -> None:
+    sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
+                                                                       chunk_size=CHUNK, verify_fraction=0.0))
+    client = ScriptedClient(hit=2, lease_id=77)
+    connect(sched, client)
+    req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 2 * CHUNK)
+    meta = sched.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=100 - 2 * CHUNK))
+    assert meta.verifies == [] and len(meta.loads) == 1 and client.released == []
