@@ -31,7 +31,9 @@ Fields (``FIELDS``)
     ``verify_checks``, ``verify_matches``, ``verify_divergences``, ``verify_missing``: entries, as the
     daemon's ``VerifyResult`` counts them; ``verify_boundary_states``: Mamba states sent in step events
     (compared by the daemon once confirmed, counted there); ``verify_max_error``: the largest difference
-    any reply reported, a running maximum (``MAX_FIELDS``: sent as is, combined by max, no counter).
+    any reply reported, and ``verify_max_error_full``/``_swa`` the largest per group kind (each Verify
+    holds one kind): running maxima (``MAX_FIELDS``: sent as is, combined by max), on /metrics as the
+    gauge ``vllm:hkvd_verify_max_error{kind="all"|"full"|"swa"}``.
 
     What costs a request scheduling steps: ``lookups_deferred`` (scheduler side): times a waiting
     request was passed over in a step because its lookup's reply had not come within
@@ -56,9 +58,9 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
 FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes",
           "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early",
           "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences", "verify_missing",
-          "verify_boundary_states", "verify_max_error")
+          "verify_boundary_states", "verify_max_error", "verify_max_error_full", "verify_max_error_swa")
 # Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
-MAX_FIELDS = frozenset({"verify_max_error"})
+MAX_FIELDS = frozenset({"verify_max_error", "verify_max_error_full", "verify_max_error_swa"})
 
 
 @dataclass
@@ -91,7 +93,7 @@ class HkvdConnectorStats(KVConnectorStats):
         if d.get("verifies", 0) or d.get("verifies_failed", 0):  # sampled checks: only when some ran
             out.update({k: int(d.get(k, 0)) for k in ("verify_checks", "verify_matches", "verify_divergences",
                                                       "verify_missing", "verifies_failed")})
-            out["verify_max_error"] = float(d.get("verify_max_error", 0.0))
+            out.update({k: float(d.get(k, 0.0)) for k in sorted(MAX_FIELDS)})
         return out
 
     def is_empty(self) -> bool:
@@ -144,6 +146,11 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
                               "recomputed)", labelnames=[*labelnames, "outcome"])
         self._bytes = {name: counter(name=f"vllm:hkvd_{name}", labelnames=labelnames, documentation=doc)
                        for name, doc in COUNTERS.items()}
+        gauge: Any = self._gauge_cls
+        self._max_error = gauge(name="vllm:hkvd_verify_max_error", documentation="The largest difference a "
+                                "sampled check found, per group kind (hkvd's tolerance units)",
+                                labelnames=[*labelnames, "kind"])
+        self._max_seen: dict[tuple[int, str], float] = {}
         for labels in per_engine_labelvalues.values():  # every series from 0, before the first load
             for outcome in ("ok", "failed"):
                 self._loads.labels(*labels, outcome)
@@ -160,3 +167,9 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
         for name, c in self._bytes.items():
             if v := transfer_stats_data.get(name, 0):
                 c.labels(*labels).inc(v)
+        for name in MAX_FIELDS:
+            kind = name.removeprefix("verify_max_error").lstrip("_") or "all"
+            v = float(transfer_stats_data.get(name, 0.0))
+            if v > self._max_seen.get((engine_idx, kind), 0.0):
+                self._max_seen[(engine_idx, kind)] = v
+                self._max_error.labels(*labels, kind).set(v)

@@ -64,3 +64,5 @@ class VerifyJob:
 
     req_id: str
     items: list[Item]
+    kind: str = "full"  # the group kind of every item (full | swa): one Verify per kind, so its reply's
+    # max_error is that kind's (the daemon's tolerance is per kind too)

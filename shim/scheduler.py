@@ -591,9 +591,10 @@ class SchedulerSide:
         if items:
             stores.append(StoreJob(st.req_id, items, self._notes_for(st, items)))
             self.stats["store_items"] += len(items)
-        if checks:
-            verifies.append(VerifyJob(st.req_id, checks))
-            self.stats["verify_items"] += len(checks)
+        kinds = {g.group_id: g.kind for g in self.groups}
+        for kind in sorted({kinds[it.group_id] for it in checks}):  # one Verify per group kind
+            verifies.append(VerifyJob(st.req_id, [it for it in checks if kinds[it.group_id] == kind], kind))
+        self.stats["verify_items"] += len(checks)
         st.had_copies |= bool(items or checks)
 
     # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------

@@ -53,10 +53,12 @@ class VerifyTally:
         # checks/matches/divergences/missing: entries, as the daemon counted them; max_error: the largest seen.
         self.totals: dict[str, float] = {"verifies": 0, "verifies_failed": 0, "verify_checks": 0,
                                          "verify_matches": 0, "verify_divergences": 0, "verify_missing": 0,
-                                         "verify_max_error": 0.0}
+                                         "verify_max_error": 0.0, "verify_max_error_full": 0.0,
+                                         "verify_max_error_swa": 0.0}
         self._failure_logged = False
 
-    def result(self, req_id: str, r: VerifyResult) -> None:
+    def result(self, req_id: str, r: VerifyResult, kind: str = "") -> None:
+        """The daemon's reply to one Verify, whose items are all of group kind ``kind`` (full | swa)."""
         t = self.totals
         t["verifies"] += 1
         t["verify_checks"] += r.checked
@@ -64,6 +66,8 @@ class VerifyTally:
         t["verify_divergences"] += r.diverged
         t["verify_missing"] += r.missing
         t["verify_max_error"] = max(t["verify_max_error"], float(r.max_error))
+        if f"verify_max_error_{kind}" in t:
+            t[f"verify_max_error_{kind}"] = max(t[f"verify_max_error_{kind}"], float(r.max_error))
         if r.diverged:
             logger.warning("hkvd: sampled check of %s: %d of %d entries diverged (max error %g)%s", req_id,
                            r.diverged, r.checked, r.max_error, "; the daemon quarantined them" if r.quarantined

@@ -85,6 +85,7 @@ class _Job:
     kind: str  # store | step | verify
     blocks: set[int]
     reqs: set[str] = field(default_factory=set)
+    group_kind: str = ""  # verify: the group kind of its items
 
 
 class WorkerSide:
@@ -223,7 +224,7 @@ class WorkerSide:
                     s.discard(c.req_id)
             if job.kind == "verify":  # never a store's failure, never the link's unless it is down
                 if c.ok:
-                    self.verify.result(",".join(job.reqs), c.get(VerifyResult))
+                    self.verify.result(",".join(job.reqs), c.get(VerifyResult), job.group_kind)
                 else:
                     self.verify.failed(",".join(job.reqs), c.error)
                     if isinstance(c.error, DaemonUnavailable):
@@ -339,7 +340,7 @@ class WorkerSide:
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
             for vj in meta.verifies:  # sampled hits (hkvd.shim.verify): where their stores would have gone
                 rid = client.submit_verify(vj.items, wait_event=event)
-                self._track(rid, _Job("verify", item_blocks(vj.items), {vj.req_id}))
+                self._track(rid, _Job("verify", item_blocks(vj.items), {vj.req_id}, vj.kind))
             offers = [it for _, it in meta.offers]
             checks = [it for _, it in meta.boundary_verifies]
             confirms, self._confirmable = self._confirmable, []

@@ -2,7 +2,9 @@
 
 Role
     Owns every entry's life: WRITING (a store copy is filling it) -> PENDING (a Mamba state copied
-    but not yet confirmed by its engine) -> READY (visible to lookups) -> gone. Allocation evicts
+    but not yet confirmed by its engine) -> READY (visible to lookups) -> gone; a READY entry whose
+    bytes failed their checksum (``mark_corrupt``, ``docs/checksums.md``) is CORRUPT: served by
+    nothing, and gone once no copy pins it and no lease holds it. Allocation evicts
     through the configured policy, passing over entries whose freeing would make no room for it
     (another size class, in a superblock that stays in use; see ``_alloc_evicting``); an entry is
     never evicted or reused while a copy pins it or a lease holds it. The lease table and its
@@ -40,6 +42,7 @@ class EntryState(enum.Enum):
     WRITING = "writing"
     PENDING = "pending"
     READY = "ready"
+    CORRUPT = "corrupt"  # failed its checksum: never served, dropped once unpinned and unleased
 
 
 @dataclass(slots=True)
@@ -54,6 +57,8 @@ class Entry:
     job_id: int = 0  # the store job that wrote it (for pending confirmation)
     parent: bytes = b""  # chunk key of the previous chunk (prefix chain), b"" if chunk 0 or unknown
     tracked: bool = False  # READY and known to the chain tracker
+    # XXH3-64 of its bytes once taken after it turned READY (daemon/integrity/checksums.py); 0: not yet.
+    checksum: int = 0
 
 
 _ENTRIES = "Index entries by state"
@@ -78,6 +83,10 @@ class IndexStats:
     stores_dropped: int = metric("hkvd_index_stores_dropped", "Stores the index dropped (pool full)", "counter")
     by_kind: dict[str, int] = metric("hkvd_entries_by_kind", "Index entries by group kind", key="kind",
                                      default_factory=dict)
+    corrupt: dict[str, int] = metric("hkvd_pool_corrupt", "Pool entries dropped as damaged, by reason (checksum: "
+                                     "their bytes no longer hash to their checksum)", "counter", key="reason",
+                                     default_factory=dict)
+    checksummed: int = metric("hkvd_entries_checksummed", "READY entries whose checksum is taken", default=0)
 
 
 @dataclass(slots=True)
@@ -100,6 +109,7 @@ class Index:
         self._orphans_dropped = 0
         self._orphans_marked = 0
         self._stores_dropped = 0
+        self._corrupt: dict[str, int] = {}
         self.writes = 0  # entries begun since start (the heap policy freezes by it)
         self._groups: dict[bytes, Groups] = {}  # fingerprint -> (full-attention, Mamba) group ids
         self._siblings: dict[bytes, tuple[bytes, ...]] = {}  # fingerprint -> the other ranks' fingerprints
@@ -108,6 +118,8 @@ class Index:
         # ``on_drop`` after any entry left the index, whatever its state. They only read the index.
         self.on_ready: Callable[[Entry], None] | None = None
         self.on_drop: Callable[[Entry], None] | None = None
+        # ``on_checksum`` after an entry turned READY: its checksum is to be taken (off the loop).
+        self.on_checksum: Callable[[Entry], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Entry | None:
@@ -119,6 +131,10 @@ class Index:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def keys(self) -> list[EntryKey]:
+        """Every key in the index now, in insertion order (a copy)."""
+        return list(self._entries)
 
     # ---- writes --------------------------------------------------------------------------------
     def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"") -> Entry | None:
@@ -226,6 +242,27 @@ class Index:
             self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
         if self.on_ready is not None:
             self.on_ready(entry)
+        if self.on_checksum is not None:
+            self.on_checksum(entry)
+
+    def mark_corrupt(self, entry: Entry, reason: str) -> bool:
+        """``entry``'s bytes are damaged: it is served no more (a lookup misses it, a retrieve refuses it)
+        and is dropped now, or once the copy pinning it and the leases holding it are done. Counted
+        under ``reason``. False (nothing done) if ``entry`` is no longer this key's READY entry."""
+        if self._entries.get(entry.key) is not entry or entry.state is not EntryState.READY:
+            return False
+        self.note_corrupt(reason)
+        entry.state = EntryState.CORRUPT
+        self._drop_if_corrupt(entry)
+        return True
+
+    def note_corrupt(self, reason: str) -> None:
+        """Count an entry found damaged (``mark_corrupt``'s, or one never published: a pull's)."""
+        self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
+
+    def _drop_if_corrupt(self, entry: Entry) -> None:
+        if entry.state is EntryState.CORRUPT and entry.pins <= 0 and entry.leases <= 0:
+            self.drop(entry)
 
     def drop(self, entry: Entry) -> None:
         """Remove an entry now (failed copy, invalidated snapshot). Must not be pinned by a reader."""
@@ -255,6 +292,8 @@ class Index:
 
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
+        if entry.state is EntryState.CORRUPT:
+            self._drop_if_corrupt(entry)
 
     def pin_many(self, entries: list[Entry]) -> None:
         touch = self.policy.touch
@@ -263,8 +302,11 @@ class Index:
             touch(entry.key)
 
     def unpin_many(self, entries: list[Entry]) -> None:
+        corrupt = EntryState.CORRUPT
         for entry in entries:
             entry.pins -= 1
+            if entry.state is corrupt:
+                self._drop_if_corrupt(entry)
 
     # ---- leases: the table and its rules are ``self.leases`` (daemon/cache/leases.py) ------------------
     def _hold(self, key: EntryKey) -> bool:
@@ -280,6 +322,8 @@ class Index:
         e = self._entries.get(key)
         if e is not None:
             e.leases -= 1
+            if e.state is EntryState.CORRUPT:
+                self._drop_if_corrupt(e)
 
     # ---- eviction ------------------------------------------------------------------------------
     def _evictable(self, e: Entry) -> bool:
@@ -399,7 +443,9 @@ class Index:
         kinds: dict[str, int] = {}
         pinned = 0
         total = 0
+        checksummed = 0
         for e in self._entries.values():
+            checksummed += e.checksum != 0
             states[e.state] += 1
             kinds[e.kind] = kinds.get(e.kind, 0) + 1
             pinned += e.pins > 0 or e.leases > 0
@@ -409,5 +455,5 @@ class Index:
             writing=states[EntryState.WRITING], bytes_stored=total, leases=len(self.leases),
             pinned_entries=pinned, evictions=self._evictions, orphans_dropped=self._orphans_dropped,
             orphans_marked=self._orphans_marked, chain_nodes=len(self._chains),
-            stores_dropped=self._stores_dropped, by_kind=kinds,
+            stores_dropped=self._stores_dropped, by_kind=kinds, corrupt=dict(self._corrupt), checksummed=checksummed,
         )

@@ -42,6 +42,7 @@ from hkvd.daemon.engines.service_stats import KVEventsStats, RateStats, ServiceS
 from hkvd.daemon.engines.snapshots import SnapshotOrdering, StepOutcome
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
+from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.announcer import Announcer
 from hkvd.daemon.tiers.contract import Tier
@@ -164,7 +165,8 @@ class KVService:
                  executor: Executor, metrics: Metrics, *, disk: DiskTier | None = None,
                  cluster: Tier[ClusterStats] | None = None, peers: PeerService | None = None,
                  heap: HeapPolicy | None = None, announcer: Announcer | None = None,
-                 publisher: ZmqPublisher | None = None, step_executor: Executor | None = None) -> None:
+                 publisher: ZmqPublisher | None = None, step_executor: Executor | None = None,
+                 scrubber: Scrubber | None = None) -> None:
         self.config = config
         self.index = index
         self.registry = registry
@@ -181,6 +183,7 @@ class KVService:
         self.heap = heap
         self.announcer = announcer
         self.publisher = publisher
+        self.scrubber = scrubber  # entry checksums and the scrubber (daemon/integrity/), for their stats
         self.copy_timeout_s = config.current.copy_timeout_s  # not reloadable
         self.descriptors = DescriptorBudget.current()  # the control socket's share (daemon/server.py)
         self.traffic = EngineTraffic()  # per (model, rank): lookups, stores, retrieves
@@ -754,6 +757,7 @@ class KVService:
             shutting_down=self.shutting_down,
             engine_traffic=self.traffic.statistics(),
             latency=self.latencies.statistics(),
+            integrity=self.scrubber.statistics() if self.scrubber is not None else None,
         )
 
     def status(self) -> dict[str, Any]:

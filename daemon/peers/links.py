@@ -43,6 +43,7 @@ from typing import Protocol
 from hkvd.daemon.cache import Cache, HugePagePool
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.registry import EngineState, Registry
+from hkvd.daemon.integrity.checksums import Checksums
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers.auth import TOKEN_ENV, PeerConfigError, parse_allow, read_token
 from hkvd.daemon.peers.layout_book import LayoutBook
@@ -127,6 +128,9 @@ class PeerService:
         self.transport: DataTransport | None = None
         self.server: PeerServer | None = None  # with --peer-listen, once started
         self.client: PeerClient | None = None  # once started
+        # The pool's checksums (set by the owner before ``start``): pulled entries are checked against
+        # the serving daemon's. None: not checked.
+        self.checks: Checksums | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
         self._closed = False
@@ -156,6 +160,7 @@ class PeerService:
         log.info("peer transport: NIXL agent %s (%s), %d MiB pool registered", self.agent_name, transport.name,
                  self.pool.size >> 20)
         self.client = PeerClient(self.cfg, self.token, self.node, self.index, self.pool, transport, self.metrics)
+        self.client.checks = self.checks
         if self.cfg.peer_listen:
             self.server = PeerServer(self.cfg, self.token, self.allow, self.node, self.index, self.pool,
                                      self.layouts, self.agent_name, metadata, self.metrics)

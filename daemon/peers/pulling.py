@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 from hkvd.daemon.cache import Cache, Entry, HitPlan, HugePagePool, required_chunks
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.registry import EngineState
+from hkvd.daemon.integrity.checksums import Checksums, checksum
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers.auth import PeerConfigError, check_proof, client_proof, server_proof, split_address
 from hkvd.transport.aio import FrameStream
@@ -273,6 +274,7 @@ class PeerClient:
         self._agents: dict[str, str] = {}  # serving daemon's agent name -> transport peer name
         self._generation = transport.generation  # of the transport the names in _agents were loaded into
         self.quarantined = 0  # entries waiting for an abandoned READ to settle
+        self.checks: Checksums | None = None  # pulled entries checked against the peer's checksums (PeerService)
 
     # ---- links ---------------------------------------------------------------------------------
     async def _link(self, address: str, fingerprint: bytes) -> PeerLink:
@@ -488,6 +490,7 @@ class PeerClient:
         except BaseException as e:
             self._discard(reads, repr(e))
             raise
+        await self._verify(engine.fingerprint, keys, entries, reply, reads)
         pulled = 0
         for _, begun in reads:
             self.index.complete_store(begun, pending=False)
@@ -498,6 +501,30 @@ class PeerClient:
         self.metrics.observe_rate("peer_read", nbytes, seconds)
         self.metrics.inc("peer_pulled_entries", pulled)
         return ReadResult(nbytes, pulled, seconds, sum(t.descs for t, _ in reads))
+
+    async def _verify(self, fp: bytes, keys: list[bytes], entries: list[RemoteEntry], reply: PeerLookupReply,
+                      reads: list[tuple[Transfer, list[Entry]]]) -> None:
+        """Hash what the READs wrote (off the loop) against the serving daemon's checksums; an entry
+        that differs is given back (never published: a miss) and counted, the others stay."""
+        checks = self.checks
+        if checks is None or not reply.entry_checksums:
+            return
+        want = {(fp, e.group_id, keys[e.chunk_index]): s for e, s in zip(entries, reply.checksums(), strict=True) if s}
+        jobs = [(le, want[le.key]) for _, begun in reads for le in begun if le.key in want]
+        if not jobs:
+            return
+        buffer = self.pool.buffer
+        found = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [checksum(buffer, le.alloc.extents) for le, _ in jobs])
+        bad = {id(le) for (le, w), f in zip(jobs, found, strict=True) if f != w}
+        if not bad:
+            return
+        for (le, w), f in zip(jobs, found, strict=True):
+            if id(le) in bad:
+                checks.note(le.key, "peer_pull", f, w)
+                self.index.abandon_write(le)
+        for i, (t, begun) in enumerate(reads):
+            reads[i] = (t, [le for le in begun if id(le) not in bad])
 
     def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
         need = {(r.group_id, c) for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size)}

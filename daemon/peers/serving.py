@@ -83,6 +83,7 @@ from hkvd.transport.wire.peer import (
     PeerLookupReply,
     PeerRelease,
     PeerWelcome,
+    pack_checksums,
     pack_table,
 )
 
@@ -462,6 +463,7 @@ class PeerServer:
             await asyncio.sleep(WAIT_POLL_S)
         table: list[tuple[int, int, int, int]] = []
         extents: list[tuple[int, int]] = []
+        sums: list[int] = []
         lease_id = served = 0
         if plan.hit_chunks:
             needed = [(gid, c) for gid, chunks in sorted(plan.needed.items()) for c in chunks]
@@ -472,6 +474,7 @@ class PeerServer:
                 assert e is not None  # present() saw it READY in this same loop tick
                 ext = e.alloc.extents
                 table.append((gid, c, e.nbytes, len(ext)))
+                sums.append(e.checksum)
                 extents.extend([(base + off, n) for off, n in ext])
                 served += e.nbytes
         if msg.release_lease and self.index.release(msg.release_lease):
@@ -481,4 +484,4 @@ class PeerServer:
         self.metrics.inc("peer_served_chunks", plan.hit_chunks)
         self.metrics.inc("peer_served_bytes", served)
         return PeerLookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s,
-                               *pack_table(table, extents))
+                               *pack_table(table, extents), pack_checksums(sums) if any(sums) else b"")

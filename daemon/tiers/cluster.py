@@ -60,6 +60,7 @@ from typing import NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from hkvd.daemon.cache import EntryKey, Extent
+from hkvd.daemon.integrity.checksums import checksum
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.cluster_value import FleetKeys, FleetKeyStats, value_key
@@ -401,6 +402,9 @@ class ClusterTier(Tier[ClusterStats]):
         slab = ctypes.addressof(self._put_slab)
         names, ptrs, sizes = [], [], []
         keys = self.keys
+        batch = self._intact(batch)
+        if not batch:
+            return
         for i, job in enumerate(batch):
             fp, gid, ck = job.key
             header = keys.seal(Header(fp, gid, ck, job.kind, job.nbytes, 0, job.parent), self._views(job.extents))
@@ -428,6 +432,20 @@ class ClusterTier(Tier[ClusterStats]):
             self.put_rate.add(nbytes, time.perf_counter() - t0)
         if put:
             self._changed(put, True)
+
+    def _intact(self, batch: list[WriteJob]) -> list[WriteJob]:
+        """The jobs whose pool bytes still match their entry's checksum (or have none yet); the others
+        are reported (their entries leave the pool) and not put."""
+        checks = self.checks
+        if checks is None:
+            return batch
+        out = []
+        for job in batch:
+            if (want := checks.expected(job.key)) and (found := checksum(self.buffer, job.extents)) != want:
+                checks.report(job.key, "cluster_put", found)
+            else:
+                out.append(job)
+        return out
 
     # ---- read-through (daemon/tiers/promotion.py) --------------------------------------------
     async def holds(self, keys: Sequence[EntryKey]) -> set[EntryKey]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from hkvd.daemon.cache import EntryKey, Extent
 
@@ -24,6 +24,18 @@ class Source(NamedTuple):
 
     handle: object
     parent: bytes
+
+
+class EntryChecks(Protocol):
+    """The pool's entry checksums as a tier's writer sees them (``hkvd.daemon.integrity.checksums.Checksums``).
+
+    ``expected(key)``: the checksum of the pinned entry ``key`` (0: not taken yet, so not checked).
+    ``report(key, where, found)``: its bytes hashed to ``found`` instead; the entry is dropped (on the
+    loop, before the write's ``done`` runs). Both are called from the tier's own threads."""
+
+    def expected(self, key: EntryKey) -> int: ...
+
+    def report(self, key: EntryKey, where: str, found: int) -> None: ...
 
 
 class Tier(ABC, Generic[StatsT_co]):
@@ -44,6 +56,9 @@ class Tier(ABC, Generic[StatsT_co]):
     # deleted, found gone) entries, once ``start`` gave it the loop. Set by the owner (KV events,
     # daemon/routing/announcer.py); None: nobody listens.
     listener: Callable[[list[EntryKey], bool], None] | None = None
+    # The pool's checksums: a write-behind hashes the bytes it sends and skips an entry that no longer
+    # matches its checksum (reported, and dropped from the pool). Set by the owner; None: not checked.
+    checks: EntryChecks | None = None
     label: str  # in log lines: "disk tier", "cluster tier"
     budget_s: float  # one lookup's work in this tier
     executor: Executor

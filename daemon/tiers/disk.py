@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hkvd.daemon.cache import Extent
+from hkvd.daemon.integrity.checksums import Digest
 from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.startup_errors import StartupError
@@ -575,10 +576,19 @@ class DiskTier(Tier[DiskStats]):
         try:
             os.lseek(fd, HEADER_BYTES, os.SEEK_SET)
             crc = 0
+            digest = Digest()
             for off, length in job.extents:
                 with self.buffer[off:off + length] as mv:
                     crc = zlib.crc32(mv, crc)
+                    digest.update(mv)
                     _write_all(fd, mv)
+            # Damage in the pool since the entry's checksum was taken: no file, and the entry goes.
+            checks = self.checks
+            if checks is not None and (want := checks.expected(job.key)) and (found := digest.value()) != want:
+                os.close(fd)
+                self._unlink(tmp)
+                checks.report(job.key, "disk_write", found)
+                return
             fp, gid, ck = job.key
             header = Header(fp, gid, ck, job.kind, job.nbytes, crc, job.parent).pack(self.secret)
             if os.pwrite(fd, header, 0) != HEADER_BYTES:

@@ -36,7 +36,8 @@ def main() -> None:
         **args.get("llm", {}),
         kv_transfer_config={
             "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector", "kv_role": role,
-            "kv_connector_extra_config": {"socket_path": args["socket"], **args.get("extra", {})},
+            "kv_connector_extra_config": {"socket_path": args["socket"], "verify_fraction": 0.0,  # hits counted
+                                          **args.get("extra", {})},
         },
     )
     results = []

@@ -61,7 +61,8 @@ def main() -> None:
         kv_transfer_config={
             "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"socket_path": args["socket"], **args.get("extra", {})},
+            "kv_connector_extra_config": {"socket_path": args["socket"], "verify_fraction": 0.0,  # hits counted
+                                          **args.get("extra", {})},
         },
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": args["events"],
                           "replay_endpoint": args["replay"]},

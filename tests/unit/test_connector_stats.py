@@ -102,6 +102,12 @@ def test_prometheus_counters_add_each_interval() -> None:
     assert registry.get_sample_value("vllm:hkvd_load_settles_won_total", labels) == 2
     assert registry.get_sample_value("vllm:hkvd_load_settle_seconds_total", labels) == pytest.approx(0.01)
     assert registry.get_sample_value("vllm:hkvd_loads_reported_early_total", labels) == 4
+    prom.observe({"verify_checks": 3, "verify_max_error": 0.01, "verify_max_error_swa": 0.01})
+    prom.observe({"verify_checks": 2, "verify_max_error": 0.002, "verify_max_error_full": 0.002})  # a lower maximum
+    assert registry.get_sample_value("vllm:hkvd_verify_checks_total", labels) == 5
+    assert registry.get_sample_value("vllm:hkvd_verify_max_error", {**labels, "kind": "all"}) == 0.01
+    assert registry.get_sample_value("vllm:hkvd_verify_max_error", {**labels, "kind": "swa"}) == 0.01
+    assert registry.get_sample_value("vllm:hkvd_verify_max_error", {**labels, "kind": "full"}) == 0.002
 
 
 def test_sampled_checks_count_entries_and_keep_the_largest_error() -> None:
@@ -110,9 +116,11 @@ def test_sampled_checks_count_entries_and_keep_the_largest_error() -> None:
     w1 = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock"))
     w2 = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock"))
     r1, r2 = StatsReporter(), StatsReporter()
-    w1.verify.result("a", VerifyResult(4096, checked=8, diverged=0, missing=1, max_error=0.0078, quarantined=False))
+    w1.verify.result("a", VerifyResult(4096, checked=8, diverged=0, missing=1, max_error=0.0078, quarantined=False),
+                     "full")
     w1.verify.failed("b", "unknown message type")  # a daemon without verification: counted, nothing compared
-    w2.verify.result("c", VerifyResult(4096, checked=4, diverged=1, missing=0, max_error=0.5, quarantined=True))
+    w2.verify.result("c", VerifyResult(4096, checked=4, diverged=1, missing=0, max_error=0.5, quarantined=True),
+                     "swa")
     s1, s2 = r1.take(w1.transfer_totals()), r2.take(w2.transfer_totals())
     assert s1 is not None and s2 is not None
     total = HkvdConnector.build_kv_connector_stats(s1.to_dict())
@@ -122,6 +130,7 @@ def test_sampled_checks_count_entries_and_keep_the_largest_error() -> None:
                                  "verifies_failed", "verify_max_error")} == {
         "verify_checks": 12, "verify_matches": 11, "verify_divergences": 1, "verify_missing": 1,
         "verifies_failed": 1, "verify_max_error": 0.5}  # the maximum across workers, never their sum
+    assert (line["verify_max_error_full"], line["verify_max_error_swa"]) == (0.0078, 0.5)  # per group kind
     # A later interval with a smaller error: the running maximum stays, the counts are the new ones.
     w1.verify.result("d", VerifyResult(512, checked=2, diverged=0, missing=0, max_error=0.001, quarantined=False))
     later = r1.take(w1.transfer_totals())

@@ -23,13 +23,14 @@ Handshake (every step bounded by the daemon's peer timeout)
 
 Requests (after the handshake; ``req_id`` chosen by the client, echoed in the reply)
     ``PeerLookup(req_id, fingerprint, keys, max_chunks, wait_s, release_lease)`` ->
-    ``PeerLookupReply(req_id, hit_chunks, lease_id, lease_ttl_s, entry_table, entry_extents)``: the serving daemon
-    applies the hybrid hit rule to ``keys`` (capped at ``max_chunks``), waiting up to ``wait_s`` for
-    the hit to reach ``max_chunks`` (Mamba states become visible when their engine confirms them),
-    leases the entries that hit needs, releases ``release_lease`` (the producer's hold, if any) and
-    lists each entry as a row ``group_id, chunk_index, nbytes, n`` of ``entry_table`` and its ``n``
-    extents ``addr, len`` in ``entry_extents`` (both packed little-endian uint64): the entry's bytes
-    in order, at addresses of its registered pool.
+    ``PeerLookupReply(req_id, hit_chunks, lease_id, lease_ttl_s, entry_table, entry_extents[, entry_checksums])``:
+    the serving daemon applies the hybrid hit rule to ``keys`` (capped at ``max_chunks``), waiting up
+    to ``wait_s`` for the hit to reach ``max_chunks`` (Mamba states become visible when their engine
+    confirms them), leases the entries that hit needs, releases ``release_lease`` (the producer's
+    hold, if any) and lists each entry as a row ``group_id, chunk_index, nbytes, n`` of
+    ``entry_table`` and its ``n`` extents ``addr, len`` in ``entry_extents`` (both packed
+    little-endian uint64): the entry's bytes in order, at addresses of its registered pool; and,
+    optionally, each entry's checksum in ``entry_checksums`` (one uint64 per row, 0: none).
     ``PeerRelease(req_id, lease_id)``: no reply (like ``Release``); an unknown lease is ignored.
     Leases expire on their own after ``lease_ttl_s``; a pulling daemon finishes its READs before
     that or discards what it read.
@@ -169,12 +170,25 @@ class PeerLookupReply(Message):
     lease_ttl_s: float
     entry_table: bytes
     entry_extents: bytes
+    # Optional, trailing (an older daemon sends none): each entry's checksum (XXH3-64 of its bytes; 0:
+    # not taken yet), one little-endian uint64 per row of ``entry_table``. The puller checks the bytes
+    # it READ against it before it publishes them.
+    entry_checksums: bytes = b""
 
     def validate(self) -> None:
         check_u64(self.lease_id, "lease_id")
         if self.hit_chunks < 0:
             raise ProtocolViolation("PeerLookupReply.hit_chunks must be >= 0")
         check_entries(self.entry_table, self.entry_extents)
+        if self.entry_checksums and len(self.entry_checksums) * ENTRY_COLUMNS != len(self.entry_table):
+            raise ProtocolViolation("PeerLookupReply.entry_checksums holds one little-endian uint64 per entry, "
+                                    f"got {len(self.entry_checksums)} bytes for {len(self.entry_table) // 32} entries")
+
+    def checksums(self) -> list[int]:
+        """Each entry's checksum, in entry order (0: none); all 0 when the peer sent none."""
+        if not self.entry_checksums:
+            return [0] * (len(self.entry_table) // (8 * ENTRY_COLUMNS))
+        return np.frombuffer(self.entry_checksums, dtype=_U64).tolist()
 
     def entries(self) -> list[RemoteEntry]:
         """The entries, in the order the serving daemon listed them (already checked at decode)."""
@@ -208,6 +222,11 @@ def pack_table(table: list[tuple[int, int, int, int]], extents: list[tuple[int, 
     """``pack_entries`` from its rows and its extents (in entry order), for a caller that has them."""
     return (np.array(table, dtype=_U64).reshape(-1, ENTRY_COLUMNS).tobytes(),
             np.array(extents, dtype=_U64).reshape(-1, 2).tobytes())
+
+
+def pack_checksums(sums: list[int]) -> bytes:
+    """``entry_checksums``: one little-endian uint64 per entry, in entry order."""
+    return np.array(sums, dtype=_U64).tobytes()
 
 
 def _arrays(table: bytes, extents: bytes) -> tuple[np.ndarray, np.ndarray]:
