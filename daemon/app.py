@@ -46,6 +46,8 @@ from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.engines.service_stats import ServiceStats
 from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.http import HTTPEndpoint, build_registry, ipaddress_is_loopback, text
+from hkvd.daemon.integrity.checksums import Checksums
+from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import CounterStats, Metrics
 from hkvd.daemon.notify import Notifier
 from hkvd.daemon.peers.links import PeerService, peers_wanted
@@ -98,6 +100,8 @@ class Daemon:
         self.server: Server | None = None
         self.service: KVService | None = None
         self.disk: DiskTier | None = None
+        self.checks: Checksums | None = None  # entry checksums and the scrubber, once the index is built
+        self.scrubber: Scrubber | None = None
         self.cluster: ClusterTier | None = None  # with --cluster
         self.copy_engine: CopyEngine | None = None  # built here, closed here (shutdown, or a failed start)
         self.ready_hooks: list[Callable[[], None]] = []
@@ -198,7 +202,10 @@ class Daemon:
                 self.disk.close(timeout_s=1.0)  # no-op after a clean shutdown; start-up failures land here
             if self.cluster is not None:  # before the pool goes: Mooncake moves bytes in and out of it
                 await asyncio.to_thread(self.cluster.close, 1.0)
-            if self.disk is not None and self.disk.busy():
+            hashing = self._stop_hashing()
+            if hashing:
+                log.warning("integrity: %s is still hashing; leaving the pool mapped until exit", hashing)
+            elif self.disk is not None and self.disk.busy():
                 log.warning("disk tier: a read or write is still running; leaving the pool mapped until exit")
             elif self.cluster is not None and self.cluster.busy():
                 log.warning("cluster tier: a put or get is still running; leaving the pool mapped until exit")
@@ -206,6 +213,14 @@ class Daemon:
                 self.pool.close()
         log.info("hkvd stopped")
         return 0
+
+    def _stop_hashing(self) -> str:
+        """Stop the checksum and scrub threads (they read the pool); the name of one still running, if any."""
+        if self.scrubber is not None and not self.scrubber.stop(1.0):
+            return "the scrubber"
+        if self.checks is not None and not self.checks.stop(1.0):
+            return "the checksum thread"
+        return ""
 
     def _as_startup_error(self, e: BaseException) -> BaseException:
         """A failure before ready (the pool, the socket, a tier, the peers) is a ``StartupError``."""
@@ -242,17 +257,27 @@ class Daemon:
                                                               cuda_copy_method=cfg.cuda_copy_method,
                                                               cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
             index = Cache(self.pool, make_policy(cfg.eviction_policy))
+            # Entry checksums (docs/checksums.md): taken as entries turn READY, checked by the tiers'
+            # write-behind, peer pulls and the scrubber.
+            self.checks = Checksums(index, self.pool.buffer)
+            self.checks.start(loop)
+            for tier in (self.disk, self.cluster):
+                if tier is not None:
+                    tier.checks = self.checks
+            self.scrubber = Scrubber(index, self.checks, cfg.scrub_rate_mb)
+            self.scrubber.start(loop)
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool, formats=index.formats)
             announcer = self._start_kv_events(loop, index)
             if peers_wanted(cfg):
 
                 self.peers = PeerService(cfg, self.pool, index, registry, self.metrics)
+                self.peers.checks = self.checks
                 await self.peers.start()
                 background.append(tg.create_task(self.peers.run()))
             self.service = KVService(self.config, index, registry, copy_engine, executor, self.metrics,
                                      disk=self.disk, cluster=self.cluster, peers=self.peers, heap=self.heap,
                                      announcer=announcer, publisher=self.publisher,
-                                     step_executor=step_executor)
+                                     step_executor=step_executor, scrubber=self.scrubber)
             self.routing = UsablePrefix(self.service, self.metrics, book=FormatBook(index.formats))
             self.server = Server(cfg, self.service)
             await self.server.start()  # listening: connections are accepted from here on

@@ -97,6 +97,7 @@ class DaemonConfig:
     peer_max_connections: int = 128
     peer_max_connections_per_address: int = 16
     gc_freeze_every: int = DEFAULT_FREEZE_EVERY  # entries written between gc.freeze() calls (daemon/heap.py); 0 = off
+    scrub_rate_mb: int = 256  # MB/s the scrubber re-hashes pool entries at (daemon/integrity/scrub.py); 0 = off
     # KV events (docs/routing.md): vLLM's ZMQ publisher protocol, node-wide; empty = not published.
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
@@ -157,6 +158,8 @@ class DaemonConfig:
                               "freezes of the heap; 0 leaves Python's collector as it is)")
         if self.mamba_checkpoint_interval < 1:
             raise ConfigError("--mamba-checkpoint-interval must be >= 1 (1 keeps every boundary state)")
+        if not 0 <= self.scrub_rate_mb <= 100_000:
+            raise ConfigError(f"--scrub-rate-mb {self.scrub_rate_mb}: choose 0 (no scrubber) to 100000 MB/s")
         if not 1 << 12 <= self.max_frame_bytes <= 1 << 30:
             raise ConfigError("max_frame_bytes must be between 4 KiB and 1 GiB")
         for name in ("peer_timeout_s", "peer_pull_timeout_s"):

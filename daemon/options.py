@@ -218,6 +218,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--gc-freeze-every", "gc_freeze_every", int, "10000",
            "entries written between moves of the heap out of Python's cyclic collector (docs/operating.md); "
            "0 = off", "N"),
+    Option("--scrub-rate-mb", "scrub_rate_mb", int, "256",
+           "MB/s at most that the scrubber re-hashes pool entries at, to catch damaged bytes before they are served "
+           "(docs/checksums.md); 0 = no scrubber", "N"),
 )
 # DaemonConfig fields no user sets: tests and benchmarks pass them directly.
 INTERNAL_FIELDS = ("max_frame_bytes", "superblock_bytes")

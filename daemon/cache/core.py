@@ -35,6 +35,8 @@ from hkvd.daemon.cache.leases import Lease
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.transport.errors import PoolFull
 
+_UNFINISHED = (EntryState.WRITING, EntryState.PENDING)  # may still turn READY (a CORRUPT entry never does)
+
 #: ``has(entry_key)``: is that entry available where the plan may take it from?
 HasFn = Callable[[EntryKey], bool]
 
@@ -98,7 +100,7 @@ class Cache(Index):
 
     def busy(self, shape: Shape, keys: Sequence[bytes], fingerprint: bytes, hit: int) -> bool:
         """Whether an entry a hit of ``hit`` chunks needs is in the index but not READY (being written)."""
-        return any((e := self.get((fingerprint, r.group_id, keys[c]))) is not None and e.state is not EntryState.READY
+        return any((e := self.get((fingerprint, r.group_id, keys[c]))) is not None and e.state in _UNFINISHED
                    for r in shape.rules for c in required_chunks(r, hit, shape.chunk_size))
 
     # ---- leases --------------------------------------------------------------------------------

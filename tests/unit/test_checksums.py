@@ -49,8 +49,9 @@ def flip(cache: Cache, e: Entry, at: int = 0) -> None:
 
 
 async def until(cond, what: str, timeout_s: float = 20.0) -> None:
+    """Wait for ``cond()`` (``what``, for the failure) within ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
-        while not cond():
+        while not cond():  # noqa: ASYNC110  (set by other threads and callbacks: polled)
             await asyncio.sleep(0.005)
 
 
