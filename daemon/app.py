@@ -73,7 +73,8 @@ PROGRESS_EVERY_S = 1.0
 # progresses is never killed, whatever the pool size; one stuck this long is (TimeoutStartSec rules).
 EXTEND_TIMEOUT_S = 60.0
 CLUSTER_KEYS = ("cluster_key_file", "cluster_accept_key_file")  # reloadable, once the files pass their checks
-RELOADABLE = ("log_level", "lease_ttl_s", *CLUSTER_KEYS)
+RELOADABLE = ("log_level", "lease_ttl_s", "verify_tolerance", "verify_mamba_tolerance", "quarantine_after",
+              "quarantine_window_s", *CLUSTER_KEYS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -472,7 +473,10 @@ class Daemon:
             self.heap.maybe_freeze(index.writes)
 
     def reload(self) -> None:
-        """SIGHUP: apply the reloadable keys of the re-read config; log the rest as needing a restart."""
+        """SIGHUP: lift every quarantine (docs/verification.md); apply the reloadable keys of the re-read config;
+        log the rest as needing a restart."""
+        if self.service is not None:
+            self.service.quarantine.lift_all("SIGHUP")
         if self.reload_config is None:
             log.info("SIGHUP: started without --config; nothing to reload")
             return

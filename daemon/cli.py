@@ -31,7 +31,8 @@ from hkvd.daemon.tiers.cluster_value import FleetKeys
 from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_body, encode
 from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 from hkvd.transport.paths import default_socket_path
-from hkvd.transport.wire import PROTOCOL_VERSION, control, kv
+from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
+from hkvd.transport.wire.replies import QuarantineLifted
 
 
 def _serve_parser(sub: Any) -> None:
@@ -46,12 +47,27 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
 
 def query_status(socket_path: str, timeout_s: float) -> dict[str, Any]:
     """Hello, then Status, on one blocking connection: what ``hkvd status`` shows. Raises ``KVError``."""
+    reply = _ask(socket_path, timeout_s, control.Status(1), "hkvd-status")
+    assert isinstance(reply, control.StatusReply)
+    return reply.status
+
+
+def lift_quarantine(socket_path: str, timeout_s: float, fingerprint: str) -> list[str]:
+    """``hkvd quarantine --clear``: the (fingerprint/group) pairs the daemon serves again. Raises ``KVError``."""
+    reply = _ask(socket_path, timeout_s, control.LiftQuarantine(1, fingerprint), "hkvd-quarantine")
+    assert isinstance(reply, kv.Done)
+    lifted = QuarantineLifted.from_done(reply.nbytes, reply.info).lifted
+    return lifted.split(",") if lifted else []
+
+
+def _ask(socket_path: str, timeout_s: float, request: Message, name: str) -> Message:
+    """Hello, then ``request`` (req_id 1), on one blocking connection; its answer. Raises ``KVError``."""
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
             sock.connect(socket_path)
-            sock.sendall(encode(control.Hello(PROTOCOL_VERSION, "hkvd-status", "tool")) + encode(control.Status(1)))
+            sock.sendall(encode(control.Hello(PROTOCOL_VERSION, name, "tool")) + encode(request))
         except OSError as e:
             raise DaemonUnavailable(f"cannot reach hkvd at {socket_path}: {e.strerror or e}; is `hkvd serve` "
                                     "running with the same --socket?") from None
@@ -65,8 +81,8 @@ def query_status(socket_path: str, timeout_s: float) -> dict[str, Any]:
                 raise DaemonUnavailable(f"hkvd at {socket_path} closed the connection before answering")
             for body in decoder.feed(data):
                 match decode_body(body):
-                    case control.StatusReply(status=status):
-                        return status
+                    case control.StatusReply() | kv.Done() as answer:
+                        return answer
                     case kv.Error(code=code, message=message):
                         raise error_from_wire(code, message)
     raise KVTimeout(f"hkvd at {socket_path} did not answer within {timeout_s:g} s; raise --timeout-s")
@@ -82,6 +98,27 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, default=str))
     else:
         print(format_status(status))
+    return 0
+
+
+def _quarantine(args: argparse.Namespace) -> int:
+    """``hkvd quarantine``: list the quarantined (fingerprint, group) pairs; ``--clear FP`` lifts them."""
+    path = args.socket or default_socket_path()
+    try:
+        if args.clear:
+            lifted = lift_quarantine(path, args.timeout_s, args.clear.lower())
+            print(f"lifted: {', '.join(lifted)}" if lifted else f"no quarantine matched {args.clear}")
+            return 0
+        status = query_status(path, args.timeout_s)
+    except KVError as e:
+        print(f"hkvd quarantine: {e}", file=sys.stderr)
+        return 1
+    held = [g for g in (status.get("verify") or {}).get("groups", []) if g["quarantined"]]
+    for g in held:
+        print(f"{g['fingerprint']} group {g['group']} ({g['kind']}): {g['divergences']} divergences, largest error "
+              f"{g['max_error']:.4g}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(g['since']))}")
+    if not held:
+        print("nothing quarantined")
     return 0
 
 
@@ -116,6 +153,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_peer(s),
         *_status_heap(s),
         *_status_descriptors(s),
+        *_status_verify(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -123,6 +161,21 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  #{e['engine_id']:<3} {e['role']:9} pid {e['pid']:<7} {e['model']} rank {e['rank']}/"
                      f"{e['world_size']} chunk {e['chunk_size']} [{groups}]")
     return "\n".join(lines)
+
+
+def _status_verify(s: dict[str, Any]) -> list[str]:
+    """Sampled hits compared, and each quarantined (fingerprint, group) (absent in older daemons)."""
+    v = s.get("verify")
+    if v is None:
+        return []
+    rows = v["groups"]
+    total = {k: sum(int(r[k]) for r in rows) for k in ("checks", "divergences", "missing")}
+    lines = [f"verify    {total['checks']} entries compared, {total['divergences']} diverged, {total['missing']} "
+             f"missing; {sum(1 for r in rows if r['quarantined'])} quarantined"]
+    lines += [f"  QUARANTINED {r['fingerprint']} group {r['group']} ({r['kind']}): {r['divergences']} divergences, "
+              f"largest error {r['max_error']:.4g}; lift: hkvd quarantine --clear {r['fingerprint']}"
+              for r in rows if r["quarantined"]]
+    return lines
 
 
 def _pages(pool: dict[str, Any]) -> str:
@@ -328,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--timeout-s", type=float, default=5.0)
+    qu = sub.add_parser("quarantine", help="list quarantined layouts and groups; --clear lifts them")
+    qu.add_argument("--clear", metavar="FINGERPRINT", help="serve again the groups of this layout fingerprint "
+                    "(8 to 32 hex digits, as hkvd status shows it), or all")
+    qu.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
+    qu.add_argument("--timeout-s", type=float, default=5.0)
     ins = sub.add_parser("install-service", help="install the systemd unit and /etc/hkvd/hkvd.toml")
     ins.add_argument("--prefix", default="/", help="root to install under (default /)")
     ins.add_argument("--user", help="the user the engines run as; hkvd runs as it (default: $SUDO_USER; "
@@ -336,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "status":
         return _status(args)
+    if args.cmd == "quarantine":
+        return _quarantine(args)
     if args.cmd == "install-service":
         return install_service(args.prefix, user=args.user, force=args.force)
     try:

@@ -63,6 +63,11 @@ class DaemonConfig:
     cuda_pin_chunk_gib: int = 512  # the pool's pinned registrations, at most this many GiB each (hkvd.cuda.hostreg)
     event_loop: str = "uvloop"  # uvloop (a dependency) or asyncio (the standard library's loop)
     mamba_checkpoint_interval: int = 1
+    # Sampled hits recomputed and compared (daemon/integrity/compare.py, quarantine.py; docs/verification.md)
+    verify_tolerance: float = 0.1  # full and swa entries: max abs error / max abs value of the stored entry
+    verify_mamba_tolerance: float = 0.3  # Mamba/GDN states (recurrent states drift more under another chunking)
+    quarantine_after: int = 3  # divergences of one (fingerprint, group) within quarantine_window_s
+    quarantine_window_s: float = 600.0
     shutdown_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
     superblock_bytes: int = 0  # 0: derived from the pool size (daemon/cache/pool.py); else a multiple of 2 MiB
@@ -160,6 +165,12 @@ class DaemonConfig:
             raise ConfigError("--mamba-checkpoint-interval must be >= 1 (1 keeps every boundary state)")
         if not 0 <= self.scrub_rate_mb <= 100_000:
             raise ConfigError(f"--scrub-rate-mb {self.scrub_rate_mb}: choose 0 (no scrubber) to 100000 MB/s")
+        for name in ("verify_tolerance", "verify_mamba_tolerance", "quarantine_window_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be > 0")
+        if self.quarantine_after < 1:
+            raise ConfigError(f"--quarantine-after {self.quarantine_after}: must be >= 1 (divergences within "
+                              "--quarantine-window-s that quarantine a fingerprint and group)")
         if not 1 << 12 <= self.max_frame_bytes <= 1 << 30:
             raise ConfigError("max_frame_bytes must be between 4 KiB and 1 GiB")
         for name in ("peer_timeout_s", "peer_pull_timeout_s"):

@@ -140,6 +140,16 @@ OPTIONS: tuple[Option, ...] = (
            example='"uvloop"'),
     Option("--mamba-checkpoint-interval", "mamba_checkpoint_interval", int, "1",
            "keep a Mamba state only every K chunks (1 keeps every boundary)", "K"),
+    Option("--verify-tolerance", "verify_tolerance", float, "0.1",
+           "a sampled hit's recomputed attention entry (full, swa) diverges when its largest difference exceeds "
+           "this share of the stored entry's largest value (docs/verification.md); reloadable", "X"),
+    Option("--verify-mamba-tolerance", "verify_mamba_tolerance", float, "0.3",
+           "the same bound for Mamba/GDN states, which drift more under another prefill chunking; reloadable", "X"),
+    Option("--quarantine-after", "quarantine_after", int, "3",
+           "divergences of one engine fingerprint and group within --quarantine-window-s that stop its entries "
+           "being served until `hkvd quarantine --clear` or SIGHUP; reloadable", "N"),
+    Option("--quarantine-window-s", "quarantine_window_s", float, "600",
+           "the window --quarantine-after counts divergences in; reloadable", "S"),
     Option("--shutdown-timeout-s", "shutdown_timeout_s", float, "10",
            "on SIGTERM, how long in-flight copies and the disk queue may take to drain", "S", "10"),
     Option("--io-timeout-s", "io_timeout_s", float, "10",

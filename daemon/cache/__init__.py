@@ -16,6 +16,7 @@ from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, mamba_checkpoint_keep, 
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, IndexStats
 from hkvd.daemon.cache.pool import (
     MIN_SUPERBLOCK_BYTES,
+    Allocation,
     Extent,
     HugePagePool,
     PoolStats,
@@ -25,8 +26,8 @@ from hkvd.daemon.cache.pool import (
 from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
 
 __all__ = [
-    "MAX_WORLDS", "MIN_SUPERBLOCK_BYTES", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy", "Extent",
-    "Formats", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PoolStats", "Prefaulter", "Shape",
-    "WorldFormat", "default_threads", "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "plan_keys",
+    "MAX_WORLDS", "MIN_SUPERBLOCK_BYTES", "Allocation", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy",
+    "Extent", "Formats", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PoolStats", "Prefaulter",
+    "Shape", "WorldFormat", "default_threads", "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "plan_keys",
     "plan_ranks", "required_chunks", "smallest_pool_bytes", "superblocks_needed",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from hkvd.daemon.cache.eviction import EvictionPolicy
@@ -32,7 +32,7 @@ from hkvd.daemon.cache.formats import Formats
 from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, plan_hit, required_chunks
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.cache.leases import Lease
-from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.transport.errors import PoolFull
 
 _UNFINISHED = (EntryState.WRITING, EntryState.PENDING)  # may still turn READY (a CORRUPT entry never does)
@@ -90,13 +90,22 @@ class Cache(Index):
                  formats: Formats | None = None) -> None:
         super().__init__(pool, policy, clock)
         self.formats = formats if formats is not None else Formats()
+        # (fingerprint, group) pairs whose entries no plan takes (quarantined: daemon/integrity/quarantine.py)
+        self.withheld: Collection[tuple[bytes, int]] = ()
 
     # ---- hits ----------------------------------------------------------------------------------
     def plan(self, shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], *, has: HasFn | None = None,
              max_chunks: int | None = None, missing: dict[str, int] | None = None) -> HitPlan:
         """The hit every rank of ``fingerprints`` can be served: from the pool (READY entries), or from
         whatever ``has`` says is there (a plan over the lower tiers, or a router's question)."""
-        return plan_ranks(shape, keys, fingerprints, self.is_ready if has is None else has, max_chunks, missing)
+        present = self.is_ready if has is None else has
+        if self.withheld:
+            withheld, base = self.withheld, present
+
+            def present(key: EntryKey) -> bool:
+                return (key[0], key[1]) not in withheld and base(key)
+
+        return plan_ranks(shape, keys, fingerprints, present, max_chunks, missing)
 
     def busy(self, shape: Shape, keys: Sequence[bytes], fingerprint: bytes, hit: int) -> bool:
         """Whether an entry a hit of ``hit`` chunks needs is in the index but not READY (being written)."""
@@ -146,6 +155,11 @@ class Cache(Index):
     def complete_store(self, entries: list[Entry], *, pending: bool) -> None:
         """The copies into ``entries`` completed: READY (or PENDING, awaiting their engine's confirmation)."""
         self.finish_writes(entries, pending=pending)
+
+    def scratch(self, nbytes: int) -> Allocation:
+        """Pool room for bytes that are no entry (a sampled hit's recomputed blocks, compared and given
+        back with ``pool.free``), evicting as a store would; raises PoolFull."""
+        return self._alloc_evicting(nbytes)
 
     def pin_for_read(self, entries: list[Entry]) -> Callable[[], None]:
         """Pin ``entries`` while a copy reads them; the returned call unpins them (call it once)."""

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hkvd.daemon.cache import Cache, Entry, EntryState, Extent, HitPlan, mamba_checkpoint_keep
+from hkvd.daemon.cache import Allocation, Cache, Entry, EntryState, Extent, HitPlan, mamba_checkpoint_keep
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
 from hkvd.daemon.engines.engine_traffic import EngineTraffic
@@ -42,6 +42,8 @@ from hkvd.daemon.engines.service_stats import KVEventsStats, RateStats, ServiceS
 from hkvd.daemon.engines.snapshots import SnapshotOrdering, StepOutcome
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
+from hkvd.daemon.integrity.compare import entry_error, tolerance
+from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.announcer import Announcer
@@ -71,7 +73,14 @@ from hkvd.transport.stat_fields import status_dict
 from hkvd.transport.wire import Message, control, events, kv, peer
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.kv import Item
-from hkvd.transport.wire.replies import Acknowledged, RetrieveResult, StepResult, StoreResult
+from hkvd.transport.wire.replies import (
+    Acknowledged,
+    QuarantineLifted,
+    RetrieveResult,
+    StepResult,
+    StoreResult,
+    VerifyResult,
+)
 
 if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py does), and they import NIXL's host, zmq
     from hkvd.daemon.peers.links import PeerService
@@ -98,6 +107,8 @@ class Conn:
     snapshots: SnapshotOrdering | None = None
     # step-event job id -> entries it wrote that await the engine's confirmation
     pending: dict[int, list[Entry]] = field(default_factory=dict)
+    # step-event job id -> boundary states it copied for a sampled hit (scratch), compared once confirmed
+    verifying: dict[int, list[Scratch]] = field(default_factory=dict)
     aborted: set[int] = field(default_factory=set)
     jobs: set[int] = field(default_factory=set)  # job ids (store, retrieve, step event) not finished yet
     inflight: int = 0
@@ -107,6 +118,14 @@ class Conn:
     # Stops the adapter watching ``process``'s pidfd (daemon/server.py); run before the pidfd is closed.
     unwatch: Callable[[], None] | None = None
     gone: bool = False  # the engine process exited or its connection ended: its copies were abandoned
+
+
+class Scratch(NamedTuple):
+    """A sampled hit's recomputed entry: the item naming it, its group, the pool room holding the copy."""
+
+    item: Item
+    group: GroupSpec
+    alloc: Allocation
 
 
 def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
@@ -133,6 +152,11 @@ def _settle_future(fut: asyncio.Future[CopyResult], ticket: Any) -> None:
         fut.set_result(ticket.result)
     else:
         fut.set_exception(exc)
+
+
+def _gather(buffer: memoryview, extents: tuple[Extent, ...]) -> bytes:
+    """An allocation's bytes, in entry order."""
+    return b"".join(buffer[x.pool_offset:x.pool_offset + x.length] for x in extents)
 
 
 def _settled_copy(fut: asyncio.Future[CopyResult]) -> None:
@@ -188,6 +212,9 @@ class KVService:
         self.descriptors = DescriptorBudget.current()  # the control socket's share (daemon/server.py)
         self.traffic = EngineTraffic()  # per (model, rank): lookups, stores, retrieves
         self.latencies = Latencies()  # lookup, store, retrieve: request to reply
+        self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
+        index.withheld = self.quarantine
+        self._checks: set[asyncio.Task[None]] = set()  # comparisons of confirmed boundary states
 
     @property
     def cfg(self) -> DaemonConfig:
@@ -239,6 +266,9 @@ class KVService:
             case events.StepEvent():
                 conn.jobs.add(msg.req_id)
                 return self._step_event(conn, msg)
+            case kv.Verify():
+                conn.jobs.add(msg.req_id)
+                return self._verify(conn, msg)
             case events.KVEventsPoll():
                 self._poll_events(conn, msg)
             case control.Ping():
@@ -262,6 +292,10 @@ class KVService:
                 conn.send(Acknowledged().to_done(msg.req_id))
             case control.Status():
                 conn.send(control.StatusReply(msg.req_id, self.status()))
+            case control.LiftQuarantine():
+                lifted = (self.quarantine.lift_all("hkvd quarantine --clear all") if msg.fingerprint == "all"
+                          else self.quarantine.lift(msg.fingerprint))
+                conn.send(QuarantineLifted(0, ",".join(f"{fp.hex()}/{g}" for fp, g in lifted)).to_done(msg.req_id))
             case control.Hello() | control.Bye():
                 pass  # handled by the adapter
             case _:
@@ -466,6 +500,10 @@ class KVService:
                 self.metrics.inc("retrieve_misses")
                 raise NotFound(f"group {it.group_id} chunk {it.chunk_index} is not in the cache (evicted, "
                                "or never stored); recompute it")
+            if (fp, it.group_id) in self.quarantine:
+                self.metrics.inc("retrieve_misses")
+                raise NotFound(f"group {it.group_id} of this engine's layout is quarantined (its entries diverged "
+                               "from their recomputation; docs/verification.md); recompute it")
             entries.append(e)
         segments = layout.segments_for_entries(
             [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
@@ -510,17 +548,22 @@ class KVService:
     async def _step_event(self, conn: Conn, msg: events.StepEvent) -> None:
         engine = self._engine(conn, copy=True)
         assert conn.snapshots is not None
-        offers = msg.offers
-        for it in offers:
-            if engine.check_item(it).kind != "mamba":
-                raise ProtocolViolation(f"StepEvent offers carry Mamba states only; group {it.group_id} is "
-                                        f"{engine.groups[it.group_id].kind}")
+        offers, verifies = msg.offers, msg.verifies
+        for field_name, items in (("offers", offers), ("verifies", verifies)):
+            for it in items:
+                if engine.check_item(it).kind != "mamba":
+                    raise ProtocolViolation(f"StepEvent {field_name} carry Mamba states only; group {it.group_id} "
+                                            f"is {engine.groups[it.group_id].kind}")
         notes = self._check_notes(engine, msg.parsed_notes(), offers)
-        decision = conn.snapshots.on_step_event(msg.seq, msg.step, msg.req_id, offers, list(msg.confirms))
+        # Offers and verifies of one event are one job: copied, invalidated and confirmed together.
+        decision = conn.snapshots.on_step_event(msg.seq, msg.step, msg.req_id, [*offers, *verifies],
+                                                list(msg.confirms))
         for job in decision.visible:
             for e in conn.pending.pop(job, []):
                 if self.index.confirm(e):  # not if it was dropped meanwhile: its pages may hold another entry
                     self._write_behind([e])
+            if job in conn.verifying:
+                self._start_check(conn, engine, conn.verifying.pop(job))
         self._drop_jobs(conn, list(decision.invalidated))
         self.metrics.inc("step_events", outcome=decision.outcome.value)
         if decision.outcome is StepOutcome.GAP:
@@ -534,11 +577,21 @@ class KVService:
         except BaseException:
             conn.snapshots.on_copy_failed(msg.req_id)
             raise
+        try:
+            scratch = await self._copy_scratch(conn, engine, verifies, msg.wait_event, urgent=True)
+        except BaseException:
+            conn.snapshots.on_copy_failed(msg.req_id)
+            for e in written:
+                self.index.drop(e)
+            raise
         if conn.snapshots.on_copy_done(msg.req_id):
             conn.pending[msg.req_id] = written
+            if scratch:
+                conn.verifying[msg.req_id] = scratch
         else:  # invalidated while copying: the block may have been reused under us
             for e in written:
                 self.index.drop(e)
+            self._free_scratch(scratch)
         conn.send(StepResult.after_copy(decision.outcome.value, copied).to_done(msg.req_id))
 
     def _check_notes(self, engine: EngineState, notes: list[BlockNote], items: list[Item]) -> list[BlockNote]:
@@ -559,6 +612,7 @@ class KVService:
         for job in job_ids:
             for e in conn.pending.pop(job, []):
                 self.index.drop(e)
+            self._free_scratch(conn.verifying.pop(job, []))  # never compared: it may hold a later state
             self.metrics.inc("snapshots_invalidated")
 
     def _abort(self, conn: Conn, req_id: int) -> None:
@@ -567,7 +621,110 @@ class KVService:
             conn.aborted.add(req_id)
         if conn.snapshots is not None:
             conn.snapshots.on_abort([req_id])
-        self._drop_jobs(conn, [req_id] if req_id in conn.pending else [])
+        self._drop_jobs(conn, [req_id] if req_id in conn.pending or req_id in conn.verifying else [])
+
+    # ---- sampled hits, recomputed: compare, never store (daemon/integrity; docs/verification.md) ----
+    async def _verify(self, conn: Conn, msg: kv.Verify) -> None:
+        """Copy the engine's blocks of ``msg.items`` into scratch room, compare each with the entry held
+        under its key, count and maybe quarantine; answer a ``VerifyResult``. Entries no longer held are
+        missing (neither copied nor compared)."""
+        engine = self._engine(conn, copy=True)
+        fp = engine.fingerprint
+        checked = [(it, engine.check_item(it)) for it in msg.items]  # all or nothing: check before any copy
+        held = [(it, g) for it, g in checked if self.index.is_ready((fp, g.group_id, it.key))]
+        absent = [(it, g) for it, g in checked if not self.index.is_ready((fp, g.group_id, it.key))]
+        keep = [e for it, g in held if (e := self.index.get((fp, g.group_id, it.key))) is not None]
+        unpin = self.index.pin_for_read(keep)  # the scratch room below must not evict what it is compared with
+        try:
+            scratch = await self._copy_scratch(conn, engine, [it for it, _ in held], msg.wait_event, urgent=False)
+            if msg.req_id in conn.aborted:
+                self._free_scratch(scratch)
+                conn.aborted.discard(msg.req_id)
+                raise Aborted(f"job {msg.req_id} was aborted by the client; nothing was compared")
+            result = await self._check(engine, scratch, absent)
+        finally:
+            unpin()
+        conn.send(result.to_done(msg.req_id))
+
+    async def _copy_scratch(self, conn: Conn, engine: EngineState, items: list[Item], wait_event: bytes, *,
+                            urgent: bool) -> list[Scratch]:
+        """The engine's blocks of ``items``, copied into scratch pool room (freed by ``_check``)."""
+        if not items:
+            return []
+        scratch: list[Scratch] = []
+        try:
+            for it in items:
+                g = engine.check_item(it)
+                scratch.append(Scratch(it, g, self.index.scratch(engine.entry_bytes[g.group_id])))
+            segments = layout.segments_for_entries([(s.group, s.item.block_ids, s.alloc.extents) for s in scratch])
+            await self._run_copy(conn, engine.attachment, segments, Direction.TO_POOL, wait_event, urgent=urgent)
+        except BaseException as exc:
+            self._release_after_copy(exc, functools.partial(self._free_scratch, scratch))
+            raise
+        return scratch
+
+    def _free_scratch(self, scratch: list[Scratch]) -> None:
+        for s in scratch:
+            self.index.pool.free(s.alloc)
+
+    def _start_check(self, conn: Conn, engine: EngineState, scratch: list[Scratch]) -> None:
+        """Compare confirmed boundary states in the background: the step event's own copies go first."""
+        task = asyncio.create_task(self._check(engine, scratch, []))
+        self._checks.add(task)
+        task.add_done_callback(self._check_done)
+
+    def _check_done(self, task: asyncio.Task[None]) -> None:
+        self._checks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("comparing a sampled hit's boundary states failed: %r", exc)
+
+    async def _check(self, engine: EngineState, scratch: list[Scratch],
+                     absent: list[tuple[Item, GroupSpec]]) -> VerifyResult:
+        """Compare each scratch copy with the entry under its key (absent now: missing); free the scratch;
+        count per (fingerprint, group) and quarantine past the threshold."""
+        fp, cfg, pool = engine.fingerprint, self.cfg, self.index.pool
+        try:
+            pairs: list[tuple[Scratch, Entry]] = []
+            for s in scratch:
+                e = self.index.get((fp, s.group.group_id, s.item.key))
+                if e is None or e.state is not EntryState.READY:
+                    absent.append((s.item, s.group))
+                else:
+                    pairs.append((s, e))
+            unpin = self.index.pin_for_read([e for _, e in pairs])
+            try:
+                def compare() -> list[float]:
+                    return [entry_error(_gather(pool.buffer, s.alloc.extents), _gather(pool.buffer, e.alloc.extents),
+                                        s.group) for s, e in pairs]
+                errors = await asyncio.get_running_loop().run_in_executor(self.executor, compare) if pairs else []
+            finally:
+                unpin()
+        finally:
+            self._free_scratch(scratch)
+        by_group: dict[int, tuple[GroupSpec, list[tuple[Item, float]], int]] = {}
+        for (s, _), err in zip(pairs, errors, strict=True):
+            by_group.setdefault(s.group.group_id, (s.group, [], 0))[1].append((s.item, err))
+        for _it, g in absent:
+            g_, seen, n = by_group.get(g.group_id, (g, [], 0))
+            by_group[g.group_id] = (g_, seen, n + 1)
+        diverged_total, quarantined, worst = 0, False, 0.0
+        for gid, (g, seen, n_missing) in sorted(by_group.items()):
+            tol = tolerance(g.kind, cfg.verify_tolerance, cfg.verify_mamba_tolerance)
+            bad = [(it, err) for it, err in seen if err > tol]
+            worst_g = max((err for _, err in seen), default=0.0)
+            worst = max(worst, worst_g)
+            diverged_total += len(bad)
+            evidence = "; ".join(f"chunk {it.chunk_index} key {it.key.hex()[:16]} error {err:.4g}"
+                                 for it, err in bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+            if bad:
+                log.warning("sampled hit diverged: fingerprint %s group %d (%s), %d of %d entries past tolerance "
+                            "%g: %s", fp.hex(), gid, g.kind, len(bad), len(seen), tol, evidence)
+            quarantined |= self.quarantine.record(
+                fp, gid, g.kind, checked=len(seen), diverged=len(bad), missing=n_missing, max_error=worst_g,
+                evidence=f"{evidence} (tolerance {tol:g})", threshold=cfg.quarantine_after,
+                window_s=cfg.quarantine_window_s)
+        nbytes = sum(s.alloc.nbytes for s in scratch)
+        return VerifyResult(nbytes, len(pairs), diverged_total, len(absent), worst, quarantined)
 
     # ---- copies --------------------------------------------------------------------------------
     async def _run_copy(self, conn: Conn, attachment: Attachment | None, segments: list[Segment],
@@ -719,7 +876,7 @@ class KVService:
         if conn.snapshots is not None:
             self._drop_jobs(conn, conn.snapshots.on_disconnect())
             conn.snapshots = None  # a later Abort or re-registration must not reach the closed ordering
-        for job in list(conn.pending):
+        for job in {*conn.pending, *conn.verifying}:
             self._drop_jobs(conn, [job])
         if conn.engine is not None:
             self.registry.unregister(conn.engine.engine_id)
@@ -758,6 +915,7 @@ class KVService:
             engine_traffic=self.traffic.statistics(),
             latency=self.latencies.statistics(),
             integrity=self.scrubber.statistics() if self.scrubber is not None else None,
+            verify=self.quarantine.statistics(),
         )
 
     def status(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from hkvd.daemon.engines.latency import LatencyStats
 from hkvd.daemon.engines.registry import RegistryStats
 from hkvd.daemon.fd_budget import DescriptorStats
 from hkvd.daemon.heap import HeapStats
+from hkvd.daemon.integrity.quarantine import VerifyStats
 from hkvd.daemon.integrity.scrub import IntegrityStats
 from hkvd.daemon.routing.announcer import AnnouncerStats
 from hkvd.daemon.tiers.cluster import ClusterStats
@@ -66,4 +67,5 @@ class ServiceStats:
     shutting_down: bool = status_only()
     engine_traffic: EngineTrafficStats = part()  # per (model, rank): lookup tokens, bytes stored and retrieved
     latency: LatencyStats = part()  # lookup, store, retrieve: request to reply
+    verify: VerifyStats = part()  # sampled hits compared with their recomputation; quarantines (docs/verification.md)
     integrity: IntegrityStats | None = part()  # entry checksums and the scrubber (docs/checksums.md)

@@ -18,6 +18,7 @@ from hkvd.transport.wire.replies import (
     REPLIES,
     Acknowledged,
     PullResult,
+    QuarantineLifted,
     Reply,
     RetrieveResult,
     StepResult,
@@ -72,6 +73,7 @@ CASES: list[tuple[Reply, tuple[int, dict[str, Any]]]] = [
      _old_pull(1 << 20, 4, 18, 30.0, 3, 1, 0.25, (0.001, 0.2, 7))),
     (VerifyResult(1 << 20, 4, 1, 0, 0.5, True),
      (1 << 20, {"checked": 4, "diverged": 1, "missing": 0, "max_error": 0.5, "quarantined": True})),
+    (QuarantineLifted(0, "00ff/1,00ff/2"), (0, {"lifted": "00ff/1,00ff/2"})),
     (Acknowledged(), (0, {})),  # service: Unregister
 ]
 IDS = [f"{type(r).__name__}-{i}" for i, (r, _) in enumerate(CASES)]
@@ -88,7 +90,8 @@ def test_every_reply_type_has_a_case_and_answers_its_request():
     assert {type(r) for r, _ in CASES} == set(REPLIES.values())
     assert {c.__name__ for c in Reply.__subclasses__()} == {c.__name__ for c in REPLIES.values()}
     answers = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult, events.StepEvent: StepResult,
-               peer.Pull: PullResult, kv.Verify: VerifyResult, control.Unregister: Acknowledged}
+               peer.Pull: PullResult, kv.Verify: VerifyResult, control.LiftQuarantine: QuarantineLifted,
+               control.Unregister: Acknowledged}
     assert answers == REPLIES
 
 
@@ -116,6 +119,7 @@ REQUIRED = {
     StepResult: ("outcome",),
     PullResult: ("hit_chunks", "lease_id", "lease_ttl_s", "pulled", "local", "seconds"),
     VerifyResult: ("checked", "diverged", "missing", "max_error", "quarantined"),
+    QuarantineLifted: ("lifted",),
     Acknowledged: (),
 }
 FULL = [CASES[0][0], CASES[3][0], CASES[5][0], CASES[8][0]]  # every optional group present

@@ -227,9 +227,23 @@ PUBLISHED = {
         "Page size backing the pool, by the kind the kernel reports (hugetlb, thp or plain; /proc/self/smaps)"),
     "hkvd_prefault_gbps": ("gauge", "", "Pool pre-fault bandwidth at start-up"),
     "hkvd_ready": ("gauge", "", "1 while serving (pool pre-faulted, socket accepting)"),
+    "hkvd_quarantined": ("gauge", "fingerprint,group,kind",
+        "1 while the entries of a fingerprint and group are not served, by engine fingerprint and group"),
+    "hkvd_quarantines": ("counter", "", "Quarantines begun (divergences past the threshold)"),
+    "hkvd_quarantines_lifted": ("counter", "", "Quarantines lifted (hkvd quarantine --clear, SIGHUP)"),
     "hkvd_request_duration_seconds": ("histogram", "le,op",
         "Seconds from the daemon taking a request to its reply (or error), by op (lookup, store, retrieve); disk and "
         "cluster reads and copies included"),
+    "hkvd_verify_checks": ("counter", "fingerprint,group,kind",
+        "Entries of sampled hits compared with the engine's recomputation, by engine fingerprint and group"),
+    "hkvd_verify_divergences": ("counter", "fingerprint,group,kind",
+        "Compared entries past their tolerance, by engine fingerprint and group"),
+    "hkvd_verify_matches": ("counter", "fingerprint,group,kind",
+        "Compared entries within their tolerance, by engine fingerprint and group"),
+    "hkvd_verify_max_error": ("gauge", "fingerprint,group,kind",
+        "Largest relative error seen in a comparison, by engine fingerprint and group"),
+    "hkvd_verify_missing": ("counter", "fingerprint,group,kind",
+        "Entries a check named that were no longer held (not compared), by engine fingerprint and group"),
 }
 # The Metrics counters (``CounterStats``), name -> help: labels are whatever ``inc`` passes.
 PUBLISHED_COUNTERS = {
@@ -300,7 +314,7 @@ def test_undeclared_counters_export_generically(full: DaemonStats) -> None:
 
 STATUS_KEYS = {
     "": ["engines", "pool", "index", "counters", "by_kind", "uncacheable_requests", "rates", "l2", "cluster", "peer",
-         "heap", "kv_events", "descriptors", "shutting_down", "engine_traffic", "latency",
+         "heap", "kv_events", "descriptors", "shutting_down", "engine_traffic", "latency", "verify",
          "integrity"],
     "engines": ["engine_id", "pid", "model", "rank", "world_size", "chunk_size", "fingerprint", "role", "groups"],
     "pool": ["total_bytes", "used_bytes", "free_bytes", "kind", "page_size", "huge_bytes", "hugepages", "mapped_kind",
@@ -333,8 +347,11 @@ STATUS_KEYS = {
                                "retrieved_bytes"],
     "latency": ["lookup", "store", "retrieve"],
     "latency.lookup": ["bounds", "counts", "count", "sum_seconds"],
+    "verify": ["groups", "quarantines", "lifted"],
     "integrity": ["checksums_taken", "checksums_skipped", "checksums_queued", "mismatches", "scrub_rate_mb",
                   "scrub_entries", "scrub_bytes", "scrub_adopted", "scrub_passes", "scrub_cpu_s"],
+    "verify.groups": ["fingerprint", "group", "kind", "checks", "matches", "divergences", "missing", "max_error",
+                      "quarantined", "since"],
 }
 
 

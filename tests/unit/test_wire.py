@@ -26,6 +26,7 @@ SAMPLES = [
     control.Hello(1, "x", "worker"), control.HelloAck(1, 2, 3, "s"), control.Register(1, {"a": 1}),
     control.RegisterAck(1, 2, b"f" * 16, 256), control.Unregister(3), control.Bye("r"), control.Status(4),
     control.StatusReply(4, {"x": [1]}), control.Ping(5), control.Pong(5),
+    control.LiftQuarantine(6, "0123abcd"),
     kv.Lookup(1, [KEY], True), kv.LookupReply(1, 3, 4, 30.0), kv.Store(2, [kv.Item(0, 0, KEY, [1, 2])]),
     kv.Retrieve(3, 9, [kv.Item(1, 0, KEY, [5])]), kv.Verify(4, [kv.Item(2, 1, KEY, [7], KEY)]),
     kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
@@ -235,3 +236,11 @@ def test_view_pieces_are_bounded_in_all_groups_together():
         control.EngineSpec.from_wire(wire)
     wire["groups"].pop()
     assert len(control.EngineSpec.from_wire(wire).groups) == 16
+
+
+@pytest.mark.parametrize("fp", ["", "0123abc", "0123ABCD", "0123abcg", "a" * 33, "ALL"])
+def test_lift_quarantine_takes_a_fingerprint_prefix_or_all(fp: str) -> None:
+    control.LiftQuarantine(1, "all").validate()
+    control.LiftQuarantine(1, "0123abcd" * 4).validate()
+    with pytest.raises(ProtocolViolation, match="8 to 32 lowercase hex digits"):
+        control.LiftQuarantine(1, fp).validate()

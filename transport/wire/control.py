@@ -276,6 +276,27 @@ class StatusReply(Message):
     status: dict[str, Any]
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class LiftQuarantine(Message):
+    """Serve again the entries of every quarantined group of the layout fingerprints that start with
+    ``fingerprint`` (at least 8 hex digits; ``all``: every quarantine). ``hkvd quarantine --clear``
+    sends it; answered ``Done`` with a ``QuarantineLifted``."""
+
+    TYPE = MsgType.LIFT_QUARANTINE
+    req_id: int
+    fingerprint: str
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        fp = self.fingerprint
+        if fp != "all" and not (8 <= len(fp) <= 32 and set(fp) <= _HEX):
+            raise ProtocolViolation(f"LiftQuarantine.fingerprint: 8 to 32 lowercase hex digits of a layout "
+                                    f"fingerprint (hkvd status shows them), or all; got {fp[:40]!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Ping(Message):
     TYPE = MsgType.PING

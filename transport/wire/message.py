@@ -44,6 +44,7 @@ class MsgType(enum.IntEnum):
     STATUS_REPLY = 8
     PING = 9
     PONG = 10
+    LIFT_QUARANTINE = 11
     # kv
     LOOKUP = 20
     LOOKUP_REPLY = 21

@@ -42,7 +42,16 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Self
 
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire.control import Ping, Pong, Register, RegisterAck, Status, StatusReply, Unregister
+from hkvd.transport.wire.control import (
+    LiftQuarantine,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    Status,
+    StatusReply,
+    Unregister,
+)
 from hkvd.transport.wire.events import KVEvents, KVEventsPoll, StepEvent
 from hkvd.transport.wire.kv import Done, Lookup, LookupReply, Retrieve, Store, Verify
 from hkvd.transport.wire.message import Message
@@ -206,10 +215,17 @@ class VerifyResult(Reply):
     quarantined: bool  # this check put (or kept) the engine's fingerprint and a group in quarantine
 
 
+@dataclass(frozen=True, slots=True)
+class QuarantineLifted(Reply):
+    what: ClassVar[str] = "quarantine lift"
+    nbytes: int  # always 0
+    lifted: str  # the pairs lifted, "fingerprint/group" comma-separated; empty: none matched
+
+
 # Which reply a Done carries, by the request it answers. A Done to any other request is an Acknowledged.
 REPLIES: dict[type[Message], type[Reply]] = {
     Store: StoreResult, Retrieve: RetrieveResult, StepEvent: StepResult, Pull: PullResult, Verify: VerifyResult,
-    Unregister: Acknowledged,
+    LiftQuarantine: QuarantineLifted, Unregister: Acknowledged,
 }
 
 # Which message answers a request that is not a job: that message is the request's result, as sent.
@@ -218,5 +234,5 @@ ANSWERS: dict[type[Message], type[Message]] = {
 }
 
 
-__all__ = ["ANSWERS", "REPLIES", "Acknowledged", "PullResult", "Reply", "RetrieveResult", "StepResult",
-           "StoreResult", "VerifyResult"]
+__all__ = ["ANSWERS", "REPLIES", "Acknowledged", "PullResult", "QuarantineLifted", "Reply", "RetrieveResult",
+           "StepResult", "StoreResult", "VerifyResult"]

@@ -1,0 +1,137 @@
+"""Comparing an engine's recomputed blocks with the entry held under their key.
+
+Role
+    A sampled hit is recomputed by the engine instead of loaded; the service copies the engine's
+    fresh blocks into a scratch pool allocation and asks ``entry_error`` how far they are from the
+    entry it would have served. The answer is one number per entry, in the group's dtype
+    (``GroupSpec.dtype``, from registration): the largest absolute difference over the entry's values,
+    divided by the largest absolute value of the stored entry (0.0 when every byte is equal; ``inf``
+    when a value is NaN or infinite on one side only). ``tolerance`` says which bound applies.
+
+Dtypes
+    float16/32/64, bfloat16 (upper half of a float32), float8_e4m3fn and float8_e5m2 (decoded through
+    a table), uint8 (vLLM stores its fp8 caches so: decoded as e4m3fn, the format it defaults to;
+    adjacent codes stay adjacent values in either fp8 format, so small differences stay small), and
+    integers as integers. A Mamba group's dtype is ``state:<dtype>[shape];...``: each page holds those
+    states one after another, each compared in its own dtype. A dtype outside these is compared byte
+    for byte (0.0 or ``inf``): ``value_layout`` says so with ``exact``.
+
+Threading
+    Pure functions over bytes; the service runs them on a copy thread.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from hkvd.transport.layout import GroupSpec
+
+_NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int8": np.int8,
+          "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint16": np.uint16, "uint32": np.uint32}
+_FP8 = {"float8_e4m3fn": (4, 3, True), "uint8": (4, 3, True), "float8_e5m2": (5, 2, False)}
+_ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _NUMPY.items()}, "bfloat16": 2, **dict.fromkeys(_FP8, 1)}
+_STATE = re.compile(r"([a-z0-9_]+)\[([0-9, ]*)\]")
+
+
+@cache
+def _fp8_table(exp_bits: int, man_bits: int, finite_only: bool) -> np.ndarray:
+    """The float32 value of each of the 256 codes of an fp8 format (sign, exponent, mantissa)."""
+    bias = (1 << (exp_bits - 1)) - 1
+    out = np.empty(256, np.float32)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        e = (code >> man_bits) & ((1 << exp_bits) - 1)
+        m = code & ((1 << man_bits) - 1)
+        if finite_only and e == (1 << exp_bits) - 1 and m == (1 << man_bits) - 1:
+            v = math.nan  # e4m3fn: no infinities, one NaN code per sign
+        elif not finite_only and e == (1 << exp_bits) - 1:
+            v = math.inf if m == 0 else math.nan
+        elif e == 0:
+            v = m / (1 << man_bits) * 2.0 ** (1 - bias)
+        else:
+            v = (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+        out[code] = sign * v
+    return out
+
+
+def decode(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """``raw`` (uint8, a whole number of values) as values: float64 for floats, int64 for integers."""
+    if dtype == "bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype in _FP8:
+        return _fp8_table(*_FP8[dtype])[raw].astype(np.float64)
+    values = raw.view(_NUMPY[dtype])
+    return values.astype(np.int64 if values.dtype.kind in "iu" else np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueLayout:
+    """How one page of a group holds values: runs of (offset, bytes, dtype); ``exact``: bytes only."""
+
+    runs: tuple[tuple[int, int, str], ...]
+    exact: bool = False
+
+
+def value_layout(group: GroupSpec) -> ValueLayout:
+    """The runs of values in one page of ``group`` (every view's pages share one format)."""
+    page = group.views[0].page_bytes if group.views else 0
+    if any(v.page_bytes != page for v in group.views):
+        return ValueLayout((), exact=True)
+    if group.dtype.startswith("state:"):
+        runs, off = [], 0
+        for name, shape in _STATE.findall(group.dtype):
+            if name not in _ITEMSIZE:
+                return ValueLayout((), exact=True)
+            n = _ITEMSIZE[name] * math.prod(int(d) for d in shape.split(",") if d.strip())
+            runs.append((off, n, name))
+            off += n
+        return ValueLayout(tuple(runs)) if runs and off == page else ValueLayout((), exact=True)
+    if group.dtype not in _ITEMSIZE or page % _ITEMSIZE[group.dtype]:
+        return ValueLayout((), exact=True)
+    return ValueLayout(((0, page, group.dtype),))
+
+
+def _values(buf: np.ndarray, vl: ValueLayout, page_bytes: int) -> list[np.ndarray]:
+    """Every run's values over all the entry's pages, one array per run."""
+    pages = buf.reshape(-1, page_bytes)
+    return [decode(np.ascontiguousarray(pages[:, off:off + n]).reshape(-1), dtype) for off, n, dtype in vl.runs]
+
+
+def entry_error(fresh: memoryview | bytes, stored: memoryview | bytes, group: GroupSpec) -> float:
+    """max |fresh - stored| / max |stored| over one entry of ``group`` (module docstring)."""
+    a = np.frombuffer(fresh, np.uint8)
+    b = np.frombuffer(stored, np.uint8)
+    if a.shape != b.shape:
+        raise ValueError(f"an entry of group {group.group_id} is {b.size} bytes, its recomputed copy {a.size}")
+    if np.array_equal(a, b):
+        return 0.0
+    vl = value_layout(group)
+    page = group.views[0].page_bytes
+    if vl.exact or a.size % page:
+        return math.inf
+    worst, scale = 0.0, 0.0
+    for x, y in zip(_values(a, vl, page), _values(b, vl, page), strict=True):
+        if x.dtype.kind == "f":
+            same = (x == y) | (np.isnan(x) & np.isnan(y))
+            if not np.isfinite(x[~same]).all() or not np.isfinite(y[~same]).all():
+                return math.inf
+            finite = y[np.isfinite(y)]
+            scale = max(scale, float(np.abs(finite).max()) if finite.size else 0.0)
+            diff = np.abs(np.where(same, 0.0, x - y))
+        else:
+            scale = max(scale, float(np.abs(y).max()) if y.size else 0.0)
+            diff = np.abs(x - y)
+        worst = max(worst, float(diff.max()) if diff.size else 0.0)
+    if worst == 0.0:
+        return 0.0
+    return worst / scale if scale > 0 else math.inf
+
+
+def tolerance(kind: str, attention: float, mamba: float) -> float:
+    """The bound for a group kind: ``mamba`` for recurrent states, ``attention`` for K/V (full, swa)."""
+    return mamba if kind == "mamba" else attention
