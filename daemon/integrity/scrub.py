@@ -1,11 +1,12 @@
 """The scrubber: READY pool entries re-hashed at a bounded rate, a mismatch dropped.
 
 Role
-    Walks the index in passes (a pass: every key present when it began, in insertion order) and
-    re-hashes each READY entry's bytes at no more than ``--scrub-rate-mb`` MB/s on average (0: no
-    scrubber). An entry whose bytes no longer hash to its checksum is dropped
-    (``Checksums.mark``: a miss from then on, never wrong bytes); an entry still without a checksum
-    (its hash was skipped, or pending) gets the one computed here. docs/checksums.md.
+    Walks the index in passes (a pass: every key present when it began, in insertion order; a pass
+    begins at most every ``MIN_PASS_S`` seconds) and re-hashes each READY entry's bytes at no more
+    than ``--scrub-rate-mb`` MB/s on average (0: no scrubber). An entry whose bytes no longer hash
+    to its checksum is dropped (``Checksums.mark``: a miss from then on, never wrong bytes); an
+    entry still without a checksum (its hash was skipped, or pending) gets the one computed here.
+    docs/checksums.md.
 
 Threading
     One thread. The loop hands it a batch (``take``: entries and their extents, on the loop, so the
@@ -34,7 +35,8 @@ from hkvd.transport.stat_fields import metric
 
 BATCH_BYTES = 32 << 20  # at most this much (or one entry) per hand-off
 BATCH_ENTRIES = 4096
-IDLE_S = 1.0  # wait this long when the pool holds nothing to scrub
+IDLE_S = 1.0  # wait this long when the pool holds nothing to scrub (or the pass ended early)
+MIN_PASS_S = 5.0  # a pass over a small pool starts no sooner than this after the one before
 HANDOFF_TIMEOUT_S = 5.0
 BURST_S = 0.1  # the pace lends at most this much time's worth of bytes ahead
 
@@ -87,8 +89,11 @@ class Scrubber:
     ``take`` / ``hash`` / ``settle`` are the three steps, each callable on its own (tests)."""
 
     def __init__(self, cache: Cache, checks: Checksums, rate_mb: int, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, min_pass_s: float = MIN_PASS_S) -> None:
         self.cache = cache
+        self.clock = clock
+        self.min_pass_s = min_pass_s
+        self._pass_began = -float("inf")
         self.checks = checks
         self.rate_mb = rate_mb
         self.pace = Pace(rate_mb * 1_000_000, clock) if rate_mb > 0 else None
@@ -113,16 +118,18 @@ class Scrubber:
 
     def take(self, max_bytes: int = BATCH_BYTES, max_entries: int = BATCH_ENTRIES) -> list[Entry]:
         """The next READY entries of this pass, up to ``max_bytes`` (at least one entry); a new pass
-        begins when the last one's keys are used up. Empty: nothing READY in the whole index."""
+        begins when the last one's keys are used up, and no sooner than ``min_pass_s`` after the last
+        one began (a small pool is not re-hashed over and over). Empty: nothing to hash now."""
         out: list[Entry] = []
         nbytes = 0
         get, ready = self.cache.get, EntryState.READY
         wrapped = False
         while len(out) < max_entries and nbytes < max_bytes:
             if self._cursor >= len(self._keys):
-                if wrapped:  # a whole pass in one batch: the rest waits for the next one
-                    break
+                if wrapped or self.clock() - self._pass_began < self.min_pass_s:
+                    break  # the next pass waits (a whole pass fit in this batch, or the last began too recently)
                 wrapped = True
+                self._pass_began = self.clock()
                 self._keys = self.cache.keys()
                 self._cursor = 0
                 if not self._keys:

@@ -114,7 +114,7 @@ async def test_scrub_finds_a_flipped_byte_and_the_entry_is_never_served_again(po
         await until(lambda: checks.taken == 8, "checksums")
         bad = entries[3]
         flip(cache, bad, at=17)
-        scrub = Scrubber(cache, checks, rate_mb=0)  # stepped by hand: take, hash, settle
+        scrub = Scrubber(cache, checks, rate_mb=0, min_pass_s=0)  # stepped by hand: take, hash, settle
         batch = scrub.take()
         assert {e.key for e in batch} == {e.key for e in entries}
         scrub.settle(scrub.hash(batch))
@@ -139,7 +139,7 @@ async def test_a_pinned_or_leased_damaged_entry_is_hidden_at_once_and_dropped_wh
         lease = cache.hold([b.key], owner=1, ttl_s=60)
         flip(cache, a)
         flip(cache, b)
-        scrub = Scrubber(cache, checks, rate_mb=0)
+        scrub = Scrubber(cache, checks, rate_mb=0, min_pass_s=0)
         scrub.settle(scrub.hash(scrub.take()))
         for e in (a, b):
             assert e.state is EntryState.CORRUPT and cache.get(e.key) is e  # its pages are still in use
@@ -161,7 +161,7 @@ async def test_the_scrubber_gives_a_checksum_to_an_entry_the_full_queue_skipped(
     try:
         (e,) = store(cache, 1)
         assert checks.skipped == 1 and e.checksum == 0
-        scrub = Scrubber(cache, checks, rate_mb=0)
+        scrub = Scrubber(cache, checks, rate_mb=0, min_pass_s=0)
         scrub.settle(scrub.hash(scrub.take()))
         assert scrub.adopted == 1 and e.checksum == checksum(pool.buffer, e.alloc.extents)
     finally:
@@ -171,7 +171,7 @@ async def test_the_scrubber_gives_a_checksum_to_an_entry_the_full_queue_skipped(
 async def test_the_scrub_thread_catches_damage_on_its_own(pool):
     cache = Cache(pool, make_policy("lru"))
     checks = await checked(cache)
-    scrub = Scrubber(cache, checks, rate_mb=1000)
+    scrub = Scrubber(cache, checks, rate_mb=1000, min_pass_s=0.05)
     try:
         entries = store(cache, 4)
         await until(lambda: checks.taken == 4, "checksums")
@@ -214,4 +214,20 @@ async def test_the_disk_write_refuses_bytes_damaged_since_the_checksum_and_drops
         assert tier.statistics().write_errors == 0
     finally:
         tier.close(5)
+        assert checks.stop(5)
+
+
+async def test_a_small_pool_is_rescanned_no_sooner_than_the_pass_interval(pool):
+    cache = Cache(pool, make_policy("lru"))
+    checks = await checked(cache)
+    now = [0.0]
+    try:
+        store(cache, 3)
+        scrub = Scrubber(cache, checks, rate_mb=0, clock=lambda: now[0], min_pass_s=10.0)
+        assert len(scrub.take()) == 3 and scrub.passes == 1
+        now[0] += 9.9
+        assert scrub.take() == []  # the last pass began 9.9 s ago
+        now[0] += 0.2
+        assert len(scrub.take()) == 3 and scrub.passes == 2
+    finally:
         assert checks.stop(5)
