@@ -24,7 +24,8 @@ comes after the reset of vLLM's cache (the previous prompt's stores are done, an
 the prompt's own lookup). ``"connector": false`` starts the engine without hkvd.
 ``"vllm_metrics": true`` turns vLLM's stats on and adds ``"vllm_metrics"`` to the output: vLLM's own
 ``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads) -> value, and the
-sampled checks' largest error per group kind (``vllm:hkvd_verify_max_error{kind}``). Output:
+sampled checks' largest error per group kind (``vllm:hkvd_verify_max_error{kind}``); in conversation mode, a list
+of them, read after each phase. Output:
 ``HKVD_RESULT {"phases": [[[{"tokens", "logprobs", "gaps", "num_cached_tokens", "prompt_len"}, ...turns],
 ...conversations], ...phases]}``.
 
@@ -89,13 +90,18 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, logprobs=args.get("logprobs", 1),
                         ignore_eos=bool(args.get("ignore_eos", False)))
     if "conversations" in args:
-        phases = []
+        phases, phase_metrics = [], []
         for i, phase in enumerate(args.get("phases", [{"reset": True}])):
             if i in args.get("pause_before", []):
                 _handshake(args["sync_dir"], i)
             reset_prefix_cache(llm)
             phases.append(_chat(llm, sp, args["conversations"], bool(phase.get("reset", True)), TokensPrompt))
-        print("HKVD_RESULT " + json.dumps({"phases": phases}), flush=True)
+            if args.get("vllm_metrics"):  # the counters after each phase
+                phase_metrics.append(_hkvd_metrics())
+        out_chat: dict = {"phases": phases}
+        if args.get("vllm_metrics"):
+            out_chat["vllm_metrics"] = phase_metrics
+        print("HKVD_RESULT " + json.dumps(out_chat), flush=True)
         return
     results = []
     after_reset = bool(args.get("pause_after_reset"))
