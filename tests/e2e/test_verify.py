@@ -170,19 +170,26 @@ def test_bad_verifies_are_refused_whole_and_lose_nothing(daemon: Any) -> None:
     assert group_row(daemon.socket_path, eng.fingerprint, 0)["missing"] == 1
 
 
-def test_step_event_verifies_follow_the_snapshot_ordering(daemon: Any) -> None:
-    eng = SyntheticEngine(daemon.socket_path, [GroupShape("full", 1, PAGE), GroupShape("mamba", 2, PAGE)],
-                          num_blocks=64, tokens_per_block=CHUNK, chunk_size=CHUNK, model="verify-mamba")
+def mamba_engine(socket_path: str, model: str) -> tuple[SyntheticEngine, list[bytes]]:
+    """A full-attention group and a Mamba group, two chunks stored: the states of chunks 0 and 1 in blocks 21
+    and 22, offered and confirmed through step events 0-2."""
+    eng = SyntheticEngine(socket_path, [GroupShape("full", 1, PAGE), GroupShape("mamba", 2, PAGE)],
+                          num_blocks=64, tokens_per_block=CHUNK, chunk_size=CHUNK, model=model)
     keys = chunk_keys(prompt_tokens(2 * CHUNK, seed=5), CHUNK)
     fill(eng, 0, [1, 2], seed=1)
     fill(eng, 1, [21, 22], seed=2)
     eng.store(eng.items(0, keys, first_block=1))
-    rid0 = step_event(eng, 0, 0, offers=[Item(1, 0, keys[0], [21])])
+    rid0 = step_event(eng, 0, 0, offers=[Item(1, 0, keys[0], [21], b"")])
     eng.run(rid0)
-    rid1 = step_event(eng, 1, 1, offers=[Item(1, 1, keys[1], [22])], confirms=[rid0])
+    rid1 = step_event(eng, 1, 1, offers=[Item(1, 1, keys[1], [22], keys[0])], confirms=[rid0])
     eng.run(rid1)
     eng.run(step_event(eng, 2, 2, confirms=[rid1]))
     assert eng.lookup(keys, lease=False)[0] == 2
+    return eng, keys
+
+
+def test_step_event_verifies_follow_the_snapshot_ordering(daemon: Any) -> None:
+    eng, keys = mamba_engine(daemon.socket_path, "verify-mamba")
     fp = eng.fingerprint
 
     # Recomputed state of chunk 1 in block 30, identical: compared once confirmed.
@@ -239,5 +246,28 @@ def test_the_wrong_entry_hook_is_detected(tmp_path: Path) -> None:
         assert (r.checked, r.diverged, r.quarantined) == (3, 2, True)  # chunk 0 has no previous chunk
         assert eng.lookup(keys, lease=False)[0] == 0
         assert "quarantined fingerprint" in (tmp_path / "hkvd.log").read_text()
+
+        # A Mamba group serves the previous boundary's state: the recomputed state of chunk 1 disagrees.
+        ssm, mkeys = mamba_engine(d.socket_path, "verify-hook-mamba")
+        for layer in (0, 1):
+            ssm.page(1, layer, 30)[:] = ssm.page(1, layer, 22)  # the true state after chunk 1
+        rid = step_event(ssm, 3, 3, verifies=[Item(1, 1, mkeys[1], [30], mkeys[0])])
+        ssm.run(rid)
+        ssm.run(step_event(ssm, 4, 4, confirms=[rid]))
+        wait_for(lambda: group_row(d.socket_path, ssm.fingerprint, 1)["divergences"] == 1)
     finally:
         d.stop()
+
+
+def test_an_evicted_entry_counts_as_missing(daemon_factory: Any) -> None:
+    d = daemon_factory("--l1-size-gb", "0.0625", "--chunk-size", str(CHUNK))
+    big = 2 << 20  # one 2 MiB page a chunk: the 64 MiB pool holds fewer than 40
+    eng = SyntheticEngine(d.socket_path, [GroupShape("full", 1, big)], num_blocks=42, tokens_per_block=CHUNK,
+                          chunk_size=CHUNK, model="verify-evict")
+    keys = chunk_keys(prompt_tokens(40 * CHUNK, seed=8), CHUNK)
+    items = eng.items(0, keys, first_block=1)
+    for i in range(0, 40, 8):
+        eng.store(items[i:i + 8])
+    assert eng.lookup(keys[:1], lease=False)[0] == 0  # the first chunk was evicted for the later ones
+    r = verify(eng, [items[0], items[-1]])
+    assert (r.checked, r.diverged, r.missing, r.nbytes) == (1, 0, 1, big)
