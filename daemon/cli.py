@@ -154,6 +154,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_heap(s),
         *_status_descriptors(s),
         *_status_verify(s),
+        *_status_integrity(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -235,6 +236,21 @@ def _status_cluster(s: dict[str, Any]) -> list[str]:
         lines.append("clust-key INSECURE: no fleet key (--cluster-insecure); any host on its network can write values"
                      if c["insecure"] else f"clust-key values sealed with fleet key {c['key_id']}{accepted}")
     return lines
+
+
+def _status_integrity(s: dict[str, Any]) -> list[str]:
+    """Entry checksums and the scrubber (docs/checksums.md; absent in older daemons)."""
+    i = s.get("integrity")
+    if i is None:
+        return []
+    corrupt = s["index"].get("corrupt", {}).get("checksum", 0)
+    where = ", ".join(f"{n} {w}" for w, n in sorted(i["mismatches"].items())) or "none"
+    scrub = (f"scrubbed {i['scrub_entries']} entries ({_bytes(i['scrub_bytes'])}) in {i['scrub_passes']} passes at "
+             f"<= {i['scrub_rate_mb']} MB/s, {i['scrub_cpu_s']:.1f} s CPU" if i["scrub_rate_mb"]
+             else "scrubber off (--scrub-rate-mb 0)")
+    return [f"checksums {s['index'].get('checksummed', 0)} entries checksummed, {i['checksums_queued']} queued; "
+            f"{corrupt} dropped as damaged (mismatches: {where})",
+            f"scrub     {scrub}"]
 
 
 def _status_heap(s: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hkvd.daemon.cli import format_status
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.errors import NotFound
 from hkvd.transport.keys import chunk_keys
@@ -63,6 +64,9 @@ def test_the_scrubber_finds_flipped_pool_bytes_and_the_hit_is_gone(daemon_factor
         with pytest.raises(NotFound):  # a lease taken before the damage serves nothing either
             eng.retrieve(eng.items(0, keys, first_block=30), lease)
         assert "checksum mismatch (scrub)" in Path(daemon.log_path).read_text()
+        text = format_status(daemon.status())  # hkvd status
+        assert f"{CHUNKS} dropped as damaged (mismatches: {CHUNKS} scrub)" in text
+        assert "at <= 1000 MB/s" in text
     finally:
         eng.close()
 
@@ -73,5 +77,6 @@ def test_without_the_scrubber_checksums_are_still_taken_and_nothing_is_scrubbed(
     try:
         st = daemon.wait_status(lambda s: s["integrity"]["checksums_taken"] >= CHUNKS, 20)
         assert st["integrity"]["scrub_rate_mb"] == 0 and st["integrity"]["scrub_entries"] == 0
+        assert "scrubber off (--scrub-rate-mb 0)" in format_status(st)
     finally:
         eng.close()
