@@ -65,6 +65,10 @@ class Digest:
 
 def checksum(buffer: memoryview, extents: Sequence[Extent] | Sequence[tuple[int, int]]) -> int:
     """The XXH3-64 of the bytes at ``extents`` of ``buffer``, in order; never 0 (0 means "not taken")."""
+    if len(extents) == 1:  # most entries: one call
+        off, length = extents[0]
+        with buffer[off:off + length] as mv:
+            return xxhash.xxh3_64_intdigest(mv) or 1
     d = Digest()
     for off, length in extents:
         with buffer[off:off + length] as mv:

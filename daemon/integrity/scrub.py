@@ -39,6 +39,7 @@ IDLE_S = 1.0  # wait this long when the pool holds nothing to scrub (or the pass
 MIN_PASS_S = 5.0  # a pass over a small pool starts no sooner than this after the one before
 HANDOFF_TIMEOUT_S = 5.0
 BURST_S = 0.1  # the pace lends at most this much time's worth of bytes ahead
+MIN_SLEEP_S = 0.01  # shorter waits are left to add up (each wait costs CPU of its own)
 
 _SCRUB = "Pool entries re-hashed by the scrubber"
 
@@ -171,7 +172,7 @@ class Scrubber:
         for e in batch:
             if self.pace is not None:
                 delay = self.pace.delay(e.nbytes)
-                if delay > 0:
+                if delay >= MIN_SLEEP_S:
                     wait(delay)
             if self._stop.is_set():
                 break
