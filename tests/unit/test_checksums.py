@@ -231,3 +231,66 @@ async def test_a_small_pool_is_rescanned_no_sooner_than_the_pass_interval(pool):
         assert len(scrub.take()) == 3 and scrub.passes == 2
     finally:
         assert checks.stop(5)
+
+
+class _FakeMooncake:
+    """Mooncake Store's client, at the cluster tier's boundary (no Mooncake here): puts are recorded."""
+
+    put: list[str] = []
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def register_buffer(self, addr: int, size: int) -> int:
+        return 0
+
+    def health_check(self) -> int:
+        return 0
+
+    def batch_put_from_multi_buffers(self, keys: list[str], ptrs: object, sizes: object, cfg: object) -> list[int]:
+        self.put.extend(keys)
+        return [0] * len(keys)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_cluster_put_refuses_bytes_damaged_since_the_checksum_and_drops_the_entry(pool, monkeypatch):
+    import sys
+    import types
+
+    from hkvd.daemon.tiers.cluster import ClusterSettings, ClusterTier
+    from hkvd.daemon.tiers.cluster_value import FleetKeys, value_key
+
+    store_mod = types.ModuleType("mooncake.store")
+    store_mod.MooncakeDistributedStore = _FakeMooncake  # type: ignore[attr-defined]
+    store_mod.ReplicateConfig = type("ReplicateConfig", (), {})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mooncake", types.ModuleType("mooncake"))
+    monkeypatch.setitem(sys.modules, "mooncake.store", store_mod)
+    _FakeMooncake.put = []
+    cache = Cache(pool, make_policy("lru"))
+    checks = await checked(cache)
+    tier = ClusterTier(ClusterSettings("mooncake://127.0.0.1:50051", 1 << 20, local_host="127.0.0.1"),
+                       FleetKeys.load(""), pool.buffer, pool.base_addr)
+    tier.checks = checks
+    tier.start(asyncio.get_running_loop())
+    try:
+        await until(tier.usable, "the fake store joined")
+        good, bad = store(cache, 2)
+        await until(lambda: checks.taken == 2, "checksums")
+        flip(cache, bad, at=ENTRY - 1)
+        left = [2]
+        for e in (good, bad):
+            cache.pin(e)
+
+            def done(e: Entry = e) -> None:
+                cache.unpin(e)
+                left[0] -= 1
+            assert tier.offer(e.key, e.kind, e.nbytes, e.parent, e.alloc.extents, done)
+        await until(lambda: left[0] == 0, "both puts")
+        assert _FakeMooncake.put == [value_key(good.key)]  # the damaged bytes never left the node
+        assert cache.get(bad.key) is None and cache.is_ready(good.key)
+        assert checks.mismatches == {"cluster_put": 1} and cache.statistics().corrupt == {"checksum": 1}
+    finally:
+        await asyncio.to_thread(tier.close, 5)
+        assert checks.stop(5)
