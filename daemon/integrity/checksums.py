@@ -108,7 +108,10 @@ class Checksums:
         self.cache.on_checksum = self.submit
 
     def submit(self, entry: Entry) -> None:
-        """Queue a READY entry for its checksum (skipped and counted when the queue is full)."""
+        """Queue a READY entry for its checksum (skipped and counted when the queue is full); one that
+        has it already (a pulled entry, checked against its source's) is left as it is."""
+        if entry.checksum:
+            return
         with self._lock:
             if len(self._queue) >= self.max_queued:
                 self.skipped += 1

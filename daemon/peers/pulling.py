@@ -517,12 +517,14 @@ class PeerClient:
         found = await asyncio.get_running_loop().run_in_executor(
             None, lambda: [checksum(buffer, le.alloc.extents) for le, _ in jobs])
         bad = {id(le) for (le, w), f in zip(jobs, found, strict=True) if f != w}
-        if not bad:
-            return
         for (le, w), f in zip(jobs, found, strict=True):
             if id(le) in bad:
                 checks.note(le.key, "peer_pull", f, w)
                 self.index.abandon_write(le)
+            else:
+                le.checksum = w  # verified: taken here, not hashed again once READY
+        if not bad:
+            return
         for i, (t, begun) in enumerate(reads):
             reads[i] = (t, [le for le in begun if id(le) not in bad])
 
