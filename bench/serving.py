@@ -33,7 +33,9 @@ compared across runs: batches follow arrival times, and a random-weight model's 
 greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
 checks hkvd's outputs token for token.
 
-``HKVD_BENCH_VLLM_ARGS`` adds ``vllm serve`` arguments to every run (recorded in the config). vLLM
+``HKVD_BENCH_VERIFY_FRACTION`` sets the hkvd run's ``verify_fraction`` (default 0 here: every hit loaded; the
+daemon's verify counts then come with the run; recorded in the config). ``HKVD_BENCH_VLLM_ARGS`` adds
+``vllm serve`` arguments to every run (recorded in the config). vLLM
 turns its asynchronous scheduling off on CPU (``vllm/platforms/cpu.py``), so here a step's output
 is read before the next step is planned, and a load reported at the end of step k lets its
 request run in step k + 1 (on GPUs, asynchronous scheduling is vLLM's default: k + 2, unless the
@@ -203,7 +205,8 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
             with Daemon("--chunk-size", str(BLOCK), pool_gb=2.0, hugepages=hugepages) as daemon:
                 kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
-                                                                          "require_daemon": True}}
+                                                                          "require_daemon": True,
+                                                                          "verify_fraction": verify_fraction()}}
                 res = serve(kv)
                 status = daemon.status()
                 res["daemon"] = {k: status["index"][k] for k in ("entries", "bytes_stored", "evictions",
@@ -211,6 +214,8 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
                 # Mamba states lost to the step ordering (late offers, copies past their deadline).
                 res["daemon"]["ordering"] = {k: v for k, v in status["counters"].items()
                                              if k.startswith(("step_event", "snapshots_", "copy_"))}
+                if verify_fraction():  # the sampled hits' comparisons, per engine layout and group
+                    res["daemon"]["verify"] = status.get("verify", {}).get("groups", [])
         elif name == "lmcache":
             if lmcache_venv is None:
                 raise RuntimeError("no LMCache venv given: make bench-peers makes .bench-lmcache, which full mode "
@@ -229,6 +234,12 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
         return {**base, "error": msg, "error_detail": str(e)[-4000:]}
     replies: list[Reply] = res.pop("replies")
     return {**base, **res, "turns": turn_stats(replies, workload.turns), "replies": [r.as_json() for r in replies]}
+
+
+def verify_fraction() -> float:
+    """``HKVD_BENCH_VERIFY_FRACTION``: the hkvd run's sampled verification (``verify_fraction``); 0 by default,
+    so every hit is loaded and runs compare. The connector's own default (0.01) recomputes a random 1 %."""
+    return float(os.environ.get("HKVD_BENCH_VERIFY_FRACTION", "0"))
 
 
 def merge_rounds(played: Sequence[Sequence[dict[str, Any]]], turns: int) -> list[dict[str, Any]]:
@@ -296,7 +307,7 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len, "rounds": rounds,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
-                         "extra_vllm_args": extra_vllm_args()},
+                         "extra_vllm_args": extra_vllm_args(), "verify_fraction": verify_fraction()},
               "runs": runs, "ratios": ratios(runs),
               # each round's runs carry their own per-turn figures
               "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}
