@@ -26,7 +26,8 @@ Fields (``FIELDS``)
     Retrieve's submission to the daemon's reply being read, summed; ``stored_bytes``: the bytes the
     daemon copied out of the worker's KV cache (stores and Mamba step-event offers).
 
-    Sampled verification (``verify_fraction``, ``hkvd.shim.verify``): ``verifies`` and ``verifies_failed``:
+    Sampled verification (``verify_fraction``, ``hkvd.shim.verify``): ``verify_sampled`` (scheduler side):
+    requests with a hit computed instead of loaded; ``verifies`` and ``verifies_failed``:
     Verify requests answered, or answered with an error (counted and logged, the request unaffected);
     ``verify_checks``, ``verify_matches``, ``verify_divergences``, ``verify_missing``: entries, as the
     daemon's ``VerifyResult`` counts them; ``verify_boundary_states``: Mamba states sent in step events
@@ -57,8 +58,9 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
 
 FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_bytes",
           "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early",
-          "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences", "verify_missing",
-          "verify_boundary_states", "verify_max_error", "verify_max_error_full", "verify_max_error_swa")
+          "verify_sampled", "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences",
+          "verify_missing", "verify_boundary_states",
+          "verify_max_error", "verify_max_error_full", "verify_max_error_swa")
 # Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
 MAX_FIELDS = frozenset({"verify_max_error", "verify_max_error_full", "verify_max_error_swa"})
 
@@ -90,9 +92,9 @@ class HkvdConnectorStats(KVConnectorStats):
                 "lookups_deferred": int(d.get("lookups_deferred", 0)),
                 "load_settles_won": int(d.get("load_settles_won", 0)),
                 "loads_reported_early": int(d.get("loads_reported_early", 0))}
-        if d.get("verifies", 0) or d.get("verifies_failed", 0):  # sampled checks: only when some ran
-            out.update({k: int(d.get(k, 0)) for k in ("verify_checks", "verify_matches", "verify_divergences",
-                                                      "verify_missing", "verifies_failed")})
+        if d.get("verify_sampled", 0) or d.get("verifies", 0) or d.get("verifies_failed", 0):  # only when some ran
+            out.update({k: int(d.get(k, 0)) for k in ("verify_sampled", "verify_checks", "verify_matches",
+                                                      "verify_divergences", "verify_missing", "verifies_failed")})
             out.update({k: float(d.get(k, 0.0)) for k in sorted(MAX_FIELDS)})
         return out
 
@@ -125,7 +127,8 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
     "load_settle_seconds": "Seconds the worker waited at steps' ends for loads about to end",
     "loads_reported_early": "Loads the scheduler reported once hkvd said every rank's copy was in, before any "
                             "worker read its reply (early_load_reports)",
-    "verifies": "Sampled hits' Verify requests hkvd answered (verify_fraction)",
+    "verify_sampled": "Requests with an hkvd hit computed instead of loaded, to be checked (verify_fraction)",
+    "verifies": "Sampled hits' Verify requests hkvd answered",
     "verifies_failed": "Sampled hits' Verify requests that got an error (nothing compared; the request is unaffected)",
     "verify_checks": "Entries hkvd compared with a sampled hit's recomputed chunks",
     "verify_matches": "Compared entries within their group kind's tolerance",
