@@ -141,6 +141,7 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
+        self._said_no_verify = False  # warned that the daemon compares no sampled hits
         self._finish_verifies: list[VerifyJob] = []  # the same, of sampled hits (hkvd.shim.verify)
         self._step = 0
         self._identity = ChunkIdentity()
@@ -363,7 +364,8 @@ class SchedulerSide:
         hit_tokens = st.hit_chunks * self.chunk_size
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        if st.pull is None and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed):
+        if (st.pull is None and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed)
+                and self._daemon_verifies()):
             # Sampled: the engine computes it (its answer never depends on the entries under test) and the
             # chunks it computes are compared, not stored; its lease is released once it is allocated.
             st.verify_upto = st.hit_chunks
@@ -468,6 +470,18 @@ class SchedulerSide:
                 meta.offer_notes.extend(self._notes_for(st, [offer], skip={n.key for n in meta.offer_notes}))
                 self.stats["offer_items"] += 1
         return meta
+
+    def _daemon_verifies(self) -> bool:
+        """Whether the daemon compares sampled hits (``RegisterAck.verify``); an older one does not, and is told
+        nothing it cannot parse: verification is off against it, said once."""
+        ack = self.link.ack
+        if ack is not None and ack.verify:
+            return True
+        if not self._said_no_verify:
+            self._said_no_verify = True
+            logger.warning("hkvd: the daemon does not compare sampled hits (an older hkvd); verify_fraction %s "
+                           "has no effect until hkvd serve on this node is upgraded", self.cfg.verify_fraction)
+        return False
 
     def _watch(self, req_id: str, lease_id: int) -> None:
         """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""

@@ -330,7 +330,7 @@ class KVService:
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
-                                      self.kv_events_mode(), lease_watch=True))
+                                      self.kv_events_mode(), lease_watch=True, verify=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""

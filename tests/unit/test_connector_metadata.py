@@ -133,8 +133,8 @@ def sched() -> SchedulerSide:
     return side
 
 
-def connect(side: SchedulerSide, client: ScriptedClient) -> None:
-    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, CHUNK, 0)
+def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True) -> None:
+    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, CHUNK, 0, verify=verify)
     side.link.generation += 1
 
 
@@ -349,14 +349,19 @@ def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_
     assert w.transfer_totals()["verifies_failed"] == 1 and w.link.client is wclient  # the link stays up
 
 
-def test_a_hit_that_is_not_sampled_is_loaded_and_never_verified() -> None:
+@pytest.mark.parametrize("why", ["not sampled", "an older daemon"])
+def test_a_hit_that_is_not_sampled_is_loaded_and_never_verified(why: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A hit outside the sample is loaded; so is every hit against a daemon whose RegisterAck does not say it
+    compares (it could not parse a Verify: an unknown message fails the connection's every request)."""
+    fraction = 0.0 if why == "not sampled" else 1.0
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
-                                                                       chunk_size=CHUNK, verify_fraction=0.0))
+                                                                       chunk_size=CHUNK, verify_fraction=fraction))
     client = ScriptedClient(hit=2, lease_id=77)
-    connect(sched, client)
+    connect(sched, client, verify=why == "not sampled")
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
     sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 2 * CHUNK)
     meta = sched.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=100 - 2 * CHUNK))
     assert meta.verifies == [] and len(meta.loads) == 1 and client.released == []
+    assert ("upgraded" in caplog.text) == (why == "an older daemon")

@@ -249,6 +249,9 @@ class RegisterAck(Message):
     kv_events: int = KV_EVENTS_UNSUPPORTED  # KV_EVENTS_*: whether to send notes, and poll
     # Whether it answers WatchLease (an older daemon sends nothing: False, and a client sends none).
     lease_watch: bool = False
+    # Whether it compares sampled hits (kv.Verify, StepEvent.verifies); an older daemon sends nothing: False,
+    # and a client samples none (an unknown message would fail the connection's every request).
+    verify: bool = False
 
 
 @dataclass(frozen=True, slots=True)
