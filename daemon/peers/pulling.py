@@ -434,7 +434,8 @@ class PeerClient:
             sent_at = time.monotonic()
             try:
                 reply: PeerLookupReply = await link.call(
-                    PeerLookup(link.next_id(), fp, keys, want, wait_s, msg.release_lease), PeerLookupReply,
+                    PeerLookup(link.next_id(), fp, keys, want, wait_s, msg.release_lease, checksums=True),
+                    PeerLookupReply,
                     min(remaining, self.cfg.peer_timeout_s + wait_s))
             except DaemonUnavailable:
                 if attempt == 0 and reused:  # an idle link the peer closed (restart?): one fresh try

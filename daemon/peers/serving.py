@@ -483,5 +483,6 @@ class PeerServer:
         self.metrics.inc("peer_lookups")
         self.metrics.inc("peer_served_chunks", plan.hit_chunks)
         self.metrics.inc("peer_served_bytes", served)
+        checks = pack_checksums(sums) if msg.checksums and any(sums) else b""  # never to an older puller
         return PeerLookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s,
-                               *pack_table(table, extents), pack_checksums(sums) if any(sums) else b"")
+                               *pack_table(table, extents), checks)

@@ -96,6 +96,34 @@ async def test_intact_entries_pull_whole_and_keep_the_checksums_they_were_checke
         assert p.pulling.index.get(p.pulling.key(c)).checksum == p.serving.index.get(p.serving.key(c)).checksum
 
 
+@pytest.mark.parametrize("puller", ["older", "current"])
+async def test_checksums_are_sent_only_to_a_puller_that_asks(pair, puller: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older puller's PeerLookup has no ``checksums``, and it could not parse a reply's trailing
+    ``entry_checksums``: it is sent none, and its pull still completes."""
+    from hkvd.daemon.peers import pulling as pulling_mod
+    from hkvd.daemon.peers import serving as serving_mod
+    from hkvd.transport.wire.peer import PeerLookup
+
+    p, pulled, served = pair
+    for c in range(3):
+        p.serving.store(c)
+    assert await L.until(lambda: served.taken == 3)
+    sent: list[PeerLookupReply] = []
+
+    def spy(*args: Any) -> PeerLookupReply:
+        sent.append(PeerLookupReply(*args))
+        return sent[-1]
+
+    monkeypatch.setattr(serving_mod, "PeerLookupReply", spy)
+    if puller == "older":
+        monkeypatch.setattr(pulling_mod, "PeerLookup", lambda *a, checksums=False: PeerLookup(*a))
+    result = await _pull(p, 9, 3)
+    assert result.hit_chunks == 3 and pulled.mismatches == {}
+    assert [bool(r.entry_checksums) for r in sent] == [puller == "current"]
+    assert PeerLookup(1, b"f" * 16, [], 0, 0.0, 0).to_wire()[-1] == 0  # the older form: no trailing flag
+
+
 def test_entry_checksums_are_a_trailing_optional_field() -> None:
     table, extents = pack_table([(0, 0, 8, 1), (0, 1, 8, 1)], [(4096, 8), (8192, 8)])
     old = PeerLookupReply(1, 2, 9, 5.0, table, extents)

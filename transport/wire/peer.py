@@ -146,6 +146,9 @@ class PeerLookup(Message):
     max_chunks: int
     wait_s: float
     release_lease: int
+    # Optional, trailing: the puller checks checksums, so the reply may carry ``entry_checksums`` (an older
+    # puller sends none, and is sent none: it could not parse the field).
+    checksums: bool = False
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -170,9 +173,9 @@ class PeerLookupReply(Message):
     lease_ttl_s: float
     entry_table: bytes
     entry_extents: bytes
-    # Optional, trailing (an older daemon sends none): each entry's checksum (XXH3-64 of its bytes; 0:
-    # not taken yet), one little-endian uint64 per row of ``entry_table``. The puller checks the bytes
-    # it READ against it before it publishes them.
+    # Optional, trailing (only to a PeerLookup with ``checksums``; an older daemon sends none): each entry's
+    # checksum (XXH3-64 of its bytes; 0: not taken yet), one little-endian uint64 per row of ``entry_table``.
+    # The puller checks the bytes it READ against it before it publishes them.
     entry_checksums: bytes = b""
 
     def validate(self) -> None:
