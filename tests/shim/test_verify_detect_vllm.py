@@ -2,13 +2,14 @@
 """Sampled verification catches a daemon serving wrong entries to real vLLM (CPU), and the quarantine holds.
 
 ``hkvd serve`` runs under the wrong-entry test hook (tests/e2e/_wrong_entry.py): every entry it would load
-or compare is the previous chunk's, well-formed, so checksums pass it. One engine (tiny Qwen3-Next, align
-mode, vLLM's default batched-token budget, ``verify_fraction`` 1, the daemon's ``--quarantine-after 1``)
-runs two chats (tests/shim/e2e_run.py, conversation mode), vLLM's local cache emptied before every turn:
+or compare is the previous chunk's, well-formed, so checksums pass it. One engine per model (tiny Qwen3-Next
+in align mode, tiny Gemma3 with its sliding-window groups; vLLM's default batched-token budget,
+``verify_fraction`` 1, the daemon's ``--quarantine-after 1``) runs two chats (tests/shim/e2e_run.py,
+conversation mode), vLLM's local cache emptied before every turn:
 
 1. detect: the first request with an hkvd hit is sampled, computed, and its chunks compared: the shifted
-   chunks diverge and the (fingerprint, full-attention group) is quarantined. Every later lookup misses
-   (the hybrid hit rule: no full-attention hit, no hit), so no later request is sampled and none loads.
+   chunks diverge and each attention group checked (full, and Gemma3's sliding-window ones) is quarantined.
+   Every later lookup misses (a hit needs every group), so no later request is sampled and none loads.
 2. ``hkvd quarantine --clear all``, then the same chats again: the first turn hits again (sampled, it
    diverges, and the layout is quarantined a second time); the rest miss.
 3. reference: the daemon stopped, every turn computed whole.
@@ -33,6 +34,8 @@ from hkvd.shim.testing.launcher import DaemonProcess
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 128
+# case -> (model, the attention group kinds a hit is checked in at vLLM's default budget; test_verify_vllm.py)
+CASES = {"qwen3_next-align": ("qwen3_next", ["full"]), "gemma3": ("gemma3", ["full", "swa"])}
 HOOK = Path(__file__).resolve().parents[1] / "e2e" / "_wrong_entry.py"
 
 
@@ -65,7 +68,9 @@ def _hkvd_cli(*args: str) -> str:
     return done.stdout
 
 
-def test_wrong_entries_detected_quarantined_and_lifted(tiny_models, outputs, engine_runner, tmp_path) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_wrong_entries_detected_quarantined_and_lifted(case, tiny_models, outputs, engine_runner, tmp_path) -> None:
+    model, kinds = CASES[case]
     sock = str(tmp_path / "hkvd.sock")
     d = DaemonProcess(sock, ["--chunk-size", str(BLOCK), "--l1-size-gb", "0.25", "--quarantine-after", "1"],
                       tmp_path / "hkvd.log", prefix=[sys.executable, str(HOOK)]).start()
@@ -81,7 +86,7 @@ def test_wrong_entries_detected_quarantined_and_lifted(tiny_models, outputs, eng
         else:
             d.stop()
 
-    args = {"model": str(tiny_models["qwen3_next"]), "max_num_batched_tokens": 0, "retention": BLOCK,
+    args = {"model": str(tiny_models[model]), "max_num_batched_tokens": 0, "retention": BLOCK,
             "socket": sock, "conversations": CONVERSATIONS, "ignore_eos": True, "logprobs": 2,
             "vllm_metrics": True, "llm": {"max_model_len": 2048},
             "phases": [{"reset": True}] * 3, "pause_before": [1, 2], "sync_dir": str(tmp_path),
@@ -93,16 +98,18 @@ def test_wrong_entries_detected_quarantined_and_lifted(tiny_models, outputs, eng
             d.stop()
     detect, again, computed = res["phases"]
     m1, m2, _ = res["vllm_metrics"]
-    print("detect:", {k: v for k, v in m1.items() if "verif" in k}, seen[1])
+    print(f"{case} detect:", {k: v for k, v in m1.items() if "verif" in k}, seen[1])
 
     # 1. Detected: the one sampled hit (A2) diverged, in the daemon's count and in the engine's.
     rows = [r for r in seen[1]["groups"] if r["divergences"] > 0]
     assert rows, f"no divergence detected: {seen[1]}"
     assert m1["vllm:hkvd_verify_divergences"] > 0, m1
-    # Quarantined after the first divergence (--quarantine-after 1): the full-attention group of the layout.
-    assert [(r["kind"], r["quarantined"]) for r in rows] == [("full", True)], rows
-    assert seen[1]["quarantines"] == 1 and seen[1]["lifted"] == 0, seen[1]
-    assert f"{rows[0]['fingerprint']} group {rows[0]['group']} (full)" in lifted[0], lifted
+    # Quarantined after the first divergence (--quarantine-after 1): each attention group of the layout.
+    # Every attention group checked (Gemma3: one full, three sliding-window) diverged and is quarantined.
+    assert {r["kind"] for r in rows} == set(kinds) and len(rows) == len(seen[1]["groups"]), seen[1]
+    assert all(r["quarantined"] for r in rows), rows
+    assert seen[1]["quarantines"] == len(rows) and seen[1]["lifted"] == 0, seen[1]
+    assert all(f"{r['fingerprint']} group {r['group']} ({r['kind']})" in lifted[0] for r in rows), lifted
     # Later lookups missed: B2, A3 and B3 hold stored prefixes, yet only A2 was sampled, and nothing loaded.
     assert m1["vllm:hkvd_verify_sampled"] == 1, m1
     assert m1["vllm:hkvd_loads{ok}"] == 0 and m1["vllm:hkvd_loads{failed}"] == 0, m1
@@ -110,10 +117,11 @@ def test_wrong_entries_detected_quarantined_and_lifted(tiny_models, outputs, eng
 
     # 2. Lifted: nothing quarantined; A1 hits again, is sampled, diverges, and quarantines the layout again.
     assert "lifted:" in lifted[1] and rows[0]["fingerprint"] in lifted[1], lifted
-    assert not any(r["quarantined"] for r in seen[-1]["groups"]) and seen[-1]["lifted"] == 1, seen[-1]
+    assert not any(r["quarantined"] for r in seen[-1]["groups"]) and seen[-1]["lifted"] == len(rows), seen[-1]
     assert m2["vllm:hkvd_verify_sampled"] == 2, m2
     assert m2["vllm:hkvd_verify_divergences"] > m1["vllm:hkvd_verify_divergences"], (m1, m2)
-    assert seen[2]["quarantines"] == 2 and any(r["quarantined"] for r in seen[2]["groups"]), seen[2]
+    assert seen[2]["quarantines"] == 2 * len(rows), seen[2]
+    assert all(r["quarantined"] for r in seen[2]["groups"]), seen[2]
     assert m2["vllm:hkvd_loads{ok}"] == 0, m2
 
     # 3. Every answer is the engine's own: the greedy tokens of a run computing every turn without hkvd.
@@ -122,4 +130,4 @@ def test_wrong_entries_detected_quarantined_and_lifted(tiny_models, outputs, eng
               for p, phase in enumerate((detect, again), 1)
               for c, (conv_got, conv_ref) in enumerate(zip(phase, computed, strict=True))
               for t, (got, ref) in enumerate(zip(conv_got, conv_ref, strict=True))]
-    print(f"max logprob delta {max(deltas):.5f}")
+    print(f"{case}: max logprob delta {max(deltas):.5f}")
