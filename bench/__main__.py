@@ -24,10 +24,11 @@ from bench import report
 from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
-        "load_overlap", "usable_prefix", "serving")
+        "load_overlap", "usable_prefix", "serving", "verify_cost")
 # Not in `all --quick`: too slow for the 2-minute smoke.
 QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
-ALONE = ("serving",)  # not in `all`: four vLLM servers one after another, tens of minutes on 2 cores
+# Not in `all`: vLLM servers one after another (serving: four, verify_cost: three), tens of minutes on 2 cores.
+ALONE = ("serving", "verify_cost")
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             venv = Path(__file__).resolve().parent.parent / LMCACHE_VENV
             auto = None if a.quick or not (venv / "bin" / "python").exists() else str(venv)
             kwargs["lmcache_venv"] = a.lmcache_venv or auto
-        if name == "serving":
+        if name in ("serving", "verify_cost"):
             kwargs["model"] = a.serving_model
             kwargs["rounds"] = a.serving_rounds
         result = mod.run(**kwargs)

@@ -276,6 +276,10 @@ METRICS = {  # vLLM counter -> our name
     "vllm:hkvd_loads_reported_early_total": "hkvd_loads_reported_early",
     "vllm:hkvd_load_seconds_total": "hkvd_load_seconds",
     "vllm:hkvd_loads_total": "hkvd_loads",
+    # sampled verification (bench/verify_cost.py): requests with a hit computed and checked, chunks compared
+    "vllm:hkvd_verify_sampled_total": "hkvd_verify_sampled",
+    "vllm:hkvd_verify_checks_total": "hkvd_verify_checks",
+    "vllm:hkvd_verify_divergences_total": "hkvd_verify_divergences",
 }
 
 
