@@ -7,7 +7,9 @@ Writes ``<out>/<name>.json`` per run and PNG plots when matplotlib is importable
 markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes on 2 cores: ``all
 --quick`` leaves out ``vllm_e2e`` and ``load_overlap`` (each vLLM engine takes ~40 s to start);
 full ``all`` runs them where vLLM is installed. ``serving`` runs only when named (four vLLM servers
-one after another); ``serving --quick`` runs it on the tiny model with a smaller workload.
+one after another); ``serving --quick`` runs it on the tiny model with a smaller workload. ``verify_cost``
+(sampled verification's cost: three vLLM + hkvd servers per round) also runs only when named, and takes
+``--serving-model`` and ``--serving-rounds`` too.
 """
 
 from __future__ import annotations

@@ -37,12 +37,22 @@ def test_ratios_to_fraction_zero_and_the_target() -> None:
     assert "sampled 3 of 8 later-turn requests, 12 chunks compared" in lines[2]
 
 
+def test_the_median_of_rounds_leaves_a_stalled_round_out() -> None:
+    base, stalled = _run(0.0, 50.0, 200.0, 0), _run(0.01, 40.0, 200.0, 0)
+    base["rounds"] = [{"output_tok_s": x} for x in (100.0, 20.0, 100.0)]
+    stalled["rounds"] = [{"output_tok_s": x} for x in (99.0, 99.0, 10.0)]
+    f = verify_cost.figures([base, stalled])[1]
+    assert f["output_tok_s_rounds"] == [99.0, 99.0, 10.0] and round(f["throughput_median_rounds_vs_0"], 3) == 0.99
+    assert verify_cost.summary({"figures": [f]})[-1].startswith(
+        "target: at most 2% throughput loss at 0.01: +20.0%: MISSED (median of rounds: +1.0%)")
+
+
 def test_a_missed_target_an_unsampled_run_and_a_failed_run_are_said() -> None:
     runs = [_run(0.0, 100.0, 200.0, 0), _run(0.01, 95.0, 200.0, 0),
             {"run": "verify 0.1", "verify_fraction": 0.1, "error": "server did not start"}]
     lines = verify_cost.summary({"figures": verify_cost.figures(runs)})
     assert "verify_fraction 0.1: did not run: server did not start" in lines
-    assert lines[-1] == ("target: at most 2% throughput loss at 0.01: +5.0%: MISSED; nothing was sampled at 0.01, "
-                         "so the difference is run-to-run noise")
+    assert lines[-1] == ("target: at most 2% throughput loss at 0.01: +5.0%: MISSED (median of rounds: +5.0%); "
+                         "nothing was sampled at 0.01, so the difference is run-to-run noise")
     _headers, rows = verify_cost.table({"figures": verify_cost.figures(runs)})
     assert len(rows) == 3 and rows[2][1] == "error: server did not start"
