@@ -99,6 +99,7 @@ def test_wrong_entries_detected_quarantined_and_lifted(case, tiny_models, output
     detect, again, computed = res["phases"]
     m1, m2, _ = res["vllm_metrics"]
     print(f"{case} detect:", {k: v for k, v in m1.items() if "verif" in k}, seen[1])
+    print(f"{case} after the lift:", {k: v for k, v in m2.items() if "verif" in k}, seen[2])
 
     # 1. Detected: the one sampled hit (A2) diverged, in the daemon's count and in the engine's.
     rows = [r for r in seen[1]["groups"] if r["divergences"] > 0]
@@ -106,7 +107,8 @@ def test_wrong_entries_detected_quarantined_and_lifted(case, tiny_models, output
     assert m1["vllm:hkvd_verify_divergences"] > 0, m1
     # Quarantined after the first divergence (--quarantine-after 1): each attention group of the layout.
     # Every attention group checked (Gemma3: one full, three sliding-window) diverged and is quarantined.
-    assert {r["kind"] for r in rows} == set(kinds) and len(rows) == len(seen[1]["groups"]), seen[1]
+    attention = [r for r in seen[1]["groups"] if r["kind"] in kinds]
+    assert {r["kind"] for r in rows} == set(kinds) and len(rows) == len(attention), seen[1]
     assert all(r["quarantined"] for r in rows), rows
     assert seen[1]["quarantines"] == len(rows) and seen[1]["lifted"] == 0, seen[1]
     assert all(f"{r['fingerprint']} group {r['group']} ({r['kind']})" in lifted[0] for r in rows), lifted
@@ -121,7 +123,9 @@ def test_wrong_entries_detected_quarantined_and_lifted(case, tiny_models, output
     assert m2["vllm:hkvd_verify_sampled"] == 2, m2
     assert m2["vllm:hkvd_verify_divergences"] > m1["vllm:hkvd_verify_divergences"], (m1, m2)
     assert seen[2]["quarantines"] == 2 * len(rows), seen[2]
-    assert all(r["quarantined"] for r in seen[2]["groups"]), seen[2]
+    # (Qwen3-Next's A1 ends at its hit's boundary, so its Mamba state may be checked too: the hook has no earlier
+    # state to serve for it, as the engine stores none at the default budget, so it matches.)
+    assert all(r["quarantined"] for r in seen[2]["groups"] if r["kind"] in kinds), seen[2]
     assert m2["vllm:hkvd_loads{ok}"] == 0, m2
 
     # 3. Every answer is the engine's own: the greedy tokens of a run computing every turn without hkvd.
