@@ -44,8 +44,8 @@ class ScriptedClient:
         return self._id(("retrieve", items, lease_id))
 
     def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any, wait_event: bytes = b"",
-                          notes: Any = None) -> int:
-        assert wait_event == b""
+                          notes: Any = None, verifies: Any = ()) -> int:
+        assert wait_event == b"" and list(verifies) == []  # no sampled hits here
         return self._id(("step", seq, step, offers, list(confirms)))
 
     def complete(self, rid: int, ok: bool = True) -> None:
