@@ -9,8 +9,8 @@ Role
     when a value is NaN or infinite on one side only). ``tolerance`` says which bound applies.
 
 Dtypes
-    float16/32/64, bfloat16 (upper half of a float32), float8_e4m3fn and float8_e5m2 (decoded through
-    a table), uint8 (vLLM stores its fp8 caches so: decoded as e4m3fn, the format it defaults to;
+    float16/32/64, bfloat16, float8_e4m3fn and float8_e5m2 (read through ``ml_dtypes``' NumPy types),
+    uint8 (vLLM stores its fp8 caches so: decoded as e4m3fn, the format it defaults to;
     adjacent codes stay adjacent values in either fp8 format, so small differences stay small), and
     integers as integers. A Mamba group's dtype is ``state:<dtype>[shape];...``: each page holds those
     states one after another, each compared in its own dtype. A dtype outside these is compared byte
@@ -25,46 +25,23 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import cache
 
+import ml_dtypes
 import numpy as np
 
 from hkvd.transport.layout import GroupSpec
 
 _NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int8": np.int8,
-          "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint16": np.uint16, "uint32": np.uint32}
-_FP8 = {"float8_e4m3fn": (4, 3, True), "uint8": (4, 3, True), "float8_e5m2": (5, 2, False)}
-_ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _NUMPY.items()}, "bfloat16": 2, **dict.fromkeys(_FP8, 1)}
+          "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint16": np.uint16, "uint32": np.uint32,
+          "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+          "float8_e5m2": ml_dtypes.float8_e5m2,
+          "uint8": ml_dtypes.float8_e4m3fn}  # vLLM's fp8 caches (module docstring)
+_ITEMSIZE = {k: np.dtype(v).itemsize for k, v in _NUMPY.items()}
 _STATE = re.compile(r"([a-z0-9_]+)\[([0-9, ]*)\]")
-
-
-@cache
-def _fp8_table(exp_bits: int, man_bits: int, finite_only: bool) -> np.ndarray:
-    """The float32 value of each of the 256 codes of an fp8 format (sign, exponent, mantissa)."""
-    bias = (1 << (exp_bits - 1)) - 1
-    out = np.empty(256, np.float32)
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        e = (code >> man_bits) & ((1 << exp_bits) - 1)
-        m = code & ((1 << man_bits) - 1)
-        if finite_only and e == (1 << exp_bits) - 1 and m == (1 << man_bits) - 1:
-            v = math.nan  # e4m3fn: no infinities, one NaN code per sign
-        elif not finite_only and e == (1 << exp_bits) - 1:
-            v = math.inf if m == 0 else math.nan
-        elif e == 0:
-            v = m / (1 << man_bits) * 2.0 ** (1 - bias)
-        else:
-            v = (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
-        out[code] = sign * v
-    return out
 
 
 def decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     """``raw`` (uint8, a whole number of values) as values: float64 for floats, int64 for integers."""
-    if dtype == "bfloat16":
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    if dtype in _FP8:
-        return _fp8_table(*_FP8[dtype])[raw].astype(np.float64)
     values = raw.view(_NUMPY[dtype])
     return values.astype(np.int64 if values.dtype.kind in "iu" else np.float64)
 

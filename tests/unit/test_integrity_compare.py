@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hkvd.daemon.integrity.compare import _fp8_table, decode, entry_error, value_layout
+from hkvd.daemon.integrity.compare import decode, entry_error, value_layout
 from hkvd.daemon.integrity.quarantine import MAX_ROWS, Quarantine
 from hkvd.transport.layout import GroupSpec, View
 
@@ -57,11 +57,13 @@ def test_a_value_that_turns_nan_or_infinite_on_one_side_is_infinitely_wrong() ->
     assert entry_error(fresh.tobytes(), ref.tobytes(), _group("float32", 8)) == math.inf
 
 
-def test_fp8_tables_decode_known_codes() -> None:
-    e4m3 = _fp8_table(4, 3, True)
+def test_fp8_formats_decode_known_codes() -> None:
+    codes = np.arange(256, dtype=np.uint8)
+    e4m3 = decode(codes, "float8_e4m3fn")
+    assert np.array_equal(decode(codes, "uint8"), e4m3, equal_nan=True)  # vLLM's fp8 caches: read as e4m3fn
     assert e4m3[0x38] == 1.0 and e4m3[0x7E] == 448.0 and e4m3[0xB8] == -1.0 and math.isnan(e4m3[0x7F])
     assert e4m3[0x01] == 2.0 ** -9  # the smallest subnormal
-    e5m2 = _fp8_table(5, 2, False)
+    e5m2 = decode(codes, "float8_e5m2")
     assert e5m2[0x3C] == 1.0 and e5m2[0x7B] == 57344.0 and e5m2[0x7C] == math.inf and math.isnan(e5m2[0x7D])
     g = _group("float8_e4m3fn", 4)
     assert entry_error(bytes([0x38, 0x39, 0x40, 0x00] * 2), bytes([0x38, 0x38, 0x40, 0x00] * 2), g) == 0.125 / 2.0
