@@ -631,8 +631,10 @@ class KVService:
         engine = self._engine(conn, copy=True)
         fp = engine.fingerprint
         checked = [(it, engine.check_item(it)) for it in msg.items]  # all or nothing: check before any copy
-        held = [(it, g) for it, g in checked if self.index.is_ready((fp, g.group_id, it.key))]
-        absent = [(it, g) for it, g in checked if not self.index.is_ready((fp, g.group_id, it.key))]
+        held: list[tuple[Item, GroupSpec]] = []
+        absent: list[tuple[Item, GroupSpec]] = []
+        for it, g in checked:
+            (held if self.index.is_ready((fp, g.group_id, it.key)) else absent).append((it, g))
         keep = [e for it, g in held if (e := self.index.get((fp, g.group_id, it.key))) is not None]
         unpin = self.index.pin_for_read(keep)  # the scratch room below must not evict what it is compared with
         try:
