@@ -26,9 +26,10 @@ SAMPLES = [
     control.Hello(1, "x", "worker"), control.HelloAck(1, 2, 3, "s"), control.Register(1, {"a": 1}),
     control.RegisterAck(1, 2, b"f" * 16, 256), control.Unregister(3), control.Bye("r"), control.Status(4),
     control.StatusReply(4, {"x": [1]}), control.Ping(5), control.Pong(5),
-    control.LiftQuarantine(6, "0123abcd"),
+    control.LiftQuarantine(6, "0123abcd"), control.Unpin(7, "session-1"),
     kv.Lookup(1, [KEY], True), kv.LookupReply(1, 3, 4, 30.0), kv.Store(2, [kv.Item(0, 0, KEY, [1, 2])]),
     kv.Retrieve(3, 9, [kv.Item(1, 0, KEY, [5])]), kv.Verify(4, [kv.Item(2, 1, KEY, [7], KEY)]),
+    kv.Pin("session-1", "salt:0123abcd", 300.0, [KEY]), kv.Store(8, [], b"", None, "lora:adapter"),
     kv.Done(2, 100, {"stored": 1}), kv.Abort(2), kv.AbortAck(2),
     kv.Error(2, 20, "m"), kv.Release(9), kv.WatchLease(4, 9), kv.Uncacheable("unknown_extra_key_x"),
     events.StepEvent(1, 0, 5, [kv.Item(1, 3, KEY, [7])], [2, 3]),
@@ -244,3 +245,18 @@ def test_lift_quarantine_takes_a_fingerprint_prefix_or_all(fp: str) -> None:
     control.LiftQuarantine(1, "0123abcd" * 4).validate()
     with pytest.raises(ProtocolViolation, match="8 to 32 lowercase hex digits"):
         control.LiftQuarantine(1, fp).validate()
+
+
+def test_pin_and_unpin_refuse_bad_values() -> None:
+    with pytest.raises(ProtocolViolation, match="session id"):
+        kv.Pin("a session", "", 300.0, [KEY]).validate()
+    with pytest.raises(ProtocolViolation, match="session id"):
+        control.Unpin(1, "x" * 129).validate()
+    with pytest.raises(ProtocolViolation, match="ttl_s"):
+        kv.Pin("s", "", 0.0, [KEY]).validate()
+    with pytest.raises(ProtocolViolation, match="ttl_s"):
+        kv.Pin("s", "", 86401.0, [KEY]).validate()
+    with pytest.raises(ProtocolViolation, match="1 to"):
+        kv.Pin("s", "", 10.0, []).validate()
+    with pytest.raises(ProtocolViolation, match="tenant label"):
+        kv.Store(1, [], b"", None, "t" * 65).validate()

@@ -252,6 +252,9 @@ class RegisterAck(Message):
     # Whether it compares sampled hits (kv.Verify, StepEvent.verifies); an older daemon sends nothing: False,
     # and a client samples none (an unknown message would fail the connection's every request).
     verify: bool = False
+    # Whether it takes kv.Pin and Store.tenant (session pins, tenant quotas); an older daemon sends
+    # nothing: False, and a client sends neither.
+    pins: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +301,39 @@ class LiftQuarantine(Message):
         if fp != "all" and not (8 <= len(fp) <= 32 and set(fp) <= _HEX):
             raise ProtocolViolation(f"LiftQuarantine.fingerprint: 8 to 32 lowercase hex digits of a layout "
                                     f"fingerprint (hkvd status shows them), or all; got {fp[:40]!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Unpin(Message):
+    """End every pin of ``session`` (``hkvd unpin SESSION``, or a router that knows a session ended); its
+    entries go back to plain eviction order. Answered ``Done`` with ``info["unpinned"]``, the number of
+    the session's pins ended (0 for a session the daemon does not know: not an error)."""
+
+    TYPE = MsgType.UNPIN
+    req_id: int
+    session: str
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        check_session(self.session, "Unpin.session")
+
+
+MAX_SESSION = 128
+MAX_TENANT = 64
+
+
+def check_session(session: str, where: str) -> None:
+    """A session id: 1 to ``MAX_SESSION`` printable ASCII characters without spaces."""
+    if not 1 <= len(session) <= MAX_SESSION or not all("!" <= c <= "~" for c in session):
+        raise ProtocolViolation(f"{where}: a session id is 1 to {MAX_SESSION} printable ASCII characters "
+                                f"without spaces, got {session[:40]!r}")
+
+
+def check_tenant(tenant: str, where: str) -> None:
+    """A tenant label: empty (the unsalted share) or up to ``MAX_TENANT`` printable ASCII characters."""
+    if len(tenant) > MAX_TENANT or not all("!" <= c <= "~" for c in tenant):
+        raise ProtocolViolation(f"{where}: a tenant label is at most {MAX_TENANT} printable ASCII characters "
+                                f"without spaces, got {tenant[:40]!r}")
 
 
 @dataclass(frozen=True, slots=True)

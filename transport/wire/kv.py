@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
+from hkvd.transport.wire.control import check_session, check_tenant
 from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 MAX_BLOCKS_PER_ITEM = 4096
@@ -117,11 +118,15 @@ class Store(Message):
     # vLLM's names of the stored chunks, for KV events (hkvd.transport.wire.block_notes); nil: none.
     # Sent only to a daemon whose RegisterAck.kv_events says it takes them.
     notes: Any = None
+    # The tenant whose request stored these chunks (``hkvd.shim.tenants``: "" is the unsalted share);
+    # entries are counted against that tenant's quota. Sent only to a daemon whose RegisterAck.pins says so.
+    tenant: str = ""
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_event(self.wait_event, "Store.wait_event")
         check_notes(self.notes, "Store.notes")
+        check_tenant(self.tenant, "Store.tenant")
 
     def parsed_notes(self) -> list[BlockNote]:
         return checked_notes(self.notes)
@@ -155,6 +160,36 @@ class Verify(Message):
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_event(self.wait_event, "Verify.wait_event")
+
+
+MAX_PIN_S = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pin(Message):
+    """Hold the chunks ``keys`` (a finished request's chunk keys, in prompt order) of the sending engine
+    world against eviction for ``ttl_s`` seconds, as pin ``session`` of ``tenant``. Every group's and every
+    rank's entry of those keys is held, in every tier that holds it, whether stored yet or not. A later
+    ``Pin`` of the same session supersedes its earlier pins whose keys are a prefix of the new keys; a hit on
+    a pinned chunk restarts its session's TTL. Sent by the scheduler only to a daemon whose
+    ``RegisterAck.pins`` says it takes pins. No reply (the request does not wait on it)."""
+
+    TYPE = MsgType.PIN
+    session: str
+    tenant: str
+    ttl_s: float
+    keys: list[bytes]
+
+    def validate(self) -> None:
+        check_session(self.session, "Pin.session")
+        check_tenant(self.tenant, "Pin.tenant")
+        if not 0 < self.ttl_s <= MAX_PIN_S:
+            raise ProtocolViolation(f"Pin.ttl_s: a pin lasts more than 0 and at most {MAX_PIN_S:.0f} s, "
+                                    f"got {self.ttl_s}")
+        if not self.keys or len(self.keys) > MAX_KEYS:
+            raise ProtocolViolation(f"Pin: 1 to {MAX_KEYS} keys, got {len(self.keys)}")
+        if any(len(k) != KEY_BYTES for k in self.keys):
+            raise ProtocolViolation(f"Pin: every key must be {KEY_BYTES} bytes")
 
 
 @dataclass(frozen=True, slots=True)

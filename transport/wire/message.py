@@ -45,6 +45,7 @@ class MsgType(enum.IntEnum):
     PING = 9
     PONG = 10
     LIFT_QUARANTINE = 11
+    UNPIN = 12
     # kv
     LOOKUP = 20
     LOOKUP_REPLY = 21
@@ -58,6 +59,7 @@ class MsgType(enum.IntEnum):
     UNCACHEABLE = 29
     WATCH_LEASE = 30
     VERIFY = 31
+    PIN = 32
     # events
     STEP_EVENT = 40
     KV_EVENTS_POLL = 41
