@@ -219,9 +219,10 @@ def test_the_checks_see_a_package_cycle_a_shared_name_and_skip_type_checking(tmp
 # for a reader and for go-to-definition). Every shim module has a place here; a new one must be given one.
 SHIM_TIERS: tuple[frozenset[str], ...] = (
     # 0. Data and leaf helpers: settings, the jobs pickled to the workers, the daemon's typed results,
-    #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, connector stats, sampled verification.
+    #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, connector stats, sampled verification,
+    #    session pins asked for and tenant labels.
     frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
-               "connector_stats", "verify"}),
+               "connector_stats", "verify", "sessions", "tenants"}),
     # 1. The daemon client, the engine spec, the step metadata, a request's states.
     frozenset({"client", "spec", "metadata", "request_state"}),
     # 2. What drives the client (the link, the worker's loads, the KV event feed); block tables into items.
