@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""hkvd inside real vLLM (CPU) with ``prefix_match_unit`` set below the block size (docs/design.md, "Hit granularity").
+
+With ``prefix_match_unit`` (vLLM's ``hash_block_size``) finer than the block size N, vLLM hashes a prompt
+every unit and, for a Mamba model in align mode, can hit inside a block: at the hash-aligned checkpoint
+of a prompt's last block. Gemma3 (no Mamba group) keeps its hits at block multiples.
+
+Workload: prompts that share a 200-token system prompt (ending inside the second 128-token block), with
+different questions, a prompt sent again, and one extended by a follow-up. One engine per model runs them
+three times:
+
+1. hkvd phase: vLLM's local cache is emptied before every prompt, so every hit comes from hkvd.
+2. reference phase: the daemon is stopped and vLLM's local cache is kept: vLLM's own prefix cache.
+3. no-cache phase: the daemon is still stopped and the local cache emptied before every prompt.
+
+hkvd must serve the engine (no error) with hits of at least ``WANT_HKVD`` and the no-cache run's greedy
+tokens; ``WANT_VLLM`` pins what vLLM's own cache hits, so the gap between the two is visible here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 128
+UNIT = 32
+
+
+def _seq(n: int, mul: int, add: int) -> list[int]:
+    return [(i * mul + add) % 500 + 4 for i in range(n)]  # ids 0..3 are special tokens
+
+
+SYSTEM = _seq(200, 7, 3)
+A = SYSTEM + _seq(30, 11, 5)
+PROMPTS = [
+    A,                          # 230 tokens
+    SYSTEM + _seq(30, 13, 2),   # same system prompt, another question
+    A,                          # sent again
+    A + _seq(100, 17, 1),       # A with a follow-up (330 tokens)
+]
+
+# model -> hits per prompt: vLLM's own prefix cache (reference phase), and the least hkvd must serve
+CASES = {
+    "qwen3_next": ([0, 128, 224, 224], [0, 128, 128, 128]),
+    "gemma3": ([0, 128, 128, 128], [0, 128, 128, 128]),
+}
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_prefix_match_unit_serves_and_hits(model, tiny_models, outputs, daemon_factory, engine_runner,
+                                           tmp_path) -> None:
+    want_vllm, want_hkvd = CASES[model]
+    d = daemon_factory(BLOCK)
+    args = {"model": str(tiny_models[model]), "socket": d.socket, "max_num_batched_tokens": 0,
+            "conversations": [{"first": p, "users": [], "max_tokens": 6} for p in PROMPTS],
+            "ignore_eos": True, "logprobs": 2, "llm": {"max_model_len": 1024, "prefix_match_unit": UNIT},
+            "phases": [{"reset": True}, {"reset": False}, {"reset": True}],
+            "pause_before": [1], "sync_dir": str(tmp_path)}
+    res = engine_runner(args, timeout_s=600, on_pause=lambda i: d.stop())
+    hkvd, own, cold = ([conv[0] for conv in phase] for phase in res["phases"])
+    got_hkvd = [r["num_cached_tokens"] for r in hkvd]
+    got_vllm = [r["num_cached_tokens"] for r in own]
+    print(f"{model}: hits from hkvd {got_hkvd}, from vLLM's own cache {got_vllm}")
+    assert [r["num_cached_tokens"] for r in cold] == [0] * len(PROMPTS), res["log"][-3000:]
+    assert got_vllm == want_vllm, res["log"][-3000:]
+    assert got_hkvd == want_hkvd, res["log"][-3000:]
+    deltas = [outputs.compare(c, h, f"{model} prompt {i} (hkvd vs no cache)")
+              for i, (c, h) in enumerate(zip(cold, hkvd, strict=True))]
+    deltas += [outputs.compare(c, v, f"{model} prompt {i} (vLLM's cache vs no cache)")
+               for i, (c, v) in enumerate(zip(cold, own, strict=True))]
+    print(f"{model}: max logprob delta {max(deltas):.5f}")
