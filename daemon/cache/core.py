@@ -33,6 +33,7 @@ from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, plan_hit, required_chun
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.cache.leases import Lease
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
+from hkvd.daemon.cache.quotas import Tenants
 from hkvd.transport.errors import PoolFull
 
 _UNFINISHED = (EntryState.WRITING, EntryState.PENDING)  # may still turn READY (a CORRUPT entry never does)
@@ -87,8 +88,8 @@ class Cache(Index):
     record of the engine worlds registered here (``Formats``), which the registry feeds."""
 
     def __init__(self, pool: HugePagePool, policy: EvictionPolicy, clock: Callable[[], float] = time.monotonic,
-                 formats: Formats | None = None) -> None:
-        super().__init__(pool, policy, clock)
+                 formats: Formats | None = None, *, tenants: Tenants | None = None, pin_fraction: float = 0.5) -> None:
+        super().__init__(pool, policy, clock, tenants=tenants, pin_fraction=pin_fraction)
         self.formats = formats if formats is not None else Formats()
         # (fingerprint, group) pairs whose entries no plan takes (quarantined: daemon/integrity/quarantine.py)
         self.withheld: Collection[tuple[bytes, int]] = ()
@@ -115,7 +116,10 @@ class Cache(Index):
     # ---- leases --------------------------------------------------------------------------------
     def lease(self, plan: HitPlan, keys: Sequence[bytes], fingerprints: Sequence[bytes], owner: int,
               ttl_s: float) -> int:
-        """A lease on every rank's entries of ``plan`` (those READY now), serving one retrieve per rank."""
+        """A lease on every rank's entries of ``plan`` (those READY now), serving one retrieve per rank. A hit
+        on chunks a session pin holds restarts that pin's TTL (``daemon/cache/pins.py``)."""
+        if plan.hit_chunks and len(self.pins):
+            self.pins.refresh(fingerprints[0], keys[:plan.hit_chunks])
         return self.leases.take(plan_keys(plan, keys, fingerprints), owner, ttl_s, uses=len(fingerprints))
 
     def hold(self, keys: Sequence[EntryKey], owner: int, ttl_s: float) -> int:
@@ -148,9 +152,10 @@ class Cache(Index):
         return self.leases.expire()
 
     # ---- stores and reads ----------------------------------------------------------------------
-    def begin_store(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int) -> list[Entry | PoolFull | None]:
-        """WRITING entries for ``(key, nbytes, kind, parent)`` each (``Index.begin_writes``)."""
-        return self.begin_writes(wants, job_id)
+    def begin_store(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
+                    tenant: str = "") -> list[Entry | PoolFull | None]:
+        """WRITING entries of ``tenant`` for ``(key, nbytes, kind, parent)`` each (``Index.begin_writes``)."""
+        return self.begin_writes(wants, job_id, tenant)
 
     def complete_store(self, entries: list[Entry], *, pending: bool) -> None:
         """The copies into ``entries`` completed: READY (or PENDING, awaiting their engine's confirmation)."""
@@ -158,7 +163,7 @@ class Cache(Index):
 
     def scratch(self, nbytes: int) -> Allocation:
         """Pool room for bytes that are no entry (a sampled hit's recomputed blocks, compared and given
-        back with ``pool.free``), evicting as a store would; raises PoolFull."""
+        back with ``pool.free``), evicting as a store of the unsalted tenant "" would; raises PoolFull."""
         return self._alloc_evicting(nbytes)
 
     def pin_for_read(self, entries: list[Entry]) -> Callable[[], None]:

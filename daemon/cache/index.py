@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from hkvd.daemon.cache.chains import ChainChange, ChainTracker, Groups
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.leases import Leases
+from hkvd.daemon.cache.pins import Pins
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
+from hkvd.daemon.cache.quotas import TenantOrder, Tenants
 from hkvd.transport.errors import PoolFull
 from hkvd.transport.stat_fields import metric, status_only
 
@@ -59,6 +61,8 @@ class Entry:
     tracked: bool = False  # READY and known to the chain tracker
     # XXH3-64 of its bytes once taken after it turned READY (daemon/integrity/checksums.py); 0: not yet.
     checksum: int = 0
+    tenant: str = ""  # the tenant whose store wrote it (daemon/cache/quotas.py); "" for the unsalted share
+    held: bool = False  # a session pin holds its chunk (daemon/cache/pins.py): in no eviction order
 
 
 _ENTRIES = "Index entries by state"
@@ -98,12 +102,27 @@ class _Noted:
 
 
 class Index:
+    """``tenants``: the quotas (``daemon/cache/quotas.py``; default: none, tenants only counted);
+    ``pin_fraction``: the share of the pool session pins may hold (``daemon/cache/pins.py``)."""
+
     def __init__(self, pool: HugePagePool, policy: EvictionPolicy,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, tenants: Tenants | None = None,
+                 pin_fraction: float = 0.5) -> None:
         self.pool = pool
-        self.policy = policy
         self.clock = clock
         self._entries: dict[EntryKey, Entry] = {}
+        capacity = pool.allocator.capacity
+        self.tenants = tenants if tenants is not None else Tenants(capacity)
+        self.policy: EvictionPolicy = policy
+        self._by_tenant: TenantOrder | None = None
+        if self.tenants.active:
+            entries = self._entries
+            self._by_tenant = TenantOrder(type(policy), lambda k: entries[k].tenant, self.tenants)  # type: ignore[index]
+            self.policy = self._by_tenant
+        self.pins = Pins(self._pin_changed, clock)
+        self.pin_budget_bytes = int(pin_fraction * capacity)
+        self._pinned_bytes = 0
+        self._group_ids: dict[bytes, tuple[int, ...]] = {}  # fingerprint -> every group id of its format
         self.leases: Leases[EntryKey] = Leases(self._hold, self._unhold, clock)
         self._evictions = 0
         self._orphans_dropped = 0
@@ -137,7 +156,8 @@ class Index:
         return list(self._entries)
 
     # ---- writes --------------------------------------------------------------------------------
-    def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"") -> Entry | None:
+    def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"",
+                    tenant: str = "") -> Entry | None:
         """Allocate a WRITING entry (pinned), evicting as needed. None if the key already exists.
 
         ``parent`` is the previous chunk's key when the client sent it: it places the entry in its
@@ -147,14 +167,24 @@ class Index:
         """
         if key in self._entries:
             return None
-        alloc = self._alloc_evicting(nbytes)
+        alloc = self._alloc_evicting(nbytes, tenant)
         self.writes += 1
         entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent)
-        self._entries[key] = entry
+        self._add(entry, tenant)
+        self._keep_pin_budget()
         return entry
 
-    def begin_writes(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int) -> list[Entry | PoolFull | None]:
-        """``begin_write`` for many ``(key, nbytes, kind, parent)`` at once, in order.
+    def _add(self, entry: Entry, tenant: str) -> None:
+        self._entries[entry.key] = entry
+        entry.tenant = tenant
+        self.tenants.add(tenant, entry.nbytes)
+        if self.pins.is_pinned(entry.key[0], entry.key[2]):
+            entry.held = True
+            self._pinned_bytes += entry.nbytes
+
+    def begin_writes(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
+                     tenant: str = "") -> list[Entry | PoolFull | None]:
+        """``begin_write`` for many ``(key, nbytes, kind, parent)`` of ``tenant`` at once, in order.
 
         Each answer is the new WRITING entry, ``None`` when the key already exists (or repeats
         in ``wants``), or the ``PoolFull`` that ``begin_write`` would have raised for it. Room is
@@ -190,19 +220,20 @@ class Index:
                     continue
                 else:
                     try:
-                        alloc = self._alloc_evicting(nbytes)
+                        alloc = self._alloc_evicting(nbytes, tenant)
                     except PoolFull as e:
                         full[nbytes] = e
                         out.append(e)
                         continue
                 entry = Entry(key, alloc, nbytes, kind, EntryState.WRITING, 1, 0, job_id, parent)
-                entries[key] = entry
+                self._add(entry, tenant)
                 out.append(entry)
                 self.writes += 1
         finally:
             for nbytes, got in bulk.items():  # repeated keys (or an error) left these unused
                 for alloc in got[used[nbytes]:]:
                     self.pool.free(alloc)
+        self._keep_pin_budget()
         return out
 
     def finish_writes(self, entries: list[Entry], *, pending: bool) -> None:
@@ -236,7 +267,8 @@ class Index:
         return True
 
     def _ready(self, entry: Entry) -> None:
-        self.policy.insert(entry.key)
+        if not entry.held:
+            self.policy.insert(entry.key)
         if self.policy.uses_orphans:
             entry.tracked = True
             self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
@@ -271,6 +303,9 @@ class Index:
         del self._entries[entry.key]
         self.policy.remove(entry.key)
         self.pool.free(entry.alloc)
+        self.tenants.sub(entry.tenant, entry.nbytes)
+        if entry.held:
+            self._pinned_bytes -= entry.nbytes
         if entry.tracked:
             entry.tracked = False
             self._apply(self._chains.remove(entry.key, entry.kind))
@@ -327,10 +362,13 @@ class Index:
 
     # ---- eviction ------------------------------------------------------------------------------
     def _evictable(self, e: Entry) -> bool:
-        return e.state is EntryState.READY and e.pins == 0 and e.leases == 0
+        return e.state is EntryState.READY and e.pins == 0 and e.leases == 0 and not e.held
 
-    def _alloc_evicting(self, nbytes: int) -> Allocation:
-        """Room for ``nbytes``, evicting in policy order only entries whose freeing makes room.
+    def _alloc_evicting(self, nbytes: int, tenant: str = "") -> Allocation:
+        """Room for ``nbytes`` for ``tenant``, evicting in policy order only entries whose freeing makes room.
+
+        With tenant quotas, the candidates are those ``TenantOrder.candidates_for`` gives ``tenant``
+        (``daemon/cache/quotas.py``); entries a session pin holds are in no order.
 
         Freeing an entry of another size class gives the pool nothing until its superblock is
         empty, so such entries are only noted per superblock; once every live slot of a superblock
@@ -347,7 +385,9 @@ class Index:
         allocator = pool.allocator
         slot = allocator.plan(nbytes)[0]
         noted: dict[int, _Noted] = {}  # superblock -> evictable entries seen holding slots in it
-        for key in self.policy.candidates():
+        by_tenant = self._by_tenant
+        candidates = self.policy.candidates() if by_tenant is None else by_tenant.candidates_for(tenant, nbytes)
+        for key in candidates:
             e = self._entries.get(key)  # type: ignore[call-overload]  # the policy holds the index's keys
             if e is None or not self._evictable(e):
                 continue
@@ -358,6 +398,10 @@ class Index:
             alloc = pool.alloc(nbytes)
             if alloc is not None:
                 return alloc
+        if by_tenant is not None:
+            raise PoolFull(f"no room for a {nbytes}-byte entry of tenant {tenant!r}: every entry it may evict is "
+                           "pinned, leased, or another tenant's within its quota (--tenant-quota), or shares its "
+                           "superblock with one; raise --l1-size-gb or that tenant's quota")
         raise PoolFull(f"no room for a {nbytes}-byte entry: every entry is pinned or leased, or shares its "
                        "superblock with one that is; raise --l1-size-gb or lower the number of in-flight requests")
 
@@ -390,6 +434,7 @@ class Index:
     def _evict(self, e: Entry) -> None:
         self.drop(e)
         self._evictions += 1
+        self.tenants.evicted(e.tenant)
         # A Mamba state at chunk key k needs the attention chunk with the same key (the last chunk
         # of its prefix): once that chunk is gone the state can never be part of a hit, so it goes
         # now. Other orphans (descendants, attention chunks left without a state) were marked by
@@ -408,7 +453,7 @@ class Index:
     def _drop_useless(self, e: Entry) -> None:
         """An entry no hit can use any more: dropped now (a pending state too: its confirmation would only
         make it servable for no hit), or marked an orphan while it is pinned or leased."""
-        if self._evictable(e) or (e.state is EntryState.PENDING and e.pins == 0):
+        if self._evictable(e) or (e.state is EntryState.PENDING and e.pins == 0 and not e.held):
             self.drop(e)
             self._orphans_dropped += 1
         else:
@@ -424,6 +469,50 @@ class Index:
         """The group kinds of a layout (from registration): orphan rules depend on them."""
         self._groups[fingerprint] = (frozenset(g for g, k in kinds.items() if k == "full"),
                                      frozenset(g for g, k in kinds.items() if k == "mamba"))
+        self._group_ids[fingerprint] = tuple(kinds)
+
+    # ---- session pins (daemon/cache/pins.py) -------------------------------------------------------
+    def pin_session(self, world: tuple[bytes, ...], session: str, tenant: str, keys: list[bytes],
+                    ttl_s: float) -> bool:
+        """Hold ``keys`` of every rank of ``world`` for ``ttl_s`` as pin ``session`` (``Pins.pin``), then keep
+        the pin budget. False: refused (too many sessions)."""
+        ok = self.pins.pin(world, session, tenant, keys, ttl_s)
+        self._keep_pin_budget()
+        return ok
+
+    def unpin_session(self, session: str) -> int:
+        """End every pin of ``session``; how many."""
+        return self.pins.unpin(session)
+
+    def expire_pins(self) -> int:
+        """End every pin past its TTL (the daemon's housekeeping); how many."""
+        return self.pins.expire()
+
+    def pinned_bytes(self) -> int:
+        """Bytes of the entries session pins hold."""
+        return self._pinned_bytes
+
+    def _keep_pin_budget(self) -> None:
+        pins = self.pins
+        while self._pinned_bytes > self.pin_budget_bytes and (oldest := pins.oldest()) is not None:
+            pins.lapse(oldest, "budget")
+
+    def _pin_changed(self, fp: bytes, chunk_key: bytes, held: bool) -> None:
+        """``fp``'s entries of ``chunk_key`` became held by a pin (out of the eviction order) or free (back in
+        it, as most recently used)."""
+        entries = self._entries
+        for gid in self._group_ids.get(fp, ()):
+            e = entries.get((fp, gid, chunk_key))
+            if e is None or e.held is held:
+                continue
+            e.held = held
+            if held:
+                self._pinned_bytes += e.nbytes
+                self.policy.remove(e.key)
+            else:
+                self._pinned_bytes -= e.nbytes
+                if e.state is EntryState.READY:
+                    self.policy.insert(e.key)
 
     def set_ranks(self, fingerprints: tuple[bytes, ...]) -> None:
         """The fingerprints of one engine world's ranks (from registration): an evicted entry takes the
