@@ -93,11 +93,16 @@ def kv_blocks(workload: Workload, block: int, mamba_groups: int) -> dict[str, in
     conversations' turns take its blocks. ``ample`` holds every conversation twice over.
     """
     per_conv = math.ceil(workload.context_tokens() / block) + 2 * mamba_groups
-    small = math.ceil(1.25 * workload.concurrency * per_conv)
-    everything = workload.conversations * per_conv
+    return block_budget(per_conv, workload.conversations, workload.concurrency)
+
+
+def block_budget(per_conv: int, conversations: int, concurrency: int) -> dict[str, int]:
+    """``kv_blocks``' small and ample memories for conversations of at most ``per_conv`` blocks each."""
+    small = math.ceil(1.25 * concurrency * per_conv)
+    everything = conversations * per_conv
     if small >= everything:
-        raise ValueError(f"{workload.conversations} conversations need {everything} KV blocks, which the small "
-                         f"memory for {workload.concurrency} running ({small}) already holds: use more "
+        raise ValueError(f"{conversations} conversations need {everything} KV blocks, which the small "
+                         f"memory for {concurrency} running ({small}) already holds: use more "
                          "conversations than 1.25x the concurrency")
     return {"per_conversation": per_conv, "all_conversations": everything, "small": small, "ample": 2 * everything}
 
@@ -184,15 +189,17 @@ def converse(workload: Workload, send: Send, on_request: Callable[[Reply], None]
 
 
 def stream_completion(host: str, port: int, model: str, prompt: Sequence[int], max_tokens: int,
-                      timeout_s: float) -> tuple[float, float, dict[str, Any], list[int]]:
+                      timeout_s: float, extra: dict[str, Any] | None = None
+                      ) -> tuple[float, float, dict[str, Any], list[int]]:
     """One streamed greedy completion: ``(ttft_s, e2e_s, usage, token_ids)``.
 
     ``ttft_s`` runs from just before the request is sent to the first chunk that carries a
     generated token; ``usage`` is the stream's last chunk (``stream_options.include_usage``).
+    ``extra`` adds fields to the request body (``kv_transfer_params``: bench/agents.py's pins).
     """
     body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                       "return_token_ids": True})
+                       "return_token_ids": True, **(extra or {})})
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
     try:

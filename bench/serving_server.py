@@ -56,6 +56,17 @@ class BenchModel:
     def mamba_groups(self) -> int:
         return self.kv_groups() - 1
 
+    def chunk_bytes(self, block: int) -> dict[str, int]:
+        """Bytes of one ``block``-token chunk as vLLM lays them out (bfloat16): ``attention`` (K and V of
+        every full-attention layer, 4 KV heads x 128) and ``mamba_state`` (one state per Gated-DeltaNet
+        layer: the convolution's last 3 inputs of 1 key head x 2 + 2 value heads x 128 channels, and the
+        recurrent state of 2 value heads x 128 x 128)."""
+        attention_layers = self.layers // 4
+        conv = (2 * 1 * 128 + 2 * 128) * 3 * 2
+        recurrent = 2 * 128 * 128 * 2
+        return {"attention": attention_layers * block * 2 * 4 * 128 * 2,
+                "mamba_state": (self.layers - attention_layers) * (conv + recurrent)}
+
 
 # ``qwen3_next``: the tiny model of tests/shim (4 layers, hidden 128), used by --quick. ``qwen3_next_8l``:
 # 8 layers, hidden 512, MoE experts of 512: about 6x the tiny model's prefill compute, so a
@@ -65,6 +76,8 @@ class BenchModel:
 MODELS = {
     "qwen3_next": BenchModel("qwen3_next", layers=4, hidden=128, intermediate=256, max_len=2048),
     "qwen3_next_8l": BenchModel("qwen3_next_8l", layers=8, hidden=512, intermediate=1024, max_len=4096),
+    # The tiny model's shape with 8,192 positions: agent sessions (bench/agents.py) outgrow 2,048 tokens.
+    "qwen3_next_long": BenchModel("qwen3_next_long", layers=4, hidden=128, intermediate=256, max_len=8192),
 }
 
 
@@ -183,12 +196,13 @@ class VllmServer:
     """vLLM's OpenAI server on a free loopback port, with the settings every run of the bench shares.
 
     ``kv_transfer`` is the ``--kv-transfer-config`` (None: vLLM alone); ``blocks`` the
-    ``--num-gpu-blocks-override``; ``extra_env`` adds to the environment (LMCache's site-packages).
+    ``--num-gpu-blocks-override``; ``extra_env`` adds to the environment (LMCache's site-packages),
+    ``extra_args`` to the command line (before ``HKVD_BENCH_VLLM_ARGS``).
     """
 
     def __init__(self, model_dir: Path, max_model_len: int, block: int, blocks: int,
                  kv_transfer: dict[str, Any] | None, start_timeout_s: float,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hkvd-bench-vllm-"))
         self.port = free_port()
         self.block = block
@@ -204,7 +218,7 @@ class VllmServer:
                     "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
         if kv_transfer is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
-        self.cmd += extra_vllm_args()
+        self.cmd += [*(extra_args or ()), *extra_vllm_args()]
         # The same OpenMP binding in every run: vLLM's automatic binding reserves a core when a
         # KV connector is configured, which would change the thread count between runs.
         self.env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(), "HF_HUB_OFFLINE": "1",

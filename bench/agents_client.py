@@ -1,0 +1,263 @@
+"""The client side of ``bench.agents``: agent sessions that pause between turns, played against a server.
+
+Role
+    ``Agents`` fixes the sessions from a seed: every session's first turn is a system prompt
+    shared by all sessions and a task of its own; every later turn appends the model's answer
+    and a tool result of ``tool_min`` to ``tool_max`` tokens (random token ids, as
+    ``bench.serving_client`` draws its messages). After each turn but the last a session pauses
+    (the tool running) for a time drawn from an exponential distribution of mean
+    ``pause_mean_s``, cut at ``pause_max_s``. Lengths and pauses depend only on the seed, the
+    session and the turn, so every run of one invocation sends the same prompts after the same
+    pauses.
+    ``play`` runs the sessions through ``send`` on ``concurrency`` worker threads: a worker takes
+    the session whose pause ended first and sends its next turn; a session whose pause has not
+    ended is not sent. It returns the replies and each session's spans: ``active`` (a request in
+    flight), ``paused`` (its tool running) and ``waiting`` (pause over, no free worker).
+    ``between_turns`` turns those spans into how many sessions sat between two turns over time:
+    the sessions whose KV cache must be kept somewhere for their next turn to hit.
+
+Threading
+    ``play`` runs ``send`` on its worker threads; ``on_reply`` is called under its lock, in
+    completion order. The rest are pure functions.
+
+Contracts
+    Every wait is bounded: a worker waits for the next pause to end (at most ``pause_max_s``),
+    and ``send`` carries its own timeout. The first failed request stops ``play``, which raises
+    it once the in-flight turns return. An answer of another length than ``answer_tokens`` is an
+    error (the runs would not compare).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.serving_client import FIRST_TOKEN_ID, Reply
+
+
+@dataclass(frozen=True)
+class Agents:
+    """``sessions`` agent sessions of ``turns`` turns, ``concurrency`` requests in flight at a time.
+
+    ``pool_sessions``: how many sessions of mean size (``mean_context_tokens``) the hkvd pool of
+    the runs holds; fewer than the sessions that can be between turns at once
+    (``sessions - concurrency``), so that a cache of that size cannot keep every paused session.
+    """
+
+    sessions: int
+    concurrency: int
+    turns: int
+    system_tokens: int
+    task_tokens: int
+    answer_tokens: int
+    pause_mean_s: float
+    pause_max_s: float
+    pool_sessions: int
+    tool_min: int = 100
+    tool_max: int = 800
+    vocab: int = 512
+    seed: int = 37
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "concurrency", "turns", "system_tokens", "task_tokens", "answer_tokens",
+                     "pool_sessions", "tool_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agents {name} must be >= 1, not {getattr(self, name)}")
+        if self.tool_max < self.tool_min:
+            raise ValueError(f"agents tool_max {self.tool_max} is below tool_min {self.tool_min}")
+        if not 0 < self.pause_mean_s <= self.pause_max_s:
+            raise ValueError(f"agents pauses: need 0 < pause_mean_s ({self.pause_mean_s}) <= pause_max_s "
+                             f"({self.pause_max_s})")
+        if self.pool_sessions >= self.sessions - self.concurrency:
+            raise ValueError(f"a pool of {self.pool_sessions} sessions holds every session that can be paused "
+                             f"({self.sessions} sessions - {self.concurrency} in flight): use more sessions or "
+                             "a smaller pool_sessions")
+
+    def _rng(self, *key: object) -> random.Random:
+        return random.Random("/".join(str(k) for k in (self.seed, *key)))
+
+    def _ids(self, n: int, *key: object) -> list[int]:
+        rng = self._rng("ids", *key)
+        return [rng.randrange(FIRST_TOKEN_ID, self.vocab) for _ in range(n)]
+
+    def system(self) -> list[int]:
+        """The system prompt every session starts with (the same ids in every session)."""
+        return self._ids(self.system_tokens, "system")
+
+    def task(self, session: int) -> list[int]:
+        return self._ids(self.task_tokens, "task", session)
+
+    def tool_tokens(self, session: int, turn: int) -> int:
+        """Length of the tool result that ``turn`` (2 and on) appends: uniform in [tool_min, tool_max]."""
+        if not 2 <= turn <= self.turns:
+            raise ValueError(f"turn {turn}: tool results come with turns 2 to {self.turns}")
+        return self._rng("tool-len", session, turn).randint(self.tool_min, self.tool_max)
+
+    def tool_result(self, session: int, turn: int) -> list[int]:
+        return self._ids(self.tool_tokens(session, turn), "tool", session, turn)
+
+    def pause_s(self, session: int, turn: int) -> float:
+        """The pause after ``turn`` (1 to turns - 1), before the next: exponential, cut at ``pause_max_s``."""
+        if not 1 <= turn < self.turns:
+            raise ValueError(f"turn {turn}: sessions pause after turns 1 to {self.turns - 1}")
+        return min(self.pause_max_s, self._rng("pause", session, turn).expovariate(1.0 / self.pause_mean_s))
+
+    def first_prompt(self, session: int) -> list[int]:
+        return self.system() + self.task(session)
+
+    def prompt_tokens(self, session: int, turn: int) -> int:
+        """Prompt length of ``turn`` (1-based) in ``session``."""
+        return (self.system_tokens + self.task_tokens
+                + sum(self.answer_tokens + self.tool_tokens(session, t) for t in range(2, turn + 1)))
+
+    def context_tokens(self, session: int) -> int:
+        """Tokens ``session`` holds after its last turn (prompt + answer)."""
+        return self.prompt_tokens(session, self.turns) + self.answer_tokens
+
+    def max_context_tokens(self) -> int:
+        """The most any session of any seed can reach (every tool result ``tool_max`` long)."""
+        return self.system_tokens + self.task_tokens + (self.turns - 1) * (self.answer_tokens + self.tool_max) \
+            + self.answer_tokens
+
+    def mean_context_tokens(self) -> float:
+        """Tokens a session holds after a turn, averaged over sessions and turns: its mean size while paused."""
+        sizes = [self.prompt_tokens(s, t) + self.answer_tokens for s in range(self.sessions)
+                 for t in range(1, self.turns + 1)]
+        return sum(sizes) / len(sizes)
+
+    def requests(self) -> int:
+        return self.sessions * self.turns
+
+
+@dataclass(frozen=True)
+class Span:
+    """Session ``session`` was ``kind`` (active, paused, waiting) from ``t0_s`` to ``t1_s`` (from the start)."""
+
+    session: int
+    kind: str
+    t0_s: float
+    t1_s: float
+
+
+Send = Callable[[int, int, list[int]], Reply]
+
+
+def play(agents: Agents, send: Send, on_reply: Callable[[Reply], None] = lambda r: None,
+         clock: Callable[[], float] = time.monotonic) -> tuple[list[Reply], list[Span]]:
+    """Every session of ``agents`` through ``send(session, turn, prompt)``: replies in completion order, spans.
+
+    The next prompt is ``prompt + reply.token_ids + agents.tool_result(session, turn + 1)``, sent
+    once ``agents.pause_s(session, turn)`` has passed and a worker is free; of the sessions ready,
+    the one whose pause ended first goes first.
+    """
+    cond = threading.Condition()
+    t0 = clock()
+    # session -> (ready at, turn, prompt), for the sessions not in flight and not done
+    queued: dict[int, tuple[float, int, list[int]]] = {s: (0.0, 1, agents.first_prompt(s))
+                                                       for s in range(agents.sessions)}
+    paused_since: dict[int, float] = {}
+    replies: list[Reply] = []
+    spans: list[Span] = []
+    errors: list[BaseException] = []
+    in_flight = [0]
+
+    def take() -> tuple[int, int, list[int]] | None:
+        """The next (session, turn, prompt) to send, or None when this worker is no longer needed."""
+        with cond:
+            while True:
+                if errors or (not queued and in_flight[0] == 0):
+                    cond.notify_all()
+                    return None
+                now = clock() - t0
+                ready = [(at, s) for s, (at, _, _) in queued.items() if at <= now]
+                if ready:
+                    at, s = min(ready)
+                    _, turn, prompt = queued.pop(s)
+                    if turn > 1:
+                        spans.append(Span(s, "paused", paused_since.pop(s), at))
+                        spans.append(Span(s, "waiting", at, now))
+                    in_flight[0] += 1
+                    return s, turn, prompt
+                if not queued:  # the rest are in flight: a worker of theirs takes their next turn
+                    return None
+                nxt = min(at for at, _, _ in queued.values())
+                cond.wait(timeout=max(0.0, nxt - now) + 0.001)
+
+    def worker() -> None:
+        while (job := take()) is not None:
+            s, turn, prompt = job
+            start = clock() - t0
+            try:
+                reply = send(s, turn, prompt)
+                if len(reply.token_ids) != agents.answer_tokens:
+                    raise RuntimeError(f"session {s} turn {turn}: {len(reply.token_ids)} answer tokens, asked for "
+                                       f"{agents.answer_tokens} with ignore_eos")
+            except BaseException as e:  # re-raised by play once the other threads return
+                with cond:
+                    errors.append(e)
+                    in_flight[0] -= 1
+                    cond.notify_all()
+                return
+            with cond:
+                end = clock() - t0
+                spans.append(Span(s, "active", start, end))
+                replies.append(reply)
+                on_reply(reply)
+                if turn < agents.turns:
+                    nxt = prompt + list(reply.token_ids) + agents.tool_result(s, turn + 1)
+                    queued[s] = (end + agents.pause_s(s, turn), turn + 1, nxt)
+                    paused_since[s] = end
+                in_flight[0] -= 1
+                cond.notify_all()
+
+    threads = [threading.Thread(target=worker, name=f"bench-agent-{i}", daemon=True)
+               for i in range(agents.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    if len(replies) != agents.requests():
+        raise RuntimeError(f"{len(replies)} of {agents.requests()} turns ran")
+    return replies, spans
+
+
+def between_turns(spans: Sequence[Span]) -> dict[str, Any]:
+    """Sessions between two turns (paused or waiting for a worker) over the run, and those in flight.
+
+    ``mean``: time-weighted over the run (first span's start to last span's end); ``max``: the
+    most at once; ``samples``: ``[t_s, between, active]`` at every change, for plots.
+    """
+    events: list[tuple[float, int, int]] = []  # (time, d between, d active)
+    for sp in spans:
+        if sp.t1_s <= sp.t0_s:
+            continue
+        if sp.kind == "active":
+            events += [(sp.t0_s, 0, 1), (sp.t1_s, 0, -1)]
+        else:
+            events += [(sp.t0_s, 1, 0), (sp.t1_s, -1, 0)]
+    if not events:
+        return {"mean": 0.0, "max": 0, "mean_active": 0.0, "samples": []}
+    events.sort(key=lambda e: (e[0], e[1] + e[2]))  # ends before starts at the same instant
+    between = active = 0
+    area_b = area_a = 0.0
+    last = events[0][0]
+    peak = 0
+    samples: list[list[float]] = []
+    for t, db, da in events:
+        area_b += between * (t - last)
+        area_a += active * (t - last)
+        last = t
+        between += db
+        active += da
+        peak = max(peak, between)
+        samples.append([round(t, 3), between, active])
+    span = events[-1][0] - events[0][0]
+    return {"mean": area_b / span if span > 0 else 0.0, "max": peak,
+            "mean_active": area_a / span if span > 0 else 0.0, "samples": samples}
+

@@ -1,0 +1,178 @@
+"""bench agents: the session generator, the pausing scheduler, the occupancy count, ratios and targets.
+
+Correctness only, no timing assertions. The vLLM server is left out: ``play`` takes the function
+that sends a turn, and these tests pass one that answers from the prompt (``python -m bench agents
+--quick`` runs the real thing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package (see tests/unit/test_bench.py)
+try:
+    from bench import agents
+    from bench.agents_client import Agents, Span, between_turns, play
+    from bench.serving_client import Reply
+    from bench.serving_server import MODELS
+finally:
+    sys.path.remove(str(ROOT))
+
+SMALL = Agents(sessions=8, concurrency=2, turns=4, system_tokens=20, task_tokens=6, answer_tokens=3,
+               pause_mean_s=0.06, pause_max_s=0.25, pool_sessions=3)
+
+
+def _answer(prompt: list[int], n: int) -> tuple[int, ...]:
+    return tuple((sum(prompt) + i) % 500 + 4 for i in range(n))
+
+
+def test_sessions_are_fixed_by_the_seed() -> None:
+    a, same, other = SMALL, dataclasses.replace(SMALL), dataclasses.replace(SMALL, seed=38)
+    for s in range(a.sessions):
+        assert a.first_prompt(s) == same.first_prompt(s)
+        for t in range(2, a.turns + 1):
+            assert a.tool_result(s, t) == same.tool_result(s, t)
+            assert a.pause_s(s, t - 1) == same.pause_s(s, t - 1)
+    assert [a.pause_s(s, 1) for s in range(8)] != [other.pause_s(s, 1) for s in range(8)]
+    assert [a.tool_tokens(s, 2) for s in range(8)] != [other.tool_tokens(s, 2) for s in range(8)]
+    # One system prompt for every session, a task of its own each.
+    assert all(a.first_prompt(s)[:20] == a.system() for s in range(8))
+    assert len({tuple(a.task(s)) for s in range(8)}) == 8
+    assert all(4 <= t < a.vocab for s in range(8) for t in a.first_prompt(s) + a.tool_result(s, 2))
+
+
+@pytest.mark.parametrize("w", [agents.FULL, agents.QUICK], ids=["full", "quick"])
+def test_tool_results_and_pauses_are_in_range(w: Agents) -> None:
+    lengths = [w.tool_tokens(s, t) for s in range(w.sessions) for t in range(2, w.turns + 1)]
+    assert all(100 <= n <= 800 for n in lengths) and len(set(lengths)) > len(lengths) // 2
+    assert all(len(w.tool_result(s, 2)) == w.tool_tokens(s, 2) for s in range(w.sessions))
+    pauses = [w.pause_s(s, t) for s in range(w.sessions) for t in range(1, w.turns)]
+    assert all(0 <= p <= w.pause_max_s for p in pauses)
+    assert 0.5 * w.pause_mean_s < sum(pauses) / len(pauses) < 1.5 * w.pause_mean_s
+    with pytest.raises(ValueError, match="sessions pause after turns 1 to"):
+        w.pause_s(0, w.turns)
+    with pytest.raises(ValueError, match="tool results come with turns 2 to"):
+        w.tool_tokens(0, 1)
+    assert w.max_context_tokens() <= MODELS[agents.MODEL].max_len
+    assert max(w.context_tokens(s) for s in range(w.sessions)) <= w.max_context_tokens()
+
+
+@pytest.mark.parametrize("w", [agents.FULL, agents.QUICK], ids=["full", "quick"])
+def test_the_pool_holds_fewer_sessions_than_can_be_paused(w: Agents) -> None:
+    model = MODELS[agents.MODEL]
+    pool = agents.pool_bytes(w, model)
+    assert w.pool_sessions < w.sessions - w.concurrency
+    assert pool["pool_bytes"] < pool["all_sessions_mean_bytes"]
+    # 4 KV heads x 128 x K and V x bf16 x 128 tokens; 3 states of (512 x 3 + 2 x 128 x 128) x bf16.
+    assert pool["chunk_attention_bytes"] == 262144 and pool["chunk_mamba_state_bytes"] == 3 * 68608
+    blocks = agents.kv_blocks(w, model)
+    assert blocks["small"] < blocks["all_conversations"] < blocks["ample"]
+    with pytest.raises(ValueError, match="holds every session that can be paused"):
+        dataclasses.replace(w, pool_sessions=w.sessions - w.concurrency)
+
+
+def test_play_builds_prompts_waits_out_pauses_and_keeps_more_sessions_paused_than_the_pool() -> None:
+    calls: dict[tuple[int, int], tuple[float, list[int]]] = {}
+    live = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def send(s: int, turn: int, prompt: list[int]) -> Reply:
+        with lock:
+            calls[(s, turn)] = (time.monotonic() - t0, list(prompt))
+            live["now"] += 1
+            live["peak"] = max(live["peak"], live["now"])
+        time.sleep(0.004)
+        with lock:
+            live["now"] -= 1
+        return Reply(s, turn, len(prompt), 0, 3, 0.0, 0.001, 0.002, _answer(prompt, 3))
+
+    replies, spans = play(SMALL, send)
+    assert len(replies) == len(calls) == 32 and live["peak"] <= 2
+    for s in range(8):
+        assert calls[(s, 1)][1] == SMALL.first_prompt(s)
+        for t in range(2, 5):
+            prev = calls[(s, t - 1)][1]
+            assert calls[(s, t)][1] == prev + list(_answer(prev, 3)) + SMALL.tool_result(s, t)
+            assert len(calls[(s, t)][1]) == SMALL.prompt_tokens(s, t)
+    # Each later turn went out no sooner than its pause after the previous turn's answer.
+    active = {(sp.session, i): sp for i, sp in enumerate(sp for sp in spans if sp.kind == "active")}
+    paused = [sp for sp in spans if sp.kind == "paused"]
+    assert len(paused) == 8 * 3 and len(active) == 32
+    by_session = sorted(paused, key=lambda sp: (sp.session, sp.t0_s))
+    for s in range(8):
+        mine = [sp for sp in by_session if sp.session == s]
+        for t, sp in enumerate(mine, 1):
+            assert sp.t1_s - sp.t0_s == pytest.approx(SMALL.pause_s(s, t))
+    occ = between_turns(spans)
+    assert occ["mean"] > SMALL.pool_sessions and occ["max"] <= 8 - 0 and occ["mean_active"] <= 2
+
+
+def test_play_raises_a_failed_turn_and_a_short_answer() -> None:
+    def failing(s: int, turn: int, prompt: list[int]) -> Reply:
+        if turn == 2:
+            raise TimeoutError("no reply within 1 s")
+        return Reply(s, turn, len(prompt), 0, 3, 0.0, 0.001, 0.002, _answer(prompt, 3))
+
+    with pytest.raises(TimeoutError, match="no reply"):
+        play(SMALL, failing)
+
+    def short(s: int, turn: int, prompt: list[int]) -> Reply:
+        return Reply(s, turn, len(prompt), 0, 2, 0.0, 0.001, 0.002, _answer(prompt, 2))
+
+    with pytest.raises(RuntimeError, match="2 answer tokens, asked for 3"):
+        play(SMALL, short)
+
+
+def test_between_turns_weighs_by_time() -> None:
+    spans = [Span(0, "active", 0.0, 1.0), Span(0, "paused", 1.0, 4.0), Span(1, "active", 0.0, 2.0),
+             Span(1, "paused", 2.0, 3.0), Span(1, "waiting", 3.0, 4.0)]
+    occ = between_turns(spans)
+    # Between turns: 0 in [0,1), 1 in [1,2), 2 in [2,4): (0 + 1 + 4) / 4.
+    assert occ["mean"] == pytest.approx(5 / 4) and occ["max"] == 2
+    assert occ["mean_active"] == pytest.approx(3 / 4)
+    assert between_turns([])["mean"] == 0.0
+
+
+def test_pool_sample_reads_pinned_bytes_where_reported() -> None:
+    status = {"pool": {"used_bytes": 10, "total_bytes": 100}, "index": {"evictions": 3, "stores_dropped": 0},
+              "pins": {"pinned_bytes": 7, "pin_sessions": 2}}
+    assert agents.pool_sample(status, 1.5) == {"t_s": 1.5, "used_bytes": 10, "total_bytes": 100, "evictions": 3,
+                                               "stores_dropped": 0, "pinned_bytes": 7, "pin_sessions": 2}
+    old = {"pool": {"used_bytes": 10, "total_bytes": 100}, "index": {"evictions": 3, "stores_dropped": 0}}
+    assert agents.pool_sample(old, 2.0)["pinned_bytes"] is None
+
+
+def _run(name: str, ttft_s: float, hit: int) -> dict:
+    rs = []
+    for s in range(4):
+        rs.append(Reply(s, 1, 1000, 0, 2, 0.0, 1.0, 1.5, (7, 8)))
+        rs.append(Reply(s, 2, 1200, hit, 2, 1.0, ttft_s + s / 100, ttft_s + 0.5, (7, 8)))
+    return {"run": name, "label": agents.RUNS[name], "turns": agents.serving.turn_stats(rs, 2), "wall_s": 3.0}
+
+
+def test_ratios_and_targets() -> None:
+    runs = [_run("limit", 0.10, 1024), _run("recompute", 1.0, 256), _run("hkvd_lru", 0.8, 512),
+            _run("hkvd_pins", 0.12, 1000)]
+    r = agents.ratios(runs)
+    assert r["hits_vs_limit"]["hkvd_pins"] == pytest.approx(1000 / 1024)
+    assert r["hits_vs_limit"]["hkvd_lru"] == pytest.approx(0.5)
+    assert r["ttft_p50_vs_recompute"]["hkvd_pins"] == pytest.approx(0.135 / 1.015)
+    t = r["targets"]
+    assert t["pins_hits_vs_limit"]["met"] and t["lru_below_limit"]["met"] and t["pins_ttft_vs_recompute"]["met"]
+    worse = agents.ratios([_run("limit", 0.10, 1024), _run("recompute", 0.2, 256), _run("hkvd_lru", 0.8, 1024),
+                           _run("hkvd_pins", 0.12, 900)])["targets"]
+    assert not worse["pins_hits_vs_limit"]["met"] and not worse["lru_below_limit"]["met"]
+    assert not worse["pins_ttft_vs_recompute"]["met"]
+    failed = {"run": "hkvd_pins", "label": agents.RUNS["hkvd_pins"], "error": "RuntimeError: x"}
+    alone = agents.ratios([_run("limit", 0.10, 1024), failed])["targets"]
+    assert alone["pins_hits_vs_limit"] is None and alone["pins_ttft_vs_recompute"] is None
+    lines = agents.summary({"runs": [*runs[:2], failed], "ratios": agents.ratios(runs[:2])})
+    assert any("hkvd_pins" in ln and "did not run: RuntimeError: x" in ln for ln in lines)
