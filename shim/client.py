@@ -135,10 +135,12 @@ class DaemonClient:
         return self._submit(lambda r: kv.Lookup(r, list(keys), lease))
 
     def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"",
-                     notes: Sequence[BlockNote] | None = None) -> int:
+                     notes: Sequence[BlockNote] | None = None, tenant: str = "") -> int:
         """``wait_event``: IPC handle of the step-end CUDA event to order the copy after (GPU KV only).
-        ``notes``: vLLM's names of the chunks, for KV events; only to a daemon whose RegisterAck takes them."""
-        return self._submit(lambda r: kv.Store(r, _items(items), wait_event, _notes(notes)))
+        ``notes``: vLLM's names of the chunks, for KV events; only to a daemon whose RegisterAck takes them.
+        ``tenant``: the storing request's tenant (``hkvd.shim.tenants``); only to a daemon whose RegisterAck
+        says ``pins``."""
+        return self._submit(lambda r: kv.Store(r, _items(items), wait_event, _notes(notes), tenant))
 
     def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
         return self._submit(lambda r: kv.Retrieve(r, lease_id, _items(items)))
@@ -173,6 +175,15 @@ class DaemonClient:
         with self._lock:
             self._require()
             self._send(kv.Release(lease_id))
+
+    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes]) -> None:
+        """Hold ``keys``' entries for ``ttl_s`` seconds as pin ``session`` of ``tenant`` (``kv.Pin``; no reply).
+        Only to a daemon whose RegisterAck says ``pins``."""
+        msg = kv.Pin(session, tenant, float(ttl_s), list(keys))
+        msg.validate()  # a bad pin is the caller's bug: raised here, never a connection the daemon drops
+        with self._lock:
+            self._require()
+            self._send(msg)
 
     def uncacheable(self, reason: str) -> None:
         """Tell the daemon a request was not cached because it could not be keyed (counted by reason)."""

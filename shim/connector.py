@@ -200,13 +200,13 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- vLLM's metrics (hkvd.shim.connector_stats) ---------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The worker's loads, stores and checks, or the scheduler side's deferred lookups, early load reports
-        and sampled requests, since the previous call; None when nothing moved."""
+        """The worker's loads, stores and checks, or the scheduler side's deferred lookups, early load reports,
+        sampled requests and session pins, since the previous call; None when nothing moved."""
         if self._worker is not None:
             return self._stats.take(self._worker.transfer_totals())
         if self._sched is not None:
             return self._stats.take({k: self._sched.stats[k] for k in ("lookups_deferred", "loads_reported_early",
-                                                                       "verify_sampled")})
+                                                                       "verify_sampled", "pins_sent", "pins_refused")})
         return None
 
     @classmethod

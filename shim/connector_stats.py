@@ -36,6 +36,10 @@ Fields (``FIELDS``)
     holds one kind): running maxima (``MAX_FIELDS``: sent as is, combined by max), on /metrics as the
     gauge ``vllm:hkvd_verify_max_error{kind="all"|"full"|"swa"}``.
 
+    Session pins (scheduler side, docs/agents.md): ``pins_sent``: finished requests whose chunks were pinned (a
+    ``Pin`` sent to the daemon); ``pins_refused``: requests whose ``kv_transfer_params`` asked for a pin in a shape
+    the shim refused (each ran unpinned, with a warning).
+
     What costs a request scheduling steps: ``lookups_deferred`` (scheduler side): times a waiting
     request was passed over in a step because its lookup's reply had not come within
     ``lookup_wait_s``; ``load_settles_won``: loads reported in the step that started them, or a
@@ -60,7 +64,7 @@ FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_by
           "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early",
           "verify_sampled", "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences",
           "verify_missing", "verify_boundary_states",
-          "verify_max_error", "verify_max_error_full", "verify_max_error_swa")
+          "verify_max_error", "verify_max_error_full", "verify_max_error_swa", "pins_sent", "pins_refused")
 # Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
 MAX_FIELDS = frozenset({"verify_max_error", "verify_max_error_full", "verify_max_error_swa"})
 
@@ -96,6 +100,8 @@ class HkvdConnectorStats(KVConnectorStats):
             out.update({k: int(d.get(k, 0)) for k in ("verify_sampled", "verify_checks", "verify_matches",
                                                       "verify_divergences", "verify_missing", "verifies_failed")})
             out.update({k: float(d.get(k, 0.0)) for k in sorted(MAX_FIELDS)})
+        if d.get("pins_sent", 0) or d.get("pins_refused", 0):
+            out.update({k: int(d.get(k, 0)) for k in ("pins_sent", "pins_refused")})
         return out
 
     def is_empty(self) -> bool:
@@ -135,6 +141,8 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
     "verify_divergences": "Compared entries past their group kind's tolerance",
     "verify_missing": "Entries of a sampled hit hkvd no longer held (not compared)",
     "verify_boundary_states": "Recomputed Mamba boundary states sent for comparison in step events",
+    "pins_sent": "Finished requests whose chunks were pinned for their session (a Pin sent to hkvd)",
+    "pins_refused": "Requests whose kv_transfer_params asked for a pin in a shape refused (run unpinned, warned)",
 }
 
 

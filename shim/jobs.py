@@ -55,6 +55,8 @@ class StoreJob:
     items: list[Item]
     # vLLM's names of the chunks, one per chunk key, sent with the store for KV events (docs/routing.md).
     notes: list[BlockNote] = field(default_factory=list)
+    # The request's tenant (hkvd.shim.tenants): the daemon counts the entries against its quota.
+    tenant: str = ""
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hkvd.shim.jobs import PullSpec
+from hkvd.shim.sessions import PinAsk
 
 if TYPE_CHECKING:  # vLLM's type, for annotations only
     from vllm.v1.request import Request
@@ -125,6 +126,8 @@ class RequestRecord:
     # computes are compared with the daemon's entries instead of stored. verify_upto 0: not sampled.
     verify_from: int = 0
     verify_upto: int = 0
+    tenant: str = ""  # whose quota its stores count against (hkvd.shim.tenants)
+    pin: PinAsk | None = None  # the session pin its kv_transfer_params asked for (hkvd.shim.sessions)
 
     @property
     def answered(self) -> bool:

@@ -52,6 +52,12 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       sampled is reported with no external tokens and computed; the chunks of its hit that it
       computes go out as ``VerifyJob`` items (and Mamba states as the step event's verifies) where
       they would have been stored, and are compared by the daemon, never stored.
+    - Session pins and tenants (docs/agents.md): a request's ``kv_transfer_params`` may ask for a pin
+      (``hkvd.shim.sessions``; bad input: one warning, the request runs unpinned). When it finishes, one
+      ``kv.Pin`` names the keys of every chunk it stored or found stored (``next_store_chunk``), sent
+      without waiting for a reply, and only to a daemon whose ``RegisterAck.pins`` says it takes pins
+      (else said once). Every store carries the request's tenant (``hkvd.shim.tenants``); the Mamba
+      states of step events carry none (they count as the unsalted share's).
     - Leases the daemon granted for hits that are not loaded (local cache won, request
       finished before allocation) are released at once; a retrieve releases its own lease.
     - KV events (docs/routing.md): when the daemon publishes them node-wide, or the engine runs
@@ -82,7 +88,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from hkvd.shim import pd, plans, verify
+from hkvd.shim import pd, plans, sessions, tenants, verify
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
 from hkvd.shim.jobs import LoadJob, StoreJob, VerifyJob
@@ -93,11 +99,12 @@ from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.request_state import Event, InvalidTransition, LoadReports, RequestRecord
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
-from hkvd.transport.errors import DaemonUnavailable
+from hkvd.transport.errors import DaemonUnavailable, ProtocolViolation
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
 from hkvd.transport.wire.kv import Item, LookupReply
+from hkvd.transport.wire.message import MAX_KEYS
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
@@ -142,6 +149,7 @@ class SchedulerSide:
         self._delayed: list[str] = []
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
         self._said_no_verify = False  # warned that the daemon compares no sampled hits
+        self._said_no_pins = False  # warned that the daemon takes no session pins
         self._finish_verifies: list[VerifyJob] = []  # the same, of sampled hits (hkvd.shim.verify)
         self._step = 0
         self._identity = ChunkIdentity()
@@ -149,7 +157,7 @@ class SchedulerSide:
         # loads_reported_early: loads this side reported finished before any worker did (lease watches).
         self.stats = {"lookups": 0, "lookups_deferred": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0,
                       "offer_items": 0, "uncacheable": 0, "notes": 0, "loads_reported_early": 0,
-                      "verify_sampled": 0, "verify_items": 0}
+                      "verify_sampled": 0, "verify_items": 0, "pins_sent": 0, "pins_refused": 0}
         # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.engine_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
@@ -324,7 +332,11 @@ class SchedulerSide:
     # ---- vLLM hooks ----------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
         tokens = prompt_tokens(request)
-        st = RequestRecord(request.request_id, tokens, len(tokens), request=request)
+        st = RequestRecord(request.request_id, tokens, len(tokens), request=request, tenant=tenants.tenant(request))
+        st.pin, problem = sessions.parse(getattr(request, "kv_transfer_params", None))
+        if problem:
+            self.stats["pins_refused"] += 1
+            logger.warning("%s (request %s)", problem, request.request_id)
         self._reqs[request.request_id] = st
         if tokens:
             self._submit_lookup(request.request_id, st)
@@ -557,6 +569,8 @@ class SchedulerSide:
         if st is None:
             return False, None
         self._store_on_finish(request, st, block_ids)
+        if st.pin is not None:
+            self._send_pin(st, st.pin)
         if st.lookup_id is not None:
             self._by_lookup.pop(st.lookup_id, None)
         if st.lease_id and not st.lease_used:
@@ -603,13 +617,40 @@ class SchedulerSide:
         """Chunks complete in the engine's blocks: stored, or for a sampled hit's chunks, compared."""
         items, checks = plans.split_verified(items, st.verify_upto)
         if items:
-            stores.append(StoreJob(st.req_id, items, self._notes_for(st, items)))
+            stores.append(StoreJob(st.req_id, items, self._notes_for(st, items), st.tenant))
             self.stats["store_items"] += len(items)
         kinds = {g.group_id: g.kind for g in self.groups}
         for kind in sorted({kinds[it.group_id] for it in checks}):  # one Verify per group kind
             verifies.append(VerifyJob(st.req_id, [it for it in checks if kinds[it.group_id] == kind], kind))
         self.stats["verify_items"] += len(checks)
         st.had_copies |= bool(items or checks)
+
+    def _send_pin(self, st: RequestRecord, ask: sessions.PinAsk) -> None:
+        """Pin the chunks the finished request stored or found stored (its stores may still be copying: the
+        daemon holds a pinned key whether its entry is in yet or not). No reply is awaited."""
+        n = st.next_store_chunk
+        keys = self._keys_through(st, n)[:n]
+        client, ack = self.link.client, self.link.ack
+        if not keys or client is None or ack is None:
+            logger.debug("hkvd: no pin for %s (%d chunks; daemon %s)", st.req_id, len(keys),
+                         "connected" if client is not None else "unavailable")
+            return
+        if not ack.pins:
+            if not self._said_no_pins:
+                self._said_no_pins = True
+                logger.warning("hkvd: requests ask for session pins, but the daemon at %s takes none (an older "
+                               "hkvd); they run unpinned until hkvd serve on this node is upgraded",
+                               self.cfg.socket_path)
+            return
+        try:
+            client.pin(ask.session, st.tenant, ask.ttl_s, keys[:MAX_KEYS])
+        except ProtocolViolation as e:  # parse checked every field: a bug here, never the connection's fault
+            logger.error("hkvd: no pin for %s: %s", st.req_id, e)
+            return
+        except Exception as e:
+            self.link.lost(e)
+            return
+        self.stats["pins_sent"] += 1
 
     # ---- prefill/decode (hkvd.shim.pd) ---------------------------------------------------------
     def _plan_pull(self, request: Request, st: RequestRecord) -> None:

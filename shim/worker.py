@@ -23,7 +23,8 @@ Role
        errors are never reported (vLLM 0.32 stops the engine on them for models with several
        KV-cache groups). Mamba layers get no per-layer hooks, so every group is moved in bulk by
        one Retrieve.
-    3. ``wait_for_save`` (after the forward): submit the step's attention stores, the
+    3. ``wait_for_save`` (after the forward): submit the step's attention stores (each with its
+       request's tenant, ``hkvd.shim.tenants``, to a daemon that keeps tenant quotas), the
        ``Verify`` of each sampled hit's recomputed chunks (``hkvd.shim.verify``), and one
        ``StepEvent`` carrying this step's Mamba offers (and a sampled hit's recomputed states, as
        its verifies) and the confirms of earlier step events whose Done arrived before any block
@@ -335,8 +336,10 @@ class WorkerSide:
             # GPU: the daemon's stream waits for the end of this step's forward before reading.
             copies = meta.stores or meta.offers or meta.verifies or meta.boundary_verifies
             event = self._gpu.step_end_event() if self._gpu is not None and copies else b""
+            pins = bool(self.link.ack is not None and self.link.ack.pins)  # an older daemon takes no tenant
             for sj in meta.stores:
-                rid = client.submit_store(sj.items, wait_event=event, notes=sj.notes)
+                rid = client.submit_store(sj.items, wait_event=event, notes=sj.notes,
+                                          tenant=sj.tenant if pins else "")
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
             for vj in meta.verifies:  # sampled hits (hkvd.shim.verify): where their stores would have gone
                 rid = client.submit_verify(vj.items, wait_event=event)

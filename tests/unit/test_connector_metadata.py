@@ -74,8 +74,8 @@ class ScriptedClient:
     def submit_retrieve(self, items: Sequence[Item], lease_id: int = 0) -> int:
         return self._id("retrieve", list(items), lease_id)
 
-    def submit_store(self, items: Sequence[Item], wait_event: bytes = b"", notes: Any = None) -> int:
-        return self._id("store", list(items))
+    def submit_store(self, items: Sequence[Item], wait_event: bytes = b"", notes: Any = None, tenant: str = "") -> int:
+        return self._id("store", list(items), tenant)
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item], confirms: Iterable[int],
                           wait_event: bytes = b"", notes: Any = None, verifies: Sequence[Item] = ()) -> int:
@@ -100,6 +100,9 @@ class ScriptedClient:
 
     def uncacheable(self, reason: str) -> None:
         pass
+
+    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes]) -> None:
+        self.sent.append((0, "pin", session, tenant, ttl_s, list(keys)))
 
     def abort(self, rid: int) -> None:
         self.sent.append((rid, "abort"))
@@ -133,8 +136,8 @@ def sched() -> SchedulerSide:
     return side
 
 
-def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True) -> None:
-    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, CHUNK, 0, verify=verify)
+def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True, pins: bool = True) -> None:
+    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, CHUNK, 0, verify=verify, pins=pins)
     side.link.generation += 1
 
 
@@ -365,3 +368,81 @@ def test_a_hit_that_is_not_sampled_is_loaded_and_never_verified(why: str, caplog
     meta = sched.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=100 - 2 * CHUNK))
     assert meta.verifies == [] and len(meta.loads) == 1 and client.released == []
     assert ("upgraded" in caplog.text) == (why == "an older daemon")
+
+
+def pinned(req_id: str, params: Any, hit: int = 0, **kw: Any) -> tuple[SchedulerSide, ScriptedClient, Request]:
+    """A scheduler side with a pinned request that arrived, was allocated and computed its whole prompt."""
+    sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
+                                                                       chunk_size=CHUNK, verify_fraction=0.0))
+    client = ScriptedClient(hit=hit, lease_id=5 if hit else 0)
+    connect(sched, client, pins=kw.pop("pins", True))
+    req = Request(req_id, list(range(100)), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
+                  None, **kw)
+    sched.on_new_request(req)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), hit * CHUNK)
+    return sched, client, req
+
+
+PIN = {"hkvd": {"pin_s": 300, "session": "chat-7"}}
+
+
+def test_a_pinned_salted_request_stores_under_its_tenant_and_pins_its_chunks_when_it_finishes() -> None:
+    from hkvd.shim.tenants import tenant
+
+    sched, client, req = pinned("r1", PIN, cache_salt="acme-secret")
+    label = tenant(req)
+    assert label.startswith("salt:") and "acme" not in label
+    meta = sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
+    assert [s.tenant for s in meta.stores] == [label]
+    assert client.kinds("pin") == []  # not before it finishes
+    sched.request_finished(req, TABLE)
+    keys = client.kinds("lookup")[0][2]
+    assert client.kinds("pin") == [(0, "pin", "chat-7", label, 300.0, keys[:3])]  # every chunk it stored
+    assert sched.stats["pins_sent"] == 1
+
+    for pins in (True, False):  # the worker sends the tenant only to a daemon that keeps quotas
+        wclient = ScriptedClient()
+        w = worker(wclient)
+        w.link.ack = RegisterAck(0, 1, b"f" * 16, CHUNK, 0, pins=pins)
+        w.bind(pickle.loads(pickle.dumps(meta)))
+        w.wait_for_save()
+        assert [s[3] for s in wclient.kinds("store")] == [label if pins else ""]
+
+
+def test_a_pinned_request_whose_chunks_were_all_stored_already_is_still_pinned() -> None:
+    """Its prompt's three chunks were a hit: nothing is stored, the Pin names them."""
+    sched, client, req = pinned("r1", PIN, hit=3)
+    meta = sched.build_connector_meta(scheduler_output(req, computed=3 * CHUNK, scheduled=100 - 3 * CHUNK))
+    assert meta.stores == []
+    sched.request_finished(req, TABLE)
+    assert [p[2:5] for p in client.kinds("pin")] == [("chat-7", "", 300.0)]
+    assert client.kinds("pin")[0][5] == client.kinds("lookup")[0][2][:3]
+
+
+def test_pins_against_a_daemon_that_takes_none_are_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    sched, client, req = pinned("r1", PIN, pins=False)
+    sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
+    with caplog.at_level(logging.WARNING, logger="hkvd.shim"):
+        sched.request_finished(req, TABLE)
+        req2 = Request("r2", list(range(100)), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": PIN}),
+                       None)
+        sched.on_new_request(req2)
+        sched.get_num_new_matched_tokens(req2, 0)
+        sched.update_state_after_alloc(req2, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 0)
+        sched.build_connector_meta(scheduler_output(req2, computed=0, scheduled=100))
+        sched.request_finished(req2, TABLE)
+    assert client.kinds("pin") == [] and sched.stats["pins_sent"] == 0
+    said = [r for r in caplog.records if "session pins" in r.getMessage()]
+    assert len(said) == 1 and "takes none" in said[0].getMessage()
+
+
+def test_a_bad_pin_runs_the_request_unpinned_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="hkvd.shim"):
+        sched, client, req = pinned("r1", {"hkvd": {"pin_s": 300, "session": "has space"}, "do_remote_decode": False})
+    warned = [r.getMessage() for r in caplog.records if "kv_transfer_params" in r.getMessage()]
+    assert len(warned) == 1 and "runs unpinned" in warned[0] and "session" in warned[0] and "r1" in warned[0]
+    meta = sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
+    assert [len(s.items) for s in meta.stores] == [3]  # cached as usual
+    assert sched.request_finished(req, TABLE) == (True, None)
+    assert client.kinds("pin") == [] and sched.stats["pins_refused"] == 1

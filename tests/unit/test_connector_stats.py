@@ -102,6 +102,9 @@ def test_prometheus_counters_add_each_interval() -> None:
     assert registry.get_sample_value("vllm:hkvd_load_settles_won_total", labels) == 2
     assert registry.get_sample_value("vllm:hkvd_load_settle_seconds_total", labels) == pytest.approx(0.01)
     assert registry.get_sample_value("vllm:hkvd_loads_reported_early_total", labels) == 4
+    prom.observe({"pins_sent": 2, "pins_refused": 1})
+    assert registry.get_sample_value("vllm:hkvd_pins_sent_total", labels) == 2
+    assert registry.get_sample_value("vllm:hkvd_pins_refused_total", labels) == 1
     prom.observe({"verify_checks": 3, "verify_max_error": 0.01, "verify_max_error_swa": 0.01})
     prom.observe({"verify_checks": 2, "verify_max_error": 0.002, "verify_max_error_full": 0.002})  # a lower maximum
     assert registry.get_sample_value("vllm:hkvd_verify_checks_total", labels) == 5
