@@ -38,7 +38,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from hkvd.daemon.cache import Cache, HugePagePool, Prefaulter, default_threads, first_slice_bytes, make_policy
+from hkvd.daemon.cache import (
+    Cache,
+    HugePagePool,
+    Prefaulter,
+    Tenants,
+    default_threads,
+    first_slice_bytes,
+    make_policy,
+)
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.engine_factory import make_copy_engine
 from hkvd.daemon.engines.registry import Registry
@@ -257,7 +265,9 @@ class Daemon:
                                                               copy_timeout_s=cfg.copy_timeout_s,
                                                               cuda_copy_method=cfg.cuda_copy_method,
                                                               cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
-            index = Cache(self.pool, make_policy(cfg.eviction_policy))
+            quotas = Tenants(self.pool.allocator.capacity, cfg.tenant_quota, dict(cfg.tenant_quotas))
+            index = Cache(self.pool, make_policy(cfg.eviction_policy), tenants=quotas,
+                          pin_fraction=cfg.pin_max_fraction)
             # Entry checksums (docs/checksums.md): taken as entries turn READY, checked by the tiers'
             # write-behind, peer pulls and the scrubber.
             self.checks = Checksums(index, self.pool.buffer)
@@ -464,12 +474,14 @@ class Daemon:
             self.notifier.status(self.summary())
 
     async def _housekeeping(self, index: Cache) -> None:
-        """Every second: expire leases; freeze the heap when enough entries were written (daemon/heap.py)."""
+        """Every second: expire leases and session pins; freeze the heap when enough entries were written
+        (daemon/heap.py)."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             expired = index.expire_leases()
             if expired:
                 self.metrics.inc("leases_expired", expired)
+            index.expire_pins()
             self.heap.maybe_freeze(index.writes)
 
     def reload(self) -> None:

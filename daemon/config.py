@@ -19,7 +19,9 @@ from hkvd.daemon.cache import MIN_SUPERBLOCK_BYTES
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
 from hkvd.daemon.peers.auth import PeerConfigError, parse_allow, split_address
 from hkvd.daemon.startup_errors import StartupError
+from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.paths import default_socket_path
+from hkvd.transport.wire.control import check_tenant
 
 GIB = 1 << 30
 EVICTION_POLICIES = ("lru", "hybrid")
@@ -50,6 +52,9 @@ class DaemonConfig:
     chunk_size: int = 256  # tokens; LMCache's default, and a multiple of every common block size
     l1_size_bytes: int = 1 * GIB
     eviction_policy: str = "lru"
+    pin_max_fraction: float = 0.5  # the share of the pool session pins may hold (daemon/cache/pins.py)
+    tenant_quota: float = 1.0  # each tenant's share of the pool; 1.0: no quotas (daemon/cache/quotas.py)
+    tenant_quotas: tuple[tuple[str, float], ...] = ()  # (label, fraction) overrides of tenant_quota
     hugepages: str = "auto"
     log_level: str = "info"
     lease_ttl_s: float = 30.0
@@ -168,6 +173,25 @@ class DaemonConfig:
         for name in ("verify_tolerance", "verify_mamba_tolerance", "quarantine_window_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be > 0")
+        if not 0 < self.pin_max_fraction <= 1:
+            raise ConfigError(f"--pin-max-fraction {self.pin_max_fraction!r}: the share of the pool session pins "
+                              "may hold, more than 0 and at most 1 (e.g. 0.5)")
+        if not 0 < self.tenant_quota <= 1:
+            raise ConfigError(f"--tenant-quota {self.tenant_quota!r}: each tenant's share of the pool, more than 0 "
+                              "and at most 1 (1.0: no quotas)")
+        seen: set[str] = set()
+        for label, fraction in self.tenant_quotas:
+            try:
+                check_tenant(label, "tenant label")
+            except ProtocolViolation as e:
+                raise ConfigError(f"tenant-quotas {label[:40]!r}: {e} (labels are \"\" for the unsalted share, "
+                                  "salt:<hex> or lora:<adapter name>)") from None
+            if label in seen:
+                raise ConfigError(f"tenant-quotas: {label!r} is given twice; keep one")
+            seen.add(label)
+            if not 0 < fraction <= 1:
+                raise ConfigError(f"tenant-quotas {label!r} = {fraction!r}: a share of the pool, more than 0 and at "
+                                  "most 1 (e.g. 0.25)")
         if self.quarantine_after < 1:
             raise ConfigError(f"--quarantine-after {self.quarantine_after}: must be >= 1 (divergences within "
                               "--quarantine-window-s that quarantine a fingerprint and group)")

@@ -67,6 +67,26 @@ def _uids(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v))
 
 
+def _quotas(v: Any) -> tuple[tuple[str, float], ...]:
+    """Per-tenant quotas: a TOML table (``"salt:ab12" = 0.25``) or a flag's ``LABEL=FRACTION,...``."""
+    if isinstance(v, str):
+        pairs = []
+        for part in (p.strip() for p in v.split(",")):
+            if not part:
+                continue
+            label, eq, fraction = part.rpartition("=")
+            if not eq:
+                raise ValueError(f"{part!r} is not LABEL=FRACTION (e.g. salt:ab12=0.25, or =0.5 for the unsalted "
+                                 "share)")
+            pairs.append((label.strip(), float(fraction)))
+        return tuple(pairs)
+    if isinstance(v, dict):
+        if not all(isinstance(f, int | float) and not isinstance(f, bool) for f in v.values()):
+            raise ValueError("each tenant's quota is a fraction of the pool, e.g. \"salt:ab12\" = 0.25")
+        return tuple((str(label), float(f)) for label, f in v.items())
+    raise ValueError("expected a table of tenant labels to fractions, e.g. tenant-quotas = { \"lora:sql\" = 0.25 }")
+
+
 def _addresses(v: Any) -> tuple[str, ...]:
     return tuple(str(x).strip() for x in (v.split(",") if isinstance(v, str) else v) if str(x).strip())
 
@@ -104,6 +124,14 @@ OPTIONS: tuple[Option, ...] = (
            "refused at registration with the smallest size that does", "X", "1", essential=True),
     Option("--eviction-policy", "eviction_policy", _lower, "lru",
            "lru, or hybrid: orphan-aware LRU (docs/hybrid.md)", example='"lru"'),
+    Option("--pin-max-fraction", "pin_max_fraction", float, "0.5",
+           "the share of the pool session pins may hold (docs/pins.md); past it the oldest pins lapse first", "X"),
+    Option("--tenant-quota", "tenant_quota", float, "1.0",
+           "each tenant's share of the pool (a cache_salt, or a LoRA adapter; docs/pins.md): a tenant over it "
+           "evicts its own entries first, and none takes another's within its quota; 1.0 = no quotas", "X"),
+    Option("--tenant-quotas", "tenant_quotas", _quotas, "",
+           "per-tenant quotas over --tenant-quota: LABEL=FRACTION,... (a TOML table in the config)", "LIST",
+           '{ "salt:ab12" = 0.25 }'),
     Option("--hugepages", "hugepages", _lower, "auto",
            "auto (hugetlb if reserved, else THP), require (fail without reserved pages), or off",
            example='"auto"', essential=True),

@@ -14,6 +14,7 @@ from hkvd.daemon.cache.eviction import EvictionPolicy, make_policy
 from hkvd.daemon.cache.formats import MAX_WORLDS, Formats, WorldFormat
 from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, mamba_checkpoint_keep, required_chunks
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, IndexStats
+from hkvd.daemon.cache.pins import PinStats
 from hkvd.daemon.cache.pool import (
     MIN_SUPERBLOCK_BYTES,
     Allocation,
@@ -24,10 +25,12 @@ from hkvd.daemon.cache.pool import (
     superblocks_needed,
 )
 from hkvd.daemon.cache.prefault import Prefaulter, default_threads, first_slice_bytes
+from hkvd.daemon.cache.quotas import Tenants, TenantStats
 
 __all__ = [
     "MAX_WORLDS", "MIN_SUPERBLOCK_BYTES", "Allocation", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy",
-    "Extent", "Formats", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PoolStats", "Prefaulter",
-    "Shape", "WorldFormat", "default_threads", "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "plan_keys",
-    "plan_ranks", "required_chunks", "smallest_pool_bytes", "superblocks_needed",
+    "Extent", "Formats", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PinStats", "PoolStats",
+    "Prefaulter", "Shape", "TenantStats", "Tenants", "WorldFormat", "default_threads", "first_slice_bytes",
+    "make_policy", "mamba_checkpoint_keep", "plan_keys", "plan_ranks", "required_chunks", "smallest_pool_bytes",
+    "superblocks_needed",
 ]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from hkvd.daemon.cache.chains import ChainChange, ChainTracker, Groups
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.leases import Leases
-from hkvd.daemon.cache.pins import Pins
+from hkvd.daemon.cache.pins import Pins, PinStats
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.daemon.cache.quotas import TenantOrder, Tenants
 from hkvd.transport.errors import PoolFull
@@ -491,6 +491,9 @@ class Index:
     def pinned_bytes(self) -> int:
         """Bytes of the entries session pins hold."""
         return self._pinned_bytes
+
+    def pin_statistics(self) -> PinStats:
+        return self.pins.statistics(self._pinned_bytes, self.pin_budget_bytes)
 
     def _keep_pin_budget(self) -> None:
         pins = self.pins

@@ -33,11 +33,42 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from hkvd.transport.stat_fields import metric, status_only
+
 log = logging.getLogger("hkvd.pins")
 
 MAX_PER_SESSION = 16
 MAX_SESSIONS = 4096
 REASONS = ("ttl", "budget", "unpin", "superseded", "session_limit")
+
+SHOWN_SESSIONS = 20  # sessions ``hkvd status`` lists, the longest-lasting first
+
+
+@dataclass(frozen=True, slots=True)
+class PinSessionStats:
+    """One pinned session: its tenant, its pin records, the seconds until its last one lapses."""
+
+    session: str = status_only()
+    tenant: str = status_only()
+    pins: int = status_only()
+    ttl_left_s: float = status_only()
+
+
+@dataclass(frozen=True, slots=True)
+class PinStats:
+    """Session pins (``hkvd status``: ``pins``; docs/pins.md)."""
+
+    pinned_bytes: int = metric("hkvd_pinned_bytes", "Pool bytes of the entries session pins hold", default=0)
+    budget_bytes: int = metric("hkvd_pin_budget_bytes", "The most pool bytes session pins may hold "
+                               "(--pin-max-fraction)", default=0)
+    sessions: int = metric("hkvd_pin_sessions", "Sessions holding pins", default=0)
+    pins: int = status_only(default=0)  # pin records alive (a session holds up to 16)
+    lapsed: dict[str, int] = metric("hkvd_pins_lapsed", "Pins ended, by reason (ttl, budget, unpin, superseded, "
+                                    "session_limit)", "counter", key="reason", default_factory=dict)
+    refused: int = metric("hkvd_pins_refused", "Pins of a new session refused: too many sessions pinned",
+                          "counter", default=0)
+    longest: tuple[PinSessionStats, ...] = status_only(default=())  # the 20 longest-lasting sessions
+
 
 #: ``on_change(fingerprint, chunk_key, held)``: that chunk of that rank became held (True) or free (False).
 ChangeFn = Callable[[bytes, bytes, bool], None]
@@ -82,12 +113,17 @@ class Pins:
     def sessions(self) -> int:
         return len(self._sessions)
 
-    def remaining(self, limit: int) -> list[tuple[str, str, float]]:
-        """Up to ``limit`` sessions as (session, tenant, seconds left), the longest-lasting first."""
+    def remaining(self, limit: int) -> list[PinSessionStats]:
+        """Up to ``limit`` sessions, the longest-lasting first."""
         now = self.clock()
-        rows = [(s, recs[-1].tenant, max(r.expiry for r in recs) - now) for s, recs in self._sessions.items()]
-        rows.sort(key=lambda r: -r[2])
-        return [(s, t, max(left, 0.0)) for s, t, left in rows[:limit]]
+        rows = [PinSessionStats(s, recs[-1].tenant, len(recs), max(max(r.expiry for r in recs) - now, 0.0))
+                for s, recs in self._sessions.items()]
+        rows.sort(key=lambda r: -r.ttl_left_s)
+        return rows[:limit]
+
+    def statistics(self, pinned_bytes: int, budget_bytes: int) -> PinStats:
+        return PinStats(pinned_bytes, budget_bytes, len(self._sessions), len(self._order), dict(self.lapsed),
+                        self.refused, tuple(self.remaining(SHOWN_SESSIONS)))
 
     def oldest(self) -> PinRecord | None:
         """The least recently pinned or refreshed record (the first to lapse past the budget)."""

@@ -79,6 +79,7 @@ from hkvd.transport.wire.replies import (
     RetrieveResult,
     StepResult,
     StoreResult,
+    Unpinned,
     VerifyResult,
 )
 
@@ -252,7 +253,7 @@ class KVService:
             self.latencies.observe(op, time.perf_counter() - t0)
 
     def _handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
-        if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status)):
+        if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status, kv.Pin)):
             raise ShuttingDown("hkvd is shutting down; the engine will recompute and reconnect later")
         match msg:
             case kv.Lookup():
@@ -277,6 +278,12 @@ class KVService:
                 self.index.release(msg.lease_id)
             case kv.WatchLease():
                 self._watch_lease(conn, msg)
+            case kv.Pin():
+                self._pin(conn, msg)
+            case control.Unpin():
+                n = self.index.unpin_session(msg.session)
+                log.info("unpinned session %r: %d pins ended", msg.session[:40], n)
+                conn.send(Unpinned(0, n).to_done(msg.req_id))
             case kv.Uncacheable():
                 self._engine(conn, copy=False)
                 self.metrics.inc("uncacheable_requests", reason=msg.reason)
@@ -309,6 +316,17 @@ class KVService:
                                    "token of the prefill node's daemon)")
         self.peers.submit_pull(conn.engine, msg, conn)
 
+    def _pin(self, conn: Conn, msg: kv.Pin) -> None:
+        """Hold the chunks of a finished request for its session (``daemon/cache/pins.py``). No reply, and
+        nothing fails: a pin the daemon cannot place is logged."""
+        if self.shutting_down:
+            return
+        if conn.engine is None:
+            log.warning("a Pin of session %r came before its connection registered an engine; ignored (the "
+                        "client sends Pin only after Register)", msg.session[:40], extra=request_log(conn, 0))
+            return
+        self.index.pin_session(conn.engine.rank_fingerprints, msg.session, msg.tenant, msg.keys, msg.ttl_s)
+
     # ---- registration --------------------------------------------------------------------------
     def _register(self, conn: Conn, msg: control.Register) -> None:
         if conn.register_refusal is not None:
@@ -330,7 +348,7 @@ class KVService:
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
-                                      self.kv_events_mode(), lease_watch=True, verify=True))
+                                      self.kv_events_mode(), lease_watch=True, verify=True, pins=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""
@@ -409,13 +427,13 @@ class KVService:
         items = msg.items
         notes = self._check_notes(engine, msg.parsed_notes(), items)
         stored, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
-                                            wait_event=msg.wait_event, notes=notes)
+                                            wait_event=msg.wait_event, notes=notes, tenant=msg.tenant)
         conn.send(stored.to_done(msg.req_id))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
-                           pending: bool, wait_event: bytes = b"",
-                           notes: list[BlockNote] | None = None) -> tuple[StoreResult, list[Entry]]:
-        """Copy ``items`` into new pool entries; their counts for the reply, and the entries written.
+                           pending: bool, wait_event: bytes = b"", notes: list[BlockNote] | None = None,
+                           tenant: str = "") -> tuple[StoreResult, list[Entry]]:
+        """Copy ``items`` into new pool entries of ``tenant``; their counts for the reply, and the entries written.
 
         ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``)."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
@@ -431,7 +449,7 @@ class KVService:
             keep.append((it, g))
         fp, sizes = engine.fingerprint, engine.entry_bytes
         begun = self.index.begin_store([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
-                                         for it, g in keep], job_id)
+                                         for it, g in keep], job_id, tenant)
         entries: list[Entry] = []
         placed: list[tuple[GroupSpec, list[int], tuple[Extent, ...]]] = []
         for (it, g), got in zip(keep, begun, strict=True):
@@ -918,6 +936,8 @@ class KVService:
             latency=self.latencies.statistics(),
             integrity=self.scrubber.statistics() if self.scrubber is not None else None,
             verify=self.quarantine.statistics(),
+            pins=self.index.pin_statistics(),
+            tenants=self.index.tenants.statistics(),
         )
 
     def status(self) -> dict[str, Any]:

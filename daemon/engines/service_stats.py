@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hkvd.daemon.cache import IndexStats, PoolStats
+from hkvd.daemon.cache import IndexStats, PinStats, PoolStats, TenantStats
 from hkvd.daemon.engines.engine_traffic import EngineTrafficStats
 from hkvd.daemon.engines.latency import LatencyStats
 from hkvd.daemon.engines.registry import RegistryStats
@@ -69,3 +69,5 @@ class ServiceStats:
     latency: LatencyStats = part()  # lookup, store, retrieve: request to reply
     verify: VerifyStats = part()  # sampled hits compared with their recomputation; quarantines (docs/verification.md)
     integrity: IntegrityStats | None = part()  # entry checksums and the scrubber (docs/checksums.md)
+    pins: PinStats = part()  # session pins (docs/pins.md)
+    tenants: TenantStats = part()  # bytes, quotas and evictions per tenant (docs/pins.md)

@@ -117,7 +117,8 @@ def test_a_hit_restarts_the_ttl(pool: HugePagePool) -> None:
     cache.release(cache.lease(plan, asked, [FP], owner=1, ttl_s=5.0))
     clock.now += 50  # 100 s after the pin, 50 after the hit
     assert cache.expire_pins() == 0
-    assert cache.pins.remaining(5) == [("s1", "", pytest.approx(10.0))]
+    [row] = cache.pins.remaining(5)
+    assert (row.session, row.tenant, row.pins, row.ttl_left_s) == ("s1", "", 1, pytest.approx(10.0))
     clock.now += 11
     assert cache.expire_pins() == 1
 

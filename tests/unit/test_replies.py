@@ -23,6 +23,7 @@ from hkvd.transport.wire.replies import (
     RetrieveResult,
     StepResult,
     StoreResult,
+    Unpinned,
     VerifyResult,
 )
 
@@ -74,6 +75,7 @@ CASES: list[tuple[Reply, tuple[int, dict[str, Any]]]] = [
     (VerifyResult(1 << 20, 4, 1, 0, 0.5, True),
      (1 << 20, {"checked": 4, "diverged": 1, "missing": 0, "max_error": 0.5, "quarantined": True})),
     (QuarantineLifted(0, "00ff/1,00ff/2"), (0, {"lifted": "00ff/1,00ff/2"})),
+    (Unpinned(0, 2), (0, {"unpinned": 2})),
     (Acknowledged(), (0, {})),  # service: Unregister
 ]
 IDS = [f"{type(r).__name__}-{i}" for i, (r, _) in enumerate(CASES)]
@@ -91,7 +93,7 @@ def test_every_reply_type_has_a_case_and_answers_its_request():
     assert {c.__name__ for c in Reply.__subclasses__()} == {c.__name__ for c in REPLIES.values()}
     answers = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult, events.StepEvent: StepResult,
                peer.Pull: PullResult, kv.Verify: VerifyResult, control.LiftQuarantine: QuarantineLifted,
-               control.Unregister: Acknowledged}
+               control.Unregister: Acknowledged, control.Unpin: Unpinned}
     assert answers == REPLIES
 
 
@@ -120,6 +122,7 @@ REQUIRED = {
     PullResult: ("hit_chunks", "lease_id", "lease_ttl_s", "pulled", "local", "seconds"),
     VerifyResult: ("checked", "diverged", "missing", "max_error", "quarantined"),
     QuarantineLifted: ("lifted",),
+    Unpinned: ("unpinned",),
     Acknowledged: (),
 }
 FULL = [CASES[0][0], CASES[3][0], CASES[5][0], CASES[8][0]]  # every optional group present

@@ -50,6 +50,7 @@ from hkvd.transport.wire.control import (
     RegisterAck,
     Status,
     StatusReply,
+    Unpin,
     Unregister,
 )
 from hkvd.transport.wire.events import KVEvents, KVEventsPoll, StepEvent
@@ -222,10 +223,17 @@ class QuarantineLifted(Reply):
     lifted: str  # the pairs lifted, "fingerprint/group" comma-separated; empty: none matched
 
 
+@dataclass(frozen=True, slots=True)
+class Unpinned(Reply):
+    what: ClassVar[str] = "unpin"
+    nbytes: int  # always 0
+    unpinned: int  # the session's pins ended (0: the daemon held none of it)
+
+
 # Which reply a Done carries, by the request it answers. A Done to any other request is an Acknowledged.
 REPLIES: dict[type[Message], type[Reply]] = {
     Store: StoreResult, Retrieve: RetrieveResult, StepEvent: StepResult, Pull: PullResult, Verify: VerifyResult,
-    LiftQuarantine: QuarantineLifted, Unregister: Acknowledged,
+    LiftQuarantine: QuarantineLifted, Unregister: Acknowledged, Unpin: Unpinned,
 }
 
 # Which message answers a request that is not a job: that message is the request's result, as sent.
@@ -235,4 +243,4 @@ ANSWERS: dict[type[Message], type[Message]] = {
 
 
 __all__ = ["ANSWERS", "REPLIES", "Acknowledged", "PullResult", "QuarantineLifted", "Reply", "RetrieveResult",
-           "StepResult", "StoreResult", "VerifyResult"]
+           "StepResult", "StoreResult", "Unpinned", "VerifyResult"]
