@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,7 +55,7 @@ from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.engines.service_stats import ServiceStats
 from hkvd.daemon.heap import HeapPolicy
-from hkvd.daemon.http import HTTPEndpoint, build_registry, ipaddress_is_loopback, text
+from hkvd.daemon.http import HTTPEndpoint, Request, Response, build_registry, ipaddress_is_loopback, text
 from hkvd.daemon.integrity.checksums import Checksums
 from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import CounterStats, Metrics
@@ -69,8 +71,9 @@ from hkvd.daemon.tiers.cluster import ClusterSettings, ClusterTier
 from hkvd.daemon.tiers.cluster_value import ClusterKeyError, FleetKeys
 from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.transport.copy_engine import CopyEngine
-from hkvd.transport.errors import KVError, PoolError
+from hkvd.transport.errors import KVError, PoolError, ProtocolViolation
 from hkvd.transport.stat_fields import metric, part
+from hkvd.transport.wire import control
 
 log = logging.getLogger("hkvd")
 
@@ -169,11 +172,28 @@ class Daemon:
                    else text(503, "starting"))
         http.route("POST", "/v1/usable_prefix", lambda req: self.routing.post(req) if self.routing is not None
                    else text(503, "starting"))
+        # A router or agent framework that knows a session ended (docs/pins.md).
+        http.route("POST", "/unpin", self._unpin_route)
         self.http = http
         await http.start()
         if not ipaddress_is_loopback(self.cfg.metrics_host):
             log.warning("the metrics port listens on %s: other hosts can read the metrics and the prefix lengths "
                         "this node holds (--metrics-host)", self.cfg.metrics_host)
+
+    def _unpin_route(self, req: Request) -> Response:
+        """``POST /unpin?session=ID``: end that session's pins; JSON ``{"session", "unpinned"}``."""
+        if self.service is None:
+            return text(503, "starting")
+        sessions = urllib.parse.parse_qs(req.query, keep_blank_values=True).get("session", [])
+        try:
+            if len(sessions) != 1:
+                raise ProtocolViolation("name one session: POST /unpin?session=ID")
+            control.check_session(sessions[0], "session")
+        except ProtocolViolation as e:
+            return Response(400, "application/json", json.dumps({"error": str(e)}).encode())
+        n = self.service.index.unpin_session(sessions[0])
+        log.info("unpinned session %r over HTTP: %d pins ended", sessions[0][:40], n)
+        return Response(200, "application/json", json.dumps({"session": sessions[0], "unpinned": n}).encode())
 
     async def serve(self) -> int:
         cfg = self.cfg

@@ -32,7 +32,7 @@ from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_b
 from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 from hkvd.transport.paths import default_socket_path
 from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
-from hkvd.transport.wire.replies import QuarantineLifted
+from hkvd.transport.wire.replies import QuarantineLifted, Unpinned
 
 
 def _serve_parser(sub: Any) -> None:
@@ -58,6 +58,13 @@ def lift_quarantine(socket_path: str, timeout_s: float, fingerprint: str) -> lis
     assert isinstance(reply, kv.Done)
     lifted = QuarantineLifted.from_done(reply.nbytes, reply.info).lifted
     return lifted.split(",") if lifted else []
+
+
+def unpin_session(socket_path: str, timeout_s: float, session: str) -> int:
+    """``hkvd unpin SESSION``: the number of the session's pins the daemon ended. Raises ``KVError``."""
+    reply = _ask(socket_path, timeout_s, control.Unpin(1, session), "hkvd-unpin")
+    assert isinstance(reply, kv.Done)
+    return Unpinned.from_done(reply.nbytes, reply.info).unpinned
 
 
 def _ask(socket_path: str, timeout_s: float, request: Message, name: str) -> Message:
@@ -122,6 +129,18 @@ def _quarantine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unpin(args: argparse.Namespace) -> int:
+    """``hkvd unpin SESSION``: end a session's pins (docs/pins.md)."""
+    try:
+        control.check_session(args.session, "SESSION")
+        n = unpin_session(args.socket or default_socket_path(), args.timeout_s, args.session)
+    except KVError as e:
+        print(f"hkvd unpin: {e}", file=sys.stderr)
+        return 1
+    print(f"unpinned {args.session}: {n} pins ended" if n else f"no pins held for session {args.session}")
+    return 0
+
+
 def _bytes(n: float) -> str:
     for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -155,6 +174,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_descriptors(s),
         *_status_verify(s),
         *_status_integrity(s),
+        *_status_pins(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -162,6 +182,29 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  #{e['engine_id']:<3} {e['role']:9} pid {e['pid']:<7} {e['model']} rank {e['rank']}/"
                      f"{e['world_size']} chunk {e['chunk_size']} [{groups}]")
     return "\n".join(lines)
+
+
+def _status_pins(s: dict[str, Any]) -> list[str]:
+    """Session pins and their sessions' TTLs; bytes and quotas per tenant (absent in older daemons)."""
+    p, t = s.get("pins"), s.get("tenants")
+    lines = []
+    if p is not None:
+        lapsed = ", ".join(f"{n} {r}" for r, n in p["lapsed"].items() if n) or "none"
+        lines.append(f"pins      {_bytes(p['pinned_bytes'])} pinned of {_bytes(p['budget_bytes'])} allowed, "
+                     f"{p['sessions']} sessions ({p['pins']} pins); lapsed: {lapsed}")
+        for r in p["longest"]:
+            tenant = f" tenant {r['tenant']}" if r["tenant"] else ""
+            lines.append(f"  {r['session']}{tenant}: {r['pins']} pins, {r['ttl_left_s']:.0f} s left")
+        if p["sessions"] > len(p["longest"]):
+            lines.append(f"  ... and {p['sessions'] - len(p['longest'])} more sessions (the {len(p['longest'])} "
+                         "longest-lasting are listed)")
+    if t is not None and (t["bytes"] or t["quotas"]):
+        rows = sorted(t["bytes"], key=lambda x: -t["bytes"][x])
+        lines.append(f"tenants   {len(rows)}, quotas {'on' if t['quotas'] else 'off (--tenant-quota 1.0)'}")
+        for label in rows[:20]:
+            lines.append(f"  {label or '(unsalted)'}: {_bytes(t['bytes'][label])} of {_bytes(t['quota_bytes'][label])}"
+                         f", {t['evictions'].get(label, 0)} evicted")
+    return lines
 
 
 def _status_verify(s: dict[str, Any]) -> list[str]:
@@ -402,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                     "(8 to 32 hex digits, as hkvd status shows it), or all")
     qu.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
     qu.add_argument("--timeout-s", type=float, default=5.0)
+    up = sub.add_parser("unpin", help="end a session's pins (docs/pins.md)")
+    up.add_argument("session", metavar="SESSION", help="the session id its requests' kv_transfer_params named")
+    up.add_argument("--socket", help=f"control socket path (default {default_socket_path()})")
+    up.add_argument("--timeout-s", type=float, default=5.0)
     ins = sub.add_parser("install-service", help="install the systemd unit and /etc/hkvd/hkvd.toml")
     ins.add_argument("--prefix", default="/", help="root to install under (default /)")
     ins.add_argument("--user", help="the user the engines run as; hkvd runs as it (default: $SUDO_USER; "
@@ -412,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args)
     if args.cmd == "quarantine":
         return _quarantine(args)
+    if args.cmd == "unpin":
+        return _unpin(args)
     if args.cmd == "install-service":
         return install_service(args.prefix, user=args.user, force=args.force)
     try:
