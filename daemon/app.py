@@ -295,6 +295,9 @@ class Daemon:
             for tier in (self.disk, self.cluster):
                 if tier is not None:
                     tier.checks = self.checks
+            if self.disk is not None:  # the disk tier's cap passes over pinned chunks' files (docs/pins.md)
+                pins = index.pins
+                self.disk.held = lambda key: pins.is_pinned(key[0], key[2])
             self.scrubber = Scrubber(index, self.checks, cfg.scrub_rate_mb)
             self.scrubber.start(loop)
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool, formats=index.formats)

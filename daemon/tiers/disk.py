@@ -46,12 +46,16 @@ Checks
 Size cap
     The catalog's files (headers included) stay within ``--l2-size-gb``: before a write, the least
     recently written or read files go first. The order comes from mtimes at start-up; a read
-    refreshes the file's mtime so the order survives a restart.
+    refreshes the file's mtime so the order survives a restart. Files of chunks a session pin holds
+    (``held``, ``daemon/cache/pins.py``) are passed over while any other file can go; when only such
+    files are left, the cap wins and they go too. Pins live in memory only: after a restart the files
+    are ordered by their mtimes alone (docs/pins.md).
 
 Threading
     One writer thread drains the queue; a small read pool runs lookups' reads and the start-up
     scan. Catalog changes hold ``_lock``; the event loop's membership probes read the dict without
-    it (one dict probe is atomic in CPython). Each counter is written by one thread only.
+    it (one dict probe is atomic in CPython), as the writer thread's ``held`` probes of the pin table
+    do. Each counter is written by one thread only.
 """
 
 from __future__ import annotations
@@ -348,6 +352,9 @@ class DiskTier(Tier[DiskStats]):
         self.queue_drops = 0  # event loop
         self.reads = self.read_bytes = self.read_errors = 0  # read pool threads, under _lock
         self.corrupt: dict[str, int] = {}
+        self.pinned_skips = 0  # writer thread: files passed over by eviction because a pin held them
+        # Whether a session pin holds an entry's chunk (the index's pin table); None: no pins.
+        self.held: Callable[[EntryKey], bool] | None = None
         self._last_error_log = 0.0
         self._errors_since_log = 0
 
@@ -464,13 +471,20 @@ class DiskTier(Tier[DiskStats]):
 
     def _evict_to(self, limit: int) -> int:
         """Delete the oldest files until the catalog holds at most ``limit`` bytes. Holds ``_lock``."""
-        n = 0
         gone = []
-        while self._catalog and self._catalog_bytes > limit:
-            key, stored = self._catalog.popitem(last=False)
+        held = self.held
+        passed = 0  # held files moved to the back this call: once all of them were, the cap wins
+        catalog = self._catalog
+        while catalog and self._catalog_bytes > limit:
+            key, stored = catalog.popitem(last=False)
+            if held is not None and passed < len(catalog) + 1 and held(key):
+                catalog[key] = stored  # to the back: the files behind it go first
+                passed += 1
+                continue
             self._catalog_bytes -= stored.file_bytes
             self._unlink(stored.path)
             gone.append(key)
+        self.pinned_skips += passed
         n = len(gone)
         self.evictions += n
         if gone:

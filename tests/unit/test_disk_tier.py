@@ -205,6 +205,26 @@ async def test_size_cap_evicts_the_least_recently_used_files(tmp_path):
     smaller.close(5.0)
 
 
+async def test_the_size_cap_passes_over_pinned_files_until_only_pinned_ones_are_left(tmp_path):
+    pool = Pool(8)
+    per_file = HEADER_BYTES + ENTRY
+    tier = new_tier(tmp_path, pool, cap=3 * per_file)
+    pinned = {key(0), key(1)}
+    tier.held = pinned.__contains__  # the index's pin table (daemon/cache/pins.py)
+    await write_entries(tier, pool, 5)  # 0 and 1 are the oldest, and pinned
+    assert [key(i) in tier for i in range(5)] == [True, True, False, False, True]
+    assert tier.pinned_skips >= 2
+    pinned.clear()
+    pinned.update(key(i) for i in range(8))  # every file pinned: the cap wins, the oldest go
+    done = asyncio.Event()
+    pool.fill(5, seed=5)
+    assert tier.offer(key(5), "full", ENTRY, b"", pool.extents(5), done.set)
+    async with asyncio.timeout(20):
+        await done.wait()
+    assert [key(i) in tier for i in range(6)] == [False, True, False, False, True, True]
+    tier.close(5.0)
+
+
 def test_a_full_queue_skips_and_counts_instead_of_blocking(tmp_path):
     pool = Pool(4)
     tier = DiskTier(str(tmp_path), 1 << 30, pool.buffer, queue_bytes=ENTRY)  # room for one queued entry
