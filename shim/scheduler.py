@@ -88,7 +88,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from hkvd.shim import pd, plans, sessions, tenants, verify
+from hkvd.shim import partial, pd, plans, sessions, tenants, verify
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import ChunkIdentity, Uncacheable, prompt_tokens
 from hkvd.shim.jobs import LoadJob, StoreJob, VerifyJob
@@ -162,6 +162,11 @@ class SchedulerSide:
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.engine_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
         self._notes = NoteMaker(self.block_size, getattr(kv_cache_config, "hash_block_size", None))
+        # Partial chunks (hkvd.shim.partial): probes in flight, and each request's partial hit (tokens, key).
+        self._hash_unit = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
+        self._probes = partial.Probes()
+        self._partial: dict[str, tuple[int, bytes]] = {}
+        self._partial_stored: dict[str, set[bytes]] = {}  # request -> the partial keys whose blocks went out
         self.feed = EventFeed()
         self._connect(startup=True)
 
@@ -189,6 +194,7 @@ class SchedulerSide:
                     st.keys = []
             self.chunk_size = chunk
             self._by_lookup.clear()  # lookups and watches of the old connection never complete
+            self._probes.clear()
             self._watches.clear()
             for st in self._reqs.values():
                 if not st.answered:
@@ -272,6 +278,9 @@ class SchedulerSide:
                 if c.ok and st is not None and st.loading and st.lease_id == watched[1]:
                     self._reports.watched(watched[0])
                 continue
+            if c.req_id in self._probes:
+                self._probe_done(c.req_id, c.get(LookupReply) if c.ok else None)
+                continue
             req_id = self._by_lookup.pop(c.req_id, None)
             st = self._reqs.get(req_id) if req_id is not None else None
             if st is None:
@@ -281,7 +290,9 @@ class SchedulerSide:
             if c.ok:
                 found = c.get(LookupReply)
                 st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
-                self._fire(st, Event.ANSWERED)
+                self._partial.pop(st.req_id, None)  # a lookup afresh (preempted): its partial hit is decided anew
+                if not self._probe(st.req_id, st):
+                    self._fire(st, Event.ANSWERED)
             else:
                 self._answer(st, 0)
                 if isinstance(c.error, DaemonUnavailable):
@@ -373,10 +384,11 @@ class SchedulerSide:
                                self.cfg.lookup_timeout_s)
                 self._by_lookup.pop(st.lookup_id or 0, None)
                 self._answer(st, 0)
-        hit_tokens = st.hit_chunks * self.chunk_size
+        hit_tokens = self._hit_tokens(st)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        if (st.pull is None and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed)
+        if (st.pull is None and st.req_id not in self._partial
+                and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed)
                 and self._daemon_verifies()):
             # Sampled: the engine computes it (its answer never depends on the entries under test) and the
             # chunks it computes are compared, not stored; its lease is released once it is allocated.
@@ -390,10 +402,11 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
+        held = st.hit_chunks - (st.req_id in self._partial)  # a partial last chunk is not the whole chunk
         if st.hit_chunks:
             # The daemon holds chunks [0, hit) for every group the hit rule needs: never store them again.
             # A sampled hit's chunks from verify_from on are computed here and compared instead.
-            st.next_store_chunk = max(st.next_store_chunk, st.verify_from if st.verify_upto else st.hit_chunks)
+            st.next_store_chunk = max(st.next_store_chunk, st.verify_from if st.verify_upto else held)
             if st.verify_upto:
                 self.stats["verify_sampled"] += 1
         if num_external_tokens <= 0 or not st.hit_chunks:
@@ -404,7 +417,10 @@ class SchedulerSide:
             self._fire(st, Event.ALLOCATED)
             return
         n = st.hit_chunks
-        items, bad = plans.load_items(self.groups, self._keys(st), n, n * self.chunk_size - num_external_tokens,
+        keys = self._keys(st)
+        if st.req_id in self._partial:  # chunk n - 1 is partial: its own key, loaded into block n - 1 all the same
+            keys = [*keys[:n - 1], self._partial[st.req_id][1]]
+        items, bad = plans.load_items(self.groups, keys, n, self._hit_tokens(st) - num_external_tokens,
                                       blocks.get_block_ids(), self.chunk_size)
         all_blocks = sorted({b for it in items for b in it.block_ids if b})
         if bad:
@@ -420,7 +436,7 @@ class SchedulerSide:
             st.pull = None
             self.stats["pull_jobs"] = self.stats.get("pull_jobs", 0) + 1
         st.lease_used = True
-        st.next_store_chunk = max(st.next_store_chunk, n)
+        st.next_store_chunk = max(st.next_store_chunk, held)
         self.stats["load_jobs"] += 1
         self.stats["hit_tokens"] += num_external_tokens
 
@@ -466,6 +482,9 @@ class SchedulerSide:
             if st is None:
                 continue
             for group_id, block_id, boundary in offers:
+                if block_id and boundary > 0 and boundary % C and self._partial_on():
+                    self._partial_offer(st, int(group_id), int(block_id), boundary, block_state, meta)
+                    continue
                 if not block_id or boundary % C or boundary <= 0:
                     continue
                 ci = boundary // C - 1
@@ -494,6 +513,81 @@ class SchedulerSide:
             logger.warning("hkvd: the daemon does not compare sampled hits (an older hkvd); verify_fraction %s "
                            "has no effect until hkvd serve on this node is upgraded", self.cfg.verify_fraction)
         return False
+
+    # ---- partial chunks (hkvd.shim.partial) ------------------------------------------------------
+    def _partial_on(self) -> bool:
+        return partial.enabled(self.groups, self.block_size, self.chunk_size, self._hash_unit)
+
+    def _hit_tokens(self, st: RequestRecord) -> int:
+        got = self._partial.get(st.req_id)
+        return got[0] if got is not None else st.hit_chunks * self.chunk_size
+
+    def _probe(self, req_id: str, st: RequestRecord) -> bool:
+        """After the whole-chunk answer: probe the positions inside the next chunk where a partial chunk may be
+        stored. True when probes went out (the request is answered once they all reply)."""
+        if not self._partial_on() or st.request is None or st.uncacheable:
+            return False
+        C, keys = self.chunk_size, self._keys(st)
+        if st.hit_chunks > len(keys) or self._identity.extras(st.request, C, 0) is not None:
+            return False
+        client = self.link.client
+        submitted: dict[int, tuple[int, bytes]] = {}
+        for pos in partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit):
+            key = partial.key_at(keys, st.tokens, pos, C)
+            if key is None or client is None:
+                continue
+            try:
+                submitted[client.submit_lookup([*keys[:st.hit_chunks], key], lease=True)] = (pos, key)
+            except Exception as e:  # the whole-chunk answer stands; the link recovers on a later call
+                self.link.lost(e)
+                break
+        if not submitted:
+            return False
+        self._probes.begin(req_id, st.hit_chunks, st.lease_id, submitted)
+        return True
+
+    def _probe_done(self, lookup_id: int, found: LookupReply | None) -> None:
+        req_id, choice, release = self._probes.reply(lookup_id, found.hit_chunks if found else 0,
+                                                     found.lease_id if found else 0)
+        st = self._reqs.get(req_id)
+        if choice is not None and (st is None or st.answered):  # finished or answered otherwise meanwhile
+            release += [x for x in (choice.lease_id,) if x and (st is None or x != st.lease_id)]
+            choice = None
+        for lease in release:
+            self._release(lease)
+        if choice is None or st is None:
+            return
+        st.hit_chunks, st.lease_id = choice.hit_chunks, choice.lease_id
+        if choice.tokens:
+            self._partial[req_id] = (choice.tokens, choice.key)
+        self._fire(st, Event.ANSWERED)
+
+    def _partial_offer(self, st: RequestRecord, group_id: int, block_id: int, boundary: int, block_state: Any,
+                       meta: HkvdConnectorMetadata) -> None:
+        """vLLM's state at ``boundary``, inside a chunk: offered under the partial chunk's key, with the
+        attention blocks of that chunk stored under the same key (once per request and boundary)."""
+        C = self.chunk_size
+        j = boundary // C
+        if st.request is None or st.uncacheable or self._identity.extras(st.request, C, 0) is not None:
+            return
+        keys = self._keys_through(st, j)
+        key = partial.key_at(keys, list(st.request.all_token_ids[:boundary]), boundary, C)
+        table = block_state.get_block_ids(st.req_id)
+        if key is None or table is None:
+            return
+        parent_key = keys[j - 1] if j else b""
+        stored = self._partial_stored.setdefault(st.req_id, set())
+        if key not in stored:
+            stored.add(key)
+            items = [Item(g.group_id, j, key, [int(table[g.group_id][j])], parent_key)
+                     for g in self.groups if g.kind == "full" and len(table[g.group_id]) > j
+                     and table[g.group_id][j]]
+            if items:  # no notes: vLLM names a partial block by its own partial hash, not the whole block's
+                meta.stores.append(StoreJob(st.req_id, items, [], st.tenant))
+                self.stats["store_items"] += len(items)
+        meta.offers.append((st.req_id, Item(group_id, j, key, [block_id], parent_key)))
+        st.had_copies = True
+        self.stats["offer_items"] += 1
 
     def _watch(self, req_id: str, lease_id: int) -> None:
         """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""
@@ -566,6 +660,10 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        self._partial.pop(request.request_id, None)
+        self._partial_stored.pop(request.request_id, None)
+        for lease in self._probes.drop(request.request_id):
+            self._release(lease)
         if st is None:
             return False, None
         self._store_on_finish(request, st, block_ids)

@@ -10,6 +10,10 @@ bytes is unambiguous. Only full chunks get a key. The same prefix with the same 
 keys in every process and on every node, which is what lets a fresh engine (or a peer daemon) hit what
 another one stored. The layout fingerprint is *not* mixed in here: the daemon prefixes every index key
 with the engine's fingerprint, so keys stay comparable across layouts only where that is safe (never).
+
+A *partial* chunk (``partial_key``: the tokens after a whole chunk up to a position inside the next one,
+docs/design.md "Hit granularity") is hashed with blake2b personalised as ``PARTIAL_PERSON``, a hash
+function of its own, so no partial key equals a whole chunk's key.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 
 KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
+PARTIAL_PERSON = b"hkvd-partial-1"
 
 
 def chunk_keys(token_ids: Sequence[int], chunk_size: int, *, parent: bytes = ROOT_KEY,
@@ -56,3 +61,12 @@ def chunk_keys_le32(tokens: bytes | memoryview, chunk_size: int, *, parent: byte
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def partial_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of a partial chunk: ``token_ids`` (at least one, fewer than a chunk) after the chunk keyed ``parent``."""
+    if len(token_ids) == 0:
+        raise ValueError("a partial chunk holds at least one token")
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=PARTIAL_PERSON)
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    return h.digest()

@@ -13,8 +13,11 @@ three times:
 2. reference phase: the daemon is stopped and vLLM's local cache is kept: vLLM's own prefix cache.
 3. no-cache phase: the daemon is still stopped and the local cache emptied before every prompt.
 
-hkvd must serve the engine (no error) with hits of at least ``WANT_HKVD`` and the no-cache run's greedy
-tokens; ``WANT_VLLM`` pins what vLLM's own cache hits, so the gap between the two is visible here.
+hkvd must serve the engine (no error), hit at least what vLLM's own cache hits, and give the no-cache
+run's greedy tokens. For Qwen3-Next the prompt sent again and the extended one hit at 224 (the first
+prompt's checkpoint, 7 units into its second block): from vLLM's partial entry, and from hkvd's partial
+chunk (``hkvd.shim.partial``); the second question, which shares only the system prompt, hits at 128
+from both (nothing checkpointed the system prompt's end).
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ PROMPTS = [
     A + _seq(100, 17, 1),       # A with a follow-up (330 tokens)
 ]
 
-# model -> hits per prompt: vLLM's own prefix cache (reference phase), and the least hkvd must serve
+# model -> hits per prompt: vLLM's own prefix cache (reference phase), and hkvd's (hkvd phase)
 CASES = {
-    "qwen3_next": ([0, 128, 224, 224], [0, 128, 128, 128]),
+    "qwen3_next": ([0, 128, 224, 224], [0, 128, 224, 224]),
     "gemma3": ([0, 128, 128, 128], [0, 128, 128, 128]),
 }
 
@@ -51,6 +54,7 @@ CASES = {
 def test_prefix_match_unit_serves_and_hits(model, tiny_models, outputs, daemon_factory, engine_runner,
                                            tmp_path) -> None:
     want_vllm, want_hkvd = CASES[model]
+    assert all(h >= v for h, v in zip(want_hkvd, want_vllm, strict=True))
     d = daemon_factory(BLOCK)
     args = {"model": str(tiny_models[model]), "socket": d.socket, "max_num_batched_tokens": 0,
             "conversations": [{"first": p, "users": [], "max_tokens": 6} for p in PROMPTS],

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Partial chunks: hits inside a block, where vLLM checkpoints a Mamba state (docs/design.md, "Hit granularity").
+
+Role
+    With vLLM's ``prefix_match_unit`` h below its block size N (``KVCacheConfig.hash_block_size``), a Mamba
+    model in align mode checkpoints the state at the h-aligned end of each prompt's last block and offers
+    it to the connector (a ``boundary_state_offloads`` boundary L that is not a multiple of N). The
+    scheduler side stores it as a *partial chunk*: chunk ``j = L // C``'s entries (the attention blocks of
+    chunk j, whole pages, and the state after L) under ``partial_key(key(j - 1), tokens [jC, L))``. The
+    daemon sees an ordinary chunk j: its hit rule is unchanged. A lookup that hits n whole chunks is
+    followed by probes of the h multiples inside chunk n, longest first; a probe that hits n + 1 chunks
+    serves L tokens. The page past L holds bytes of the storing request; the loading request's own
+    forward writes those slots before anything reads them.
+
+    On only where it can serve (``enabled``): C == N, a Mamba group, every other group full attention
+    (sliding-window tails are not kept per partial chunk), h < N; and per request, only without extra
+    keys (LoRA, multimodal, salt, embeddings: partial keys carry none).
+
+Threading
+    vLLM's scheduler thread (the scheduler side's hooks), like ``hkvd.shim.scheduler``.
+
+Failure handling
+    A probe that fails is a miss for its position; the whole-chunk hit stands. Leases of probes that do
+    not win, and of the whole-chunk lookup a probe replaces, are handed back to the caller to release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hkvd.shim.spec import GroupInfo
+from hkvd.transport.keys import ROOT_KEY, partial_key
+
+
+def enabled(groups: Sequence[GroupInfo], block_size: int, chunk_size: int, hash_block_size: int) -> bool:
+    """Whether this engine can store and serve partial chunks (see the module doc)."""
+    kinds = {g.kind for g in groups}
+    return (0 < hash_block_size < block_size and block_size % hash_block_size == 0 and chunk_size == block_size
+            and "mamba" in kinds and kinds <= {"full", "mamba"})
+
+
+def candidates(hit_chunks: int, num_tokens: int, chunk_size: int, unit: int) -> list[int]:
+    """The positions inside chunk ``hit_chunks`` a probe may serve, longest first: multiples of ``unit``
+    past the chunk's start that leave the prompt's last token to compute."""
+    lo = hit_chunks * chunk_size
+    top = min(lo + chunk_size - 1, num_tokens - 1)
+    return list(range(top // unit * unit, lo, -unit))
+
+
+def key_at(keys: Sequence[bytes], tokens: Sequence[int], end: int, chunk_size: int) -> bytes | None:
+    """The partial key of the chunk holding token ``end - 1``, over ``tokens`` up to ``end``; None when the
+    whole chunks before it have no keys yet."""
+    j = end // chunk_size
+    if j > len(keys) or end <= j * chunk_size or len(tokens) < end:
+        return None
+    return partial_key(keys[j - 1] if j else ROOT_KEY, tokens[j * chunk_size:end])
+
+
+@dataclass
+class Probe:
+    """The probes of one request: the whole-chunk answer they may extend, and the best partial hit so far."""
+
+    hit_chunks: int
+    lease_id: int
+    waiting: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # lookup id -> (position, key)
+    best: tuple[int, int, bytes] | None = None  # (position, lease, key)
+    spare_leases: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Choice:
+    """A request's answer after its probes: ``hit_chunks`` and lease for the daemon, and, for a partial hit,
+    the tokens it serves and the key of its last chunk."""
+
+    hit_chunks: int
+    lease_id: int
+    tokens: int = 0
+    key: bytes = b""
+    release: list[int] = field(default_factory=list)
+
+
+class Probes:
+    """Probes in flight, by request and by lookup id."""
+
+    def __init__(self) -> None:
+        self._by_req: dict[str, Probe] = {}
+        self._by_id: dict[int, str] = {}
+
+    def __contains__(self, lookup_id: int) -> bool:
+        return lookup_id in self._by_id
+
+    def begin(self, req_id: str, hit_chunks: int, lease_id: int, submitted: dict[int, tuple[int, bytes]]) -> None:
+        self.drop(req_id)
+        self._by_req[req_id] = Probe(hit_chunks, lease_id, dict(submitted))
+        for rid in submitted:
+            self._by_id[rid] = req_id
+
+    def reply(self, lookup_id: int, hit_chunks: int, lease_id: int) -> tuple[str, Choice | None, list[int]]:
+        """Take one probe's reply (``hit_chunks`` 0 for a failed one). Returns (request, its choice once every
+        probe answered else None, leases to release now)."""
+        req_id = self._by_id.pop(lookup_id)
+        p = self._by_req[req_id]
+        pos, key = p.waiting.pop(lookup_id)
+        release: list[int] = []
+        if hit_chunks == p.hit_chunks + 1 and (p.best is None or pos > p.best[0]):
+            if p.best is not None:
+                release.append(p.best[1])
+            p.best = (pos, lease_id, key)
+        elif lease_id:
+            release.append(lease_id)
+        if p.waiting:
+            return req_id, None, release
+        del self._by_req[req_id]
+        if p.best is None:
+            return req_id, Choice(p.hit_chunks, p.lease_id), release
+        pos, lease, key = p.best
+        if p.lease_id:
+            release.append(p.lease_id)
+        return req_id, Choice(p.hit_chunks + 1, lease, pos, key), release
+
+    def drop(self, req_id: str) -> list[int]:
+        """Forget a request's probes (finished, answered otherwise); the probe leases to release (the whole-chunk
+        lookup's lease is the request's own, released with it)."""
+        p = self._by_req.pop(req_id, None)
+        if p is None:
+            return []
+        for rid in p.waiting:
+            self._by_id.pop(rid, None)
+        return [p.best[1]] if p.best is not None and p.best[1] else []
+
+    def clear(self) -> None:
+        """The connection was lost: no probe will be answered, and its leases ended with it."""
+        self._by_req.clear()
+        self._by_id.clear()
