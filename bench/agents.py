@@ -75,16 +75,17 @@ Log = Callable[[str], None]
 
 
 def pool_bytes(agents: Agents, model: BenchModel) -> dict[str, Any]:
-    """The hkvd pool of the runs: ``pool_sessions`` sessions of mean size, every chunk with its Mamba states.
+    """The hkvd pool of the runs: ``pool_sessions`` sessions of mean size.
 
-    A session of ``mean_context_tokens`` holds that many whole chunks, each with the attention
-    bytes and one state per Gated-DeltaNet layer (the most the daemon keeps for a chunk).
+    A session of ``mean_context_tokens`` holds that many whole chunks of attention bytes, and one
+    state per Gated-DeltaNet layer for each turn it has had (vLLM's align mode keeps a request's
+    state where its prompt's last whole block ends, not at every block): the mean session has had
+    ``(turns + 1) / 2`` turns.
     """
     per_chunk = model.chunk_bytes(BLOCK)
-    chunk = per_chunk["attention"] + per_chunk["mamba_state"]
     mean_chunks = math.floor(agents.mean_context_tokens() / BLOCK)
-    session = mean_chunks * chunk
-    return {"chunk_bytes": chunk, **{f"chunk_{k}_bytes": v for k, v in per_chunk.items()},
+    session = round(mean_chunks * per_chunk["attention"] + (agents.turns + 1) / 2 * per_chunk["mamba_state"])
+    return {**{f"chunk_{k}_bytes": v for k, v in per_chunk.items()},
             "mean_session_chunks": mean_chunks, "mean_session_bytes": session,
             "pool_bytes": agents.pool_sessions * session + POOL_SLACK_BYTES,
             "all_sessions_mean_bytes": agents.sessions * session}
@@ -96,23 +97,14 @@ def kv_blocks(agents: Agents, model: BenchModel) -> dict[str, int]:
     return block_budget(math.ceil(longest / BLOCK) + 2 * model.mamba_groups(), agents.sessions, agents.concurrency)
 
 
-def _find(tree: Any, key: str) -> Any:
-    """The first value named ``key`` anywhere in a status map, or None."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        for v in tree.values():
-            if (found := _find(v, key)) is not None:
-                return found
-    return None
-
-
 def pool_sample(status: dict[str, Any], t_s: float) -> dict[str, Any]:
-    """One point of a daemon's timeline: pool bytes, evictions, pinned bytes and sessions (None if not reported)."""
-    idx, pool = status.get("index", {}), status.get("pool", {})
+    """One point of a daemon's timeline: pool bytes, evictions, and the session pins' bytes, budget and
+    sessions (``hkvd status``'s ``pins``; None where the daemon does not report pins)."""
+    idx, pool, pins = status.get("index", {}), status.get("pool", {}), status.get("pins") or {}
     return {"t_s": round(t_s, 3), "used_bytes": pool.get("used_bytes"), "total_bytes": pool.get("total_bytes"),
             "evictions": idx.get("evictions"), "stores_dropped": idx.get("stores_dropped"),
-            "pinned_bytes": _find(status, "pinned_bytes"), "pin_sessions": _find(status, "pin_sessions")}
+            "pinned_bytes": pins.get("pinned_bytes"), "pin_budget_bytes": pins.get("budget_bytes"),
+            "pin_sessions": pins.get("sessions")}
 
 
 class Sampler:
@@ -131,6 +123,11 @@ class Sampler:
         self._thread.start()
         return self
 
+    def restart(self) -> None:
+        """Time 0 is now (the first turn): the server's start-up drops out of the timeline."""
+        self._t0 = time.monotonic()
+        self.samples.clear()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -144,8 +141,7 @@ class Sampler:
         self._thread.join(10.0)
 
 
-def _play(server: VllmServer, agents: Agents, pins: bool, log: Log,
-          sampler: Callable[[], Any] | None = None) -> dict[str, Any]:
+def _play(server: VllmServer, agents: Agents, pins: bool, log: Log, sampler: Sampler | None) -> dict[str, Any]:
     # One short request first (under a block: nothing to cache) so one-off costs land on no turn.
     stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(BLOCK // 2)], 2, REQUEST_TIMEOUT_S)
     before = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
@@ -169,6 +165,8 @@ def _play(server: VllmServer, agents: Agents, pins: bool, log: Log,
             log(f"    turn {r.turn}: TTFT p50 {st['ttft_ms_p50']:.0f} ms p99 {st['ttft_ms_p99']:.0f} ms, "
                 f"hit {st['hit_share']:.1%} ({time.perf_counter() - t0:.0f} s)")
 
+    if sampler is not None:
+        sampler.restart()
     replies, spans = play(agents, send, on_reply)
     wall = time.perf_counter() - t0
     after = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
@@ -184,13 +182,14 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, agents
     t0 = time.perf_counter()
     pins = name == "hkvd_pins"
 
-    def serve(kv: dict[str, Any] | None, extra_args: list[str] | None) -> dict[str, Any]:
+    def serve(kv: dict[str, Any] | None, extra_args: list[str] | None, sampler: Sampler | None) -> dict[str, Any]:
         with VllmServer(model_dir, max_len, BLOCK, blocks, kv, START_TIMEOUT_S, extra_args=extra_args) as server:
             log(f"    server up in {server.startup_s:.0f} s")
-            return {**_play(server, agents, pins, log), "geometry": server.geometry(), "startup_s": server.startup_s}
+            return {**_play(server, agents, pins, log, sampler), "geometry": server.geometry(),
+                    "startup_s": server.startup_s}
 
     try:
-        res = _hkvd(serve, pool, hugepages, pins, log) if name.startswith("hkvd") else serve(None, None)
+        res = _hkvd(serve, pool, hugepages, pins, log) if name.startswith("hkvd") else serve(None, None, None)
     except Exception as e:  # recorded: a run that does not work is a result, and the others go on
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         log(f"    {name} failed after {time.perf_counter() - t0:.0f} s: {msg}")
@@ -200,8 +199,8 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, agents
             "replies": [r.as_json() for r in replies]}
 
 
-def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None], dict[str, Any]], pool: int, hugepages: str,
-          pins: bool, log: Log) -> dict[str, Any]:
+def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None, Sampler | None], dict[str, Any]], pool: int,
+          hugepages: str, pins: bool, log: Log) -> dict[str, Any]:
     """An hkvd run: a fresh daemon with a ``pool``-byte pool, sampled while the sessions play.
 
     The pins run asks vLLM for ``--prefix-match-unit``; a server that does not start with it is
@@ -217,7 +216,7 @@ def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None], dict[str, A
                                                                       "verify_fraction": 0.0}}
             try:
                 with Sampler(daemon) as sampler:
-                    res = serve(kv, args)
+                    res = serve(kv, args, sampler)
             except RuntimeError as e:
                 if args is None or "not healthy" in str(e) or "exited" not in str(e):
                     raise
@@ -231,9 +230,7 @@ def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None], dict[str, A
                                                                  "stores_dropped")}
             res["daemon"]["by_kind"] = status["index"].get("by_kind")
             res["daemon"]["pool_total_bytes"] = status["pool"].get("total_bytes")
-            final = pool_sample(status, float("nan"))
-            res["daemon"]["pinned_bytes"] = final["pinned_bytes"]
-            res["daemon"]["pins_reported"] = final["pinned_bytes"] is not None
+            res["daemon"]["pins"] = status.get("pins")  # None where the daemon has no session pins
             res["pool_timeline"] = sampler.samples
             res["sampler_errors"] = sampler.errors[:5]
             if pins:
@@ -321,7 +318,7 @@ def summary(result: dict[str, Any]) -> list[str]:
         a, p = cfg["agents"], cfg["pool"]
         lines.append(f"{cfg['model']}: {a['sessions']} sessions x {a['turns']} turns, {a['concurrency']} in flight; "
                      f"hkvd pool {p['pool_bytes'] / MiB:.1f} MiB = {a['pool_sessions']} sessions of mean size "
-                     f"({p['mean_session_chunks']} chunks of {p['chunk_bytes'] / 1024:.0f} KiB) and "
+                     f"({p['mean_session_chunks']} chunks, {p['mean_session_bytes'] / MiB:.1f} MiB) and "
                      f"{POOL_SLACK_BYTES // MiB} MiB; vLLM KV blocks small {cfg['kv_blocks']['small']}, ample "
                      f"{cfg['kv_blocks']['ample']}")
     for name, v in (rt.get("hits_vs_limit") or {}).items():
@@ -355,8 +352,9 @@ def summary(result: dict[str, Any]) -> list[str]:
             peak_pin = _peak([s.get("pinned_bytes") for s in r.get("pool_timeline", [])])
             text += (f"; pool: {d['evictions']} evictions, {d['stores_dropped']} stores dropped, "
                      f"{d['entries']} entries at the end; pinned bytes "
-                     + ("not reported by the daemon" if peak_pin is None and not d.get("pins_reported")
-                        else f"peak {(peak_pin or 0) / MiB:.1f} MiB"))
+                     + ("not reported by the daemon" if peak_pin is None else f"peak {peak_pin / MiB:.1f} MiB")
+                     + (f" of {d['pins']['budget_bytes'] / MiB:.1f} MiB allowed, lapsed {d['pins'].get('lapsed')}"
+                        if d.get("pins") and r["run"] == "hkvd_pins" else ""))
         c = r.get("counters") or {}
         if c:
             text += (f"; of {c['prompt_tokens']:,.0f} prompt tokens {c['local_hits']:,.0f} hit vLLM's cache, "

@@ -143,9 +143,10 @@ def test_between_turns_weighs_by_time() -> None:
 
 def test_pool_sample_reads_pinned_bytes_where_reported() -> None:
     status = {"pool": {"used_bytes": 10, "total_bytes": 100}, "index": {"evictions": 3, "stores_dropped": 0},
-              "pins": {"pinned_bytes": 7, "pin_sessions": 2}}
+              "pins": {"pinned_bytes": 7, "budget_bytes": 50, "sessions": 2, "pins": 3, "lapsed": {}}}
     assert agents.pool_sample(status, 1.5) == {"t_s": 1.5, "used_bytes": 10, "total_bytes": 100, "evictions": 3,
-                                               "stores_dropped": 0, "pinned_bytes": 7, "pin_sessions": 2}
+                                               "stores_dropped": 0, "pinned_bytes": 7, "pin_budget_bytes": 50,
+                                               "pin_sessions": 2}
     old = {"pool": {"used_bytes": 10, "total_bytes": 100}, "index": {"evictions": 3, "stores_dropped": 0}}
     assert agents.pool_sample(old, 2.0)["pinned_bytes"] is None
 
