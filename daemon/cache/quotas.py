@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.transport.stat_fields import metric, status_only
 
+SHOWN = 64  # tenants shown by bytes (the largest, and every one with its own quota); the rest fold into OTHER
+COUNTED = 256  # tenants whose evictions are counted under their own label; later ones count under OTHER
+OTHER = "(other tenants)"  # holds a space: no store's label (wire.control.check_tenant) can be it
+
 
 @dataclass(frozen=True, slots=True)
 class TenantStats:
@@ -70,12 +74,23 @@ class Tenants:
             self.bytes.pop(tenant, None)
 
     def evicted(self, tenant: str) -> None:
-        self.evictions[tenant] = self.evictions.get(tenant, 0) + 1
+        ev = self.evictions
+        if tenant not in ev and len(ev) >= COUNTED:
+            tenant = OTHER
+        ev[tenant] = ev.get(tenant, 0) + 1
 
     def statistics(self) -> TenantStats:
-        labels = set(self.bytes) | set(self.overrides)
-        return TenantStats(quotas=self.active, bytes={t: self.bytes.get(t, 0) for t in sorted(labels)},
-                           quota_bytes={t: self.quota(t) for t in sorted(labels)}, evictions=dict(self.evictions))
+        """Every tenant with its own quota, and the others holding the most bytes, up to ``SHOWN`` labels; the
+        rest are summed under ``OTHER``, so /metrics stays bounded however many salts there are."""
+        largest = sorted((t for t in self.bytes if t not in self.overrides), key=lambda t: -self.bytes[t])
+        shown = sorted({*self.overrides, *largest[:max(SHOWN - len(self.overrides), 0)]})
+        rest = sum(self.bytes[t] for t in largest[max(SHOWN - len(self.overrides), 0):])
+        held = {t: self.bytes.get(t, 0) for t in shown}
+        quota = {t: self.quota(t) for t in shown}
+        if rest:
+            held[OTHER] = rest
+            quota[OTHER] = int(self.default * self.capacity)
+        return TenantStats(quotas=self.active, bytes=held, quota_bytes=quota, evictions=dict(self.evictions))
 
 
 class TenantOrder(EvictionPolicy):
@@ -93,7 +108,8 @@ class TenantOrder(EvictionPolicy):
         self.name = inner.name
         self.uses_orphans = inner.uses_orphans
         self._orders: dict[str, EvictionPolicy] = {"": inner}
-        self._tenant: dict[Hashable, str] = {}
+        self._tenant: dict[Hashable, str] = {}  # key -> its tenant, for the keys in an order
+        self._count: dict[str, int] = {}  # tenant -> keys in its order
 
     def _order(self, tenant: str) -> EvictionPolicy:
         order = self._orders.get(tenant)
@@ -105,6 +121,7 @@ class TenantOrder(EvictionPolicy):
         tenant = self._tenant.get(key)
         if tenant is None:
             tenant = self._tenant[key] = self._tenant_of(key)
+            self._count[tenant] = self._count.get(tenant, 0) + 1
         self._order(tenant).insert(key)
 
     def touch(self, key: Hashable) -> None:
@@ -114,8 +131,16 @@ class TenantOrder(EvictionPolicy):
 
     def remove(self, key: Hashable) -> None:
         tenant = self._tenant.pop(key, None)
-        if tenant is not None:
-            self._orders[tenant].remove(key)
+        if tenant is None:
+            return
+        self._orders[tenant].remove(key)
+        left = self._count[tenant] - 1
+        if left:
+            self._count[tenant] = left
+        else:  # a tenant's last entry left its order: the order goes too (salts come and go)
+            del self._count[tenant]
+            if tenant:
+                del self._orders[tenant]
 
     def mark_orphan(self, key: Hashable) -> None:
         tenant = self._tenant.get(key)
@@ -134,7 +159,9 @@ class TenantOrder(EvictionPolicy):
     def candidates_for(self, tenant: str, nbytes: int) -> Iterator[Hashable]:
         """The keys an allocation of ``nbytes`` for ``tenant`` may evict, in the order it evicts them."""
         tenants = self.tenants
-        own = self._order(tenant)
+        own = self._orders.get(tenant)
+        if own is None:  # no entries of this tenant yet: nothing of its own to evict
+            own = self._make()
         if tenants.over(tenant, nbytes):
             for key in own.candidates():
                 if not tenants.over(tenant, nbytes):

@@ -121,3 +121,57 @@ def test_room_is_taken_from_another_tenant_only_while_it_stays_over_its_quota(po
     assert all(store(cache, keys("b2", 4), ""))  # 2 from the hog, then b's own
     assert held(cache, hog) == 8
     assert cache.tenants.statistics().evictions == {"lora:x": 2, "": 2}
+
+
+def test_many_tenants_keep_the_metrics_bounded() -> None:
+    from hkvd.daemon.cache.quotas import COUNTED, OTHER, SHOWN
+
+    tenants = Tenants(1 << 30, 0.5, {"lora:sql": 0.25})
+    for i in range(SHOWN + 6):
+        tenants.add(f"salt:{i:04x}", (i + 1) * ENTRY)
+    st = tenants.statistics()
+    assert len(st.bytes) == SHOWN + 1 and st.bytes["lora:sql"] == 0  # its own quota: always shown
+    assert st.bytes[OTHER] == sum(range(1, 8)) * ENTRY  # the 7 smallest of 70 folded
+    assert st.quota_bytes["lora:sql"] == 1 << 28 and st.quota_bytes[OTHER] == 1 << 29
+    for i in range(COUNTED + 44):
+        tenants.evicted(f"salt:{i:04x}")
+    assert len(tenants.evictions) == COUNTED + 1 and tenants.evictions[OTHER] == 44
+
+
+def test_a_tenants_eviction_order_goes_with_its_last_entry(pool: HugePagePool) -> None:
+    cache = make(pool, 0.5)
+    for t in ("a", "b", "c"):
+        store(cache, keys(t, 2), f"salt:{t}")
+    order = cache.policy
+    assert sorted(order._orders) == ["", "salt:a", "salt:b", "salt:c"]
+    for k in keys("b", 2):
+        entry = cache.get((FP, 0, k))
+        assert entry is not None
+        cache.drop(entry)
+    assert sorted(order._orders) == ["", "salt:a", "salt:c"]
+    assert cache.tenants.statistics().bytes == {"salt:a": 2 * ENTRY, "salt:c": 2 * ENTRY}
+
+
+def test_a_bad_quota_in_the_config_is_a_start_up_error_naming_the_key() -> None:
+    import tomllib
+
+    from hkvd.daemon.config import ConfigError, DaemonConfig
+    from hkvd.daemon.options import from_toml
+
+    got = from_toml(tomllib.loads('tenant-quota = 0.5\ntenant-quotas = { "" = 0.8, "salt:ab" = 0.25 }'), "--config x")
+    assert got == {"tenant_quota": 0.5, "tenant_quotas": (("", 0.8), ("salt:ab", 0.25))}
+    assert DaemonConfig(**got).tenant_quotas == (("", 0.8), ("salt:ab", 0.25))
+    with pytest.raises(ConfigError, match=r"tenant-quotas 'salt:ab' = 1.5: a share of the pool"):
+        DaemonConfig(tenant_quotas=(("salt:ab", 1.5),))
+    with pytest.raises(ConfigError, match=r"tenant-quotas 'a b': .*without spaces"):
+        DaemonConfig(tenant_quotas=(("a b", 0.5),))
+    with pytest.raises(ConfigError, match="given twice"):
+        DaemonConfig(tenant_quotas=(("x", 0.5), ("x", 0.6)))
+    with pytest.raises(ConfigError, match=r"--tenant-quota 0\.0"):
+        DaemonConfig(tenant_quota=0.0)
+    with pytest.raises(ConfigError, match="--pin-max-fraction 2"):
+        DaemonConfig(pin_max_fraction=2)
+    with pytest.raises(ConfigError, match=r"tenant-quotas.*a fraction of the pool"):
+        from_toml({"tenant-quotas": {"salt:ab": "half"}}, "--config x")
+    with pytest.raises(ConfigError, match="LABEL=FRACTION"):
+        from_toml({"tenant-quotas": "salt:ab"}, "--config x")
