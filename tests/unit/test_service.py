@@ -322,3 +322,22 @@ async def test_a_failed_copy_the_gpu_may_still_run_keeps_its_pages_until_it_has(
         for _ in range(3):
             await asyncio.sleep(0)
         assert index.statistics().writing == 0 and pool.allocator.statistics().used_bytes == 0
+
+
+async def test_pins_unpins_and_tenants_through_the_service(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    assert h.service.handle(h.conn, kv.Pin("early", "", 60.0, KEYS[:1])) is None  # before Register: logged only
+    assert "before its connection registered" in caplog.text and not h.sent
+    assert (await h.register()).pins
+    done = await h.call(kv.Store(2, _full(range(3), 1), tenant="salt:ab"))
+    assert isinstance(done, kv.Done) and done.info["stored"] == 3
+    assert h.service.handle(h.conn, kv.Pin("s1", "salt:ab", 60.0, KEYS[:3])) is None
+    st = h.service.status()
+    assert st["pins"]["pinned_bytes"] == 3 * 2 * PAGE and st["pins"]["sessions"] == 1
+    assert st["pins"]["longest"][0]["session"] == "s1" and st["pins"]["longest"][0]["tenant"] == "salt:ab"
+    assert st["tenants"]["bytes"] == {"salt:ab": 3 * 2 * PAGE}
+    done = await h.call(control.Unpin(3, "s1"))
+    assert isinstance(done, kv.Done) and done.info == {"unpinned": 1}
+    assert h.service.status()["pins"]["lapsed"]["unpin"] == 1
+    h.service.shutting_down = True  # a Pin while shutting down is ignored, not an error for the connection
+    assert h.service.handle(h.conn, kv.Pin("late", "", 60.0, KEYS[:1])) is None
+    assert h.service.status()["pins"]["sessions"] == 0
