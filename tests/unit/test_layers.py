@@ -225,8 +225,9 @@ SHIM_TIERS: tuple[frozenset[str], ...] = (
                "connector_stats", "verify", "sessions", "tenants"}),
     # 1. The daemon client, the engine spec, the step metadata, a request's states.
     frozenset({"client", "spec", "metadata", "request_state"}),
-    # 2. What drives the client (the link, the worker's loads, the KV event feed); block tables into items.
-    frozenset({"link", "loads", "kv_event_feed", "plans"}),
+    # 2. What drives the client (the link, the worker's loads, the KV event feed); block tables into items;
+    #    partial chunks (keys and probes of hits inside a block).
+    frozenset({"link", "loads", "kv_event_feed", "plans", "partial"}),
     # 3. Prefill/decode pulls (they end in loads).
     frozenset({"pd"}),
     # 4. The connector's two halves.
