@@ -10,6 +10,9 @@ Role
     never evicted or reused while a copy pins it or a lease holds it. The lease table and its
     rules (ids, TTL, uses, owners) live in ``daemon/cache/leases.py``; the index owns one ``Leases`` and
     keeps each entry's hold count, which the eviction walk reads.
+    Session pins (``daemon/cache/pins.py``) hold entries by chunk key for a TTL: a held entry is in no
+    eviction order. Each entry counts against its tenant (``daemon/cache/quotas.py``); with quotas the
+    eviction order is one per tenant, and an allocation walks only the orders its tenant may take from.
 
 Threading
     Event-loop only. Copies run on threads but only touch pool bytes; every state change comes
@@ -117,7 +120,7 @@ class Index:
         self._by_tenant: TenantOrder | None = None
         if self.tenants.active:
             entries = self._entries
-            self._by_tenant = TenantOrder(type(policy), lambda k: entries[k].tenant, self.tenants)  # type: ignore[index]
+            self._by_tenant = TenantOrder(type(policy), lambda k: entries[k].tenant, self.tenants)
             self.policy = self._by_tenant
         self.pins = Pins(self._pin_changed, clock)
         self.pin_budget_bytes = int(pin_fraction * capacity)
