@@ -30,8 +30,9 @@ of them, read after each phase. Output:
 ...conversations], ...phases]}``.
 
 A prompt is a list of token ids, or a map: ``{"ids": [...]}`` or ``{"text": "..."}``, plus any of
-``"salt"`` (vLLM's ``cache_salt``), ``"lora": [name, int_id, path]`` and ``"image": {"seed", "size"}``
-(a random RGB image, the same for the same seed). ``"llm"`` in the arguments passes more
+``"salt"`` (vLLM's ``cache_salt``), ``"lora": [name, int_id, path]``, ``"image": {"seed", "size"}``
+(a random RGB image, the same for the same seed) and ``"kv_transfer_params"`` (the request's, as vLLM's
+OpenAI server hands them to the connector). ``"llm"`` in the arguments passes more
 ``LLM(...)`` keyword arguments (``enable_lora``, ``limit_mm_per_prompt``, ...).
 """
 
@@ -113,7 +114,11 @@ def main() -> None:
         if i in args.get("pause_before", []) and after_reset:
             _handshake(args["sync_dir"], i)
         prompt, lora = _prompt(spec, TokensPrompt)
-        out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
+        params = sp
+        if isinstance(spec, dict) and "kv_transfer_params" in spec:  # as vLLM's OpenAI server passes them on
+            params = sp.clone()
+            params.extra_args = {"kv_transfer_params": spec["kv_transfer_params"]}
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
         comp = out.outputs[0]
         lps = [float(d[t].logprob) for t, d in zip(comp.token_ids, comp.logprobs or [], strict=False)]
         results.append({"tokens": list(comp.token_ids), "logprobs": lps,

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Session pins and tenants from real vLLM (CPU, tiny Gemma3) to a real ``hkvd serve`` (docs/agents.md).
+
+One engine runs three requests, each with its own prompt of four full chunks:
+
+- ``kv_transfer_params={"hkvd": {"pin_s": 300, "session": "agent-1"}}``: once it finishes, the daemon's
+  status lists session agent-1 pinned (unsalted tenant ""), with pool bytes held and about 300 s left;
+- ``cache_salt="tenant-a"``: its entries count against tenant ``salt:`` + the salt's digest, never the
+  salt in clear;
+- ``{"hkvd": {"pin_s": 0, ...}}``: one warning line names pin_s, the request completes, nothing is pinned.
+
+vLLM's own counters say one request pinned and one refused. The pin and tenant checks need a daemon that
+takes pins (``RegisterAck.pins``): against one that does not, the shim says so once, and they skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hkvd.shim.client import DaemonClient
+from hkvd.shim.tenants import tenant
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 128
+
+
+def _seq(n: int, mul: int, add: int) -> list[int]:
+    return [(i * mul + add) % 500 + 4 for i in range(n)]
+
+
+PINNED, SALTED, BAD = _seq(601, 7, 3), _seq(601, 13, 1), _seq(601, 11, 5)
+
+
+def test_a_pinned_request_a_salted_one_and_a_bad_pin(tiny_lib, outputs, models_root, daemon_factory,
+                                                     engine_runner) -> None:
+    model = tiny_lib.build("gemma3", models_root)
+    d = daemon_factory(BLOCK)
+    run = engine_runner({"model": str(model), "socket": d.socket, "max_num_batched_tokens": BLOCK,
+                         "vllm_metrics": True, "prompts": [
+                             {"ids": PINNED, "kv_transfer_params": {"hkvd": {"pin_s": 300, "session": "agent-1"}}},
+                             {"ids": SALTED, "salt": "tenant-a"},
+                             {"ids": BAD, "kv_transfer_params": {"hkvd": {"pin_s": 0, "session": "agent-2"}}},
+                         ]})
+    log = run["log"]
+    # Bad input: the request completes, one warning line names the problem, nothing fails.
+    assert [len(r["tokens"]) for r in run["results"]] == [8, 8, 8], log[-3000:]
+    warned = [line for line in log.splitlines() if "runs unpinned" in line]
+    assert len(warned) == 1 and "pin_s=0" in warned[0], warned
+    m = run["vllm_metrics"]
+    assert m.get("vllm:hkvd_pins_refused") == 1, m
+
+    if "takes none" in log:
+        pytest.skip("the daemon's RegisterAck.pins is false: this hkvd serve takes no session pins or tenants")
+    assert m.get("vllm:hkvd_pins_sent") == 1, m
+
+    with DaemonClient(d.socket, client_name="test", role="tool") as c:
+        status = c.status()
+    pins, tenants = status["pins"], status["tenants"]
+    sessions = {s["session"]: s for s in pins["longest"]}
+    assert set(sessions) == {"agent-1"}, pins
+    one = sessions["agent-1"]
+    assert one["tenant"] == "" and one["pins"] == 1 and 200 < one["ttl_left_s"] <= 300, one
+    assert pins["sessions"] == 1 and pins["pinned_bytes"] > 0, pins
+
+    label = tenant(type("R", (), {"cache_salt": "tenant-a", "lora_request": None})())
+    assert tenants["bytes"].get(label, 0) > 0, tenants
+    assert tenants["bytes"].get("", 0) > 0, tenants  # the other two requests: the unsalted share
+    assert "tenant-a" not in str(status)  # the salt never reaches the daemon in clear
