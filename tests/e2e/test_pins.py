@@ -154,3 +154,24 @@ def test_a_tenant_flooding_the_pool_evicts_only_its_own_entries_over_its_quota(d
         assert "tenants   2, quotas on" in text and "  salt:b: 10.0 MiB of 32.0 MiB, 0 evicted" in text
     finally:
         eng.close()
+
+
+def test_pins_do_not_survive_a_restart_the_disk_tier_brings_the_entries_back(daemon_factory, tmp_path):
+    l2 = str(tmp_path / "l2")
+    first = daemon_factory(*POOL, "--l2-path", l2, "--l2-size-gb", "1", name="first")
+    eng = _engine(first)
+    pinned = _keys(1)[:8]
+    try:
+        assert _store(eng, pinned) == 8
+        eng.client.pin("chat-1", "", 300.0, pinned)
+        first.wait_status(lambda s: s["pins"]["sessions"] == 1 and s["l2"]["writes"] >= 8, 20)
+    finally:
+        eng.close()
+    assert first.stop() == 0
+    second = daemon_factory(*POOL, "--l2-path", l2, "--l2-size-gb", "1", name="second")
+    eng = _engine(second)
+    try:
+        assert second.status()["pins"]["sessions"] == 0  # pins live in memory only
+        assert eng.lookup(pinned, lease=False)[0] == 8  # the disk tier's files serve the hit
+    finally:
+        eng.close()
