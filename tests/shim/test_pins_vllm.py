@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Session pins and tenants from real vLLM (CPU, tiny Gemma3) to a real ``hkvd serve`` (docs/agents.md).
 
-One engine runs three requests, each with its own prompt of four full chunks:
+One engine runs four requests (vLLM's own prefix cache emptied before each, so hits come from hkvd):
 
-- ``kv_transfer_params={"hkvd": {"pin_s": 300, "session": "agent-1"}}``: once it finishes, the daemon's
-  status lists session agent-1 pinned (unsalted tenant ""), with pool bytes held and about 300 s left;
+- ``kv_transfer_params={"hkvd": {"pin_s": 300, "session": "agent-1"}}`` on a prompt of four full chunks;
 - ``cache_salt="tenant-a"``: its entries count against tenant ``salt:`` + the salt's digest, never the
   salt in clear;
+- the session's next turn (the first prompt and one chunk more, ``pin_s`` 600): it hits the four pinned
+  chunks, and its pin of five chunks supersedes the first, so the daemon's status lists session agent-1
+  with one pin (unsalted tenant ""), pool bytes held and more than 300 s left;
 - ``{"hkvd": {"pin_s": 0, ...}}``: one warning line names pin_s, the request completes, nothing is pinned.
 
 vLLM's own counters say one request pinned and one refused. The pin and tenant checks need a daemon that
@@ -30,9 +32,10 @@ def _seq(n: int, mul: int, add: int) -> list[int]:
 
 
 PINNED, SALTED, BAD = _seq(601, 7, 3), _seq(601, 13, 1), _seq(601, 11, 5)
+TURN2 = PINNED + _seq(100, 3, 2)  # five full chunks; the first four are PINNED's
 
 
-def test_a_pinned_request_a_salted_one_and_a_bad_pin(tiny_lib, outputs, models_root, daemon_factory,
+def test_a_pinned_session_its_next_turn_a_salted_request_and_a_bad_pin(tiny_lib, outputs, models_root, daemon_factory,
                                                      engine_runner) -> None:
     model = tiny_lib.build("gemma3", models_root)
     d = daemon_factory(BLOCK)
@@ -40,11 +43,12 @@ def test_a_pinned_request_a_salted_one_and_a_bad_pin(tiny_lib, outputs, models_r
                          "vllm_metrics": True, "prompts": [
                              {"ids": PINNED, "kv_transfer_params": {"hkvd": {"pin_s": 300, "session": "agent-1"}}},
                              {"ids": SALTED, "salt": "tenant-a"},
+                             {"ids": TURN2, "kv_transfer_params": {"hkvd": {"pin_s": 600, "session": "agent-1"}}},
                              {"ids": BAD, "kv_transfer_params": {"hkvd": {"pin_s": 0, "session": "agent-2"}}},
                          ]})
     log = run["log"]
     # Bad input: the request completes, one warning line names the problem, nothing fails.
-    assert [len(r["tokens"]) for r in run["results"]] == [8, 8, 8], log[-3000:]
+    assert [len(r["tokens"]) for r in run["results"]] == [8, 8, 8, 8], log[-3000:]
     warned = [line for line in log.splitlines() if "runs unpinned" in line]
     assert len(warned) == 1 and "pin_s=0" in warned[0], warned
     m = run["vllm_metrics"]
@@ -52,7 +56,8 @@ def test_a_pinned_request_a_salted_one_and_a_bad_pin(tiny_lib, outputs, models_r
 
     if "takes none" in log:
         pytest.skip("the daemon's RegisterAck.pins is false: this hkvd serve takes no session pins or tenants")
-    assert m.get("vllm:hkvd_pins_sent") == 1, m
+    assert m.get("vllm:hkvd_pins_sent") == 2, m
+    assert outputs.hits(run)[2] == 4 * BLOCK, log[-3000:]  # the next turn loads the pinned chunks
 
     with DaemonClient(d.socket, client_name="test", role="tool") as c:
         status = c.status()
@@ -60,7 +65,7 @@ def test_a_pinned_request_a_salted_one_and_a_bad_pin(tiny_lib, outputs, models_r
     sessions = {s["session"]: s for s in pins["longest"]}
     assert set(sessions) == {"agent-1"}, pins
     one = sessions["agent-1"]
-    assert one["tenant"] == "" and one["pins"] == 1 and 200 < one["ttl_left_s"] <= 300, one
+    assert one["tenant"] == "" and one["pins"] == 1 and 300 < one["ttl_left_s"] <= 600, one  # superseded
     assert pins["sessions"] == 1 and pins["pinned_bytes"] > 0, pins
 
     label = tenant(type("R", (), {"cache_salt": "tenant-a", "lora_request": None})())
