@@ -421,9 +421,12 @@ def plot(plt: Any, result: dict[str, Any], out_dir: Path) -> list[str]:
     cx.set_title("hkvd pool: pinned bytes over time")
     cx.set_xlabel("s from the first turn")
     cx.set_ylabel("MiB")
-    total = (result.get("config", {}).get("pool") or {}).get("pool_bytes")
-    if total:
+    total = next((s["total_bytes"] for r in runs for s in r.get("pool_timeline") or () if s.get("total_bytes")), None)
+    if total:  # the daemon's pool, as it reports it (whole superblocks)
         cx.axhline(total / MiB, color="grey", linewidth=0.8, label="pool size")
+    turns = sorted({t["turn"] for r in runs for t in r["turns"] if t["turn"] != "later"})
+    for a in (ax, bx):
+        a.set_xticks(turns)
     for a in (ax, bx, cx):
         a.legend(fontsize=7)
     path = out_dir / "agents.png"
