@@ -359,6 +359,9 @@ def summary(result: dict[str, Any]) -> list[str]:
         if c:
             text += (f"; of {c['prompt_tokens']:,.0f} prompt tokens {c['local_hits']:,.0f} hit vLLM's cache, "
                      f"{c['external_hits']:,.0f} the connector's")
+            if r["run"] == "hkvd_pins":
+                text += (f"; {c.get('hkvd_pins_sent', 0):.0f} requests pinned, {c.get('hkvd_pins_refused', 0):.0f} "
+                         "pin asks refused")
         lines.append(text)
         u = r.get("prefix_match_unit")
         if u:

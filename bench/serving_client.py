@@ -287,6 +287,9 @@ METRICS = {  # vLLM counter -> our name
     "vllm:hkvd_verify_sampled_total": "hkvd_verify_sampled",
     "vllm:hkvd_verify_checks_total": "hkvd_verify_checks",
     "vllm:hkvd_verify_divergences_total": "hkvd_verify_divergences",
+    # session pins (bench/agents.py): finished requests pinned for their session, pin asks refused
+    "vllm:hkvd_pins_sent_total": "hkvd_pins_sent",
+    "vllm:hkvd_pins_refused_total": "hkvd_pins_refused",
 }
 
 
