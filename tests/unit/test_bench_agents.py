@@ -177,3 +177,16 @@ def test_ratios_and_targets() -> None:
     assert alone["pins_hits_vs_limit"] is None and alone["pins_ttft_vs_recompute"] is None
     lines = agents.summary({"runs": [*runs[:2], failed], "ratios": agents.ratios(runs[:2])})
     assert any("hkvd_pins" in ln and "did not run: RuntimeError: x" in ln for ln in lines)
+
+
+def test_plot_draws_pinned_bytes_over_time(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
+    from bench.common import try_pyplot
+
+    timeline = [{"t_s": t / 2, "used_bytes": t << 20, "total_bytes": 16 << 20, "pinned_bytes": (t // 2) << 20}
+                for t in range(10)]
+    runs = [_run("limit", 0.10, 1024), {**_run("hkvd_lru", 0.8, 512), "pool_timeline": timeline},
+            {**_run("hkvd_pins", 0.12, 1000), "pool_timeline": [{**s, "pinned_bytes": None} for s in timeline]}]
+    (path,) = agents.plot(try_pyplot(), {"config": {"model": "m"}, "runs": runs}, tmp_path)
+    assert Path(path).name == "agents.png" and Path(path).stat().st_size > 1000
+    assert agents.plot(try_pyplot(), {"runs": []}, tmp_path) == []
