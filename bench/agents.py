@@ -115,6 +115,7 @@ class Sampler:
         self.samples: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # restart() against a poll that began before it
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="bench-agents-sampler", daemon=True)
 
@@ -125,13 +126,18 @@ class Sampler:
 
     def restart(self) -> None:
         """Time 0 is now (the first turn): the server's start-up drops out of the timeline."""
-        self._t0 = time.monotonic()
-        self.samples.clear()
+        with self._lock:
+            self._t0 = time.monotonic()
+            self.samples.clear()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            t0 = self._t0
             try:
-                self.samples.append(pool_sample(self.daemon.status(), time.monotonic() - self._t0))
+                status = self.daemon.status()
+                with self._lock:
+                    if t0 == self._t0:  # else restarted meanwhile: this poll is from before time 0
+                        self.samples.append(pool_sample(status, time.monotonic() - t0))
             except Exception as e:  # the run goes on; the gap shows in the timeline
                 self.errors.append(f"{type(e).__name__}: {e}"[:300])
             self._stop.wait(SAMPLE_S)
