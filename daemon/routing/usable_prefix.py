@@ -31,10 +31,12 @@ Answer
     would get now from all tiers together (what ``KVService`` plans over the pool and what the tiers
     can read into it), capped as the shim caps a lookup: at most ``(len(token_ids) - 1) // C``
     chunks, since vLLM computes at least the last prompt token; ``prefix_tokens``, the same without
-    the cap. Read-only: no lease, no read into the pool, no pin, no change of LRU order. The cluster
-    is asked with one batched existence check per batch of concurrent requests, within the tier's
-    lookup timeout (a request waits for the check in flight, then joins the next batch). Lengths
-    only: never keys, fingerprints or bytes.
+    the cap. Each of them reaches past its last whole chunk where a partial chunk of the prompt serves
+    (``hkvd.daemon.routing.partial_prefix``: Mamba engines hashing below their block size).
+    Read-only: no lease, no read into the pool, no pin, no change of LRU order. The cluster is asked
+    with one batched existence check per batch of concurrent requests, within the tier's lookup
+    timeout (a request waits for the check in flight, then joins the next batch). Lengths only:
+    never keys, fingerprints or bytes.
 
 Bounds and costs
     ``MAX_TOKENS`` token ids and ``MAX_MM_ITEMS`` multimodal items per request; the HTTP layer
@@ -72,6 +74,7 @@ from hkvd.daemon.cache import MAX_WORLDS, EntryKey, Formats, GroupRule, plan_ran
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.routing import partial_prefix
 from hkvd.transport.extras import MMItem, Uncacheable, chunk_extras, read_adapter_digest
 from hkvd.transport.keys import ROOT_KEY, chunk_keys_le32
 
@@ -590,6 +593,14 @@ class UsablePrefix:
             usable, prefix = self._plan_pair(fmt, keys, n_keys, cap, anywhere)
         elif len(named) > 1 and usable < cap * C:
             usable = self._plan(fmt, keys, cap, anywhere)
+        if named and partial_prefix.servable(fmt) and q.lora is None and not q.mm and not q.salt:
+            # Past the last whole chunk: a partial chunk of this prompt (hkvd.daemon.routing.partial_prefix).
+            pkeys = partial_prefix.PartialKeys(q.tokens, C)
+            for name, has in named:
+                tiers[name] = partial_prefix.extend(fmt, keys, pkeys, tiers[name] or 0, q.n_tokens - 1, has)
+            usable = max(partial_prefix.extend(fmt, keys, pkeys, usable, q.n_tokens - 1, anywhere),
+                         *(t or 0 for t in tiers.values()))
+            prefix = max(partial_prefix.extend(fmt, keys, pkeys, prefix, q.n_tokens, anywhere), usable)
         return {"model": fmt.model, "format": fmt.label, "chunk_size": C, "prompt_tokens": q.n_tokens,
                 "usable_tokens": usable, "prefix_tokens": prefix, "tiers": tiers}
 

@@ -434,3 +434,43 @@ async def test_the_cluster_is_asked_once_per_batch_of_concurrent_requests_within
         {"model": "tiny", "token_ids": tokens[4]}).encode()))
     out = json.loads((await slow).body)  # type: ignore[misc]
     assert out["tiers"] == {"pool": 16, "disk": None, "cluster": None} and out["usable_tokens"] == 16
+
+
+def test_a_partial_chunk_extends_the_answer_past_the_last_whole_chunk():
+    from hkvd.transport.keys import partial_key
+
+    eng = engine(kinds=("full", "mamba"))
+    fp = eng.fingerprint
+    ready: set[Any] = set()
+    disk = FakeDisk()
+    up = UsablePrefix(service(ready, disk), Metrics())
+    up.book.add(eng)
+    tokens = list(range(100, 100 + 3 * C + 8))  # 56 tokens: chunks 0-2 whole, 8 more
+    keys = _keys(tokens)
+    ready |= {(fp, 0, keys[0]), (fp, 0, keys[1]), (fp, 1, keys[1])}  # 32 tokens by whole chunks
+
+    def partial(end: int) -> bytes:
+        return partial_key(keys[1], tokens[2 * C:end])
+
+    _, out = ask(up, {"model": "tiny", "token_ids": tokens})
+    assert out["usable_tokens"] == out["tiers"]["pool"] == 32
+    ready.add((fp, 1, partial(44)))  # the state at 44 without chunk 2's attention entry: no hit there
+    _, out = ask(up, {"model": "tiny", "token_ids": tokens})
+    assert out["usable_tokens"] == 32
+    ready |= {(fp, 0, partial(44)), (fp, 0, partial(40)), (fp, 1, partial(40))}
+    _, out = ask(up, {"model": "tiny", "token_ids": tokens})
+    assert out["tiers"] == {"pool": 44, "disk": 0, "cluster": None}  # the longest; the disk holds nothing
+    assert out["usable_tokens"] == out["prefix_tokens"] == 44
+    _, out = ask(up, {"model": "tiny", "token_ids": tokens[:44]})  # 44 would leave no token to compute
+    assert out["usable_tokens"] == 40 and out["prefix_tokens"] == 44
+    _, out = ask(up, {"model": "tiny", "token_ids": tokens, "cache_salt": "t"})  # partial keys carry no extras
+    assert out["usable_tokens"] == 0
+    for g, kind in enumerate(("full", "mamba")):  # a partial chunk read from disk into the pool serves too
+        disk.put((fp, g, partial(46)), kind)
+    _, out = ask(up, {"model": "tiny", "token_ids": tokens})
+    assert out["tiers"] == {"pool": 44, "disk": 0, "cluster": None} and out["usable_tokens"] == 46
+    swa = engine(model="/m/swa", fps=(b"\2" * 16,), kinds=("full", "swa", "mamba"))
+    up.book.add(swa)
+    ready |= {(swa.fingerprint, g, k) for g in range(3) for k in (keys[0], keys[1], partial(44))}
+    _, out = ask(up, {"model": "swa", "token_ids": tokens})
+    assert out["usable_tokens"] == 32  # no partial chunks beside a sliding window
