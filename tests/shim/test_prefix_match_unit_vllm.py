@@ -22,6 +22,10 @@ from both (nothing checkpointed the system prompt's end).
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
+
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -43,25 +47,54 @@ PROMPTS = [
     A + _seq(100, 17, 1),       # A with a follow-up (330 tokens)
 ]
 
-# model -> hits per prompt: vLLM's own prefix cache (reference phase), and hkvd's (hkvd phase)
+# model -> hits per prompt: vLLM's own prefix cache (reference phase), hkvd's (hkvd phase), and the usable-prefix
+# endpoint's answer once every prompt ran (each prompt's own checkpoint is stored by then: 224 for the 230-token
+# prompts, 320 for the 330-token one, inside a block; Gemma3 only whole chunks, the 330-token prompt's 256)
 CASES = {
-    "qwen3_next": ([0, 128, 224, 224], [0, 128, 224, 224]),
-    "gemma3": ([0, 128, 128, 128], [0, 128, 128, 128]),
+    "qwen3_next": ([0, 128, 224, 224], [0, 128, 224, 224], [224, 224, 224, 320]),
+    "gemma3": ([0, 128, 128, 128], [0, 128, 128, 128], [128, 128, 128, 256]),
 }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _usable(port: int, model: str, ids: list[int]) -> int:
+    """``usable_tokens`` of the daemon's usable-prefix endpoint for ``ids``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/usable_prefix", body=json.dumps({"model": model, "token_ids": ids}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = json.loads(resp.read())
+        assert resp.status == 200, out
+        return int(out["usable_tokens"])
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("model", list(CASES))
 def test_prefix_match_unit_serves_and_hits(model, tiny_models, outputs, daemon_factory, engine_runner,
                                            tmp_path) -> None:
-    want_vllm, want_hkvd = CASES[model]
+    want_vllm, want_hkvd, want_usable = CASES[model]
     assert all(h >= v for h, v in zip(want_hkvd, want_vllm, strict=True))
-    d = daemon_factory(BLOCK)
+    port = _free_port()
+    d = daemon_factory(BLOCK, "--metrics-port", str(port))
+    usable: list[int] = []
+
+    def ask_then_stop(i: int) -> None:  # before the reference phase: what the endpoint says of the prompts
+        usable.extend(_usable(port, str(tiny_models[model]), p) for p in PROMPTS)
+        d.stop()
+
     args = {"model": str(tiny_models[model]), "socket": d.socket, "max_num_batched_tokens": 0,
             "conversations": [{"first": p, "users": [], "max_tokens": 6} for p in PROMPTS],
             "ignore_eos": True, "logprobs": 2, "llm": {"max_model_len": 1024, "prefix_match_unit": UNIT},
             "phases": [{"reset": True}, {"reset": False}, {"reset": True}],
             "pause_before": [1], "sync_dir": str(tmp_path)}
-    res = engine_runner(args, timeout_s=600, on_pause=lambda i: d.stop())
+    res = engine_runner(args, timeout_s=600, on_pause=ask_then_stop)
     hkvd, own, cold = ([conv[0] for conv in phase] for phase in res["phases"])
     got_hkvd = [r["num_cached_tokens"] for r in hkvd]
     got_vllm = [r["num_cached_tokens"] for r in own]
@@ -69,6 +102,7 @@ def test_prefix_match_unit_serves_and_hits(model, tiny_models, outputs, daemon_f
     assert [r["num_cached_tokens"] for r in cold] == [0] * len(PROMPTS), res["log"][-3000:]
     assert got_vllm == want_vllm, res["log"][-3000:]
     assert got_hkvd == want_hkvd, res["log"][-3000:]
+    assert usable == want_usable, usable
     deltas = [outputs.compare(c, h, f"{model} prompt {i} (hkvd vs no cache)")
               for i, (c, h) in enumerate(zip(cold, hkvd, strict=True))]
     deltas += [outputs.compare(c, v, f"{model} prompt {i} (vLLM's cache vs no cache)")
