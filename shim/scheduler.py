@@ -522,13 +522,21 @@ class SchedulerSide:
         got = self._partial.get(st.req_id)
         return got[0] if got is not None else st.hit_chunks * self.chunk_size
 
+    def _has_extras(self, st: RequestRecord) -> bool:
+        """Whether vLLM may key the request's blocks by extra keys (LoRA, multimodal, salt, embeddings): partial
+        keys carry none, so such a request gets no partial chunks."""
+        try:
+            return self._identity.extras(st.request, self.chunk_size, 0) is not None
+        except Uncacheable:
+            return True
+
     def _probe(self, req_id: str, st: RequestRecord) -> bool:
         """After the whole-chunk answer: probe the positions inside the next chunk where a partial chunk may be
         stored. True when probes went out (the request is answered once they all reply)."""
         if not self._partial_on() or st.request is None or st.uncacheable:
             return False
         C, keys = self.chunk_size, self._keys(st)
-        if st.hit_chunks > len(keys) or self._identity.extras(st.request, C, 0) is not None:
+        if st.hit_chunks > len(keys) or self._has_extras(st):
             return False
         client = self.link.client
         submitted: dict[int, tuple[int, bytes]] = {}
@@ -568,7 +576,7 @@ class SchedulerSide:
         attention blocks of that chunk stored under the same key (once per request and boundary)."""
         C = self.chunk_size
         j = boundary // C
-        if st.request is None or st.uncacheable or self._identity.extras(st.request, C, 0) is not None:
+        if st.request is None or st.uncacheable or self._has_extras(st):
             return
         keys = self._keys_through(st, j)
         key = partial.key_at(keys, list(st.request.all_token_ids[:boundary]), boundary, C)
