@@ -167,6 +167,7 @@ class SchedulerSide:
         self._probes = partial.Probes()
         self._partial: dict[str, tuple[int, bytes]] = {}
         self._partial_stored: dict[str, set[bytes]] = {}  # request -> the partial keys whose blocks went out
+        self._turn_ends = partial.TurnEnds()  # where finished requests' stored states lie (turn_end_states)
         self.feed = EventFeed()
         self._connect(startup=True)
 
@@ -540,7 +541,11 @@ class SchedulerSide:
             return False
         client = self.link.client
         submitted: dict[int, tuple[int, bytes]] = {}
-        for pos in partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit):
+        positions = partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit)
+        if self.cfg.turn_end_states:
+            parent = keys[st.hit_chunks - 1] if st.hit_chunks else ROOT_KEY
+            positions = partial.merge(positions, self._turn_ends.positions(parent, st.hit_chunks * C, st.num_tokens))
+        for pos in positions:
             key = partial.key_at(keys, st.tokens, pos, C)
             if key is None or client is None:
                 continue
@@ -596,6 +601,38 @@ class SchedulerSide:
         meta.offers.append((st.req_id, Item(group_id, j, key, [block_id], parent_key)))
         st.had_copies = True
         self.stats["offer_items"] += 1
+
+    def _store_turn_end(self, request: Request, st: RequestRecord,
+                        block_ids: list[int] | tuple[list[int], ...]) -> None:
+        """A finished request's state after its last computed token L, when L is inside a chunk j: stored as a
+        partial chunk (block j of every group: the full-attention page and, in align mode, the Mamba block
+        (L - 1) // N that holds the running state), and remembered as a position later lookups probe. Only
+        once the whole prompt ran, with no output placeholder in flight (then the block holds exactly L
+        tokens' state). The caller delays the blocks' free (``had_copies``)."""
+        C = self.chunk_size
+        if (not self.cfg.turn_end_states or not self._partial_on() or st.request is None or st.uncacheable
+                or st.loading or not block_ids or not isinstance(block_ids[0], list)
+                or int(getattr(request, "num_output_placeholders", 0) or 0)):
+            return
+        end = int(request.num_computed_tokens)
+        j = end // C
+        if end % C == 0 or end < st.num_tokens or end > len(request.all_token_ids) or self._has_extras(st):
+            return
+        keys = self._keys_through(st, j)
+        key = partial.key_at(keys, list(request.all_token_ids[:end]), end, C)
+        if key is None:
+            return
+        items: list[Item] = []
+        for g in self.groups:
+            ids = block_ids[g.group_id]
+            blk = int(ids[j]) if len(ids) > j else 0
+            if not blk:  # every group or none: a partial chunk without its state (or page) serves nothing
+                return
+            items.append(Item(g.group_id, j, key, [blk], plans.parent(keys, j)))
+        self._finish_stores.append(StoreJob(st.req_id, items, [], st.tenant))
+        self.stats["store_items"] += len(items)
+        st.had_copies = True
+        self._turn_ends.add(keys[j - 1] if j else ROOT_KEY, end - j * C)
 
     def _watch(self, req_id: str, lease_id: int) -> None:
         """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""
@@ -675,6 +712,7 @@ class SchedulerSide:
         if st is None:
             return False, None
         self._store_on_finish(request, st, block_ids)
+        self._store_turn_end(request, st, block_ids)
         if st.pin is not None:
             self._send_pin(st, st.pin)
         if st.lookup_id is not None:

@@ -61,6 +61,11 @@ class ShimConfig:
     # blocks and the Mamba states vLLM offers there), under keys that continue the prompt's, so a
     # chat's next turn (prompt + answer + new message) also hits the answer. False: prompt chunks only.
     store_decode: bool = True
+    # With partial chunks (vLLM's prefix_match_unit below its block size, a Mamba model in align mode): store
+    # each finished request's state after its last computed token, and probe there in later lookups, so a
+    # chat's next turn resumes where the previous one ended (docs/design.md, "Hit granularity"). No effect
+    # without partial chunks. False: only the positions vLLM checkpoints.
+    turn_end_states: bool = True
     # Sampled verification (docs/verification.md): this fraction of the requests with an hkvd hit is
     # computed by the engine instead of loaded, and the chunks it computes are sent to the daemon to
     # compare with the entries under their keys. 0: off; 1: every hit. Which requests: a hash of

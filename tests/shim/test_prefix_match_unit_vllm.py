@@ -111,14 +111,14 @@ def test_prefix_match_unit_serves_and_hits(model, tiny_models, outputs, daemon_f
 
 
 # A chat: each turn's prompt is the previous prompt, the engine's 40-token answer and a 100-token message.
-# Turn 1 (300 tokens) checkpoints at 288, turn 2 (440) at 416: inside a block, where the next turn hits.
+# Turn 1 (300 tokens) checkpoints at 288, turn 2 (440) at 416: inside a block, where vLLM's next turn hits.
 CHAT = [{"first": _seq(300, 19, 4), "users": [_seq(100, 23, 1), _seq(100, 23, 8)], "max_tokens": [40, 40, 6]}]
 TIE = 0.008  # nats: two bf16 ulps at these logprobs; a top-2 gap this small may flip with the prefill's chunking
 
 
 def _same_or_tie(cold: dict, got: dict, what: str, tol: float) -> bool:
     """``got`` has ``cold``'s greedy tokens (True), or they part at a near-tie of either run, with logprobs
-    within ``tol`` before it (False: later turns' prompts differ, so they are not comparable)."""
+    within ``tol`` up to it, its own included (False: later turns' prompts differ, so they are not comparable)."""
     diff = next((i for i, (a, b) in enumerate(zip(cold["tokens"], got["tokens"], strict=True)) if a != b), None)
     upto = len(cold["tokens"]) if diff is None else diff
     delta = max((abs(x - y) for x, y in zip(cold["logprobs"][:upto], got["logprobs"][:upto], strict=True)),
@@ -126,20 +126,30 @@ def _same_or_tie(cold: dict, got: dict, what: str, tol: float) -> bool:
     assert delta <= tol, f"{what}: logprob delta {delta:.5f} before any divergence"
     if diff is None:
         return True
+    top = abs(cold["logprobs"][diff] - got["logprobs"][diff])  # at a tie both picks have the top logprob
+    assert top <= tol, f"{what}: tokens part at step {diff} with top logprobs {top:.5f} apart"
     gap = min(cold["gaps"][diff], got["gaps"][diff])
     assert gap <= TIE, f"{what}: tokens part at step {diff} with a top-2 gap of {gap:.4f}, no tie"
     print(f"{what}: parts from the no-cache run at step {diff}, at a tie (top-2 gap {gap:.4f})")
     return False
 
 
-def test_a_chats_next_turn_hits_at_the_previous_prompts_checkpoint(tiny_models, outputs, daemon_factory,
-                                                                     engine_runner, tmp_path) -> None:
-    """Qwen3-Next: hkvd serves each turn at the previous prompt's checkpoint, as vLLM's own cache does, with
-    the same tokens and logprobs as vLLM's own cache. Against a no-cache run, a hit changes the prefill's
+# Hits per turn: vLLM's own cache (the previous prompt's checkpoint), and hkvd's with turn-end states: the previous
+# turn's end, its prompt + answer less the last sampled token (300 + 40 - 1, 440 + 40 - 1), inside a block.
+CHAT_VLLM = [0, 288, 416]
+CHAT_TURN_ENDS = [0, 339, 479]
+
+
+@pytest.mark.parametrize("turn_ends", [True, False], ids=["turn_end_states", "checkpoints_only"])
+def test_a_chats_next_turn_hits_where_the_previous_turn_ended(turn_ends, tiny_models, outputs, daemon_factory,
+                                                               engine_runner, tmp_path) -> None:
+    """Qwen3-Next: with turn-end states (``turn_end_states``, on by default) hkvd serves each turn at the
+    previous turn's end, beyond vLLM's own cache; without them, at the previous prompt's checkpoint, as vLLM's
+    own cache does, with the same tokens and logprobs. Against a no-cache run, a hit changes the prefill's
     chunking, which may move a logprob by a bf16 ulp: the tokens match or part at a near-tie."""
     d = daemon_factory(BLOCK)
     args = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": 0,
-            "conversations": CHAT, "ignore_eos": True, "logprobs": 2,
+            "conversations": CHAT, "ignore_eos": True, "logprobs": 2, "extra": {"turn_end_states": turn_ends},
             "llm": {"max_model_len": 1024, "prefix_match_unit": UNIT},
             "phases": [{"reset": True}, {"reset": False}, {"reset": True}],
             "pause_before": [1], "sync_dir": str(tmp_path)}
@@ -147,12 +157,17 @@ def test_a_chats_next_turn_hits_at_the_previous_prompts_checkpoint(tiny_models, 
     hkvd, own, cold = (phase[0] for phase in res["phases"])
     got_hkvd = [t["num_cached_tokens"] for t in hkvd]
     got_vllm = [t["num_cached_tokens"] for t in own]
-    print(f"chat: hits from hkvd {got_hkvd}, from vLLM's own cache {got_vllm}")
+    print(f"chat (turn_end_states={turn_ends}): hits from hkvd {got_hkvd}, from vLLM's own cache {got_vllm}")
     assert [t["num_cached_tokens"] for t in cold] == [0, 0, 0], res["log"][-3000:]
-    assert got_vllm == [0, 288, 416], res["log"][-3000:]
-    assert got_hkvd == [0, 288, 416], res["log"][-3000:]
-    for t, (v, h) in enumerate(zip(own, hkvd, strict=True)):  # same hit boundaries: the same bytes
-        outputs.compare(v, h, f"chat turn {t + 1} (hkvd vs vLLM's cache)")
+    assert got_vllm == CHAT_VLLM, res["log"][-3000:]
+    assert got_hkvd == (CHAT_TURN_ENDS if turn_ends else CHAT_VLLM), res["log"][-3000:]
+    if not turn_ends:
+        for t, (v, h) in enumerate(zip(own, hkvd, strict=True)):  # same hit boundaries: the same bytes
+            outputs.compare(v, h, f"chat turn {t + 1} (hkvd vs vLLM's cache)")
+    else:  # hits further on: another chunking, so the same tokens or a parting at a near-tie
+        for t, (v, h) in enumerate(zip(own, hkvd, strict=True)):
+            if not _same_or_tie(v, h, f"chat turn {t + 1} (hkvd vs vLLM's cache)", outputs.LOGPROB_TOL):
+                break
     for t, (c, h) in enumerate(zip(cold, hkvd, strict=True)):
         if not _same_or_tie(c, h, f"chat turn {t + 1} (hkvd vs no cache)", outputs.LOGPROB_TOL):
             break

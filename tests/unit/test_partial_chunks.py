@@ -84,3 +84,33 @@ def test_dropping_a_request_hands_back_its_best_probe_lease_and_forgets_its_look
     p.begin("s", 0, 0, {5: (32, b"k32")})
     p.clear()
     assert 5 not in p
+
+
+def test_turn_end_positions_are_probed_with_the_unit_multiples_each_once_longest_first() -> None:
+    ends = partial.TurnEnds()
+    parent = chunk_keys(TOKENS, N)[1]
+    assert ends.positions(parent, 2 * N, 440) == []
+    ends.add(parent, 83)  # a turn ended at 339, inside chunk 2
+    ends.add(parent, 32)  # and one at 288, a unit multiple
+    assert sorted(ends.positions(parent, 2 * N, 440)) == [288, 339]
+    assert ends.positions(parent, 2 * N, 339) == [288]  # 339 would leave no token to compute
+    assert ends.positions(ROOT_KEY, 0, 440) == []  # another chunk's
+    got = partial.merge(partial.candidates(2, 440, N, 32), ends.positions(parent, 2 * N, 440))
+    assert got == [352, 339, 320, 288]
+
+
+def test_turn_ends_are_bounded_by_chunk_key_and_by_offsets_per_key() -> None:
+    ends = partial.TurnEnds(limit=2, per_key=2)
+    ends.add(b"a", 1)
+    ends.add(b"b", 2)
+    assert ends.positions(b"a", 0, 100) == [1]  # a used: b is now the oldest
+    ends.add(b"c", 3)
+    assert len(ends) == 2 and ends.positions(b"b", 0, 100) == [] and ends.positions(b"a", 0, 100) == [1]
+    ends.add(b"a", 5)
+    ends.add(b"a", 7)  # a third offset: the oldest (1) goes
+    assert sorted(ends.positions(b"a", 0, 100)) == [5, 7]
+    ends.add(b"a", 5)  # added again: the newest
+    ends.add(b"a", 9)
+    assert sorted(ends.positions(b"a", 0, 100)) == [5, 9]
+    with pytest.raises(ValueError, match="limit"):
+        partial.TurnEnds(limit=0)
