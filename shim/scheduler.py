@@ -608,10 +608,12 @@ class SchedulerSide:
         partial chunk (block j of every group: the full-attention page and, in align mode, the Mamba block
         (L - 1) // N that holds the running state), and remembered as a position later lookups probe. Only
         once the whole prompt ran, with no output placeholder in flight (then the block holds exactly L
-        tokens' state). The caller delays the blocks' free (``had_copies``)."""
+        tokens' state), and without speculative decoding (whose drafts share the state blocks). The caller
+        delays the blocks' free (``had_copies``)."""
         C = self.chunk_size
+        speculative = getattr(self._vllm_config, "speculative_config", None) is not None
         if (not self.cfg.turn_end_states or not self._partial_on() or st.request is None or st.uncacheable
-                or st.loading or not block_ids or not isinstance(block_ids[0], list)
+                or st.loading or speculative or not block_ids or not isinstance(block_ids[0], list)
                 or int(getattr(request, "num_output_placeholders", 0) or 0)):
             return
         end = int(request.num_computed_tokens)
