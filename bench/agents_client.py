@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.serving_client import FIRST_TOKEN_ID, Reply
+from bench.serving_client import FIRST_TOKEN_ID, Reply, check_answer, run_workers
 
 
 @dataclass(frozen=True)
@@ -193,9 +193,7 @@ def play(agents: Agents, send: Send, on_reply: Callable[[Reply], None] = lambda 
             start = clock() - t0
             try:
                 reply = send(s, turn, prompt)
-                if len(reply.token_ids) != agents.answer_tokens:
-                    raise RuntimeError(f"session {s} turn {turn}: {len(reply.token_ids)} answer tokens, asked for "
-                                       f"{agents.answer_tokens} with ignore_eos")
+                check_answer(reply, f"session {s} turn {turn}", agents.answer_tokens)
             except BaseException as e:  # re-raised by play once the other threads return
                 with cond:
                     errors.append(e)
@@ -214,16 +212,7 @@ def play(agents: Agents, send: Send, on_reply: Callable[[Reply], None] = lambda 
                 in_flight[0] -= 1
                 cond.notify_all()
 
-    threads = [threading.Thread(target=worker, name=f"bench-agent-{i}", daemon=True)
-               for i in range(agents.concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    if len(replies) != agents.requests():
-        raise RuntimeError(f"{len(replies)} of {agents.requests()} turns ran")
+    run_workers(worker, agents.concurrency, "bench-agent", errors, replies, agents.requests())
     return replies, spans
 
 

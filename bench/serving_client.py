@@ -32,7 +32,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -162,9 +162,7 @@ def converse(workload: Workload, send: Send, on_request: Callable[[Reply], None]
                 conv, turn, prompt = queue.popleft()
             try:
                 reply = send(conv, turn, prompt)
-                if len(reply.token_ids) != workload.answer_tokens:
-                    raise RuntimeError(f"conversation {conv} turn {turn}: {len(reply.token_ids)} answer tokens, "
-                                       f"asked for {workload.answer_tokens} with ignore_eos")
+                check_answer(reply, f"conversation {conv} turn {turn}", workload.answer_tokens)
             except BaseException as e:  # re-raised by converse once the other threads return
                 with lock:
                     errors.append(e)
@@ -175,17 +173,29 @@ def converse(workload: Workload, send: Send, on_request: Callable[[Reply], None]
                 if turn < workload.turns:
                     queue.append((conv, turn + 1, prompt + list(reply.token_ids) + workload.message(conv, turn + 1)))
 
-    threads = [threading.Thread(target=worker, name=f"bench-conv-{i}", daemon=True)
-               for i in range(workload.concurrency)]
+    run_workers(worker, workload.concurrency, "bench-conv", errors, replies, workload.requests())
+    return replies
+
+
+def check_answer(reply: Reply, who: str, answer_tokens: int) -> None:
+    """A reply with another number of tokens than asked for is an error (the runs would not compare)."""
+    if len(reply.token_ids) != answer_tokens:
+        raise RuntimeError(f"{who}: {len(reply.token_ids)} answer tokens, asked for {answer_tokens} with ignore_eos")
+
+
+def run_workers(worker: Callable[[], None], concurrency: int, name: str, errors: list[BaseException],
+                replies: Sized, requests: int) -> None:
+    """Run ``concurrency`` threads of ``worker`` to their end; re-raise the first error one of them recorded in
+    ``errors``, else check that the threads gathered ``requests`` replies."""
+    threads = [threading.Thread(target=worker, name=f"{name}-{i}", daemon=True) for i in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    if len(replies) != workload.requests():
-        raise RuntimeError(f"{len(replies)} of {workload.requests()} turns ran")
-    return replies
+    if len(replies) != requests:
+        raise RuntimeError(f"{len(replies)} of {requests} turns ran")
 
 
 def stream_completion(host: str, port: int, model: str, prompt: Sequence[int], max_tokens: int,
