@@ -54,13 +54,18 @@ def candidates(hit_chunks: int, num_tokens: int, chunk_size: int, unit: int) -> 
     return list(range(top // unit * unit, lo, -unit))
 
 
+def before(keys: Sequence[bytes], j: int) -> bytes:
+    """The key a partial chunk inside chunk ``j`` hangs from: the whole chunk ``j - 1``'s, ``ROOT_KEY`` for chunk 0."""
+    return keys[j - 1] if j else ROOT_KEY
+
+
 def key_at(keys: Sequence[bytes], tokens: Sequence[int], end: int, chunk_size: int) -> bytes | None:
     """The partial key of the chunk holding token ``end - 1``, over ``tokens`` up to ``end``; None when the
     whole chunks before it have no keys yet."""
     j = end // chunk_size
     if j > len(keys) or end <= j * chunk_size or len(tokens) < end:
         return None
-    return partial_key(keys[j - 1] if j else ROOT_KEY, tokens[j * chunk_size:end])
+    return partial_key(before(keys, j), tokens[j * chunk_size:end])
 
 
 def merge(positions: Sequence[int], more: Sequence[int]) -> list[int]:

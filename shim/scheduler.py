@@ -543,7 +543,7 @@ class SchedulerSide:
         submitted: dict[int, tuple[int, bytes]] = {}
         positions = partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit)
         if self.cfg.turn_end_states:
-            parent = keys[st.hit_chunks - 1] if st.hit_chunks else ROOT_KEY
+            parent = partial.before(keys, st.hit_chunks)
             positions = partial.merge(positions, self._turn_ends.positions(parent, st.hit_chunks * C, st.num_tokens))
         for pos in positions:
             key = partial.key_at(keys, st.tokens, pos, C)
@@ -588,7 +588,7 @@ class SchedulerSide:
         table = block_state.get_block_ids(st.req_id)
         if key is None or table is None:
             return
-        parent_key = keys[j - 1] if j else b""
+        parent_key = plans.parent(keys, j)
         stored = self._partial_stored.setdefault(st.req_id, set())
         if key not in stored:
             stored.add(key)
@@ -634,7 +634,7 @@ class SchedulerSide:
         self._finish_stores.append(StoreJob(st.req_id, items, [], st.tenant))
         self.stats["store_items"] += len(items)
         st.had_copies = True
-        self._turn_ends.add(keys[j - 1] if j else ROOT_KEY, end - j * C)
+        self._turn_ends.add(partial.before(keys, j), end - j * C)
 
     def _watch(self, req_id: str, lease_id: int) -> None:
         """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""
