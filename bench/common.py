@@ -100,6 +100,28 @@ class Daemon(DaemonProcess):
             stop_process(self.proc, 20.0)
 
 
+def tree_cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) spent so far by the processes ``pids`` and every descendant, living or
+    reaped by its parent. A work's CPU time moves far less than its wall time when other processes share
+    the machine, so a cost that is compute (a prefill) shows in it where wall-clock ratios drown."""
+    import psutil  # vLLM's dependency: the benches that call this need vLLM
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()
