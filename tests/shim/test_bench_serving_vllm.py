@@ -39,7 +39,10 @@ def test_hkvd_run_serves_later_turns_from_hkvd(tiny_models: dict[str, Path]) -> 
     first = [r for r in run["replies"] if r["turn"] == 1]
     second = [r for r in run["replies"] if r["turn"] == 2]
     assert all(r["cached_tokens"] == 0 for r in first)
-    assert all(r["cached_tokens"] == 256 for r in second)  # the first prompt's whole blocks: 2 x 128
+    # the first prompt's whole blocks: 2 x 128. A shortfall names the daemon's ordering counters (late Mamba
+    # offers, copy timeouts) and the connector's, which say where a hit was lost.
+    assert all(r["cached_tokens"] == 256 for r in second), (
+        [(r["conv"], r["cached_tokens"]) for r in second], run["daemon"], run["counters"])
     c = run["counters"]
     assert c["prompt_tokens"] == sum(w.prompt_tokens(t) for t in (1, 2)) * 3
     assert c["local_hits"] + c["external_hits"] == 3 * 256
