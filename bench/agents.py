@@ -1,43 +1,62 @@
-"""agents: agent sessions that pause between turns, more of them paused than the hkvd pool holds.
+"""agents: agent sessions that pause between turns beside a stream of one-shot requests.
 
-Workload (``bench.agents_client.Agents``): 16 sessions (6 in quick mode) of 10 turns (4), 4 (2)
-in flight at a time, on ``qwen3_next_long`` (the tiny Qwen3-Next of tests/shim with 8,192
-positions). Turn 1 sends a system prompt shared by every session (384 tokens; 256) and a task of
-its own (128); every later turn sends the session so far, the model's answer (32 tokens, greedy,
-``ignore_eos``) and a tool result of 100 to 800 tokens. After each turn a session pauses for an
-exponential time (mean 4 s, at most 20 s; quick: 3 s, 15 s), so that most sessions are paused at
-any moment: more than the hkvd pool holds (``pool_sessions``: 6; quick: 2, each of the sessions'
-mean size). Lengths and pauses come from a seed: every run sends the same prompts after the same
-pauses.
+Workload (``bench.agents_client.Agents``): 16 sessions (5 in quick mode) of 10 turns (4), 4 (2)
+in flight at a time, on ``qwen3_next_8l_long`` (quick: ``qwen3_next_8l``: 8 layers, hidden 512,
+whose prefill is real compute, about a second for 1,500 tokens on 2 cores, so TTFT compares
+loading with computing). Turn 1 sends a system prompt shared by every session (384 tokens; 256)
+and a task of its own (128); every later turn sends the session so far, the model's answer (32
+tokens, greedy, ``ignore_eos``) and a tool result of 100 to 800 tokens. After each turn a session
+pauses for an exponential time (mean 10 s, at most 40 s; quick: 30 s). Beside the sessions,
+one one-shot request at a time (``OneShots``: a unique random prompt of 1,000 to 1,500 tokens, a
+2-token answer, never pinned) runs from the first session's start until the last session's last
+turn: the node's other traffic, reported apart (count, TTFT) and left out of the sessions' hit
+shares and TTFTs. Lengths, prompts and pauses come from a seed: every run sends the same.
+
+Sizes. The engine's small KV memory holds the sessions in flight with a quarter to spare and the
+one-shots in flight, far fewer than the sessions paused: a paused session's blocks are taken
+before it comes back. The hkvd pool (``pool_plan``) is sized so that its pin budget
+(``--pin-max-fraction``, 0.75 here) holds every session's pins at their largest (all of a
+session's chunks and two states per turn), while the one-shots write more than the pool between
+a session's turns (see ``oneshots_to_fill_pool`` in the config against ``oneshots_per_pause`` in
+each run). The issue's "more sessions are paused than the pool holds" is read for the engine's
+memory: for hkvd's pool, a pin budget smaller than the paused sessions cannot reach the target
+whatever the policy, because sessions come back roughly in the order they paused, so the oldest
+pins, the first to lapse, are those of the session about to return. Pins win where the budget
+holds the paused sessions and what a recency-only pool keeps instead is other traffic. The
+fraction is 0.75, not the default 0.5: with 0.5 the pool is twice the sessions' pins at their
+largest, more than one one-shot at a time writes within a pause on 2 cores, and recency alone
+would keep the sessions.
 
 Runs, one after another in one invocation, each a fresh server (and daemon) with the serving
 bench's flags (``bench.serving_server.VllmServer``: prefix caching, Mamba align mode, vLLM's
 default 2,048 batched tokens, the same OpenMP binding):
 
-1. ``limit``: vLLM alone with ample KV memory (every session twice over): the best a cache can do;
-2. ``recompute``: vLLM alone with small KV memory (the sessions in flight and a quarter more):
-   a paused session is evicted before it comes back and computed again;
-3. ``hkvd_lru``: the small memory with ``HkvdConnector`` and ``hkvd serve`` whose pool holds
-   ``pool_sessions`` sessions (``--l1-size-gb`` from the model's bytes per chunk): eviction by
-   recency alone;
-4. ``hkvd_pins``: the same, every request carrying ``kv_transfer_params`` ``{"hkvd": {"pin_s":
-   600, "session": "agent-N"}}`` (pinned longer than any pause), and ``--prefix-match-unit 32``
-   given to vLLM; where vLLM refuses to start with it, the run goes on without it and the config
-   records why.
+1. ``limit``: vLLM alone with ample KV memory (every session twice over and every one-shot the
+   run may send): the best a cache can do;
+2. ``recompute``: vLLM alone with the small KV memory: a paused session is evicted before it
+   comes back and computed again;
+3. ``hkvd_lru``: the small memory with ``HkvdConnector`` and ``hkvd serve`` with the pool above:
+   eviction by recency alone;
+4. ``hkvd_pins``: the same, every session request carrying ``kv_transfer_params`` ``{"hkvd":
+   {"pin_s": 600, "session": "agent-N"}}`` (pinned longer than any pause), and
+   ``--prefix-match-unit 32`` given to vLLM; where vLLM refuses to start with it, the run goes on
+   without it and the config records why.
 
 Reported per run and turn: hit share (prompt tokens not computed, from each reply's
-``cached_tokens``), TTFT p50 and p99 (client side, streaming); per hkvd run the pool's evictions
-and, sampled every half second from ``hkvd status`` over the control socket, the pool's used
-bytes and the pinned bytes (``null`` where the daemon does not report them); per run the
-sessions between turns (time-weighted mean and peak). Targets, ratios from one invocation, turns
-2 and on pooled: hkvd_pins' hit share at least 0.95 of the limit's where hkvd_lru's falls below
-that, and hkvd_pins' TTFT p50 at most 0.5 of recompute's.
+``cached_tokens``), TTFT p50 and p99 (client side, streaming); the one-shots apart; per hkvd run
+the pool's evictions and, sampled every half second from ``hkvd status`` over the control socket,
+the pool's used bytes and the pinned bytes (``null`` where the daemon does not report them); per
+run the sessions between turns (time-weighted mean and peak). Targets, ratios from one
+invocation, turns 2 and on pooled: hkvd_pins' hit share at least 0.95 of the limit's where
+hkvd_lru's falls below that, and hkvd_pins' TTFT p50 at most 0.5 of recompute's.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import importlib.util
+import itertools
 import math
 import os
 import threading
@@ -47,17 +66,18 @@ from pathlib import Path
 from typing import Any
 
 from bench import serving
-from bench.agents_client import Agents, between_turns, play
+from bench.agents_client import Agents, OneShots, between_turns, play
 from bench.common import Daemon, MiB
 from bench.serving_client import Reply, block_budget, cached_tokens, http_get, parse_metrics, stream_completion
 from bench.serving_server import HOST, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, MODELS, BenchModel, VllmServer, model_path
 
 BLOCK = serving.BLOCK
-MODEL = "qwen3_next_long"
+MODEL = {"full": "qwen3_next_8l_long", "quick": "qwen3_next_8l"}
+# A pin budget of 0.75 of the pool, not the default 0.5: see the module's docstring.
 FULL = Agents(sessions=16, concurrency=4, turns=10, system_tokens=384, task_tokens=128, answer_tokens=32,
-              pause_mean_s=4.0, pause_max_s=20.0, pool_sessions=6)
-QUICK = Agents(sessions=6, concurrency=2, turns=4, system_tokens=256, task_tokens=128, answer_tokens=32,
-               pause_mean_s=3.0, pause_max_s=15.0, pool_sessions=2)
+              pause_mean_s=10.0, pause_max_s=40.0, pin_max_fraction=0.75, oneshot_limit=600)
+QUICK = Agents(sessions=5, concurrency=2, turns=4, system_tokens=256, task_tokens=128, answer_tokens=32,
+               pause_mean_s=10.0, pause_max_s=30.0, pin_max_fraction=0.75, oneshot_limit=200)
 RUNS = {
     "limit": "vLLM alone, ample KV memory",
     "recompute": "vLLM alone, small KV memory",
@@ -74,27 +94,66 @@ REQUEST_TIMEOUT_S = serving.REQUEST_TIMEOUT_S
 Log = Callable[[str], None]
 
 
-def pool_bytes(agents: Agents, model: BenchModel) -> dict[str, Any]:
-    """The hkvd pool of the runs: ``pool_sessions`` sessions of mean size.
+def session_pin_bytes(agents: Agents, session: int, per_chunk: dict[str, int]) -> int:
+    """Bytes ``session``'s pins hold at their largest, after its last turn: every chunk of its tokens
+    (a partial last chunk counted whole) and two states per turn (the state where a prompt's last
+    whole block ends, and the turn-end state), more than a newer pin keeps of its older ones."""
+    chunks = math.ceil(agents.context_tokens(session) / BLOCK)
+    return chunks * per_chunk["attention"] + 2 * agents.turns * per_chunk["mamba_state"]
 
-    A session of ``mean_context_tokens`` holds that many whole chunks of attention bytes, and one
-    state per Gated-DeltaNet layer for each turn it has had (vLLM's align mode keeps a request's
-    state where its prompt's last whole block ends, not at every block): the mean session has had
-    ``(turns + 1) / 2`` turns.
+
+def oneshot_bytes(agents: Agents, per_chunk: dict[str, int]) -> int:
+    """Pool bytes one one-shot request of mean length stores: its chunks and two states."""
+    tokens = (agents.oneshot_min + agents.oneshot_max) / 2 + agents.oneshot_answer_tokens
+    return math.ceil(tokens / BLOCK) * per_chunk["attention"] + 2 * per_chunk["mamba_state"]
+
+
+def pool_plan(agents: Agents, model: BenchModel) -> dict[str, Any]:
+    """The hkvd pool of the runs: its pin budget (``pin_max_fraction`` of it) holds every session's pins at
+    their largest (``session_pin_bytes``, summed), and ``POOL_SLACK_BYTES`` for part-filled superblocks.
+
+    ``oneshots_to_fill_pool``: how many one-shots write as many bytes as the whole pool; a run whose
+    one-shots between a session's turns (``oneshots_per_pause``) outnumber it leaves nothing of that
+    session to a recency-only pool. ``..._to_fill_unpinned``: the same for the pool outside the budget.
     """
     per_chunk = model.chunk_bytes(BLOCK)
-    mean_chunks = math.floor(agents.mean_context_tokens() / BLOCK)
-    session = round(mean_chunks * per_chunk["attention"] + (agents.turns + 1) / 2 * per_chunk["mamba_state"])
+    pins = [session_pin_bytes(agents, s, per_chunk) for s in range(agents.sessions)]
+    pool = math.ceil(sum(pins) / agents.pin_max_fraction) + POOL_SLACK_BYTES
+    budget = math.floor(agents.pin_max_fraction * pool)
+    one = oneshot_bytes(agents, per_chunk)
     return {**{f"chunk_{k}_bytes": v for k, v in per_chunk.items()},
-            "mean_session_chunks": mean_chunks, "mean_session_bytes": session,
-            "pool_bytes": agents.pool_sessions * session + POOL_SLACK_BYTES,
-            "all_sessions_mean_bytes": agents.sessions * session}
+            "session_pins_max_bytes": max(pins), "all_sessions_pins_bytes": sum(pins),
+            "pin_max_fraction": agents.pin_max_fraction, "pin_budget_bytes": budget, "pool_bytes": pool,
+            "oneshot_mean_bytes": one, "oneshots_to_fill_pool": pool / one,
+            "oneshots_to_fill_unpinned": (pool - budget) / one}
 
 
 def kv_blocks(agents: Agents, model: BenchModel) -> dict[str, int]:
-    """vLLM's small and ample KV memories (``bench.serving_client.block_budget``) for the longest session."""
+    """vLLM's small and ample KV memories (``bench.serving_client.block_budget``) for the longest session,
+    with room for the one-shots: in flight in the small memory, every one the run may send in the ample
+    one (so that the limit's own cache never evicts a session for them)."""
     longest = max(agents.context_tokens(s) for s in range(agents.sessions))
-    return block_budget(math.ceil(longest / BLOCK) + 2 * model.mamba_groups(), agents.sessions, agents.concurrency)
+    budget = block_budget(math.ceil(longest / BLOCK) + 2 * model.mamba_groups(), agents.sessions,
+                          agents.concurrency)
+    one = math.ceil((agents.oneshot_max + agents.oneshot_answer_tokens) / BLOCK) + 2 * model.mamba_groups()
+    return {**budget, "oneshot": one, "small": budget["small"] + agents.oneshot_in_flight * one,
+            "ample": budget["ample"] + agents.oneshot_limit * one}
+
+
+def oneshots_per_pause(sessions: Sequence[Reply], oneshots: Sequence[Reply]) -> float:
+    """One-shot requests started, on average, between a session's turn and its next (from the end of one
+    turn's answer to the next turn's start; ``start_s`` of both from the same clock): what a recency-only
+    pool sees written between a session's turns besides the other sessions."""
+    by_session: dict[int, list[Reply]] = {}
+    for r in sessions:
+        by_session.setdefault(r.conv, []).append(r)
+    starts = sorted(r.start_s for r in oneshots)
+    counts: list[int] = []
+    for rs in by_session.values():
+        rs.sort(key=lambda r: r.turn)
+        for a, b in itertools.pairwise(rs):
+            counts.append(bisect.bisect_left(starts, b.start_s) - bisect.bisect_left(starts, a.start_s + a.e2e_s))
+    return sum(counts) / len(counts) if counts else 0.0
 
 
 def pool_sample(status: dict[str, Any], t_s: float) -> dict[str, Any]:
@@ -164,6 +223,13 @@ def _play(server: VllmServer, agents: Agents, pins: bool, log: Log, sampler: Sam
         return Reply(session, turn, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft,
                      e2e, tuple(tokens))
 
+    def send_oneshot(i: int, prompt: list[int]) -> Reply:
+        start = time.perf_counter() - t0
+        ttft, e2e, usage, tokens = stream_completion(HOST, server.port, MODEL_NAME, prompt,
+                                                     agents.oneshot_answer_tokens, REQUEST_TIMEOUT_S)
+        return Reply(i, 1, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft, e2e,
+                     tuple(tokens))
+
     def on_reply(r: Reply) -> None:
         done.setdefault(r.turn, []).append(r)
         if len(done[r.turn]) == agents.sessions:
@@ -173,16 +239,21 @@ def _play(server: VllmServer, agents: Agents, pins: bool, log: Log, sampler: Sam
 
     if sampler is not None:
         sampler.restart()
-    replies, spans = play(agents, send, on_reply)
+    oneshots = OneShots(agents, send_oneshot).start()
+    try:
+        replies, spans = play(agents, send, on_reply)
+    finally:
+        background = oneshots.stop(REQUEST_TIMEOUT_S)
     wall = time.perf_counter() - t0
     after = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
     occupancy = between_turns(spans)
-    return {"replies": replies, "wall_s": wall, "counters": {k: after[k] - before[k] for k in after},
+    return {"replies": replies, "oneshot_replies": background, "oneshots_exhausted": oneshots.exhausted,
+            "wall_s": wall, "counters": {k: after[k] - before[k] for k in after},
             "between_turns": occupancy, "errors_logged": server.errors()}
 
 
-def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, agents: Agents, blocks: int,
-             pool: int, hugepages: str, log: Log) -> dict[str, Any]:
+def _one_run(name: str, model_dir: Path, max_len: int, agents: Agents, blocks: int, pool: int, hugepages: str,
+             log: Log) -> dict[str, Any]:
     """One run in fresh processes; a run that cannot start or serve returns ``{"error": ...}``."""
     base: dict[str, Any] = {"run": name, "label": RUNS[name], "kv_blocks": blocks}
     t0 = time.perf_counter()
@@ -195,19 +266,26 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, agents
                     "startup_s": server.startup_s}
 
     try:
-        res = _hkvd(serve, pool, hugepages, pins, log) if name.startswith("hkvd") else serve(None, None, None)
+        res = (_hkvd(serve, pool, agents.pin_max_fraction, hugepages, pins, log) if name.startswith("hkvd")
+               else serve(None, None, None))
     except Exception as e:  # recorded: a run that does not work is a result, and the others go on
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         log(f"    {name} failed after {time.perf_counter() - t0:.0f} s: {msg}")
         return {**base, "error": msg, "error_detail": str(e)[-4000:]}
     replies: list[Reply] = res.pop("replies")
-    return {**base, **res, "turns": serving.turn_stats(replies, agents.turns),
+    background: list[Reply] = res.pop("oneshot_replies")
+    stats = serving.turn_stats(background, 1)
+    oneshots = {"count": len(background), "exhausted": res.pop("oneshots_exhausted"),
+                "per_pause": oneshots_per_pause(replies, background),
+                **({k: stats[0][k] for k in ("ttft_ms_p50", "ttft_ms_p99", "hit_share")} if stats else {})}
+    return {**base, **res, "turns": serving.turn_stats(replies, agents.turns), "oneshots": oneshots,
             "replies": [r.as_json() for r in replies]}
 
 
 def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None, Sampler | None], dict[str, Any]], pool: int,
-          hugepages: str, pins: bool, log: Log) -> dict[str, Any]:
-    """An hkvd run: a fresh daemon with a ``pool``-byte pool, sampled while the sessions play.
+          pin_fraction: float, hugepages: str, pins: bool, log: Log) -> dict[str, Any]:
+    """An hkvd run: a fresh daemon with a ``pool``-byte pool and ``--pin-max-fraction pin_fraction``, sampled
+    while the sessions play.
 
     The pins run asks vLLM for ``--prefix-match-unit``; a server that does not start with it is
     started again without, and ``prefix_match_unit`` records the error.
@@ -215,7 +293,8 @@ def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None, Sampler | No
     unit: dict[str, Any] = {"asked": PREFIX_MATCH_UNIT if pins else None, "used": None, "error": None}
     attempts = [["--prefix-match-unit", str(PREFIX_MATCH_UNIT)], None] if pins else [None]
     for args in attempts:
-        with Daemon("--chunk-size", str(BLOCK), pool_gb=pool / (1 << 30), hugepages=hugepages) as daemon:
+        with Daemon("--chunk-size", str(BLOCK), "--pin-max-fraction", str(pin_fraction), pool_gb=pool / (1 << 30),
+                    hugepages=hugepages) as daemon:
             kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                       "require_daemon": True,
@@ -280,25 +359,29 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print) -> dict[str, Any
         log("  vLLM not installed: make vllm")
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
     agents = QUICK if quick else FULL
-    model = MODELS[MODEL]
+    model = MODELS[MODEL["quick" if quick else "full"]]
     if agents.max_context_tokens() > model.max_len:
         raise ValueError(f"sessions may reach {agents.max_context_tokens()} tokens, over {model.name}'s "
                          f"{model.max_len}")
     root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
     model_dir = model_path(model, root)
     blocks = kv_blocks(agents, model)
-    pool = pool_bytes(agents, model)
-    max_len = min(model.max_len, -(-max(agents.context_tokens(s) for s in range(agents.sessions)) // 256) * 256)
-    log(f"  {model.name}: {agents.sessions} sessions x {agents.turns} turns, {agents.concurrency} in flight; "
-        f"mean session {agents.mean_context_tokens():.0f} tokens; pauses exponential, mean {agents.pause_mean_s} s")
+    pool = pool_plan(agents, model)
+    longest = max(max(agents.context_tokens(s) for s in range(agents.sessions)),
+                  agents.oneshot_max + agents.oneshot_answer_tokens)
+    max_len = min(model.max_len, -(-longest // 256) * 256)
+    log(f"  {model.name}: {agents.sessions} sessions x {agents.turns} turns, {agents.concurrency} in flight, "
+        f"{agents.oneshot_in_flight} one-shot at a time; mean session {agents.mean_context_tokens():.0f} tokens; "
+        f"pauses exponential, mean {agents.pause_mean_s} s")
     log(f"  KV blocks: small {blocks['small']}, ample {blocks['ample']}; hkvd pool {pool['pool_bytes'] / MiB:.1f} "
-        f"MiB ({agents.pool_sessions} sessions of {pool['mean_session_bytes'] / MiB:.1f} MiB; all "
-        f"{pool['all_sessions_mean_bytes'] / MiB:.1f} MiB)")
+        f"MiB, pin budget {pool['pin_budget_bytes'] / MiB:.1f} MiB ({agents.pin_max_fraction}) for the sessions' "
+        f"pins at their largest, {pool['all_sessions_pins_bytes'] / MiB:.1f} MiB; the pool = "
+        f"{pool['oneshots_to_fill_pool']:.1f} one-shots")
     runs = []
     for i, name in enumerate(RUNS, 1):
         size = blocks["ample"] if name == "limit" else blocks["small"]
         log(f"  run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
-        runs.append(_one_run(name, model_dir, model, max_len, agents, size, pool["pool_bytes"], hugepages, log))
+        runs.append(_one_run(name, model_dir, max_len, agents, size, pool["pool_bytes"], hugepages, log))
     result = {"config": {"model": model.name, "block": BLOCK, "agents": dataclasses.asdict(agents),
                          "mean_context_tokens": agents.mean_context_tokens(),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "kv_blocks": blocks, "pool": pool,
@@ -322,11 +405,13 @@ def summary(result: dict[str, Any]) -> list[str]:
     rt = result.get("ratios") or {}
     if cfg.get("pool"):
         a, p = cfg["agents"], cfg["pool"]
-        lines.append(f"{cfg['model']}: {a['sessions']} sessions x {a['turns']} turns, {a['concurrency']} in flight; "
-                     f"hkvd pool {p['pool_bytes'] / MiB:.1f} MiB = {a['pool_sessions']} sessions of mean size "
-                     f"({p['mean_session_chunks']} chunks, {p['mean_session_bytes'] / MiB:.1f} MiB) and "
-                     f"{POOL_SLACK_BYTES // MiB} MiB; vLLM KV blocks small {cfg['kv_blocks']['small']}, ample "
-                     f"{cfg['kv_blocks']['ample']}")
+        lines.append(f"{cfg['model']}: {a['sessions']} sessions x {a['turns']} turns, {a['concurrency']} in flight, "
+                     f"{a['oneshot_in_flight']} one-shot at a time; hkvd pool {p['pool_bytes'] / MiB:.1f} MiB, pin "
+                     f"budget {p['pin_budget_bytes'] / MiB:.1f} MiB ({p['pin_max_fraction']}) for the sessions' pins "
+                     f"at their largest ({p['all_sessions_pins_bytes'] / MiB:.1f} MiB); the pool = "
+                     f"{p['oneshots_to_fill_pool']:.1f} one-shots, the rest outside the budget "
+                     f"{p['oneshots_to_fill_unpinned']:.1f}; vLLM KV blocks small {cfg['kv_blocks']['small']}, "
+                     f"ample {cfg['kv_blocks']['ample']}")
     for name, v in (rt.get("hits_vs_limit") or {}).items():
         if name == "limit":
             continue
@@ -345,14 +430,18 @@ def summary(result: dict[str, Any]) -> list[str]:
             lines.append(f"{key}: hkvd_lru's later-turn hits {t['value']:.2f}x the limit's, "
                          + ("below" if t["met"] else f"NOT below {t['below']}: this setting does not show what pins "
                             "add"))
-    pool_sessions = (cfg.get("agents") or {}).get("pool_sessions")
+    fill = (cfg.get("pool") or {}).get("oneshots_to_fill_pool")
     for r in result.get("runs", []):
         if "error" in r:
             lines.append(f"{r['run']} ({r['label']}) did not run: {r['error']}")
             continue
         b = r.get("between_turns") or {}
+        o = r.get("oneshots") or {}
         text = (f"{r['run']}: {b.get('mean', float('nan')):.1f} sessions between turns on average "
-                f"(peak {b.get('max')}, pool holds {pool_sessions}), {r['wall_s']:.0f} s")
+                f"(peak {b.get('max')}), {r['wall_s']:.0f} s; {o.get('count')} one-shots"
+                + (" (all the run may send: the stream ran out)" if o.get("exhausted") else "")
+                + f", TTFT p50 {o.get('ttft_ms_p50', float('nan')):.0f} ms, {o.get('per_pause', 0):.1f} "
+                "between a session's turns on average")
         if r.get("daemon"):
             d = r["daemon"]
             peak_pin = _peak([s.get("pinned_bytes") for s in r.get("pool_timeline", [])])
@@ -365,6 +454,11 @@ def summary(result: dict[str, Any]) -> list[str]:
         if c:
             text += (f"; of {c['prompt_tokens']:,.0f} prompt tokens {c['local_hits']:,.0f} hit vLLM's cache, "
                      f"{c['external_hits']:,.0f} the connector's")
+            if r["run"].startswith("hkvd"):
+                loads = c.get("hkvd_loads", 0)
+                text += (f"; {loads:.0f} loads from hkvd, "
+                         f"{c.get('hkvd_load_seconds', 0) / loads * 1e3 if loads else 0:.0f} ms each on average, "
+                         f"{c.get('hkvd_lookups_deferred', 0):.0f} lookups deferred a step")
             if r["run"] == "hkvd_pins":
                 text += (f"; {c.get('hkvd_pins_sent', 0):.0f} requests pinned, {c.get('hkvd_pins_refused', 0):.0f} "
                          "pin asks refused")
@@ -373,9 +467,9 @@ def summary(result: dict[str, Any]) -> list[str]:
         if u:
             lines.append(f"{r['run']}: --prefix-match-unit {u['asked']} "
                          + ("used" if u["used"] else f"not used: vLLM did not start with it ({u['error']})"))
-        if b and pool_sessions is not None and b.get("mean", 0) <= pool_sessions:
-            lines.append(f"{r['run']}: fewer sessions sat between turns than the pool holds: the pauses were short "
-                         "against the turns on this machine, so the pool was not under pressure")
+        if r["run"] == "hkvd_lru" and fill is not None and o.get("per_pause", 0) < fill:
+            lines.append(f"{r['run']}: fewer one-shots between a session's turns ({o.get('per_pause', 0):.1f}) than "
+                         f"fill the pool ({fill:.1f}): recency alone may keep a session on this machine")
     return lines
 
 

@@ -15,16 +15,23 @@ Role
     flight), ``paused`` (its tool running) and ``waiting`` (pause over, no free worker).
     ``between_turns`` turns those spans into how many sessions sat between two turns over time:
     the sessions whose KV cache must be kept somewhere for their next turn to hit.
+    ``OneShots`` is the node's other traffic: single-turn requests of ``oneshot_min`` to
+    ``oneshot_max`` random tokens (unique prompts, seeded, so every run sends the same ones),
+    ``oneshot_in_flight`` at a time from the sessions' start until ``stop``, at most
+    ``oneshot_limit`` of them. They are never pinned and never hit; they are what a recency-only
+    cache keeps instead of the paused sessions.
 
 Threading
     ``play`` runs ``send`` on its worker threads; ``on_reply`` is called under its lock, in
-    completion order. The rest are pure functions.
+    completion order. ``OneShots`` runs its own threads between ``start`` and ``stop``. The rest
+    are pure functions.
 
 Contracts
     Every wait is bounded: a worker waits for the next pause to end (at most ``pause_max_s``),
     and ``send`` carries its own timeout. The first failed request stops ``play``, which raises
     it once the in-flight turns return. An answer of another length than ``answer_tokens`` is an
-    error (the runs would not compare).
+    error (the runs would not compare). ``OneShots.stop`` waits for the one-shots in flight (each
+    bounded by ``send``'s timeout) and raises the first that failed.
 """
 
 from __future__ import annotations
@@ -41,11 +48,11 @@ from bench.serving_client import FIRST_TOKEN_ID, Reply, check_answer, run_worker
 
 @dataclass(frozen=True)
 class Agents:
-    """``sessions`` agent sessions of ``turns`` turns, ``concurrency`` requests in flight at a time.
+    """``sessions`` agent sessions of ``turns`` turns, ``concurrency`` requests in flight at a time,
+    and the one-shot traffic beside them (``oneshot_*``).
 
-    ``pool_sessions``: how many sessions of mean size (``mean_context_tokens``) the hkvd pool of
-    the runs holds; fewer than the sessions that can be between turns at once
-    (``sessions - concurrency``), so that a cache of that size cannot keep every paused session.
+    ``pin_max_fraction``: the daemon's ``--pin-max-fraction`` in the hkvd runs; ``bench.agents``
+    sizes the pool so that this share of it holds every session's pins at their largest.
     """
 
     sessions: int
@@ -56,26 +63,32 @@ class Agents:
     answer_tokens: int
     pause_mean_s: float
     pause_max_s: float
-    pool_sessions: int
+    pin_max_fraction: float = 0.5
     tool_min: int = 100
     tool_max: int = 800
+    oneshot_min: int = 1000
+    oneshot_max: int = 1500
+    oneshot_answer_tokens: int = 2
+    oneshot_in_flight: int = 1
+    oneshot_limit: int = 200
     vocab: int = 512
     seed: int = 37
 
     def __post_init__(self) -> None:
         for name in ("sessions", "concurrency", "turns", "system_tokens", "task_tokens", "answer_tokens",
-                     "pool_sessions", "tool_min"):
+                     "tool_min", "oneshot_min", "oneshot_answer_tokens", "oneshot_in_flight", "oneshot_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agents {name} must be >= 1, not {getattr(self, name)}")
         if self.tool_max < self.tool_min:
             raise ValueError(f"agents tool_max {self.tool_max} is below tool_min {self.tool_min}")
+        if self.oneshot_max < self.oneshot_min:
+            raise ValueError(f"agents oneshot_max {self.oneshot_max} is below oneshot_min {self.oneshot_min}")
+        if not 0 < self.pin_max_fraction <= 1:
+            raise ValueError(f"agents pin_max_fraction {self.pin_max_fraction}: must be more than 0 and at most 1, "
+                             "as hkvd serve's --pin-max-fraction")
         if not 0 < self.pause_mean_s <= self.pause_max_s:
             raise ValueError(f"agents pauses: need 0 < pause_mean_s ({self.pause_mean_s}) <= pause_max_s "
                              f"({self.pause_max_s})")
-        if self.pool_sessions >= self.sessions - self.concurrency:
-            raise ValueError(f"a pool of {self.pool_sessions} sessions holds every session that can be paused "
-                             f"({self.sessions} sessions - {self.concurrency} in flight): use more sessions or "
-                             "a smaller pool_sessions")
 
     def _rng(self, *key: object) -> random.Random:
         return random.Random("/".join(str(k) for k in (self.seed, *key)))
@@ -131,6 +144,13 @@ class Agents:
 
     def requests(self) -> int:
         return self.sessions * self.turns
+
+    def oneshot_prompt(self, i: int) -> list[int]:
+        """The ``i``-th one-shot request's prompt: ``oneshot_min`` to ``oneshot_max`` random ids of its own."""
+        if not 0 <= i < self.oneshot_limit:
+            raise ValueError(f"one-shot {i}: there are {self.oneshot_limit} (0 to {self.oneshot_limit - 1})")
+        n = self._rng("oneshot-len", i).randint(self.oneshot_min, self.oneshot_max)
+        return self._ids(n, "oneshot", i)
 
 
 @dataclass(frozen=True)
@@ -214,6 +234,65 @@ def play(agents: Agents, send: Send, on_reply: Callable[[Reply], None] = lambda 
 
     run_workers(worker, agents.concurrency, "bench-agent", errors, replies, agents.requests())
     return replies, spans
+
+
+class OneShots:
+    """``agents``' one-shot traffic through ``send(index, prompt)``, ``oneshot_in_flight`` at a time, from
+    ``start`` to ``stop`` (or until ``oneshot_limit`` were sent: ``exhausted`` then says so).
+
+    ``replies``: in completion order; a one-shot's ``conv`` is its index, its ``turn`` 1.
+    """
+
+    def __init__(self, agents: Agents, send: Callable[[int, list[int]], Reply]) -> None:
+        self.agents = agents
+        self.send = send
+        self.replies: list[Reply] = []
+        self.errors: list[BaseException] = []
+        self.exhausted = False
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._worker, name=f"bench-oneshot-{i}", daemon=True)
+                         for i in range(agents.oneshot_in_flight)]
+
+    def _take(self) -> int | None:
+        with self._lock:
+            if self._stop.is_set() or self.errors:
+                return None
+            if self._next >= self.agents.oneshot_limit:
+                self.exhausted = True
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _worker(self) -> None:
+        while (i := self._take()) is not None:
+            try:
+                reply = self.send(i, self.agents.oneshot_prompt(i))
+                check_answer(reply, f"one-shot {i}", self.agents.oneshot_answer_tokens)
+            except BaseException as e:  # raised by stop()
+                with self._lock:
+                    self.errors.append(e)
+                return
+            with self._lock:
+                self.replies.append(reply)
+
+    def start(self) -> OneShots:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout_s: float) -> list[Reply]:
+        """Send no more; wait (at most ``timeout_s``) for those in flight; the replies, or the first error."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            raise TimeoutError(f"one-shot requests still in flight {timeout_s:.0f} s after the sessions ended")
+        if self.errors:
+            raise self.errors[0]
+        return list(self.replies)
 
 
 def between_turns(spans: Sequence[Span]) -> dict[str, Any]:

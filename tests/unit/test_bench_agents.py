@@ -19,14 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # bench/ is not an installed package (see tests/unit/test_bench.py)
 try:
     from bench import agents
-    from bench.agents_client import Agents, Span, between_turns, play
+    from bench.agents_client import Agents, OneShots, Span, between_turns, play
     from bench.serving_client import Reply
     from bench.serving_server import MODELS
 finally:
     sys.path.remove(str(ROOT))
 
 SMALL = Agents(sessions=8, concurrency=2, turns=4, system_tokens=20, task_tokens=6, answer_tokens=3,
-               pause_mean_s=0.06, pause_max_s=0.25, pool_sessions=3)
+               pause_mean_s=0.06, pause_max_s=0.25, oneshot_min=30, oneshot_max=50, oneshot_limit=40)
 
 
 def _answer(prompt: list[int], n: int) -> tuple[int, ...]:
@@ -48,8 +48,8 @@ def test_sessions_are_fixed_by_the_seed() -> None:
     assert all(4 <= t < a.vocab for s in range(8) for t in a.first_prompt(s) + a.tool_result(s, 2))
 
 
-@pytest.mark.parametrize("w", [agents.FULL, agents.QUICK], ids=["full", "quick"])
-def test_tool_results_and_pauses_are_in_range(w: Agents) -> None:
+@pytest.mark.parametrize(("w", "mode"), [(agents.FULL, "full"), (agents.QUICK, "quick")], ids=["full", "quick"])
+def test_tool_results_and_pauses_are_in_range(w: Agents, mode: str) -> None:
     lengths = [w.tool_tokens(s, t) for s in range(w.sessions) for t in range(2, w.turns + 1)]
     assert all(100 <= n <= 800 for n in lengths) and len(set(lengths)) > len(lengths) // 2
     assert all(len(w.tool_result(s, 2)) == w.tool_tokens(s, 2) for s in range(w.sessions))
@@ -60,22 +60,51 @@ def test_tool_results_and_pauses_are_in_range(w: Agents) -> None:
         w.pause_s(0, w.turns)
     with pytest.raises(ValueError, match="tool results come with turns 2 to"):
         w.tool_tokens(0, 1)
-    assert w.max_context_tokens() <= MODELS[agents.MODEL].max_len
+    assert w.max_context_tokens() <= MODELS[agents.MODEL[mode]].max_len
     assert max(w.context_tokens(s) for s in range(w.sessions)) <= w.max_context_tokens()
 
 
-@pytest.mark.parametrize("w", [agents.FULL, agents.QUICK], ids=["full", "quick"])
-def test_the_pool_holds_fewer_sessions_than_can_be_paused(w: Agents) -> None:
-    model = MODELS[agents.MODEL]
-    pool = agents.pool_bytes(w, model)
-    assert w.pool_sessions < w.sessions - w.concurrency
-    assert pool["pool_bytes"] < pool["all_sessions_mean_bytes"]
-    # 4 KV heads x 128 x K and V x bf16 x 128 tokens; 3 states of (512 x 3 + 2 x 128 x 128) x bf16.
-    assert pool["chunk_attention_bytes"] == 262144 and pool["chunk_mamba_state_bytes"] == 3 * 68608
+@pytest.mark.parametrize(("w", "mode"), [(agents.FULL, "full"), (agents.QUICK, "quick")], ids=["full", "quick"])
+def test_the_pin_budget_holds_every_session_at_its_largest_and_the_engine_fewer(w: Agents, mode: str) -> None:
+    model = MODELS[agents.MODEL[mode]]
+    plan = agents.pool_plan(w, model)
+    # 2 attention layers x 4 KV heads x 128 x K and V x bf16 x 128 tokens; 6 states of (512 x 3 + 2 x 128 x 128) x 2.
+    per = {"attention": 524288, "mamba_state": 6 * 68608}
+    assert plan["chunk_attention_bytes"] == per["attention"] and plan["chunk_mamba_state_bytes"] == per["mamba_state"]
+    largest = [agents.session_pin_bytes(w, s, per) for s in range(w.sessions)]
+    assert all(b >= -(-w.context_tokens(s) // 128) * per["attention"] for s, b in enumerate(largest))
+    assert plan["all_sessions_pins_bytes"] == sum(largest) <= plan["pin_budget_bytes"]
+    assert plan["pin_budget_bytes"] <= w.pin_max_fraction * plan["pool_bytes"]
+    one = agents.oneshot_bytes(w, per)
+    assert plan["oneshots_to_fill_pool"] == pytest.approx(plan["pool_bytes"] / one)
+    assert plan["oneshots_to_fill_unpinned"] == pytest.approx((plan["pool_bytes"] - plan["pin_budget_bytes"]) / one)
     blocks = agents.kv_blocks(w, model)
+    # The engine's small memory holds the sessions in flight and the one-shot, not the paused sessions.
     assert blocks["small"] < blocks["all_conversations"] < blocks["ample"]
-    with pytest.raises(ValueError, match="holds every session that can be paused"):
-        dataclasses.replace(w, pool_sessions=w.sessions - w.concurrency)
+    assert blocks["small"] >= w.concurrency * blocks["per_conversation"] + w.oneshot_in_flight * blocks["oneshot"]
+    assert blocks["ample"] >= 2 * blocks["all_conversations"] + w.oneshot_limit * blocks["oneshot"]
+    assert blocks["oneshot"] * 128 >= w.oneshot_max
+
+
+def test_session_pin_bytes_and_oneshot_bytes_count_chunks_and_states() -> None:
+    per = {"attention": 1000, "mamba_state": 10}
+    w = dataclasses.replace(SMALL, turns=2, system_tokens=100, task_tokens=28, answer_tokens=4, tool_min=50,
+                            tool_max=50, oneshot_min=200, oneshot_max=300, oneshot_answer_tokens=2)
+    # 100 + 28 + (4 + 50) + 4 = 186 tokens: 2 chunks of 128; 2 turns x 2 states.
+    assert w.context_tokens(0) == 186 and agents.session_pin_bytes(w, 0, per) == 2 * 1000 + 4 * 10
+    # A one-shot of mean length: 252 tokens, 2 chunks, and 2 states.
+    assert agents.oneshot_bytes(w, per) == 2 * 1000 + 2 * 10
+
+
+def test_oneshots_per_pause_counts_those_started_between_a_sessions_turns() -> None:
+    def r(conv: int, turn: int, start: float, e2e: float = 0.5) -> Reply:
+        return Reply(conv, turn, 10, 0, 2, start, 0.1, e2e, (5, 6))
+
+    sessions = [r(0, 1, 0.0), r(0, 2, 5.0), r(0, 3, 6.0), r(1, 1, 0.0, 2.0), r(1, 2, 9.0)]
+    oneshots = [r(i, 1, t) for i, t in enumerate([0.2, 0.6, 1.0, 3.0, 5.5, 8.0, 9.5])]
+    # Session 0: (0.5, 5.0) holds 0.6, 1.0, 3.0; (5.5, 6.0) holds 5.5. Session 1: (2.0, 9.0) holds 3.0, 5.5, 8.0.
+    assert agents.oneshots_per_pause(sessions, oneshots) == pytest.approx((3 + 1 + 3) / 3)
+    assert agents.oneshots_per_pause(sessions[:1], oneshots) == 0.0
 
 
 def test_play_builds_prompts_waits_out_pauses_and_keeps_more_sessions_paused_than_the_pool() -> None:
@@ -112,7 +141,53 @@ def test_play_builds_prompts_waits_out_pauses_and_keeps_more_sessions_paused_tha
         for t, sp in enumerate(mine, 1):
             assert sp.t1_s - sp.t0_s == pytest.approx(SMALL.pause_s(s, t))
     occ = between_turns(spans)
-    assert occ["mean"] > SMALL.pool_sessions and occ["max"] <= 8 - 0 and occ["mean_active"] <= 2
+    assert occ["mean"] > SMALL.concurrency and occ["max"] <= 8 - 0 and occ["mean_active"] <= 2
+
+
+def test_oneshots_run_one_at_a_time_with_unique_prompts_until_stopped() -> None:
+    sent: list[tuple[int, list[int]]] = []
+    live = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def send(i: int, prompt: list[int]) -> Reply:
+        with lock:
+            sent.append((i, list(prompt)))
+            live["now"] += 1
+            live["peak"] = max(live["peak"], live["now"])
+        time.sleep(0.002)
+        with lock:
+            live["now"] -= 1
+        return Reply(i, 1, len(prompt), 0, 2, 0.0, 0.001, 0.002, (5, 6))
+
+    shots = OneShots(SMALL, send).start()
+    deadline = time.monotonic() + 10.0
+    while len(sent) < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    replies = shots.stop(10.0)
+    n = len(replies)
+    assert 5 <= n < SMALL.oneshot_limit and not shots.exhausted and live["peak"] == 1
+    time.sleep(0.02)
+    assert len(sent) == n  # none sent after stop
+    assert [i for i, _ in sent] == list(range(n))
+    assert all(p == SMALL.oneshot_prompt(i) and 30 <= len(p) <= 50 for i, p in sent)
+    assert len({tuple(p[:20]) for _, p in sent}) == n  # unique prompts: nothing to hit
+    assert SMALL.oneshot_prompt(3) == dataclasses.replace(SMALL).oneshot_prompt(3)
+    assert SMALL.oneshot_prompt(3) != dataclasses.replace(SMALL, seed=38).oneshot_prompt(3)
+    # A stream that sends all it may says so; a failed one-shot is raised by stop.
+    few = dataclasses.replace(SMALL, oneshot_limit=3)
+    all_sent = OneShots(few, send).start()
+    time.sleep(0.1)
+    assert len(all_sent.stop(10.0)) == 3 and all_sent.exhausted
+    with pytest.raises(ValueError, match="there are 3"):
+        few.oneshot_prompt(3)
+
+    def short(i: int, prompt: list[int]) -> Reply:
+        return Reply(i, 1, len(prompt), 0, 1, 0.0, 0.001, 0.002, (5,))
+
+    bad = OneShots(SMALL, short).start()
+    time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="one-shot 0: 1 answer tokens, asked for 2"):
+        bad.stop(10.0)
 
 
 def test_play_raises_a_failed_turn_and_a_short_answer() -> None:
