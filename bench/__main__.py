@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="venv with lmcache 0.5.6 installed (make bench-peers): adds LMCache's ping and lookup to "
                          "control_plane and the LMCache run to serving; default: "
                          f"{LMCACHE_VENV} when it exists and --quick is not given")
-    ap.add_argument("--serving-model", choices=["qwen3_next", "qwen3_next_8l"], default=None,
-                    help="serving's model (default qwen3_next_8l, the tiny qwen3_next with --quick)")
+    ap.add_argument("--serving-model", choices=["qwen3_next", "qwen3_next_8l", "gemma3"], default=None,
+                    help="serving's model (default qwen3_next_8l, the tiny qwen3_next with --quick; gemma3: the "
+                         "tiny Gemma3, sliding windows, quick workload only)")
     ap.add_argument("--serving-rounds", type=int, default=None,
                     help="serving: rounds of runs, each run's figures pooled over them (default 3, 1 with --quick)")
     a = ap.parse_args(argv)

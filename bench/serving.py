@@ -9,7 +9,8 @@ between two of its turns the other conversations run theirs (all but the ones in
 
 Runs, one after another in one invocation, each a fresh server (and daemon) with the same
 flags (``--enable-prefix-caching --mamba-cache-mode align --prefix-cache-retention-interval N``,
-the same OpenMP binding, ``--num-gpu-blocks-override``), in rounds (``rounds``: 3 by default, 1
+the Mamba cache mode for Qwen3-Next-shaped models only; the same OpenMP binding,
+``--num-gpu-blocks-override``), in rounds (``rounds``: 3 by default, 1
 in quick mode; a run that fails is not tried again). Each run's figures pool the replies of all
 its rounds, and the summary gives the ratio to the limit round by round as well, which shows how
 much one round's figure can drift on a shared machine:
@@ -41,9 +42,14 @@ is read before the next step is planned, and a load reported at the end of step 
 request run in step k + 1 (on GPUs, asynchronous scheduling is vLLM's default: k + 2, unless the
 scheduler side reported the load first: ``early_load_reports``).
 
-Models: ``qwen3_next_8l`` (8 layers, hidden 512: prefill is real compute on 2 cores), the tiny
-4-layer ``qwen3_next`` of tests/shim in quick mode; both Qwen3-Next-shaped (3 Gated-DeltaNet
-layers per full-attention layer), block size N = 128.
+Models (``model``; ``--serving-model``): ``qwen3_next_8l`` (8 layers, hidden 512: prefill is real
+compute on 2 cores) by default, the tiny 4-layer ``qwen3_next`` of tests/shim in quick mode; both
+Qwen3-Next-shaped (3 Gated-DeltaNet layers per full-attention layer). ``gemma3``: the tiny Gemma3
+of tests/shim (3 sliding-window layers, window 192, per full-attention layer; no Mamba state), whose
+2,048 positions hold the quick workload only: the full one's conversations (2,612 tokens) make every
+run an error that says so. Each model carries the geometry vLLM gives it (block size N = 128 for
+all three, 4 KV-cache groups), which every server start checks against vLLM's log, and the KV
+memory is sized from it (``BenchModel.kv_blocks``).
 """
 
 from __future__ import annotations
@@ -63,7 +69,6 @@ from bench.serving_client import (
     cached_tokens,
     converse,
     http_get,
-    kv_blocks,
     parse_metrics,
     reply_from_json,
     stream_completion,
@@ -81,7 +86,7 @@ from bench.serving_server import (
     model_path,
 )
 
-BLOCK = 128  # vLLM's block size N for both models on CPU (checked against its log)
+BLOCK = MODELS["qwen3_next"].block  # the default models' block size N (each model carries its own)
 FULL = Workload(conversations=8, concurrency=4, turns=4, first_tokens=1500, user_tokens=200, answer_tokens=128)
 QUICK = Workload(conversations=4, concurrency=2, turns=3, first_tokens=600, user_tokens=100, answer_tokens=32)
 RUNS = {
@@ -154,7 +159,8 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _play(server: VllmServer, workload: Workload, log: Log) -> dict[str, Any]:
     """The workload against a started server: replies, per-turn stats and the server's counters."""
     # One short request first (less than a block: nothing to cache) so one-off costs land on no turn.
-    stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(BLOCK // 2)], 2, REQUEST_TIMEOUT_S)
+    stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(server.block // 2)], 2,
+                      REQUEST_TIMEOUT_S)
     before = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
     done: dict[int, list[Reply]] = {}
     t0 = time.perf_counter()
@@ -186,23 +192,40 @@ def _play(server: VllmServer, workload: Workload, log: Log) -> dict[str, Any]:
 
 def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, workload: Workload, blocks: int,
              hugepages: str, lmcache_venv: Path | None, log: Log) -> dict[str, Any]:
-    """One run in fresh processes; a run that cannot start or serve returns ``{"error": ...}``."""
+    """One run in fresh processes; a run that cannot start or serve returns ``{"error": ...}``, and so does
+    one whose conversations outgrow ``max_len`` or whose ``blocks`` hold less than one conversation of
+    ``model`` (before starting anything)."""
     base: dict[str, Any] = {"run": name, "label": RUNS[name], "kv_blocks": blocks}
     t0 = time.perf_counter()
+    block = model.block
+    if workload.context_tokens() > max_len:
+        msg = (f"conversations reach {workload.context_tokens()} tokens, over the max model len {max_len} "
+               f"({model.name} has {model.max_len} positions): use --quick's workload or a model with more "
+               "positions (--serving-model)")
+        log(f"    {name} not run: {msg}")
+        return {**base, "error": msg, "error_detail": msg}
+    need = model.kv_blocks(workload)["per_conversation"]
+    if blocks < need:
+        msg = (f"{blocks} KV blocks hold less than one conversation: {model.name} needs {need} "
+               f"(blocks of {block} tokens in {model.kv_groups()} groups): size the memory with "
+               f"MODELS[{model.name!r}].kv_blocks(workload)")
+        log(f"    {name} not run: {msg}")
+        return {**base, "error": msg, "error_detail": msg}
 
     def serve(kv: dict[str, Any] | None, env: dict[str, str] | None = None) -> dict[str, Any]:
-        with VllmServer(model_dir, max_len, BLOCK, blocks, kv, START_TIMEOUT_S, env) as server:
+        with VllmServer(model_dir, max_len, block, blocks, kv, START_TIMEOUT_S, env,
+                        mamba_align=model.mamba_groups() > 0) as server:
             geo = server.geometry()
             log(f"    server up in {server.startup_s:.0f} s: KV cache groups {geo['group_block_sizes']}, "
                 f"{blocks} blocks = {geo['kv_cache_tokens']} tokens by vLLM's count")
-            if geo["block"] != BLOCK or len(geo["group_block_sizes"] or ()) != model.kv_groups():
+            if geo["block"] != block or len(geo["group_block_sizes"] or ()) != model.kv_groups():
                 raise RuntimeError(f"vLLM chose block {geo['block']} and groups {geo['group_block_sizes']}; the bench "
-                                   f"sized the KV memory for block {BLOCK} and {model.kv_groups()} groups")
+                                   f"sized the KV memory for block {block} and {model.kv_groups()} groups")
             return {**_play(server, workload, log), "geometry": geo, "startup_s": server.startup_s}
 
     try:
         if name == "hkvd":
-            with Daemon("--chunk-size", str(BLOCK), pool_gb=2.0, hugepages=hugepages) as daemon:
+            with Daemon("--chunk-size", str(block), pool_gb=2.0, hugepages=hugepages) as daemon:
                 kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                           "require_daemon": True,
@@ -220,7 +243,7 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
             if lmcache_venv is None:
                 raise RuntimeError("no LMCache venv given: make bench-peers makes .bench-lmcache, which full mode "
                                    "finds by itself (--lmcache-venv DIR for another, or with --quick)")
-            with LmcacheServer(lmcache_venv, BLOCK, START_TIMEOUT_S) as lm:
+            with LmcacheServer(lmcache_venv, block, START_TIMEOUT_S) as lm:
                 try:
                     res = serve(lm.kv_transfer(), lmcache_env(lmcache_venv, lm.dir / "pythonpath"))
                 finally:
@@ -234,6 +257,13 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
         return {**base, "error": msg, "error_detail": str(e)[-4000:]}
     replies: list[Reply] = res.pop("replies")
     return {**base, **res, "turns": turn_stats(replies, workload.turns), "replies": [r.as_json() for r in replies]}
+
+
+def _block_counting(model: BenchModel) -> str:
+    if model.window_groups():
+        return (f"full attention, and as many per sliding-window group up to {model.window_cap()} per request, "
+                "no Mamba groups")
+    return "attention, and 2 per Mamba group per request"
 
 
 def verify_fraction() -> float:
@@ -272,17 +302,14 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
     workload = QUICK if quick else FULL
     bench_model = MODELS[model or ("qwen3_next" if quick else "qwen3_next_8l")]
-    if workload.context_tokens() > bench_model.max_len:
-        raise ValueError(f"conversations reach {workload.context_tokens()} tokens, over {bench_model.name}'s "
-                         f"{bench_model.max_len}")
     root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
     model_dir = model_path(bench_model, root)
-    blocks = kv_blocks(workload, BLOCK, bench_model.mamba_groups())
+    blocks = bench_model.kv_blocks(workload)
     max_len = min(bench_model.max_len, -(-workload.context_tokens() // 256) * 256)
     log(f"  {bench_model.name}: {workload.conversations} conversations x {workload.turns} turns, "
         f"{workload.concurrency} at a time; prompts {workload.prompt_tokens(1)} -> "
         f"{workload.prompt_tokens(workload.turns)} tokens, answers {workload.answer_tokens}")
-    log(f"  KV blocks of {BLOCK} tokens (attention, and 2 per Mamba group per request): one conversation "
+    log(f"  KV blocks of {bench_model.block} tokens ({_block_counting(bench_model)}): one conversation "
         f"{blocks['per_conversation']}, all {blocks['all_conversations']}; small {blocks['small']}, "
         f"ample {blocks['ample']}; max model len {max_len}")
     venv = Path(lmcache_venv) if lmcache_venv else None
@@ -303,7 +330,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
             if "error" in res:
                 failed.add(name)
     runs = merge_rounds(played, workload.turns)
-    result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
+    result = {"config": {"model": bench_model.name, "block": bench_model.block,
+                         "workload": dataclasses.asdict(workload),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len, "rounds": rounds,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",

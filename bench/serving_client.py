@@ -81,18 +81,25 @@ class Workload:
         return self.conversations * self.turns
 
 
-def kv_blocks(workload: Workload, block: int, mamba_groups: int) -> dict[str, int]:
+def kv_blocks(workload: Workload, block: int, mamba_groups: int, window_groups: int = 0,
+              window_cap: int | None = None) -> dict[str, int]:
     """KV-cache block counts for the runs (vLLM's ``--num-gpu-blocks-override``).
 
     vLLM's block pool serves every KV-cache group. A conversation at its end holds
-    ``ceil(context / block)`` attention blocks and, per Mamba group, the two state blocks vLLM
+    ``ceil(context / block)`` blocks of full attention; per Mamba group, the two state blocks vLLM
     counts for a running request (align mode keeps a request's state at one block boundary,
-    not at every one: vLLM 0.32's retention interval acts on sliding windows only).
+    not at every one: vLLM 0.32's retention interval acts on sliding windows only); per
+    sliding-window group, what a prefill allocates before vLLM frees the blocks behind the
+    window: every block from the first one in the window at its start to the prompt's end, so
+    ``ceil(context / block)`` for a prompt computed from its first token, at most ``window_cap``
+    (vLLM's per-request admission cap for the group; ``None``: no cap).
     ``small`` holds the ``concurrency`` running conversations with a quarter to spare, so no
     request is preempted, but not the others: between two turns of a conversation the other
     conversations' turns take its blocks. ``ample`` holds every conversation twice over.
     """
-    per_conv = math.ceil(workload.context_tokens() / block) + 2 * mamba_groups
+    attention = math.ceil(workload.context_tokens() / block)
+    window = attention if window_cap is None else min(attention, window_cap)
+    per_conv = attention + window_groups * window + 2 * mamba_groups
     return block_budget(per_conv, workload.conversations, workload.concurrency)
 
 

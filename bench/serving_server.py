@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serving_client import http_get
+from bench.serving_client import Workload, http_get, kv_blocks
 from bench.vllm_e2e import ROOT, _omp_bind, _tiny_models
 
 HOST = "127.0.0.1"
@@ -41,26 +41,61 @@ MAX_NUM_BATCHED_TOKENS = 2048  # vLLM 0.32's default for its OpenAI server on CP
 
 @dataclass(frozen=True)
 class BenchModel:
-    """A Qwen3-Next-shaped random-weight model (3 Gated-DeltaNet layers per full-attention layer)."""
+    """A random-weight model the serving benches serve, with the KV-cache geometry vLLM 0.32 gives it on CPU.
+
+    ``arch`` ``qwen3_next``: 3 Gated-DeltaNet layers per full-attention layer (3 Mamba groups, 1 attention
+    group). ``arch`` ``gemma3``: 3 sliding-window layers (``sliding_window`` tokens) per full-attention
+    layer, no Mamba state (3 sliding-window groups, 1 full-attention group). ``block``: vLLM's block size,
+    the chunk every run uses (checked against vLLM's log at every server start).
+    """
 
     name: str
     layers: int
     hidden: int
     intermediate: int
     max_len: int
+    arch: str = "qwen3_next"
+    block: int = 128
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("qwen3_next", "gemma3"):
+            raise ValueError(f"bench model {self.name}: unknown arch {self.arch!r} (qwen3_next or gemma3)")
+        if (self.arch == "gemma3") != (self.sliding_window > 0):
+            raise ValueError(f"bench model {self.name}: a sliding window belongs to gemma3 models only "
+                             f"(arch {self.arch}, sliding_window {self.sliding_window})")
 
     def kv_groups(self) -> int:
-        """vLLM's KV-cache groups: layers go in sets of the rarer kind's count (3:1 here: 1 attention + 3 Mamba)."""
+        """vLLM's KV-cache groups: layers go in sets of the rarer kind's count (3:1 here: 1 attention + 3 others)."""
         return 4
 
     def mamba_groups(self) -> int:
-        return self.kv_groups() - 1
+        return 3 if self.arch == "qwen3_next" else 0
+
+    def window_groups(self) -> int:
+        return 3 if self.arch == "gemma3" else 0
+
+    def window_cap(self) -> int | None:
+        """Most blocks a request holds in one sliding-window group, as vLLM's admission counts them: the window
+        less one token plus one step's tokens (``MAX_NUM_BATCHED_TOKENS``), one more block for a window that
+        starts inside a block; ``None`` without sliding windows."""
+        if not self.sliding_window:
+            return None
+        return -(-(self.sliding_window - 1 + MAX_NUM_BATCHED_TOKENS) // self.block) + 1
+
+    def kv_blocks(self, workload: Workload) -> dict[str, int]:
+        """``bench.serving_client.kv_blocks`` with this model's block and groups."""
+        return kv_blocks(workload, self.block, self.mamba_groups(), self.window_groups(), self.window_cap())
 
     def chunk_bytes(self, block: int) -> dict[str, int]:
         """Bytes of one ``block``-token chunk as vLLM lays them out (bfloat16): ``attention`` (K and V of
-        every full-attention layer, 4 KV heads x 128) and ``mamba_state`` (one state per Gated-DeltaNet
-        layer: the convolution's last 3 inputs of 1 key head x 2 + 2 value heads x 128 channels, and the
-        recurrent state of 2 value heads x 128 x 128)."""
+        every attention layer) and ``mamba_state``.
+
+        Qwen3-Next: full-attention layers of 4 KV heads x 128; one state per Gated-DeltaNet layer: the
+        convolution's last 3 inputs of 1 key head x 2 + 2 value heads x 128 channels, and the recurrent
+        state of 2 value heads x 128 x 128. Gemma3: every layer (sliding or not) 2 KV heads x 32, no state."""
+        if self.arch == "gemma3":
+            return {"attention": self.layers * block * 2 * 2 * 32 * 2, "mamba_state": 0}
         attention_layers = self.layers // 4
         conv = (2 * 1 * 128 + 2 * 128) * 3 * 2
         recurrent = 2 * 128 * 128 * 2
@@ -72,7 +107,9 @@ class BenchModel:
 # 8 layers, hidden 512, MoE experts of 512: about 6x the tiny model's prefill compute, so a
 # 1,500-token prefill costs about a second on 2 cores (not a few hundred microseconds of
 # scheduling overhead), while the head geometry (4 KV heads x 128, linear heads 1 key / 2 value
-# x 128) keeps vLLM's block size at 128 like the tiny model's.
+# x 128) keeps vLLM's block size at 128 like the tiny model's. ``gemma3``: the tiny Gemma3 of
+# tests/shim (3 sliding-window layers of window 192 + 1 full-attention layer, 2 KV heads x 32,
+# 2,048 positions): vLLM 0.32 on CPU gives it 4 KV-cache groups of block 128.
 MODELS = {
     "qwen3_next": BenchModel("qwen3_next", layers=4, hidden=128, intermediate=256, max_len=2048),
     "qwen3_next_8l": BenchModel("qwen3_next_8l", layers=8, hidden=512, intermediate=1024, max_len=4096),
@@ -80,6 +117,8 @@ MODELS = {
     "qwen3_next_long": BenchModel("qwen3_next_long", layers=4, hidden=128, intermediate=256, max_len=8192),
     # qwen3_next_8l with 8,192 positions: bench/agents.py's full run (16 sessions x 10 turns reach 8,032 tokens).
     "qwen3_next_8l_long": BenchModel("qwen3_next_8l_long", layers=8, hidden=512, intermediate=1024, max_len=8192),
+    "gemma3": BenchModel("gemma3", layers=4, hidden=128, intermediate=256, max_len=2048, arch="gemma3",
+                         sliding_window=192),
 }
 
 
@@ -87,7 +126,9 @@ def model_path(model: BenchModel, root: Path) -> Path:
     """Build (once; a ``.complete`` marker makes it idempotent) and return the model's directory."""
     tiny = _tiny_models()
     if model.name in tiny.KINDS:
-        return Path(tiny.build(model.name, root))
+        built = Path(tiny.build(model.name, root))
+        check_config(model, json.loads((built / "config.json").read_text()))
+        return built
     out = root / model.name
     if (out / ".complete").exists():
         return out
@@ -111,6 +152,16 @@ def model_path(model: BenchModel, root: Path) -> Path:
                                                             "pad_token_id": 3}))
     (out / ".complete").write_text("ok\n")
     return out
+
+
+def check_config(model: BenchModel, config: dict[str, Any]) -> None:
+    """Raise ``RuntimeError`` where a built model's ``config.json`` disagrees with ``model`` (positions, window):
+    the KV memory and the max model len are sized from ``model``."""
+    want = {"max_position_embeddings": model.max_len, "sliding_window": model.sliding_window or None}
+    got = {k: config.get(k) for k in want}
+    if got != want:
+        raise RuntimeError(f"bench model {model.name}: its config.json has {got}, the bench expects {want}: "
+                           "make MODELS in bench/serving_server.py match tests/shim/tiny_models.py")
 
 
 def free_port() -> int:
@@ -199,12 +250,15 @@ class VllmServer:
 
     ``kv_transfer`` is the ``--kv-transfer-config`` (None: vLLM alone); ``blocks`` the
     ``--num-gpu-blocks-override``; ``extra_env`` adds to the environment (LMCache's site-packages),
-    ``extra_args`` to the command line (before ``HKVD_BENCH_VLLM_ARGS``).
+    ``extra_args`` to the command line (before ``HKVD_BENCH_VLLM_ARGS``). ``mamba_align``: pass
+    ``--mamba-cache-mode align`` (Mamba/GDN models; vLLM 0.32 fails the first step of a model
+    without Mamba layers that has it: "no mamba layers in the model").
     """
 
     def __init__(self, model_dir: Path, max_model_len: int, block: int, blocks: int,
                  kv_transfer: dict[str, Any] | None, start_timeout_s: float,
-                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 mamba_align: bool = True) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hkvd-bench-vllm-"))
         self.port = free_port()
         self.block = block
@@ -214,7 +268,7 @@ class VllmServer:
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                     "--served-model-name", MODEL_NAME, "--host", HOST, "--port", str(self.port),
                     "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", "--max-model-len", str(max_model_len),
-                    "--enable-prefix-caching", "--mamba-cache-mode", "align",
+                    "--enable-prefix-caching", *(["--mamba-cache-mode", "align"] if mamba_align else []),
                     "--prefix-cache-retention-interval", str(block), "--num-gpu-blocks-override", str(blocks),
                     "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                     "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]

@@ -8,6 +8,7 @@ serving --quick`` runs the real thing).
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ try:
     from bench import report, serving
     from bench.common import md_table
     from bench.serving_client import Reply, Workload, cached_tokens, converse, kv_blocks, parse_metrics
-    from bench.serving_server import first_error
+    from bench.serving_server import MODELS, BenchModel, VllmServer, check_config, first_error
 finally:
     sys.path.remove(str(ROOT))
 
@@ -53,6 +54,72 @@ def test_kv_blocks_small_holds_the_running_conversations_and_not_all() -> None:
     with pytest.raises(ValueError, match=r"more conversations than 1\.25x the concurrency"):
         kv_blocks(Workload(conversations=5, concurrency=4, turns=1, first_tokens=1, user_tokens=1,
                            answer_tokens=1), 128, 3)
+
+
+def test_kv_blocks_count_every_sliding_window_group_up_to_its_cap() -> None:
+    # Quick: 600 + 2 x (32 + 100) + 32 = 896 tokens, 7 blocks of full attention and 7 in each of the 3
+    # sliding-window groups (a prompt computed from its first token allocates every block before vLLM frees
+    # those behind the window); no Mamba state.
+    assert kv_blocks(serving.QUICK, 128, 0, 3) == {"per_conversation": 28, "all_conversations": 112,
+                                                   "small": 70, "ample": 224}
+    # The cap binds past it: 2612 tokens are 21 blocks, 19 per sliding-window group.
+    assert kv_blocks(serving.FULL, 128, 0, 3, 19)["per_conversation"] == 21 + 3 * 19
+    assert kv_blocks(serving.FULL, 128, 3, 0, None) == kv_blocks(serving.FULL, 128, 3)
+
+
+def test_models_carry_their_geometry() -> None:
+    gemma = MODELS["gemma3"]
+    assert (gemma.block, gemma.kv_groups(), gemma.mamba_groups(), gemma.window_groups()) == (128, 4, 0, 3)
+    # vLLM's admission cap for one sliding-window group: (192 - 1 + 2048 batched tokens) / 128, rounded up, + 1.
+    assert gemma.window_cap() == 19
+    assert gemma.kv_blocks(serving.QUICK) == kv_blocks(serving.QUICK, 128, 0, 3, 19)
+    assert gemma.chunk_bytes(128) == {"attention": 128 << 10, "mamba_state": 0}  # 4 layers x 2 KV heads x 32
+    for name in ("qwen3_next", "qwen3_next_8l", "qwen3_next_long"):  # Qwen3-Next-shaped: as before
+        m = MODELS[name]
+        assert (m.block, m.kv_groups(), m.mamba_groups(), m.window_groups(), m.window_cap()) == (128, 4, 3, 0, None)
+        assert m.kv_blocks(serving.FULL) == {"per_conversation": 27, "all_conversations": 216, "small": 135,
+                                             "ample": 432}
+    with pytest.raises(ValueError, match="sliding window belongs to gemma3"):
+        BenchModel("x", layers=4, hidden=128, intermediate=256, max_len=2048, arch="gemma3")
+    with pytest.raises(ValueError, match="unknown arch 'llama'"):
+        BenchModel("x", layers=4, hidden=128, intermediate=256, max_len=2048, arch="llama")
+
+
+def test_check_config_refuses_a_model_built_other_than_the_bench_expects() -> None:
+    check_config(MODELS["gemma3"], {"max_position_embeddings": 2048, "sliding_window": 192})
+    check_config(MODELS["qwen3_next"], {"max_position_embeddings": 2048})
+    with pytest.raises(RuntimeError, match=r"make MODELS in bench/serving_server\.py match"):
+        check_config(MODELS["gemma3"], {"max_position_embeddings": 1024, "sliding_window": 192})
+    with pytest.raises(RuntimeError, match="'sliding_window': 512"):
+        check_config(MODELS["gemma3"], {"max_position_embeddings": 2048, "sliding_window": 512})
+
+
+def test_the_mamba_cache_mode_is_asked_for_mamba_models_only(tmp_path: Path) -> None:
+    # vLLM 0.32 fails the first step of a model without Mamba layers started with it ("no mamba layers").
+    cmds = []
+    for align in (True, False):
+        server = VllmServer(tmp_path, 1024, 128, 70, None, 1.0, mamba_align=align)
+        shutil.rmtree(server.dir)  # nothing started: only the command line is read
+        cmds.append([a for a in server.cmd if a != str(server.port)])  # each has its own free port
+    assert cmds[0][cmds[0].index("--mamba-cache-mode") + 1] == "align" and "--mamba-cache-mode" not in cmds[1]
+    assert [a for a in cmds[0] if a not in ("--mamba-cache-mode", "align")] == cmds[1]
+
+
+def test_a_run_whose_conversations_outgrow_the_model_is_an_error_in_the_result() -> None:
+    lines: list[str] = []
+    gemma = MODELS["gemma3"]
+    # The full workload on the tiny Gemma3 (2,048 positions): nothing starts (no model folder is read).
+    res = serving._one_run("hkvd", Path("/nonexistent"), gemma, 2048, serving.FULL, 390, "off", None, lines.append)
+    assert res["error"].startswith("conversations reach 2612 tokens, over the max model len 2048 (gemma3 has "
+                                   "2048 positions): use --quick's workload")
+    assert res["run"] == "hkvd" and "turns" not in res and lines == [f"    hkvd not run: {res['error']}"]
+    notes = serving.summary({"runs": serving.merge_rounds([[res]], serving.FULL.turns)})
+    assert notes == [f"hkvd (vLLM + hkvd, small KV memory) did not run: {res['error']}"]
+    # A KV memory sized without the sliding-window groups (7 blocks a conversation, 18 small): refused too.
+    small = serving._one_run("limit", Path("/nonexistent"), gemma, 1024, serving.QUICK, 18, "off", None,
+                             lines.append)
+    assert small["error"] == ("18 KV blocks hold less than one conversation: gemma3 needs 28 (blocks of 128 tokens "
+                              "in 4 groups): size the memory with MODELS['gemma3'].kv_blocks(workload)")
 
 
 def _fake_server(workload: Workload, delay_s: float = 0.0):  # type: ignore[no-untyped-def]
