@@ -6,7 +6,7 @@ whose prefill is real compute, about a second for 1,500 tokens on 2 cores, so TT
 loading with computing). Turn 1 sends a system prompt shared by every session (384 tokens; 256)
 and a task of its own (128); every later turn sends the session so far, the model's answer (32
 tokens, greedy, ``ignore_eos``) and a tool result of 100 to 800 tokens. After each turn a session
-pauses for an exponential time (mean 10 s, at most 40 s; quick: 30 s). Beside the sessions,
+pauses for an exponential time (mean 60 s, at most 180 s; quick: 10 s, 30 s). Beside the sessions,
 one one-shot request at a time (``OneShots``: a unique random prompt of 1,000 to 1,500 tokens, a
 2-token answer, never pinned) runs from the first session's start until the last session's last
 turn: the node's other traffic, reported apart (count, TTFT) and left out of the sessions' hit
@@ -23,9 +23,11 @@ memory: for hkvd's pool, a pin budget smaller than the paused sessions cannot re
 whatever the policy, because sessions come back roughly in the order they paused, so the oldest
 pins, the first to lapse, are those of the session about to return. Pins win where the budget
 holds the paused sessions and what a recency-only pool keeps instead is other traffic. The
-fraction is 0.75, not the default 0.5: with 0.5 the pool is twice the sessions' pins at their
-largest, more than one one-shot at a time writes within a pause on 2 cores, and recency alone
-would keep the sessions.
+fraction is 0.75, not the default 0.5: with 0.5 the quick run's pool is 18 one-shots, about as
+many as start between a session's turns on 2 cores (17 to 30 in a quick run), so whether recency
+alone loses the sessions would hang on the machine's speed; with 0.75 it is 12.5. The full run's
+pool is 105 one-shots: its pauses (mean 60 s) are long enough for one stream to write that on 2
+cores (about 2 one-shots a second in the quick run).
 
 Runs, one after another in one invocation, each a fresh server (and daemon) with the serving
 bench's flags (``bench.serving_server.VllmServer``: prefix caching, Mamba align mode, vLLM's
@@ -75,7 +77,7 @@ BLOCK = serving.BLOCK
 MODEL = {"full": "qwen3_next_8l_long", "quick": "qwen3_next_8l"}
 # A pin budget of 0.75 of the pool, not the default 0.5: see the module's docstring.
 FULL = Agents(sessions=16, concurrency=4, turns=10, system_tokens=384, task_tokens=128, answer_tokens=32,
-              pause_mean_s=10.0, pause_max_s=40.0, pin_max_fraction=0.75, oneshot_limit=600)
+              pause_mean_s=60.0, pause_max_s=180.0, pin_max_fraction=0.75, oneshot_limit=600)
 QUICK = Agents(sessions=5, concurrency=2, turns=4, system_tokens=256, task_tokens=128, answer_tokens=32,
                pause_mean_s=10.0, pause_max_s=30.0, pin_max_fraction=0.75, oneshot_limit=200)
 RUNS = {
@@ -138,6 +140,24 @@ def kv_blocks(agents: Agents, model: BenchModel) -> dict[str, int]:
     one = math.ceil((agents.oneshot_max + agents.oneshot_answer_tokens) / BLOCK) + 2 * model.mamba_groups()
     return {**budget, "oneshot": one, "small": budget["small"] + agents.oneshot_in_flight * one,
             "ample": budget["ample"] + agents.oneshot_limit * one}
+
+
+def short_of_previous(replies: Sequence[Reply]) -> dict[str, int]:
+    """Later turns whose hit stopped short of the previous turn's prompt, cut to whole blocks: a cache that
+    kept the session's last turn serves at least that (vLLM's own cache does). ``turns``: later turns
+    counted; ``short``: those that hit less; ``tokens_short``: the tokens they missed by."""
+    by_key = {(r.conv, r.turn): r for r in replies}
+    turns = short = missed = 0
+    for (conv, turn), r in by_key.items():
+        prev = by_key.get((conv, turn - 1))
+        if prev is None:
+            continue
+        turns += 1
+        kept = prev.prompt_tokens // BLOCK * BLOCK
+        if r.cached_tokens < kept:
+            short += 1
+            missed += kept - r.cached_tokens
+    return {"turns": turns, "short": short, "tokens_short": missed}
 
 
 def oneshots_per_pause(sessions: Sequence[Reply], oneshots: Sequence[Reply]) -> float:
@@ -279,6 +299,7 @@ def _one_run(name: str, model_dir: Path, max_len: int, agents: Agents, blocks: i
                 "per_pause": oneshots_per_pause(replies, background),
                 **({k: stats[0][k] for k in ("ttft_ms_p50", "ttft_ms_p99", "hit_share")} if stats else {})}
     return {**base, **res, "turns": serving.turn_stats(replies, agents.turns), "oneshots": oneshots,
+            "short_of_previous": short_of_previous(replies),
             "replies": [r.as_json() for r in replies]}
 
 
@@ -329,10 +350,20 @@ def _later(run: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Later-turn (2 and on) hit shares against the limit's, TTFT p50 against recompute's and the limit's; targets."""
+    """Later-turn (2 and on) hit shares against the limit's, TTFT p50 against recompute's and the limit's; targets.
+
+    ``oneshot_ttft_p50_vs_recompute``: the one-shots' TTFT p50 against recompute's run. They are the same
+    requests in every run and never hit, so a ratio far from 1 is the machine's load moving between runs,
+    not a cache: it bounds how far the sessions' TTFT ratios can be read.
+    """
     later = {r["run"]: lt for r in runs if (lt := _later(r)) is not None}
     out: dict[str, Any] = {"hit_share": {k: v["hit_share"] for k, v in later.items()},
-                           "hits_vs_limit": {}, "ttft_p50_vs_recompute": {}, "ttft_p50_vs_limit": {}}
+                           "hits_vs_limit": {}, "ttft_p50_vs_recompute": {}, "ttft_p50_vs_limit": {},
+                           "oneshot_ttft_p50_vs_recompute": {}}
+    oneshot = {r["run"]: r["oneshots"]["ttft_ms_p50"] for r in runs if (r.get("oneshots") or {}).get("ttft_ms_p50")}
+    for name, ms in oneshot.items():
+        if "recompute" in oneshot and name != "recompute":
+            out["oneshot_ttft_p50_vs_recompute"][name] = ms / oneshot["recompute"]
     for name, lt in later.items():
         if "limit" in later and later["limit"]["hit_share"]:
             out["hits_vs_limit"][name] = lt["hit_share"] / later["limit"]["hit_share"]
@@ -418,6 +449,11 @@ def summary(result: dict[str, Any]) -> list[str]:
         vs_rc = (rt.get("ttft_p50_vs_recompute") or {}).get(name)
         lines.append(f"{name}: later-turn hit share {rt['hit_share'][name]:.1%} = {v:.2f}x the limit's "
                      f"({rt['hit_share']['limit']:.1%})" + (f"; TTFT p50 {vs_rc:.2f}x recompute's" if vs_rc else ""))
+    noise = rt.get("oneshot_ttft_p50_vs_recompute") or {}
+    if noise:
+        lines.append("one-shots' TTFT p50 (the same requests in every run, never hit) against recompute's run: "
+                     + ", ".join(f"{k} {v:.2f}x" for k, v in noise.items())
+                     + ": how far the machine's load moved between runs")
     for key, t in (rt.get("targets") or {}).items():
         if t is None:
             lines.append(f"target {key}: not measured (a run it needs failed)")
@@ -462,6 +498,10 @@ def summary(result: dict[str, Any]) -> list[str]:
             if r["run"] == "hkvd_pins":
                 text += (f"; {c.get('hkvd_pins_sent', 0):.0f} requests pinned, {c.get('hkvd_pins_refused', 0):.0f} "
                          "pin asks refused")
+        sp = r.get("short_of_previous")
+        if sp:
+            text += (f"; {sp['short']} of {sp['turns']} later turns hit less than the previous turn's prompt "
+                     f"({sp['tokens_short']:,} tokens short)")
         lines.append(text)
         u = r.get("prefix_match_unit")
         if u:

@@ -96,6 +96,18 @@ def test_session_pin_bytes_and_oneshot_bytes_count_chunks_and_states() -> None:
     assert agents.oneshot_bytes(w, per) == 2 * 1000 + 2 * 10
 
 
+def test_short_of_previous_counts_later_turns_that_lost_the_last_turn() -> None:
+    def r(conv: int, turn: int, prompt: int, cached: int) -> Reply:
+        return Reply(conv, turn, prompt, cached, 2, 0.0, 0.1, 0.2, (5, 6))
+
+    # Session 0: turn 2 keeps turn 1's 300 tokens cut to 256; turn 3 hits 256 of turn 2's 700 (640 whole): short
+    # by 384. Session 1: turn 2 hits 128 of 256: short by 128. A lone first turn counts for nothing.
+    replies = [r(0, 1, 300, 0), r(0, 2, 700, 256), r(0, 3, 900, 256), r(1, 1, 256, 0), r(1, 2, 500, 128),
+               r(2, 1, 400, 0)]
+    assert agents.short_of_previous(replies) == {"turns": 3, "short": 2, "tokens_short": 384 + 128}
+    assert agents.short_of_previous(replies[:2]) == {"turns": 1, "short": 0, "tokens_short": 0}
+
+
 def test_oneshots_per_pause_counts_those_started_between_a_sessions_turns() -> None:
     def r(conv: int, turn: int, start: float, e2e: float = 0.5) -> Reply:
         return Reply(conv, turn, 10, 0, 2, start, 0.1, e2e, (5, 6))
@@ -241,6 +253,11 @@ def test_ratios_and_targets() -> None:
     assert r["hits_vs_limit"]["hkvd_pins"] == pytest.approx(1000 / 1024)
     assert r["hits_vs_limit"]["hkvd_lru"] == pytest.approx(0.5)
     assert r["ttft_p50_vs_recompute"]["hkvd_pins"] == pytest.approx(0.135 / 1.015)
+    assert r["oneshot_ttft_p50_vs_recompute"] == {}  # no run carried one-shots
+    noisy = [{**run, "oneshots": {"count": 3, "ttft_ms_p50": ms}} for run, ms in zip(runs, [300, 100, 150, 100],
+                                                                                         strict=True)]
+    assert agents.ratios(noisy)["oneshot_ttft_p50_vs_recompute"] == {"limit": 3.0, "hkvd_lru": 1.5,
+                                                                     "hkvd_pins": 1.0}
     t = r["targets"]
     assert t["pins_hits_vs_limit"]["met"] and t["lru_below_limit"]["met"] and t["pins_ttft_vs_recompute"]["met"]
     worse = agents.ratios([_run("limit", 0.10, 1024), _run("recompute", 0.2, 256), _run("hkvd_lru", 0.8, 1024),
