@@ -24,7 +24,7 @@ whatever the policy, because sessions come back roughly in the order they paused
 pins, the first to lapse, are those of the session about to return. Pins win where the budget
 holds the paused sessions and what a recency-only pool keeps instead is other traffic. The
 fraction is 0.75, not the default 0.5: with 0.5 the quick run's pool is 18 one-shots, about as
-many as start between a session's turns on 2 cores (17 to 30 in a quick run), so whether recency
+many as start between a session's turns on 2 cores (17 to 34 in two quick runs), so whether recency
 alone loses the sessions would hang on the machine's speed; with 0.75 it is 12.5. The full run's
 pool is 105 one-shots: its pauses (mean 60 s) are long enough for one stream to write that on 2
 cores (about 2 one-shots a second in the quick run).
