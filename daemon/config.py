@@ -69,7 +69,7 @@ class DaemonConfig:
     event_loop: str = "uvloop"  # uvloop (a dependency) or asyncio (the standard library's loop)
     mamba_checkpoint_interval: int = 1
     # Sampled hits recomputed and compared (daemon/integrity/compare.py, quarantine.py; docs/verification.md)
-    verify_tolerance: float = 0.1  # full and swa entries: max abs error / max abs value of the stored entry
+    verify_tolerance: float = 0.25  # full and swa entries: ||fresh - stored|| / ||stored|| (integrity/compare.py)
     verify_mamba_tolerance: float = 0.3  # Mamba/GDN states (recurrent states drift more under another chunking)
     quarantine_after: int = 3  # divergences of one (fingerprint, group) within quarantine_window_s
     quarantine_window_s: float = 600.0
