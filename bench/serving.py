@@ -35,7 +35,8 @@ greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too);
 checks hkvd's outputs token for token.
 
 ``HKVD_BENCH_VERIFY_FRACTION`` sets the hkvd run's ``verify_fraction`` (default 0 here: every hit loaded; the
-daemon's verify counts then come with the run; recorded in the config). ``HKVD_BENCH_VLLM_ARGS`` adds
+daemon's verify counts then come with the run; recorded in the config). ``HKVD_BENCH_DAEMON_ARGS`` adds ``hkvd serve``
+arguments to the hkvd runs (recorded in the config). ``HKVD_BENCH_VLLM_ARGS`` adds
 ``vllm serve`` arguments to every run (recorded in the config). vLLM
 turns its asynchronous scheduling off on CPU (``vllm/platforms/cpu.py``), so here a step's output
 is read before the next step is planned, and a load reported at the end of step k lets its
@@ -56,13 +57,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Daemon, median, percentile
+from bench.common import Daemon, median, percentile, tree_cpu_s
 from bench.serving_client import (
     Reply,
     Workload,
@@ -81,6 +83,7 @@ from bench.serving_server import (
     BenchModel,
     LmcacheServer,
     VllmServer,
+    extra_daemon_args,
     extra_vllm_args,
     lmcache_env,
     model_path,
@@ -156,13 +159,15 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _play(server: VllmServer, workload: Workload, log: Log) -> dict[str, Any]:
-    """The workload against a started server: replies, per-turn stats and the server's counters."""
+def _play(server: VllmServer, workload: Workload, log: Log, also: Sequence[int] = ()) -> dict[str, Any]:
+    """The workload against a started server: replies, per-turn stats, the server's counters, and ``cpu_s``:
+    the CPU seconds the server's processes (and the processes ``also``: the daemon) spent on it."""
     # One short request first (less than a block: nothing to cache) so one-off costs land on no turn.
     stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(server.block // 2)], 2,
                       REQUEST_TIMEOUT_S)
     before = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
     done: dict[int, list[Reply]] = {}
+    cpu0 = tree_cpu_s([server.pid, *also])
     t0 = time.perf_counter()
 
     def send(conv: int, turn: int, prompt: list[int]) -> Reply:
@@ -184,9 +189,10 @@ def _play(server: VllmServer, workload: Workload, log: Log) -> dict[str, Any]:
 
     replies = converse(workload, send, on_request)
     wall = time.perf_counter() - t0
+    cpu = tree_cpu_s([server.pid, *also]) - cpu0
     after = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
     counters = {k: after[k] - before[k] for k in after}
-    return {"replies": replies, "wall_s": wall, "counters": counters,
+    return {"replies": replies, "wall_s": wall, "cpu_s": cpu, "counters": counters,
             "output_tok_s": sum(r.completion_tokens for r in replies) / wall, "errors_logged": server.errors()}
 
 
@@ -212,7 +218,7 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
         log(f"    {name} not run: {msg}")
         return {**base, "error": msg, "error_detail": msg}
 
-    def serve(kv: dict[str, Any] | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    def serve(kv: dict[str, Any] | None, env: dict[str, str] | None = None, also: Sequence[int] = ()) -> dict[str, Any]:
         with VllmServer(model_dir, max_len, block, blocks, kv, START_TIMEOUT_S, env,
                         mamba_align=model.mamba_groups() > 0) as server:
             geo = server.geometry()
@@ -221,16 +227,16 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
             if geo["block"] != block or len(geo["group_block_sizes"] or ()) != model.kv_groups():
                 raise RuntimeError(f"vLLM chose block {geo['block']} and groups {geo['group_block_sizes']}; the bench "
                                    f"sized the KV memory for block {block} and {model.kv_groups()} groups")
-            return {**_play(server, workload, log), "geometry": geo, "startup_s": server.startup_s}
+            return {**_play(server, workload, log, also), "geometry": geo, "startup_s": server.startup_s}
 
     try:
         if name == "hkvd":
-            with Daemon("--chunk-size", str(block), pool_gb=2.0, hugepages=hugepages) as daemon:
+            with Daemon("--chunk-size", str(block), *extra_daemon_args(), pool_gb=2.0, hugepages=hugepages) as daemon:
                 kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                           "require_daemon": True,
                                                                           "verify_fraction": verify_fraction()}}
-                res = serve(kv)
+                res = serve(kv, also=[daemon.proc.pid] if daemon.proc is not None else [])
                 status = daemon.status()
                 res["daemon"] = {k: status["index"][k] for k in ("entries", "bytes_stored", "evictions",
                                                                  "stores_dropped")}
@@ -286,7 +292,7 @@ def merge_rounds(played: Sequence[Sequence[dict[str, Any]]], turns: int) -> list
         replies = [reply_from_json(j) for r in ok for j in r["replies"]]
         wall = sum(r["wall_s"] for r in ok)
         counters = {k: sum(r["counters"].get(k, 0.0) for r in ok) for k in ok[0]["counters"]}
-        merged = {**ok[-1], "wall_s": wall, "counters": counters,
+        merged = {**ok[-1], "wall_s": wall, "counters": counters, "cpu_s": sum(r.get("cpu_s", math.nan) for r in ok),
                   "output_tok_s": sum(r.completion_tokens for r in replies) / wall,
                   "errors_logged": [e for r in ok for e in r.get("errors_logged") or ()],
                   "turns": turn_stats(replies, turns), "replies": [r.as_json() for r in replies]}
@@ -335,7 +341,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len, "rounds": rounds,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
-                         "extra_vllm_args": extra_vllm_args(), "verify_fraction": verify_fraction()},
+                         "extra_vllm_args": extra_vllm_args(), "extra_daemon_args": extra_daemon_args(),
+                         "verify_fraction": verify_fraction()},
               "runs": runs, "ratios": ratios(runs),
               # each round's runs carry their own per-turn figures
               "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}

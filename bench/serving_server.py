@@ -245,6 +245,12 @@ def extra_vllm_args() -> list[str]:
     return shlex.split(os.environ.get("HKVD_BENCH_VLLM_ARGS", ""))
 
 
+def extra_daemon_args() -> list[str]:
+    """``HKVD_BENCH_DAEMON_ARGS``: more ``hkvd serve`` arguments for the hkvd runs (e.g. ``--verify-tolerance 10``
+    to record every comparison's error without quarantining)."""
+    return shlex.split(os.environ.get("HKVD_BENCH_DAEMON_ARGS", ""))
+
+
 class VllmServer:
     """vLLM's OpenAI server on a free loopback port, with the settings every run of the bench shares.
 
@@ -285,6 +291,12 @@ class VllmServer:
     @property
     def log(self) -> Path:
         return self._p.log
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (its engine core runs in a child process)."""
+        assert self._p.proc is not None, "the server is not started"
+        return self._p.proc.pid
 
     def __enter__(self) -> VllmServer:
         t0 = time.perf_counter()

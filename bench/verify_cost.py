@@ -24,8 +24,7 @@ from typing import Any
 
 from bench import serving
 from bench.common import median
-from bench.serving import BLOCK, FULL, QUICK, merge_rounds
-from bench.serving_client import kv_blocks
+from bench.serving import FULL, QUICK, merge_rounds
 from bench.serving_server import MODELS, model_path
 
 FRACTIONS = (0.0, 0.01, 0.1, 1.0)
@@ -121,7 +120,7 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, model: str | Non
     bench_model = MODELS[model or ("qwen3_next" if quick else "qwen3_next_8l")]
     root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
     model_dir = model_path(bench_model, root)
-    blocks = kv_blocks(workload, BLOCK, bench_model.mamba_groups())
+    blocks = bench_model.kv_blocks(workload)
     max_len = min(bench_model.max_len, -(-workload.context_tokens() // 256) * 256)
     rounds = rounds or (1 if quick else 2)
     played: list[list[dict[str, Any]]] = []
@@ -137,9 +136,11 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, model: str | Non
         merged = merge_rounds(mine, workload.turns)[0] if any(mine) else {"error": "no run"}
         runs.append({**merged, "run": _label(f), "label": f"vLLM + hkvd, verify_fraction {f:g}",
                      "verify_fraction": f, "tokens_vs_0": same_tokens(played, f)})
-    result = {"config": {"model": bench_model.name, "block": BLOCK, "workload": dataclasses.asdict(workload),
+    result = {"config": {"model": bench_model.name, "block": bench_model.block,
+                         "workload": dataclasses.asdict(workload),
                          "kv_blocks": blocks["small"], "max_model_len": max_len, "rounds": rounds,
-                         "fractions": list(FRACTIONS), "target_throughput_loss_at_0.01": TARGET_THROUGHPUT_LOSS},
+                         "fractions": list(FRACTIONS), "target_throughput_loss_at_0.01": TARGET_THROUGHPUT_LOSS,
+                         "extra_daemon_args": serving.extra_daemon_args()},
               "runs": runs, "figures": figures(runs)}
     for line in summary(result):
         log(f"  {line}")
