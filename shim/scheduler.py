@@ -53,9 +53,11 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       computes go out as ``VerifyJob`` items (and Mamba states as the step event's verifies) where
       they would have been stored, and are compared by the daemon, never stored.
     - Session pins and tenants (docs/agents.md): a request's ``kv_transfer_params`` may ask for a pin
-      (``hkvd.shim.sessions``; bad input: one warning, the request runs unpinned). When it finishes, one
-      ``kv.Pin`` names the keys of every chunk it stored or found stored (``next_store_chunk``), sent
-      without waiting for a reply, and only to a daemon whose ``RegisterAck.pins`` says it takes pins
+      (``hkvd.shim.sessions``; bad input: one warning, the request runs unpinned). When it arrives, one
+      ``kv.Pin`` names its prompt's whole chunks (stored during the request, they are held from the
+      start); when it finishes, another names every chunk it stored or found stored
+      (``next_store_chunk``) and supersedes the first. Each is sent without waiting for a reply, and
+      only to a daemon whose ``RegisterAck.pins`` says it takes pins
       (else said once). Every store carries the request's tenant (``hkvd.shim.tenants``); the Mamba
       states of step events carry none (they count as the unsalted share's).
     - Leases the daemon granted for hits that are not loaded (local cache won, request
@@ -352,6 +354,10 @@ class SchedulerSide:
         self._reqs[request.request_id] = st
         if tokens:
             self._submit_lookup(request.request_id, st)
+        if st.pin is not None and self.chunk_size:
+            # Its prompt's chunks are pinned from the start: each is stored in the step that completes it, and
+            # until the request finishes (its decode may take seconds) other traffic could evict them.
+            self._send_pin(st, st.pin, len(tokens) // self.chunk_size)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
@@ -716,7 +722,7 @@ class SchedulerSide:
         self._store_on_finish(request, st, block_ids)
         self._store_turn_end(request, st, block_ids)
         if st.pin is not None:
-            self._send_pin(st, st.pin)
+            self._send_pin(st, st.pin, st.next_store_chunk)
         if st.lookup_id is not None:
             self._by_lookup.pop(st.lookup_id, None)
         if st.lease_id and not st.lease_used:
@@ -771,10 +777,10 @@ class SchedulerSide:
         self.stats["verify_items"] += len(checks)
         st.had_copies |= bool(items or checks)
 
-    def _send_pin(self, st: RequestRecord, ask: sessions.PinAsk) -> None:
-        """Pin the chunks the finished request stored or found stored (its stores may still be copying: the
-        daemon holds a pinned key whether its entry is in yet or not). No reply is awaited."""
-        n = st.next_store_chunk
+    def _send_pin(self, st: RequestRecord, ask: sessions.PinAsk, n: int) -> None:
+        """Pin the request's first ``n`` chunks: its prompt's when it arrives, and when it finishes every chunk
+        it stored or found stored, which supersedes the first pin (the daemon holds a pinned key whether its
+        entry is in yet or not). No reply is awaited."""
         keys = self._keys_through(st, n)[:n]
         client, ack = self.link.client, self.link.ack
         if not keys or client is None or ack is None:

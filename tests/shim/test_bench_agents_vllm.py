@@ -40,7 +40,7 @@ def test_pinned_run_sends_pins_and_samples_the_pool(tiny_models: dict[str, Path]
     o = run["oneshots"]
     assert 1 <= o["count"] <= 10 and o["ttft_ms_p50"] > 0 and o["hit_share"] == 0.0  # unique prompts
     c = run["counters"]
-    assert c["hkvd_pins_sent"] == 8 and c["hkvd_pins_refused"] == 0  # the sessions' turns, not the one-shots
+    assert c["hkvd_pins_sent"] == 16 and c["hkvd_pins_refused"] == 0  # 8 session turns x (arrival, finish); no one-shot
     assert c["external_hits"] >= 256  # the small memory evicted at least one session's first turn
     # A second turn hits at least the first prompt's whole blocks (not every one: on the loaded shared machine
     # a run saw a second turn hit less).

@@ -56,7 +56,7 @@ def test_a_pinned_session_its_next_turn_a_salted_request_and_a_bad_pin(tiny_lib,
 
     if "takes none" in log:
         pytest.skip("the daemon's RegisterAck.pins is false: this hkvd serve takes no session pins or tenants")
-    assert m.get("vllm:hkvd_pins_sent") == 2, m
+    assert m.get("vllm:hkvd_pins_sent") == 4, m  # two pinned requests, each pinned on arrival and at finish
     assert outputs.hits(run)[2] == 4 * BLOCK, log[-3000:]  # the next turn loads the pinned chunks
 
     with DaemonClient(d.socket, client_name="test", role="tool") as c:

@@ -393,13 +393,14 @@ def test_a_pinned_salted_request_stores_under_its_tenant_and_pins_its_chunks_whe
     sched, client, req = pinned("r1", PIN, cache_salt="acme-secret")
     label = tenant(req)
     assert label.startswith("salt:") and "acme" not in label
+    keys = client.kinds("lookup")[0][2]
+    # On arrival, its prompt's whole chunks (100 tokens: 3 of CHUNK), before any is stored.
+    assert client.kinds("pin") == [(0, "pin", "chat-7", label, 300.0, keys[:3])]
     meta = sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
     assert [s.tenant for s in meta.stores] == [label]
-    assert client.kinds("pin") == []  # not before it finishes
     sched.request_finished(req, TABLE)
-    keys = client.kinds("lookup")[0][2]
-    assert client.kinds("pin") == [(0, "pin", "chat-7", label, 300.0, keys[:3])]  # every chunk it stored
-    assert sched.stats["pins_sent"] == 1
+    assert client.kinds("pin")[1:] == [(0, "pin", "chat-7", label, 300.0, keys[:3])]  # every chunk it stored
+    assert sched.stats["pins_sent"] == 2
 
     for pins in (True, False):  # the worker sends the tenant only to a daemon that keeps quotas
         wclient = ScriptedClient()
@@ -416,8 +417,8 @@ def test_a_pinned_request_whose_chunks_were_all_stored_already_is_still_pinned()
     meta = sched.build_connector_meta(scheduler_output(req, computed=3 * CHUNK, scheduled=100 - 3 * CHUNK))
     assert meta.stores == []
     sched.request_finished(req, TABLE)
-    assert [p[2:5] for p in client.kinds("pin")] == [("chat-7", "", 300.0)]
-    assert client.kinds("pin")[0][5] == client.kinds("lookup")[0][2][:3]
+    assert [p[2:5] for p in client.kinds("pin")] == [("chat-7", "", 300.0)] * 2  # arrival, finish
+    assert client.kinds("pin")[1][5] == client.kinds("lookup")[0][2][:3]
 
 
 def test_pins_against_a_daemon_that_takes_none_are_said_once(caplog: pytest.LogCaptureFixture) -> None:
