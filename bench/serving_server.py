@@ -113,7 +113,7 @@ class BenchModel:
 MODELS = {
     "qwen3_next": BenchModel("qwen3_next", layers=4, hidden=128, intermediate=256, max_len=2048),
     "qwen3_next_8l": BenchModel("qwen3_next_8l", layers=8, hidden=512, intermediate=1024, max_len=4096),
-    # The tiny model's shape with 8,192 positions: agent sessions (bench/agents.py) outgrow 2,048 tokens.
+    # The tiny model's shape with 8,192 positions, for sessions longer than 2,048 tokens on the tiny model.
     "qwen3_next_long": BenchModel("qwen3_next_long", layers=4, hidden=128, intermediate=256, max_len=8192),
     # qwen3_next_8l with 8,192 positions: bench/agents.py's full run (16 sessions x 10 turns reach 8,032 tokens).
     "qwen3_next_8l_long": BenchModel("qwen3_next_8l_long", layers=8, hidden=512, intermediate=1024, max_len=8192),
