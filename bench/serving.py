@@ -301,17 +301,35 @@ def merge_rounds(played: Sequence[Sequence[dict[str, Any]]], turns: int) -> list
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the serving workload's runs share: the workload, the model (built once), the KV memory in blocks
+    (``small``, ``ample``) and the max model len (the longest conversation, in 256-token steps)."""
+
+    workload: Workload
+    model: BenchModel
+    model_dir: Path
+    blocks: dict[str, int]
+    max_len: int
+
+
+def setup(quick: bool, model: str | None) -> Setup:
+    """The workload (``QUICK`` or ``FULL``) on ``model`` (default ``qwen3_next_8l``, the tiny ``qwen3_next``
+    when quick), its directory built under ``HKVD_TEST_MODELS`` (default /tmp/hkvd-models)."""
+    workload = QUICK if quick else FULL
+    bench_model = MODELS[model or ("qwen3_next" if quick else "qwen3_next_8l")]
+    root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
+    return Setup(workload, bench_model, model_path(bench_model, root), bench_model.kv_blocks(workload),
+                 min(bench_model.max_len, -(-workload.context_tokens() // 256) * 256))
+
+
 def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: str | None = None,
         model: str | None = None, rounds: int | None = None) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         log("  vLLM not installed: make vllm")
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
-    workload = QUICK if quick else FULL
-    bench_model = MODELS[model or ("qwen3_next" if quick else "qwen3_next_8l")]
-    root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
-    model_dir = model_path(bench_model, root)
-    blocks = bench_model.kv_blocks(workload)
-    max_len = min(bench_model.max_len, -(-workload.context_tokens() // 256) * 256)
+    st = setup(quick, model)
+    workload, bench_model, model_dir, blocks, max_len = st.workload, st.model, st.model_dir, st.blocks, st.max_len
     log(f"  {bench_model.name}: {workload.conversations} conversations x {workload.turns} turns, "
         f"{workload.concurrency} at a time; prompts {workload.prompt_tokens(1)} -> "
         f"{workload.prompt_tokens(workload.turns)} tokens, answers {workload.answer_tokens}")

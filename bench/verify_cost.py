@@ -24,8 +24,7 @@ from typing import Any
 
 from bench import serving
 from bench.common import median
-from bench.serving import FULL, QUICK, merge_rounds
-from bench.serving_server import MODELS, model_path
+from bench.serving import merge_rounds
 
 FRACTIONS = (0.0, 0.01, 0.1, 1.0)
 TARGET_THROUGHPUT_LOSS = 0.02  # at most, at fraction 0.01
@@ -116,12 +115,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, model: str | Non
     if importlib.util.find_spec("vllm") is None:
         log("  vLLM not installed: make vllm")
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
-    workload = QUICK if quick else FULL
-    bench_model = MODELS[model or ("qwen3_next" if quick else "qwen3_next_8l")]
-    root = Path(os.environ.get("HKVD_TEST_MODELS") or "/tmp/hkvd-models")
-    model_dir = model_path(bench_model, root)
-    blocks = bench_model.kv_blocks(workload)
-    max_len = min(bench_model.max_len, -(-workload.context_tokens() // 256) * 256)
+    st = serving.setup(quick, model)
+    workload, bench_model, model_dir, blocks, max_len = st.workload, st.model, st.model_dir, st.blocks, st.max_len
     rounds = rounds or (1 if quick else 2)
     played: list[list[dict[str, Any]]] = []
     for rnd in range(1, rounds + 1):
