@@ -70,8 +70,8 @@ from typing import Any
 from bench import serving
 from bench.agents_client import Agents, OneShots, between_turns, play
 from bench.common import Daemon, MiB
-from bench.serving_client import Reply, block_budget, cached_tokens, http_get, parse_metrics, stream_completion
-from bench.serving_server import HOST, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, MODELS, BenchModel, VllmServer, model_path
+from bench.serving_client import Reply, block_budget, http_get, parse_metrics
+from bench.serving_server import HOST, MAX_NUM_BATCHED_TOKENS, MODELS, BenchModel, VllmServer, model_path
 
 BLOCK = serving.BLOCK
 MODEL = {"full": "qwen3_next_8l_long", "quick": "qwen3_next_8l"}
@@ -227,28 +227,17 @@ class Sampler:
 
 
 def _play(server: VllmServer, agents: Agents, pins: bool, log: Log, sampler: Sampler | None) -> dict[str, Any]:
-    # One short request first (under a block: nothing to cache) so one-off costs land on no turn.
-    stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(BLOCK // 2)], 2, REQUEST_TIMEOUT_S)
+    serving.warm_up(server)
     before = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
     done: dict[int, list[Reply]] = {}
     t0 = time.perf_counter()
 
     def send(session: int, turn: int, prompt: list[int]) -> Reply:
-        start = time.perf_counter() - t0
         extra = {"kv_transfer_params": {"hkvd": {"pin_s": PIN_S, "session": f"agent-{session}"}}} if pins else None
-        ttft, e2e, usage, tokens = stream_completion(HOST, server.port, MODEL_NAME, prompt, agents.answer_tokens,
-                                                     REQUEST_TIMEOUT_S, extra)
-        if usage["prompt_tokens"] != len(prompt):
-            raise RuntimeError(f"the server counted {usage['prompt_tokens']} prompt tokens, {len(prompt)} were sent")
-        return Reply(session, turn, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft,
-                     e2e, tuple(tokens))
+        return serving.timed_reply(server, session, turn, prompt, agents.answer_tokens, t0, extra)
 
     def send_oneshot(i: int, prompt: list[int]) -> Reply:
-        start = time.perf_counter() - t0
-        ttft, e2e, usage, tokens = stream_completion(HOST, server.port, MODEL_NAME, prompt,
-                                                     agents.oneshot_answer_tokens, REQUEST_TIMEOUT_S)
-        return Reply(i, 1, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft, e2e,
-                     tuple(tokens))
+        return serving.timed_reply(server, i, 1, prompt, agents.oneshot_answer_tokens, t0)
 
     def on_reply(r: Reply) -> None:
         done.setdefault(r.turn, []).append(r)

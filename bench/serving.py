@@ -159,25 +159,36 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def warm_up(server: VllmServer) -> None:
+    """One short request (less than a block: nothing to cache), so one-off costs land on no measured turn."""
+    stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(server.block // 2)], 2,
+                      REQUEST_TIMEOUT_S)
+
+
+def timed_reply(server: VllmServer, conv: int, turn: int, prompt: list[int], max_tokens: int, t0: float,
+                extra: dict[str, Any] | None = None) -> Reply:
+    """One streamed completion as a ``Reply`` (``start_s`` from ``t0``, a ``time.perf_counter`` reading); an
+    error where the server counted another number of prompt tokens than were sent."""
+    start = time.perf_counter() - t0
+    ttft, e2e, usage, tokens = stream_completion(HOST, server.port, MODEL_NAME, prompt, max_tokens,
+                                                 REQUEST_TIMEOUT_S, extra)
+    if usage["prompt_tokens"] != len(prompt):
+        raise RuntimeError(f"the server counted {usage['prompt_tokens']} prompt tokens, {len(prompt)} were sent")
+    return Reply(conv, turn, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft, e2e,
+                 tuple(tokens))
+
+
 def _play(server: VllmServer, workload: Workload, log: Log, also: Sequence[int] = ()) -> dict[str, Any]:
     """The workload against a started server: replies, per-turn stats, the server's counters, and ``cpu_s``:
     the CPU seconds the server's processes (and the processes ``also``: the daemon) spent on it."""
-    # One short request first (less than a block: nothing to cache) so one-off costs land on no turn.
-    stream_completion(HOST, server.port, MODEL_NAME, [5 + (i % 7) for i in range(server.block // 2)], 2,
-                      REQUEST_TIMEOUT_S)
+    warm_up(server)
     before = parse_metrics(http_get(HOST, server.port, "/metrics", 30.0)[1])
     done: dict[int, list[Reply]] = {}
     cpu0 = tree_cpu_s([server.pid, *also])
     t0 = time.perf_counter()
 
     def send(conv: int, turn: int, prompt: list[int]) -> Reply:
-        start = time.perf_counter() - t0
-        ttft, e2e, usage, tokens = stream_completion(HOST, server.port, MODEL_NAME, prompt, workload.answer_tokens,
-                                                     REQUEST_TIMEOUT_S)
-        if usage["prompt_tokens"] != len(prompt):
-            raise RuntimeError(f"the server counted {usage['prompt_tokens']} prompt tokens, {len(prompt)} were sent")
-        return Reply(conv, turn, len(prompt), cached_tokens(usage), int(usage["completion_tokens"]), start, ttft,
-                     e2e, tuple(tokens))
+        return timed_reply(server, conv, turn, prompt, workload.answer_tokens, t0)
 
     def on_request(r: Reply) -> None:
         done.setdefault(r.turn, []).append(r)
