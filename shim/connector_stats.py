@@ -41,9 +41,9 @@ Fields (``FIELDS``)
     the shim refused (each ran unpinned, with a warning).
 
     What costs a request scheduling steps: ``lookups_deferred`` (scheduler side): times a waiting
-    request was passed over in a step because its lookup's reply had not come within
-    ``lookup_wait_s``; ``load_settles_won``: loads reported in the step that started them, or a
-    later one, thanks to the end-of-step wait (``load_settle_fraction``), which took
+    request was passed over in a step because its lookup's reply had not come within the scheduler's
+    lookup wait (``lookup_wait_fraction``); ``load_settles_won``: loads reported in the step that started
+    them, or a later one, thanks to the end-of-step wait (``load_settle_fraction``), which took
     ``load_settle_seconds`` in all; ``loads_reported_early`` (scheduler side): loads it reported
     once the daemon said every rank's copy was in, before any worker did (``early_load_reports``).
 """
@@ -128,7 +128,7 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
     "load_seconds": "Seconds of the loads from hkvd that succeeded, submission to reply, summed",
     "stored_bytes": "Bytes hkvd copied out of the KV cache (stores and Mamba states; every rank's)",
     "lookups_deferred": "Steps a waiting request was passed over because its lookup's reply had not come "
-                        "within lookup_wait_s",
+                        "within the scheduler's wait (lookup_wait_fraction of a step)",
     "load_settles_won": "Loads reported a step earlier thanks to the end-of-step wait (load_settle_fraction)",
     "load_settle_seconds": "Seconds the worker waited at steps' ends for loads about to end",
     "loads_reported_early": "Loads the scheduler reported once hkvd said every rank's copy was in, before any "

@@ -87,7 +87,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from hkvd.shim import partial, pd, plans, sessions, tenants, verify
@@ -154,6 +154,12 @@ class SchedulerSide:
         self._said_no_pins = False  # warned that the daemon takes no session pins
         self._finish_verifies: list[VerifyJob] = []  # the same, of sampled hits (hkvd.shim.verify)
         self._step = 0
+        # The engine's pace: the last two intervals from a scheduling with tokens to the next scheduling (the
+        # shorter one counts: an idle engine's gap before a new request is not a step), and what is left of
+        # this scheduling's lookup wait (lookup_wait_budget).
+        self._step_intervals: deque[float] = deque(maxlen=2)
+        self._meta_at: float | None = None
+        self._wait_left_s = cfg.lookup_wait_s
         self._identity = ChunkIdentity()
         # lookups_deferred: passes over a waiting request whose lookup's reply had not come yet.
         # loads_reported_early: loads this side reported finished before any worker did (lease watches).
@@ -376,13 +382,15 @@ class SchedulerSide:
         if not st.answered:
             if st.lookup_id is None or st.lookup_gen != self.link.generation:
                 self._submit_lookup(request.request_id, st)
-            deadline = time.monotonic() + self.cfg.lookup_wait_s
+            began = time.monotonic()
+            deadline = began + max(self.cfg.lookup_wait_s, self._wait_left_s)
             while not st.answered and self.link.client is not None:
                 # Other replies (other requests' lookups, lease watches) may come first: wait on for this one.
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._pump(left)
+            self._wait_left_s = max(0.0, self._wait_left_s - (time.monotonic() - began))
             if not st.answered:
                 if time.monotonic() - st.lookup_sent_at < self.cfg.lookup_timeout_s:
                     self.stats["lookups_deferred"] += 1
@@ -447,8 +455,20 @@ class SchedulerSide:
         self.stats["load_jobs"] += 1
         self.stats["hit_tokens"] += num_external_tokens
 
+    def lookup_wait_budget(self) -> float:
+        """Seconds one scheduling may wait for lookup replies in all: ``lookup_wait_fraction`` of the engine's
+        last step, at least ``lookup_wait_s`` and at most ``lookup_wait_max_s`` (see ``ShimConfig``)."""
+        cfg = self.cfg
+        step_s = min(self._step_intervals, default=0.0)
+        return max(cfg.lookup_wait_s, min(cfg.lookup_wait_max_s, cfg.lookup_wait_fraction * step_s))
+
     def build_connector_meta(self, so: SchedulerOutput) -> HkvdConnectorMetadata:
         self._step += 1
+        now = time.monotonic()
+        if self._meta_at is not None:  # a step that scheduled nothing is not the engine's pace (it loops at once)
+            self._step_intervals.append(now - self._meta_at)
+        self._meta_at = now if so.total_num_scheduled_tokens else None
+        self._wait_left_s = self.lookup_wait_budget()
         self._pump()
         meta = HkvdConnectorMetadata(step=self._step, loads=self._loads, delayed_free=self._delayed,
                                      stores=self._finish_stores, verifies=self._finish_verifies)

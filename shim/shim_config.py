@@ -27,10 +27,16 @@ class ShimConfig:
     # retention) only at the last one before the prompt's end, about half of the prompts miss.
     chunk_size: int = 0
     connect_timeout_s: float = 5.0  # connect + register, and every blocking client call
-    # A lookup is submitted when the request arrives (on_new_request); the scheduler then
-    # waits at most this long for the reply before answering "ask again" (None). A UDS round
-    # trip is ~0.1 ms, so 2 ms almost always answers on the first call.
+    # A lookup is submitted when the request arrives (on_new_request); the scheduler then waits for the
+    # reply before answering "ask again" (None), which costs the request a whole step of the running
+    # batch. The wait is the larger of lookup_wait_s and lookup_wait_fraction of the engine's last step
+    # (from one scheduling to the next), at most lookup_wait_max_s, and the waits of one scheduling
+    # share that budget: every running request waits with it. A UDS round trip is ~0.1 ms, so 2 ms
+    # answers on the first call wherever the daemon has a core; long steps (CPU engines, long
+    # prefills), where the daemon may wait for a core, buy a longer wait. 0: lookup_wait_s alone.
     lookup_wait_s: float = 0.002
+    lookup_wait_fraction: float = 0.05
+    lookup_wait_max_s: float = 0.025
     lookup_timeout_s: float = 2.0  # a lookup still unanswered after this is a miss
     # A load (its request waits, the other requests keep stepping) not done after this is
     # aborted; the request then waits for the daemon to end the copy, and loads or recomputes.
@@ -103,8 +109,11 @@ class ShimConfig:
         if not 0.0 <= cfg.verify_fraction <= 1.0:  # NaN fails too
             raise ValueError(f"hkvd: verify_fraction={cfg.verify_fraction!r} must be in [0, 1] (0 = no sampled "
                              "verification, 0.01 = one hit in a hundred, 1 = every hit)")
-        if cfg.load_settle_max_s < 0:
-            raise ValueError("hkvd: load_settle_max_s must be >= 0 seconds")
+        if not 0.0 <= cfg.lookup_wait_fraction <= 1.0:
+            raise ValueError("hkvd: lookup_wait_fraction must be in [0, 1] (0 = wait lookup_wait_s only)")
+        for name in ("load_settle_max_s", "lookup_wait_s", "lookup_wait_max_s"):
+            if not getattr(cfg, name) >= 0:  # NaN fails too
+                raise ValueError(f"hkvd: {name} must be >= 0 seconds")
         for name in ("connect_timeout_s", "lookup_timeout_s", "load_timeout_s", "fence_timeout_s",
                      "reconnect_interval_s"):
             if getattr(cfg, name) <= 0:

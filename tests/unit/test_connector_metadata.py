@@ -154,7 +154,7 @@ def scheduler_output(req: Request, computed: int, scheduled: int) -> Any:
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(TABLE,), num_computed_tokens=computed)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={req.request_id: scheduled},
+        num_scheduled_tokens={req.request_id: scheduled}, total_num_scheduled_tokens=scheduled,
         kv_connector_block_state=SimpleNamespace(get_block_ids=tables.get, boundary_state_offloads=None))
 
 
@@ -209,7 +209,7 @@ def test_a_finished_request_with_copies_in_flight_frees_its_blocks_after_them(sc
     second = sched.build_connector_meta(SimpleNamespace(
         scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                                      num_computed_tokens=[]),
-        num_scheduled_tokens={}, kv_connector_block_state=None))
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, kv_connector_block_state=None))
     assert second.delayed_free == ["r2"] and second.step == 2
 
     wclient = ScriptedClient()
@@ -266,6 +266,98 @@ def test_a_request_whose_lookup_has_not_answered_is_passed_over_and_counted(sche
     client.answer()
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
     assert sched.stats["lookups_deferred"] == 2
+
+
+class Clock:
+    """``time.monotonic`` for the scheduler side, moved by the test and by each poll's timeout (a poll that
+    finds nothing waits its whole timeout, as a socket poll does)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class WaitedLookups(SlowLookups):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(hit=2, lease_id=5)
+        self.clock = clock
+        self.waits: list[float] = []
+
+    def poll(self, timeout_s: float = 0.0) -> list[Completion]:
+        if timeout_s > 0:
+            self.waits.append(timeout_s)
+            self.clock.now += timeout_s
+        return super().poll(timeout_s)
+
+
+def step(sched: SchedulerSide, clock: Clock, after_s: float, scheduled: int) -> None:
+    clock.now += after_s
+    sched.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                     num_computed_tokens=[]),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=scheduled, kv_connector_block_state=None))
+
+
+def test_the_lookup_wait_follows_the_engine_step_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lookup_wait_fraction of the engine's step, at least lookup_wait_s, at most lookup_wait_max_s; an idle
+    gap or a step that scheduled nothing is not the engine's pace."""
+    clock = Clock()
+    monkeypatch.setattr("hkvd.shim.scheduler.time", clock)
+    sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(
+        socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK, lookup_wait_s=0.002, lookup_wait_fraction=0.05,
+        lookup_wait_max_s=0.025))
+    assert sched.lookup_wait_budget() == 0.002  # no step seen yet
+    step(sched, clock, 0.0, scheduled=100)
+    step(sched, clock, 0.2, scheduled=100)
+    assert sched.lookup_wait_budget() == pytest.approx(0.01)
+    step(sched, clock, 30.0, scheduled=100)  # the engine sat idle until a request came
+    assert sched.lookup_wait_budget() == pytest.approx(0.01)
+    step(sched, clock, 0.01, scheduled=100)  # short steps: the floor
+    assert sched.lookup_wait_budget() == 0.002
+    step(sched, clock, 1.0, scheduled=0)
+    step(sched, clock, 2.0, scheduled=100)
+    step(sched, clock, 5.0, scheduled=100)  # after a step of nothing, only 2.0 and 5.0 are the pace
+    assert sched.lookup_wait_budget() == 0.025  # 0.05 * 2.0 = 0.1, capped
+
+
+def test_the_lookup_wait_options_refuse_bad_values_by_name() -> None:
+    for key, bad in (("lookup_wait_fraction", 1.5), ("lookup_wait_fraction", "nan"), ("lookup_wait_max_s", -1),
+                     ("lookup_wait_s", "nan")):
+        with pytest.raises(ValueError, match=f"hkvd: {key} must be"):
+            ShimConfig.from_extra({key: bad})
+    assert ShimConfig.from_extra({"lookup_wait_fraction": 0}).lookup_wait_fraction == 0.0
+
+
+def test_lookups_of_one_scheduling_share_its_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 0.2-second steps one scheduling may wait 10 ms for replies: the first lookup not answered takes
+    it, the next waits lookup_wait_s only; the next scheduling has its own."""
+    clock = Clock()
+    monkeypatch.setattr("hkvd.shim.scheduler.time", clock)
+    sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(
+        socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK, lookup_wait_s=0.002, lookup_wait_fraction=0.05,
+        lookup_wait_max_s=0.025))
+    client = WaitedLookups(clock)
+    connect(sched, client)
+    step(sched, clock, 0.0, scheduled=100)
+    step(sched, clock, 0.2, scheduled=100)
+    a = Request("a", list(range(100)), SamplingParams(max_tokens=4), None)
+    b = Request("b", list(range(1000, 1100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(a)
+    sched.on_new_request(b)
+
+    assert sched.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert sum(client.waits) == pytest.approx(0.01)
+    client.waits.clear()
+    assert sched.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert sum(client.waits) == pytest.approx(0.002)
+    assert sched.stats["lookups_deferred"] == 2
+
+    step(sched, clock, 0.2, scheduled=100)
+    client.waits.clear()
+    assert sched.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert sum(client.waits) == pytest.approx(0.01)
 
 
 def test_an_invalid_transition_raises_under_strict_and_otherwise_recomputes_the_request(
