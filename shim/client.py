@@ -176,10 +176,12 @@ class DaemonClient:
             self._require()
             self._send(kv.Release(lease_id))
 
-    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes]) -> None:
-        """Hold ``keys``' entries for ``ttl_s`` seconds as pin ``session`` of ``tenant`` (``kv.Pin``; no reply).
-        Only to a daemon whose RegisterAck says ``pins``."""
-        msg = kv.Pin(session, tenant, float(ttl_s), list(keys))
+    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes],
+            partial_keys: Sequence[bytes] = ()) -> None:
+        """Hold ``keys``' entries (and ``partial_keys``': partial chunks, outside the prefix rule) for ``ttl_s``
+        seconds as pin ``session`` of ``tenant`` (``kv.Pin``; no reply). Only to a daemon whose RegisterAck says
+        ``pins``, and ``pin_partials`` for partial keys."""
+        msg = kv.Pin(session, tenant, float(ttl_s), list(keys), list(partial_keys))
         msg.validate()  # a bad pin is the caller's bug: raised here, never a connection the daemon drops
         with self._lock:
             self._require()

@@ -88,6 +88,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hkvd.shim import partial, pd, plans, sessions, tenants, verify
@@ -105,7 +106,7 @@ from hkvd.transport.errors import DaemonUnavailable, ProtocolViolation
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
-from hkvd.transport.wire.kv import Item, LookupReply
+from hkvd.transport.wire.kv import MAX_PIN_PARTIALS, Item, LookupReply
 from hkvd.transport.wire.message import MAX_KEYS
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
@@ -121,6 +122,7 @@ logger = logging.getLogger("hkvd.shim")
 
 # Set to 1 (tests): a request state transition the table lacks raises instead of recomputing the request.
 STRICT_ENV = "HKVD_STRICT_STATES"
+STEP_HISTORY = 4  # scheduling intervals the lookup wait looks back on (lookup_wait_budget)
 
 
 class SchedulerSide:
@@ -154,10 +156,9 @@ class SchedulerSide:
         self._said_no_pins = False  # warned that the daemon takes no session pins
         self._finish_verifies: list[VerifyJob] = []  # the same, of sampled hits (hkvd.shim.verify)
         self._step = 0
-        # The engine's pace: the last two intervals from a scheduling with tokens to the next scheduling (the
-        # shorter one counts: an idle engine's gap before a new request is not a step), and what is left of
-        # this scheduling's lookup wait (lookup_wait_budget).
-        self._step_intervals: deque[float] = deque(maxlen=2)
+        # The engine's pace: the last four intervals from a scheduling with tokens to the next scheduling, and
+        # what is left of this scheduling's lookup wait (lookup_wait_budget).
+        self._step_intervals: deque[float] = deque(maxlen=STEP_HISTORY)
         self._meta_at: float | None = None
         self._wait_left_s = cfg.lookup_wait_s
         self._identity = ChunkIdentity()
@@ -174,7 +175,8 @@ class SchedulerSide:
         self._hash_unit = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
         self._probes = partial.Probes()
         self._partial: dict[str, tuple[int, bytes]] = {}
-        self._partial_stored: dict[str, set[bytes]] = {}  # request -> the partial keys whose blocks went out
+        # request -> the partial keys whose blocks went out, in the order they did
+        self._partial_stored: dict[str, dict[bytes, None]] = {}
         self._turn_ends = partial.TurnEnds()  # where finished requests' stored states lie (turn_end_states)
         self.feed = EventFeed()
         self._connect(startup=True)
@@ -456,10 +458,13 @@ class SchedulerSide:
         self.stats["hit_tokens"] += num_external_tokens
 
     def lookup_wait_budget(self) -> float:
-        """Seconds one scheduling may wait for lookup replies in all: ``lookup_wait_fraction`` of the engine's
-        last step, at least ``lookup_wait_s`` and at most ``lookup_wait_max_s`` (see ``ShimConfig``)."""
+        """Seconds one scheduling may wait for lookup replies in all: ``lookup_wait_fraction`` of the longest of
+        the engine's last four steps, at least ``lookup_wait_s`` and at most ``lookup_wait_max_s`` (see
+        ``ShimConfig``). A deferred request waits for the next step, whose length is not known yet: the longest
+        recent one stands for it (a long prefill among short decodes). An idle engine's gap before a request
+        counts as a long step: waiting then holds no running request."""
         cfg = self.cfg
-        step_s = min(self._step_intervals, default=0.0)
+        step_s = max(self._step_intervals, default=0.0)
         return max(cfg.lookup_wait_s, min(cfg.lookup_wait_max_s, cfg.lookup_wait_fraction * step_s))
 
     def build_connector_meta(self, so: SchedulerOutput) -> HkvdConnectorMetadata:
@@ -615,9 +620,9 @@ class SchedulerSide:
         if key is None or table is None:
             return
         parent_key = plans.parent(keys, j)
-        stored = self._partial_stored.setdefault(st.req_id, set())
+        stored = self._partial_stored.setdefault(st.req_id, {})
         if key not in stored:
-            stored.add(key)
+            stored[key] = None
             items = [Item(g.group_id, j, key, [int(table[g.group_id][j])], parent_key)
                      for g in self.groups if g.kind == "full" and len(table[g.group_id]) > j
                      and table[g.group_id][j]]
@@ -629,38 +634,39 @@ class SchedulerSide:
         self.stats["offer_items"] += 1
 
     def _store_turn_end(self, request: Request, st: RequestRecord,
-                        block_ids: list[int] | tuple[list[int], ...]) -> None:
+                        block_ids: list[int] | tuple[list[int], ...]) -> bytes | None:
         """A finished request's state after its last computed token L, when L is inside a chunk j: stored as a
         partial chunk (block j of every group: the full-attention page and, in align mode, the Mamba block
         (L - 1) // N that holds the running state), and remembered as a position later lookups probe. Only
         once the whole prompt ran, with no output placeholder in flight (then the block holds exactly L
         tokens' state), and without speculative decoding (whose drafts share the state blocks). The caller
-        delays the blocks' free (``had_copies``)."""
+        delays the blocks' free (``had_copies``). Returns the partial chunk's key, or None when none was stored."""
         C = self.chunk_size
         speculative = getattr(self._vllm_config, "speculative_config", None) is not None
         if (not self.cfg.turn_end_states or not self._partial_on() or st.request is None or st.uncacheable
                 or st.loading or speculative or not block_ids or not isinstance(block_ids[0], list)
                 or int(getattr(request, "num_output_placeholders", 0) or 0)):
-            return
+            return None
         end = int(request.num_computed_tokens)
         j = end // C
         if end % C == 0 or end < st.num_tokens or end > len(request.all_token_ids) or self._has_extras(st):
-            return
+            return None
         keys = self._keys_through(st, j)
         key = partial.key_at(keys, list(request.all_token_ids[:end]), end, C)
         if key is None:
-            return
+            return None
         items: list[Item] = []
         for g in self.groups:
             ids = block_ids[g.group_id]
             blk = int(ids[j]) if len(ids) > j else 0
             if not blk:  # every group or none: a partial chunk without its state (or page) serves nothing
-                return
+                return None
             items.append(Item(g.group_id, j, key, [blk], plans.parent(keys, j)))
         self._finish_stores.append(StoreJob(st.req_id, items, [], st.tenant))
         self.stats["store_items"] += len(items)
         st.had_copies = True
         self._turn_ends.add(partial.before(keys, j), end - j * C)
+        return key
 
     def _watch(self, req_id: str, lease_id: int) -> None:
         """Watch the lease a load retrieves under (``early_load_reports``): see ``_report_early``."""
@@ -734,15 +740,16 @@ class SchedulerSide:
                          ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         self._partial.pop(request.request_id, None)
-        self._partial_stored.pop(request.request_id, None)
+        partials = self._partial_stored.pop(request.request_id, {})
         for lease in self._probes.drop(request.request_id):
             self._release(lease)
         if st is None:
             return False, None
         self._store_on_finish(request, st, block_ids)
-        self._store_turn_end(request, st, block_ids)
+        turn_end = self._store_turn_end(request, st, block_ids)
         if st.pin is not None:
-            self._send_pin(st, st.pin, st.next_store_chunk)
+            # The partial chunks it stored (vLLM's checkpoints inside blocks, its turn's end) are held with it.
+            self._send_pin(st, st.pin, st.next_store_chunk, [*partials, *([turn_end] if turn_end else [])])
         if st.lookup_id is not None:
             self._by_lookup.pop(st.lookup_id, None)
         if st.lease_id and not st.lease_used:
@@ -797,10 +804,12 @@ class SchedulerSide:
         self.stats["verify_items"] += len(checks)
         st.had_copies |= bool(items or checks)
 
-    def _send_pin(self, st: RequestRecord, ask: sessions.PinAsk, n: int) -> None:
+    def _send_pin(self, st: RequestRecord, ask: sessions.PinAsk, n: int,
+                  partial_keys: Sequence[bytes] = ()) -> None:
         """Pin the request's first ``n`` chunks: its prompt's when it arrives, and when it finishes every chunk
         it stored or found stored, which supersedes the first pin (the daemon holds a pinned key whether its
-        entry is in yet or not). No reply is awaited."""
+        entry is in yet or not), with the partial chunks it stored (``partial_keys``; only where the daemon
+        takes them: ``RegisterAck.pin_partials``). No reply is awaited."""
         keys = self._keys_through(st, n)[:n]
         client, ack = self.link.client, self.link.ack
         if not keys or client is None or ack is None:
@@ -815,7 +824,8 @@ class SchedulerSide:
                                self.cfg.socket_path)
             return
         try:
-            client.pin(ask.session, st.tenant, ask.ttl_s, keys[:MAX_KEYS])
+            partial_keys = partial_keys[-MAX_PIN_PARTIALS:] if ack.pin_partials else ()
+            client.pin(ask.session, st.tenant, ask.ttl_s, keys[:MAX_KEYS], partial_keys)
         except ProtocolViolation as e:  # parse checked every field: a bug here, never the connection's fault
             logger.error("hkvd: no pin for %s: %s", st.req_id, e)
             return

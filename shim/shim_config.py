@@ -29,8 +29,8 @@ class ShimConfig:
     connect_timeout_s: float = 5.0  # connect + register, and every blocking client call
     # A lookup is submitted when the request arrives (on_new_request); the scheduler then waits for the
     # reply before answering "ask again" (None), which costs the request a whole step of the running
-    # batch. The wait is the larger of lookup_wait_s and lookup_wait_fraction of the engine's last step
-    # (from one scheduling to the next), at most lookup_wait_max_s, and the waits of one scheduling
+    # batch. The wait is the larger of lookup_wait_s and lookup_wait_fraction of the engine's longest recent
+    # step (from one scheduling to the next), at most lookup_wait_max_s, and the waits of one scheduling
     # share that budget: every running request waits with it. A UDS round trip is ~0.1 ms, so 2 ms
     # answers on the first call wherever the daemon has a core; long steps (CPU engines, long
     # prefills), where the daemon may wait for a core, buy a longer wait. 0: lookup_wait_s alone.

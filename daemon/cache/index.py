@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hkvd.daemon.cache.chains import ChainChange, ChainTracker, Groups
@@ -476,10 +476,10 @@ class Index:
 
     # ---- session pins (daemon/cache/pins.py) -------------------------------------------------------
     def pin_session(self, world: tuple[bytes, ...], session: str, tenant: str, keys: list[bytes],
-                    ttl_s: float) -> bool:
-        """Hold ``keys`` of every rank of ``world`` for ``ttl_s`` as pin ``session`` (``Pins.pin``), then keep
-        the pin budget. False: refused (too many sessions)."""
-        ok = self.pins.pin(world, session, tenant, keys, ttl_s)
+                    ttl_s: float, partial_keys: Sequence[bytes] = ()) -> bool:
+        """Hold ``keys`` (and ``partial_keys``) of every rank of ``world`` for ``ttl_s`` as pin ``session``
+        (``Pins.pin``), then keep the pin budget. False: refused (too many sessions)."""
+        ok = self.pins.pin(world, session, tenant, keys, ttl_s, partial_keys)
         self._keep_pin_budget()
         return ok
 

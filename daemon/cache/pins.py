@@ -10,7 +10,8 @@ Role
 
 Rules
     - A session's newer pin supersedes its older pins of the same world whose keys are a prefix of the
-      new keys (a chat's next turn holds the whole conversation). A session keeps at most
+      new keys (a chat's next turn holds the whole conversation), their partial chunks' keys (a turn's
+      end, held along) with them. A session keeps at most
       ``max_per_session`` records: past it, its oldest lapses.
     - A hit on a pinned chunk (``refresh``) restarts the TTL of every record holding it.
     - ``expire`` (the daemon's housekeeping, every second) ends the records past their TTL.
@@ -85,6 +86,10 @@ class PinRecord:
     ttl_s: float
     expiry: float
     alive: bool = True
+    partial: tuple[bytes, ...] = ()  # partial chunks' keys: held, but not in the prefix rule
+
+    def held(self) -> tuple[bytes, ...]:
+        return self.keys + self.partial if self.partial else self.keys
 
 
 class Pins:
@@ -130,9 +135,10 @@ class Pins:
         return next(iter(self._order), None)
 
     # ---- changes -------------------------------------------------------------------------------
-    def pin(self, world: Sequence[bytes], session: str, tenant: str, keys: Sequence[bytes], ttl_s: float) -> bool:
-        """Hold ``keys`` of every rank of ``world`` for ``ttl_s`` as pin ``session``. False: refused (too many
-        sessions; logged)."""
+    def pin(self, world: Sequence[bytes], session: str, tenant: str, keys: Sequence[bytes], ttl_s: float,
+            partial: Sequence[bytes] = ()) -> bool:
+        """Hold ``keys`` and ``partial`` (partial chunks' keys, outside the prefix rule) of every rank of
+        ``world`` for ``ttl_s`` as pin ``session``. False: refused (too many sessions; logged)."""
         old = self._sessions.get(session)
         if old is None and len(self._sessions) >= self.max_sessions:
             self.refused += 1
@@ -142,7 +148,7 @@ class Pins:
                             len(self._sessions), self.refused)
             return False
         world, keys = tuple(world), tuple(keys)
-        rec = PinRecord(session, tenant, world, keys, ttl_s, self.clock() + ttl_s)
+        rec = PinRecord(session, tenant, world, keys, ttl_s, self.clock() + ttl_s, partial=tuple(partial))
         if old is not None:
             for prior in [r for r in old if r.world == world and keys[:len(r.keys)] == r.keys]:
                 self.lapse(prior, "superseded")
@@ -152,7 +158,7 @@ class Pins:
         self._push(rec)
         holders = self._holders
         for fp in world:
-            for k in keys:
+            for k in rec.held():
                 held = holders.get((fp, k))
                 if held is None:
                     holders[(fp, k)] = {rec: None}
@@ -215,10 +221,10 @@ class Pins:
             del self._sessions[rec.session]
         holders = self._holders
         for fp in rec.world:
-            for k in rec.keys:
+            for k in rec.held():
                 held = holders.get((fp, k))
                 if held is None or held.pop(rec, 0) is not None:
-                    continue  # a key repeated in rec.keys: already let go
+                    continue  # a key repeated in the record: already let go
                 if not held:
                     del holders[(fp, k)]
                     self._on_change(fp, k, False)

@@ -325,7 +325,8 @@ class KVService:
             log.warning("a Pin of session %r came before its connection registered an engine; ignored (the "
                         "client sends Pin only after Register)", msg.session[:40], extra=request_log(conn, 0))
             return
-        self.index.pin_session(conn.engine.rank_fingerprints, msg.session, msg.tenant, msg.keys, msg.ttl_s)
+        self.index.pin_session(conn.engine.rank_fingerprints, msg.session, msg.tenant, msg.keys, msg.ttl_s,
+                               msg.partial_keys)
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, conn: Conn, msg: control.Register) -> None:
@@ -348,7 +349,8 @@ class KVService:
                  state.engine_id, conn.pid, spec.model, spec.rank, spec.world_size,
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
-                                      self.kv_events_mode(), lease_watch=True, verify=True, pins=True))
+                                      self.kv_events_mode(), lease_watch=True, verify=True, pins=True,
+                                      pin_partials=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""

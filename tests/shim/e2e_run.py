@@ -12,7 +12,8 @@ emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from
 Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...], "block_size": N}``.
 
 Conversations (multi-turn chat): ``"conversations": [{"first": [ids...], "users": [[ids...], ...]}, ...]``
-instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn).
+instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn) and
+``"kv_transfer_params"`` (every turn's).
 Turn 1's prompt is ``first``; turn k+1's prompt is turn k's prompt, plus the tokens the engine
 generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, A2, B2, ...).
 ``"phases": [{"reset": bool}, ...]`` runs them all once per phase, from an emptied vLLM cache;
@@ -163,6 +164,8 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
             params = sp.clone()
             wanted = c.get("max_tokens", sp.max_tokens)
             params.max_tokens = wanted[turn] if isinstance(wanted, list) else wanted
+            if c.get("kv_transfer_params"):  # every turn's, as vLLM's OpenAI server passes them on
+                params.extra_args = {"kv_transfer_params": c["kv_transfer_params"]}
             res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
             comp = res.outputs[0]
             steps = list(zip(comp.token_ids, comp.logprobs or [], strict=False))

@@ -173,3 +173,30 @@ def test_a_chats_next_turn_hits_where_the_previous_turn_ended(turn_ends, tiny_mo
     for t, (c, h) in enumerate(zip(cold, hkvd, strict=True)):
         if not _same_or_tie(c, h, f"chat turn {t + 1} (hkvd vs no cache)", outputs.LOGPROB_TOL):
             break
+
+
+# A pinned session and an unpinned one of the same shape, each ending its first turn at 207 (a 200-token
+# prompt, 8 tokens answered, the last not computed), with three 900-token one-shots between their turns.
+SESSION = {"pin_s": 300, "session": "agent-1"}
+PINNED_CHAT = {"first": _seq(200, 29, 6), "users": [_seq(30, 31, 2)], "kv_transfer_params": {"hkvd": SESSION}}
+LOOSE_CHAT = {"first": _seq(200, 37, 9), "users": [_seq(30, 41, 3)]}
+FLOOD = [{"first": _seq(900, 43 + 2 * i, i), "users": []} for i in range(3)]
+TURN_END = 207
+
+
+def test_a_pinned_sessions_turn_end_outlives_a_flood_that_evicts_an_unpinned_ones(tiny_models, daemon_factory,
+                                                                                 engine_runner) -> None:
+    """The partial chunks a pinned request stores (its turn's end, vLLM's checkpoint inside its last block) are
+    pinned with its whole chunks (``Pin.partial_keys``): one-shots that overflow a 10 MB pool evict the unpinned
+    session's, and the pinned session's next turn still resumes at its previous turn's end."""
+    d = daemon_factory(BLOCK, "--l1-size-gb", "0.01")
+    args = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": 0,
+            "conversations": [PINNED_CHAT, LOOSE_CHAT, *FLOOD], "ignore_eos": True,
+            "llm": {"max_model_len": 1024, "prefix_match_unit": UNIT}, "phases": [{"reset": True}]}
+    res = engine_runner(args, timeout_s=600)
+    pinned, loose = (conv for conv in res["phases"][0][:2])
+    hits = {"pinned": [t["num_cached_tokens"] for t in pinned], "loose": [t["num_cached_tokens"] for t in loose]}
+    print(f"hits from hkvd after the flood: {hits}")
+    assert hits["loose"][1] < TURN_END, ("the one-shots did not evict the unpinned session: the test proves "
+                                         f"nothing; {hits}")
+    assert hits["pinned"] == [0, TURN_END], res["log"][-3000:]

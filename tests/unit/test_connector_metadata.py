@@ -101,8 +101,10 @@ class ScriptedClient:
     def uncacheable(self, reason: str) -> None:
         pass
 
-    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes]) -> None:
-        self.sent.append((0, "pin", session, tenant, ttl_s, list(keys)))
+    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes],
+            partial_keys: Sequence[bytes] = ()) -> None:
+        partial = [list(partial_keys)] if partial_keys else []  # a pin of whole chunks only: six fields
+        self.sent.append((0, "pin", session, tenant, ttl_s, list(keys), *partial))
 
     def abort(self, rid: int) -> None:
         self.sent.append((rid, "abort"))
@@ -301,8 +303,8 @@ def step(sched: SchedulerSide, clock: Clock, after_s: float, scheduled: int) -> 
 
 
 def test_the_lookup_wait_follows_the_engine_step_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """lookup_wait_fraction of the engine's step, at least lookup_wait_s, at most lookup_wait_max_s; an idle
-    gap or a step that scheduled nothing is not the engine's pace."""
+    """lookup_wait_fraction of the longest of the last four steps, at least lookup_wait_s, at most
+    lookup_wait_max_s; a step that scheduled nothing is not the engine's pace."""
     clock = Clock()
     monkeypatch.setattr("hkvd.shim.scheduler.time", clock)
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(
@@ -312,13 +314,15 @@ def test_the_lookup_wait_follows_the_engine_step_within_its_bounds(monkeypatch: 
     step(sched, clock, 0.0, scheduled=100)
     step(sched, clock, 0.2, scheduled=100)
     assert sched.lookup_wait_budget() == pytest.approx(0.01)
-    step(sched, clock, 30.0, scheduled=100)  # the engine sat idle until a request came
+    for _ in range(3):  # short decode steps after a long prefill: the prefill still counts
+        step(sched, clock, 0.01, scheduled=100)
     assert sched.lookup_wait_budget() == pytest.approx(0.01)
-    step(sched, clock, 0.01, scheduled=100)  # short steps: the floor
+    step(sched, clock, 0.01, scheduled=100)  # four short steps since: the floor
     assert sched.lookup_wait_budget() == 0.002
-    step(sched, clock, 1.0, scheduled=0)
+    step(sched, clock, 0.01, scheduled=0)
+    step(sched, clock, 5.0, scheduled=100)  # after a step of nothing (the engine loops at once): no interval
+    assert sched.lookup_wait_budget() == 0.002
     step(sched, clock, 2.0, scheduled=100)
-    step(sched, clock, 5.0, scheduled=100)  # after a step of nothing, only 2.0 and 5.0 are the pace
     assert sched.lookup_wait_budget() == 0.025  # 0.05 * 2.0 = 0.1, capped
 
 
@@ -354,10 +358,10 @@ def test_lookups_of_one_scheduling_share_its_wait(monkeypatch: pytest.MonkeyPatc
     assert sum(client.waits) == pytest.approx(0.002)
     assert sched.stats["lookups_deferred"] == 2
 
-    step(sched, clock, 0.2, scheduled=100)
+    step(sched, clock, 0.2, scheduled=100)  # 0.212 s: the waits were part of the step
     client.waits.clear()
     assert sched.get_num_new_matched_tokens(a, 0) == (None, False)
-    assert sum(client.waits) == pytest.approx(0.01)
+    assert sum(client.waits) == pytest.approx(0.05 * 0.212)
 
 
 def test_an_invalid_transition_raises_under_strict_and_otherwise_recomputes_the_request(

@@ -136,6 +136,43 @@ def test_a_newer_turn_supersedes_the_pins_it_extends(pool: HugePagePool) -> None
     assert cache.pins.is_pinned(FP, turn[0]) and cache.pins.is_pinned(FP, other[1])
 
 
+def test_a_turns_partial_chunks_are_held_with_its_pin_and_end_with_it(pool: HugePagePool) -> None:
+    """Partial keys (a turn's end inside a block) are held like the pin's chunks but stay out of the prefix
+    rule: the next turn's keys supersede the record although they never continue its partial key."""
+    clock = Clock()
+    cache = make(pool, clock)
+    turn, ends = keys("chat", 6), keys("end", 2)
+    store(cache, turn[:4] + ends[:1])
+    cache.pin_session(WORLD, "s1", "", turn[:4], 300.0, [ends[0]])
+    assert cache.pinned_bytes() == 5 * ENTRY and cache.pins.is_pinned(FP, ends[0])
+    for i in range(4):  # 32 entries through a 16-entry pool: the turn's end stays
+        store(cache, keys(f"flood{i}", 8))
+    assert held(cache, turn[:4] + ends[:1]) == 5
+
+    cache.pin_session(WORLD, "s1", "", turn, 300.0, [ends[1]])  # the next turn: its own end
+    assert cache.pins.lapsed["superseded"] == 1 and len(cache.pins) == 1
+    assert not cache.pins.is_pinned(FP, ends[0]) and cache.pins.is_pinned(FP, ends[1])
+    for i in range(4):
+        store(cache, keys(f"again{i}", 8))
+    assert held(cache, ends[:1]) == 0 and held(cache, turn[:4]) == 4
+
+
+def test_a_pin_with_partial_keys_crosses_the_wire_and_an_older_shape_still_parses() -> None:
+    from hkvd.transport.errors import ProtocolViolation
+    from hkvd.transport.wire import kv
+    from hkvd.transport.wire.message import message_from_wire
+
+    whole, part = keys("w", 2), keys("p", 1)
+    msg = kv.Pin("s1", "", 60.0, whole, part)
+    assert message_from_wire(msg.to_wire()) == msg
+    older = kv.Pin("s1", "", 60.0, whole)  # no partial keys: the four fields an older daemon parses
+    assert len(older.to_wire()) == 5 and message_from_wire(older.to_wire()).partial_keys == []
+    with pytest.raises(ProtocolViolation, match="partial keys"):
+        kv.Pin("s1", "", 60.0, whole, keys("p", kv.MAX_PIN_PARTIALS + 1)).validate()
+    with pytest.raises(ProtocolViolation, match="16 bytes"):
+        kv.Pin("s1", "", 60.0, whole, [b"short"]).validate()
+
+
 def test_past_the_budget_the_oldest_pins_lapse_first(pool: HugePagePool) -> None:
     clock = Clock()
     cache = make(pool, clock, pin_fraction=0.25)  # 4 MiB of a 16 MiB pool: 4 entries

@@ -255,6 +255,9 @@ class RegisterAck(Message):
     # Whether it takes kv.Pin and Store.tenant (session pins, tenant quotas); an older daemon sends
     # nothing: False, and a client sends neither.
     pins: bool = False
+    # Whether it takes kv.Pin.partial_keys; an older daemon sends nothing: False, and a client pins whole
+    # chunks only.
+    pin_partials: bool = False
 
 
 @dataclass(frozen=True, slots=True)

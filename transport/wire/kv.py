@@ -8,7 +8,7 @@ Stores and retrieves are jobs: the daemon answers ``Done(req_id)`` or ``Error(re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hkvd.transport.errors import ProtocolViolation
@@ -165,6 +165,9 @@ class Verify(Message):
 MAX_PIN_S = 86400.0
 
 
+MAX_PIN_PARTIALS = 64  # partial keys one Pin holds: a request's few checkpoints inside blocks and its turn end
+
+
 @dataclass(frozen=True, slots=True)
 class Pin(Message):
     """Hold the chunks ``keys`` (a finished request's chunk keys, in prompt order) of the sending engine
@@ -172,13 +175,19 @@ class Pin(Message):
     rank's entry of those keys is held, in every tier that holds it, whether stored yet or not. A later
     ``Pin`` of the same session supersedes its earlier pins whose keys are a prefix of the new keys; a hit on
     a pinned chunk restarts its session's TTL. Sent by the scheduler only to a daemon whose
-    ``RegisterAck.pins`` says it takes pins. No reply (the request does not wait on it)."""
+    ``RegisterAck.pins`` says it takes pins. No reply (the request does not wait on it).
+
+    ``partial_keys``: keys of partial chunks (states inside a block: a turn's end, vLLM's checkpoints;
+    ``hkvd.shim.partial``) held with the pin and ended with it, but left out of the prefix rule (a newer
+    turn's keys never continue an older turn's partial key). Sent only to a daemon whose
+    ``RegisterAck.pin_partials`` says so."""
 
     TYPE = MsgType.PIN
     session: str
     tenant: str
     ttl_s: float
     keys: list[bytes]
+    partial_keys: list[bytes] = field(default_factory=list)
 
     def validate(self) -> None:
         check_session(self.session, "Pin.session")
@@ -188,7 +197,9 @@ class Pin(Message):
                                     f"got {self.ttl_s}")
         if not self.keys or len(self.keys) > MAX_KEYS:
             raise ProtocolViolation(f"Pin: 1 to {MAX_KEYS} keys, got {len(self.keys)}")
-        if any(len(k) != KEY_BYTES for k in self.keys):
+        if len(self.partial_keys) > MAX_PIN_PARTIALS:
+            raise ProtocolViolation(f"Pin: at most {MAX_PIN_PARTIALS} partial keys, got {len(self.partial_keys)}")
+        if any(len(k) != KEY_BYTES for k in (*self.keys, *self.partial_keys)):
             raise ProtocolViolation(f"Pin: every key must be {KEY_BYTES} bytes")
 
 
