@@ -530,6 +530,8 @@ class SchedulerSide:
                     self.stats["verify_items"] += 1
                     continue
                 meta.offers.append((req_id, offer))
+                if st.tenant:
+                    meta.offer_tenants[req_id] = st.tenant
                 meta.offer_notes.extend(self._notes_for(st, [offer], skip={n.key for n in meta.offer_notes}))
                 self.stats["offer_items"] += 1
         return meta
@@ -630,6 +632,8 @@ class SchedulerSide:
                 meta.stores.append(StoreJob(st.req_id, items, [], st.tenant))
                 self.stats["store_items"] += len(items)
         meta.offers.append((st.req_id, Item(group_id, j, key, [block_id], parent_key)))
+        if st.tenant:
+            meta.offer_tenants[st.req_id] = st.tenant
         st.had_copies = True
         self.stats["offer_items"] += 1
 

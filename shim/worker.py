@@ -346,11 +346,14 @@ class WorkerSide:
                 self._track(rid, _Job("verify", item_blocks(vj.items), {vj.req_id}, vj.kind))
             offers = [it for _, it in meta.offers]
             checks = [it for _, it in meta.boundary_verifies]
+            # Each offered state's tenant, to a daemon that takes them (an older one counts them all as "").
+            tenants = ([meta.offer_tenants.get(r, "") for r, _ in meta.offers]
+                       if meta.offer_tenants and self.link.ack is not None and self.link.ack.step_tenants else [])
             confirms, self._confirmable = self._confirmable, []
             self._seq += 1
             rid = client.submit_step_event(self._seq, meta.step, offers, confirms,
                                            wait_event=event if offers or checks else b"", notes=meta.offer_notes,
-                                           verifies=checks)
+                                           verifies=checks, tenants=tenants)
             self._track(rid, _Job("step", item_blocks(offers) | item_blocks(checks),
                                   {r for r, _ in meta.offers} | {r for r, _ in meta.boundary_verifies}))
             self.stats["boundary_verifies"] += len(checks)

@@ -153,8 +153,9 @@ class Cache(Index):
 
     # ---- stores and reads ----------------------------------------------------------------------
     def begin_store(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
-                    tenant: str = "") -> list[Entry | PoolFull | None]:
-        """WRITING entries of ``tenant`` for ``(key, nbytes, kind, parent)`` each (``Index.begin_writes``)."""
+                    tenant: str | Sequence[str] = "") -> list[Entry | PoolFull | None]:
+        """WRITING entries of ``tenant`` (one for all, or one per want) for ``(key, nbytes, kind, parent)`` each
+        (``Index.begin_writes``)."""
         return self.begin_writes(wants, job_id, tenant)
 
     def complete_store(self, entries: list[Entry], *, pending: bool) -> None:

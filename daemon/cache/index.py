@@ -186,8 +186,9 @@ class Index:
             self._pinned_bytes += entry.nbytes
 
     def begin_writes(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
-                     tenant: str = "") -> list[Entry | PoolFull | None]:
-        """``begin_write`` for many ``(key, nbytes, kind, parent)`` of ``tenant`` at once, in order.
+                     tenant: str | Sequence[str] = "") -> list[Entry | PoolFull | None]:
+        """``begin_write`` for many ``(key, nbytes, kind, parent)`` of ``tenant`` (one for all, or one per want)
+        at once, in order.
 
         Each answer is the new WRITING entry, ``None`` when the key already exists (or repeats
         in ``wants``), or the ``PoolFull`` that ``begin_write`` would have raised for it. Room is
@@ -206,10 +207,13 @@ class Index:
                 need[nbytes] = need.get(nbytes, 0) + 1
         bulk = {nbytes: self.pool.alloc_many(nbytes, n) for nbytes, n in need.items()}
         used = dict.fromkeys(bulk, 0)
-        full: dict[int, PoolFull] = {}
+        full: dict[tuple[int, str], PoolFull] = {}  # per size and tenant: what a tenant may evict differs
+        tenants = [tenant] * len(wants) if isinstance(tenant, str) else tenant
+        if len(tenants) != len(wants):
+            raise ValueError(f"begin_writes: {len(tenants)} tenants for {len(wants)} entries")
         out: list[Entry | PoolFull | None] = []
         try:
-            for key, nbytes, kind, parent in wants:
+            for (key, nbytes, kind, parent), owner in zip(wants, tenants, strict=True):
                 if key in entries:
                     out.append(None)
                     continue
@@ -218,18 +222,18 @@ class Index:
                 if i < len(got):
                     alloc = got[i]
                     used[nbytes] = i + 1
-                elif nbytes in full:
-                    out.append(full[nbytes])
+                elif (nbytes, owner) in full:
+                    out.append(full[(nbytes, owner)])
                     continue
                 else:
                     try:
-                        alloc = self._alloc_evicting(nbytes, tenant)
+                        alloc = self._alloc_evicting(nbytes, owner)
                     except PoolFull as e:
-                        full[nbytes] = e
+                        full[(nbytes, owner)] = e
                         out.append(e)
                         continue
                 entry = Entry(key, alloc, nbytes, kind, EntryState.WRITING, 1, 0, job_id, parent)
-                self._add(entry, tenant)
+                self._add(entry, owner)
                 out.append(entry)
                 self.writes += 1
         finally:

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -350,7 +350,7 @@ class KVService:
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
                                       self.kv_events_mode(), lease_watch=True, verify=True, pins=True,
-                                      pin_partials=True))
+                                      pin_partials=True, step_tenants=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""
@@ -434,24 +434,29 @@ class KVService:
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                            pending: bool, wait_event: bytes = b"", notes: list[BlockNote] | None = None,
-                           tenant: str = "") -> tuple[StoreResult, list[Entry]]:
-        """Copy ``items`` into new pool entries of ``tenant``; their counts for the reply, and the entries written.
+                           tenant: str | Sequence[str] = "") -> tuple[StoreResult, list[Entry]]:
+        """Copy ``items`` into new pool entries of ``tenant`` (one for all, or one per item); their counts for the
+        reply, and the entries written.
 
         ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``)."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         announcer = self.announcer if notes else None
         skipped = dropped = thinned = 0
+        tenants = [tenant] * len(items) if isinstance(tenant, str) else list(tenant)
         keep: list[tuple[Item, GroupSpec]] = []
-        for it, g in zip(items, groups, strict=True):
+        kept_tenants: list[str] = []
+        for it, g, t in zip(items, groups, tenants, strict=True):
             if g.kind == "mamba" and not mamba_checkpoint_keep(it.chunk_index, self.cfg.mamba_checkpoint_interval):
                 thinned += 1
                 self.metrics.inc("mamba_states_thinned")
                 self.metrics.inc("mamba_bytes_saved", engine.entry_bytes[g.group_id])
                 continue
             keep.append((it, g))
+            kept_tenants.append(t)
         fp, sizes = engine.fingerprint, engine.entry_bytes
         begun = self.index.begin_store([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
-                                         for it, g in keep], job_id, tenant)
+                                         for it, g in keep], job_id,
+                                        tenant if isinstance(tenant, str) else kept_tenants)
         entries: list[Entry] = []
         placed: list[tuple[GroupSpec, list[int], tuple[Extent, ...]]] = []
         for (it, g), got in zip(keep, begun, strict=True):
@@ -593,7 +598,8 @@ class KVService:
             return
         try:
             copied, written = await self._write_items(conn, engine, offers, job_id=msg.req_id,
-                                                      pending=True, wait_event=msg.wait_event, notes=notes)
+                                                      pending=True, wait_event=msg.wait_event, notes=notes,
+                                                      tenant=msg.tenants or "")
         except BaseException:
             conn.snapshots.on_copy_failed(msg.req_id)
             raise

@@ -44,7 +44,7 @@ class ScriptedClient:
         return self._id(("retrieve", items, lease_id))
 
     def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any, wait_event: bytes = b"",
-                          notes: Any = None, verifies: Any = ()) -> int:
+                          notes: Any = None, verifies: Any = (), tenants: Any = ()) -> int:
         assert wait_event == b"" and list(verifies) == []  # no sampled hits here
         return self._id(("step", seq, step, offers, list(confirms)))
 

@@ -78,8 +78,9 @@ class ScriptedClient:
         return self._id("store", list(items), tenant)
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item], confirms: Iterable[int],
-                          wait_event: bytes = b"", notes: Any = None, verifies: Sequence[Item] = ()) -> int:
-        return self._id("step", step, list(offers), list(confirms), list(verifies))
+                          wait_event: bytes = b"", notes: Any = None, verifies: Sequence[Item] = (),
+                          tenants: Sequence[str] = ()) -> int:
+        return self._id("step", step, list(offers), list(confirms), list(verifies), list(tenants))
 
     def submit_verify(self, items: Sequence[Item], wait_event: bytes = b"") -> int:
         return self._id("verify", list(items))
@@ -515,6 +516,33 @@ def test_a_pinned_request_whose_chunks_were_all_stored_already_is_still_pinned()
     sched.request_finished(req, TABLE)
     assert [p[2:5] for p in client.kinds("pin")] == [("chat-7", "", 300.0)] * 2  # arrival, finish
     assert client.kinds("pin")[1][5] == client.kinds("lookup")[0][2][:3]
+
+
+def test_a_salted_requests_offered_states_go_out_under_its_tenant() -> None:
+    """A state vLLM offers at a block boundary (a Mamba state, in a hybrid) counts against its request's tenant:
+    the metadata names it, and the worker sends one tenant per offer to a daemon that takes them."""
+    from hkvd.shim.tenants import tenant
+
+    sched, _, req = pinned("r1", {}, cache_salt="acme-secret")
+    plain = Request("r2", list(range(1000, 1100)), SamplingParams(max_tokens=4), None)
+    sched.on_new_request(plain)
+    so = scheduler_output(req, computed=0, scheduled=100)
+    offers = {"r1": [(0, 5, CHUNK)], "r2": [(0, 6, CHUNK)]}
+    so.kv_connector_block_state = SimpleNamespace(get_block_ids=lambda r: (TABLE,), boundary_state_offloads=offers)
+    meta = sched.build_connector_meta(so)
+    assert [r for r, _ in meta.offers] == ["r1", "r2"] and meta.offer_tenants == {"r1": tenant(req)}
+
+    for takes in (True, False):
+        wclient = ScriptedClient()
+        w = worker(wclient)
+        w.link.ack = RegisterAck(0, 1, b"f" * 16, CHUNK, 0, pins=True, step_tenants=takes)
+        shipped = pickle.loads(pickle.dumps(meta))
+        w.handle_preemptions(shipped)
+        w.bind(shipped)
+        w.start_load_kv()
+        w.wait_for_save()
+        [step_event] = wclient.kinds("step")
+        assert step_event[-1] == ([tenant(req), ""] if takes else []), takes
 
 
 def test_pins_against_a_daemon_that_takes_none_are_said_once(caplog: pytest.LogCaptureFixture) -> None:

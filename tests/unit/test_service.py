@@ -28,11 +28,12 @@ from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import Conn, KVService
 from hkvd.daemon.metrics import Metrics
 from hkvd.transport.copy_engine import Region
-from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse
+from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse, ProtocolViolation
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire import Message, control, events, kv
 from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.message import message_from_wire
 
 PAGE = 4096
 BLOCKS = 32
@@ -175,6 +176,30 @@ async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness)
     assert isinstance(confirm, kv.Done) and confirm.info == {"outcome": "accept"}  # no offers: no counts
     hit = await h.call(kv.Lookup(6, KEYS[:2], False))
     assert isinstance(hit, kv.LookupReply) and hit.hit_chunks == 2
+
+
+async def test_a_step_events_states_count_against_each_offers_tenant(h: Harness) -> None:
+    """Mamba states offered in one step by requests of two tenants: each counts against its own (StepEvent.tenants);
+    a step event without tenants counts its states as the unsalted share's, as an older client's do."""
+    ack = await h.register(mamba=True)
+    assert ack.step_tenants
+    offers = [kv.Item(1, 1, KEYS[1], [5]), kv.Item(1, 2, KEYS[2], [6])]
+    done = await h.call(events.StepEvent(3, 0, 1, offers, [], tenants=["salt:ab", "salt:cd"]))
+    assert isinstance(done, kv.Done) and done.info["stored"] == 2
+    assert h.service.status()["tenants"]["bytes"] == {"salt:ab": PAGE, "salt:cd": PAGE}
+    done = await h.call(events.StepEvent(4, 1, 2, [kv.Item(1, 3, KEYS[3], [7])], [3]))
+    assert isinstance(done, kv.Done) and done.info["stored"] == 1
+    assert h.service.status()["tenants"]["bytes"] == {"salt:ab": PAGE, "salt:cd": PAGE, "": PAGE}
+
+
+def test_a_step_event_names_a_tenant_per_offer_or_none() -> None:
+    offers = [kv.Item(1, 1, KEYS[1], [5]), kv.Item(1, 2, KEYS[2], [6])]
+    msg = events.StepEvent(3, 0, 1, offers, [], tenants=["salt:ab", ""])
+    assert message_from_wire(msg.to_wire()) == msg
+    with pytest.raises(ProtocolViolation, match="one per offer"):
+        events.StepEvent(3, 0, 1, offers, [], tenants=["salt:ab"]).validate()
+    with pytest.raises(ProtocolViolation, match="tenant label"):
+        events.StepEvent(3, 0, 1, offers, [], tenants=["a b", ""]).validate()
 
 
 @pytest.mark.parametrize(("registered", "msg", "code"), [

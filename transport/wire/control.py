@@ -258,6 +258,9 @@ class RegisterAck(Message):
     # Whether it takes kv.Pin.partial_keys; an older daemon sends nothing: False, and a client pins whole
     # chunks only.
     pin_partials: bool = False
+    # Whether it takes StepEvent.tenants (the tenant of each Mamba state offered); an older daemon sends
+    # nothing: False, and a client sends none (every offered state then counts as the unsalted share's).
+    step_tenants: bool = False
 
 
 @dataclass(frozen=True, slots=True)

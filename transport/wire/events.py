@@ -20,6 +20,7 @@ from typing import Any
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
+from hkvd.transport.wire.control import check_tenant
 from hkvd.transport.wire.kv import Item, check_event
 from hkvd.transport.wire.message import MAX_ITEMS, Message, MsgType, check_u64
 
@@ -37,6 +38,9 @@ class StepEvent(Message):
     # Boundary states this step recomputed for a sampled hit (kv.Verify's docstring): copied under the same
     # ordering rules as offers, then compared with the entries under their keys once confirmed; never stored.
     verifies: list[Item] = field(default_factory=list)
+    # The tenant of each offer (``Store.tenant``), or none: every offer the unsalted share's. Sent only to a
+    # daemon whose RegisterAck.step_tenants says so.
+    tenants: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -50,6 +54,11 @@ class StepEvent(Message):
         if any(len(it.block_ids) != 1 for it in self.verifies):
             raise ProtocolViolation("StepEvent.verifies: a boundary state names exactly one block")
         check_notes(self.notes, "StepEvent.notes")
+        if self.tenants and len(self.tenants) != len(self.offers):
+            raise ProtocolViolation(f"StepEvent.tenants: one per offer ({len(self.offers)}) or none, "
+                                    f"got {len(self.tenants)}")
+        for t in self.tenants:
+            check_tenant(t, "StepEvent.tenants")
 
     def parsed_notes(self) -> list[BlockNote]:
         return checked_notes(self.notes)
