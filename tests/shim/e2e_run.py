@@ -13,7 +13,9 @@ Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}..
 
 Conversations (multi-turn chat): ``"conversations": [{"first": [ids...], "users": [[ids...], ...]}, ...]``
 instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn) and
-``"kv_transfer_params"`` (every turn's).
+``"kv_transfer_params"`` (every turn's), and ``"stop_from": {"conversation", "turn", "index"}``: every turn
+stops on the token an earlier conversation's turn generated at that index (``stop_token_ids``; it runs
+first when its index is lower), so a turn ends on a stop token rather than its length.
 Turn 1's prompt is ``first``; turn k+1's prompt is turn k's prompt, plus the tokens the engine
 generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, A2, B2, ...).
 ``"phases": [{"reset": bool}, ...]`` runs them all once per phase, from an emptied vLLM cache;
@@ -166,6 +168,10 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
             params.max_tokens = wanted[turn] if isinstance(wanted, list) else wanted
             if c.get("kv_transfer_params"):  # every turn's, as vLLM's OpenAI server passes them on
                 params.extra_args = {"kv_transfer_params": c["kv_transfer_params"]}
+            if c.get("stop_from"):  # stop on a token another conversation's turn generated (see the module doc)
+                src = c["stop_from"]
+                params.stop_token_ids = [out[src["conversation"]][src["turn"]]["tokens"][src["index"]]]
+                params.ignore_eos = False
             res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
             comp = res.outputs[0]
             steps = list(zip(comp.token_ids, comp.logprobs or [], strict=False))
@@ -173,7 +179,8 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
             # there may flip between runs whose KV differs by a bf16 rounding.
             out[i].append({"tokens": list(comp.token_ids), "logprobs": [float(d[t].logprob) for t, d in steps],
                            "gaps": [_gap(d) for _, d in steps], "prompt_len": len(prompts[i]),
-                           "num_cached_tokens": int(res.num_cached_tokens or 0)})
+                           "num_cached_tokens": int(res.num_cached_tokens or 0),
+                           "finish_reason": comp.finish_reason})
     return out
 
 
