@@ -203,18 +203,19 @@ def test_a_pinned_sessions_turn_end_outlives_a_flood_that_evicts_an_unpinned_one
 
 
 # A turn that ends on a stop token, as a chat's turns do (EOS), not on its length. The first conversation (12
-# tokens, ended by length) only supplies the stop token: its answer's 7th token, so the second conversation's
+# tokens, ended by length) only supplies the stop token: its answer's 3rd token, so the second conversation's
 # first turn, the same prompt, stops there or at an earlier occurrence.
 STOP_PROMPT = _seq(200, 53, 7)
 LEARN_CHAT = {"first": STOP_PROMPT, "users": [], "max_tokens": 12}
 STOP_CHAT = {"first": STOP_PROMPT, "users": [_seq(30, 59, 4)], "max_tokens": 12,
-             "stop_from": {"conversation": 0, "turn": 0, "index": 6}}
+             "stop_from": {"conversation": 0, "turn": 0, "index": 2}}
 
 
 def test_a_turn_that_stops_on_a_token_is_resumed_at_its_end(tiny_models, outputs, daemon_factory, engine_runner,
                                                             tmp_path) -> None:
     """The next turn hits at the end of a turn that stopped on a token (the stop token, never fed through, is
-    computed again), with the tokens of a run without any cache. vLLM's CPU platform schedules synchronously:
+    computed again), with the tokens of a run without any cache (or parting from them only at a near-tie).
+    vLLM's CPU platform schedules synchronously:
     under asynchronous scheduling (vLLM's GPU default) the step after the stop token's is in flight when the
     request finishes, and the shim stores no turn end there (docs/design.md, "Hit granularity")."""
     d = daemon_factory(BLOCK)
@@ -225,7 +226,7 @@ def test_a_turn_that_stops_on_a_token_is_resumed_at_its_end(tiny_models, outputs
     res = engine_runner(args, timeout_s=600, on_pause=lambda i: d.stop())
     (learn, stopped), (_, cold) = res["phases"]
     first, second = stopped
-    stop = learn[0]["tokens"][6]
+    stop = learn[0]["tokens"][2]
     print(f"stop token {stop}: first turn {first['tokens']} ({first['finish_reason']}); second turn hit "
           f"{second['num_cached_tokens']} of {second['prompt_len']}")
     assert first["finish_reason"] == "stop" and first["tokens"][-1] == stop, first
@@ -233,4 +234,5 @@ def test_a_turn_that_stops_on_a_token_is_resumed_at_its_end(tiny_models, outputs
     end = len(STOP_PROMPT) + len(first["tokens"]) - 1  # the prompt and the answer up to the stop token
     assert second["num_cached_tokens"] == end, res["log"][-3000:]
     assert [t["num_cached_tokens"] for t in cold] == [0, 0], res["log"][-3000:]
-    outputs.compare(cold[1], second, "the turn after a stop token (hkvd from its end vs no cache)")
+    # The same tokens, or a parting at a near-tie (the loaded state's prefill is chunked otherwise).
+    _same_or_tie(cold[1], second, "the turn after a stop token (hkvd from its end vs no cache)", outputs.LOGPROB_TOL)
