@@ -215,9 +215,9 @@ def test_a_turn_that_stops_on_a_token_is_resumed_at_its_end(tiny_models, outputs
                                                             tmp_path) -> None:
     """The next turn hits at the end of a turn that stopped on a token (the stop token, never fed through, is
     computed again), with the tokens of a run without any cache (or parting from them only at a near-tie).
-    vLLM's CPU platform schedules synchronously:
-    under asynchronous scheduling (vLLM's GPU default) the step after the stop token's is in flight when the
-    request finishes, and the shim stores no turn end there (docs/design.md, "Hit granularity")."""
+    vLLM's CPU platform schedules synchronously: under asynchronous scheduling (vLLM's GPU default) the step
+    after the stop token's is in flight when the request finishes, and the shim stores no turn end there
+    (docs/design.md, "Hit granularity")."""
     d = daemon_factory(BLOCK)
     args = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": 0,
             "conversations": [LEARN_CHAT, STOP_CHAT], "ignore_eos": True, "logprobs": 2,
