@@ -529,12 +529,16 @@ class SchedulerSide:
                     meta.boundary_verifies.append((req_id, offer))
                     self.stats["verify_items"] += 1
                     continue
-                meta.offers.append((req_id, offer))
-                if st.tenant:
-                    meta.offer_tenants[req_id] = st.tenant
+                self._add_offer(meta, st, offer)
                 meta.offer_notes.extend(self._notes_for(st, [offer], skip={n.key for n in meta.offer_notes}))
-                self.stats["offer_items"] += 1
         return meta
+
+    def _add_offer(self, meta: HkvdConnectorMetadata, st: RequestRecord, item: Item) -> None:
+        """One state offered this step (a StepEvent offer), under its request's tenant."""
+        meta.offers.append((st.req_id, item))
+        if st.tenant:
+            meta.offer_tenants[st.req_id] = st.tenant
+        self.stats["offer_items"] += 1
 
     def _daemon_verifies(self) -> bool:
         """Whether the daemon compares sampled hits (``RegisterAck.verify``); an older one does not, and is told
@@ -631,11 +635,8 @@ class SchedulerSide:
             if items:  # no notes: vLLM names a partial block by its own partial hash, not the whole block's
                 meta.stores.append(StoreJob(st.req_id, items, [], st.tenant))
                 self.stats["store_items"] += len(items)
-        meta.offers.append((st.req_id, Item(group_id, j, key, [block_id], parent_key)))
-        if st.tenant:
-            meta.offer_tenants[st.req_id] = st.tenant
+        self._add_offer(meta, st, Item(group_id, j, key, [block_id], parent_key))
         st.had_copies = True
-        self.stats["offer_items"] += 1
 
     def _store_turn_end(self, request: Request, st: RequestRecord,
                         block_ids: list[int] | tuple[list[int], ...]) -> bytes | None:

@@ -455,8 +455,7 @@ class KVService:
             kept_tenants.append(t)
         fp, sizes = engine.fingerprint, engine.entry_bytes
         begun = self.index.begin_store([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
-                                         for it, g in keep], job_id,
-                                        tenant if isinstance(tenant, str) else kept_tenants)
+                                         for it, g in keep], job_id, kept_tenants)
         entries: list[Entry] = []
         placed: list[tuple[GroupSpec, list[int], tuple[Extent, ...]]] = []
         for (it, g), got in zip(keep, begun, strict=True):
