@@ -39,11 +39,17 @@ from hkvd.shim.spec import GroupInfo
 from hkvd.transport.keys import ROOT_KEY, partial_key
 
 
-def enabled(groups: Sequence[GroupInfo], block_size: int, chunk_size: int, hash_block_size: int) -> bool:
-    """Whether this engine can store and serve partial chunks (see the module doc)."""
+def enabled(groups: Sequence[GroupInfo], block_size: int, chunk_size: int) -> bool:
+    """Whether this engine can store and serve partial chunks at all (turn ends; see the module doc): C == N, a
+    Mamba group, every other group full attention."""
     kinds = {g.kind for g in groups}
-    return (0 < hash_block_size < block_size and block_size % hash_block_size == 0 and chunk_size == block_size
-            and "mamba" in kinds and kinds <= {"full", "mamba"})
+    return chunk_size == block_size and "mamba" in kinds and kinds <= {"full", "mamba"}
+
+
+def checkpoints(block_size: int, hash_block_size: int) -> bool:
+    """Whether vLLM also checkpoints states inside a block (``prefix_match_unit`` h below N, dividing it), which
+    lookups then probe at every h multiple (``candidates``)."""
+    return 0 < hash_block_size < block_size and block_size % hash_block_size == 0
 
 
 def candidates(hit_chunks: int, num_tokens: int, chunk_size: int, unit: int) -> list[int]:

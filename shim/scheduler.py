@@ -554,7 +554,7 @@ class SchedulerSide:
 
     # ---- partial chunks (hkvd.shim.partial) ------------------------------------------------------
     def _partial_on(self) -> bool:
-        return partial.enabled(self.groups, self.block_size, self.chunk_size, self._hash_unit)
+        return partial.enabled(self.groups, self.block_size, self.chunk_size)
 
     def _hit_tokens(self, st: RequestRecord) -> int:
         got = self._partial.get(st.req_id)
@@ -578,7 +578,8 @@ class SchedulerSide:
             return False
         client = self.link.client
         submitted: dict[int, tuple[int, bytes]] = {}
-        positions = partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit)
+        positions = (partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit)
+                     if partial.checkpoints(self.block_size, self._hash_unit) else [])
         if self.cfg.turn_end_states:
             parent = partial.before(keys, st.hit_chunks)
             positions = partial.merge(positions, self._turn_ends.positions(parent, st.hit_chunks * C, st.num_tokens))

@@ -119,6 +119,7 @@ def test_prefix_match_unit_serves_and_hits(model, tiny_models, outputs, daemon_f
 # another block is.
 CHAT = [{"first": _seq(300, 19, 4), "users": [_seq(3, 23, 1), _seq(3, 23, 8)], "max_tokens": [40, 40, 6]}]
 CHAT_VLLM = [0, 288, 320]
+CHAT_VLLM_BLOCKS = [0, 256, 256]  # vLLM's own cache without prefix_match_unit: block multiples
 CHAT_TURN_ENDS = [0, 339, 382]
 TIE = 0.008  # nats: two bf16 ulps at these logprobs; a top-2 gap this small may flip with the prefill's chunking
 
@@ -141,27 +142,30 @@ def _same_or_tie(cold: dict, got: dict, what: str, tol: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("turn_ends", [True, False], ids=["turn_end_states", "checkpoints_only"])
-def test_a_chats_next_turn_hits_where_the_previous_turn_ended(turn_ends, tiny_models, outputs, daemon_factory,
+@pytest.mark.parametrize(("turn_ends", "unit"), [(True, UNIT), (False, UNIT), (True, None)],
+                         ids=["turn_end_states", "checkpoints_only", "turn_end_states_without_unit"])
+def test_a_chats_next_turn_hits_where_the_previous_turn_ended(turn_ends, unit, tiny_models, outputs, daemon_factory,
                                                                engine_runner, tmp_path) -> None:
     """Qwen3-Next: with turn-end states (``turn_end_states``, on by default) hkvd serves each turn at the
     previous turn's end, beyond vLLM's own cache, with the no-cache run's tokens in every turn (a Mamba state
-    from another block parts from them); without them, at the previous prompt's checkpoint, as vLLM's own
+    from another block parts from them), with or without ``prefix_match_unit`` (without it vLLM's own cache
+    hits at block multiples only); without them, at the previous prompt's checkpoint, as vLLM's own
     cache does, with the same tokens and logprobs. Against a no-cache run, a hit at a checkpoint changes the
     prefill's chunking, which may move a logprob by a bf16 ulp: the tokens match or part at a near-tie."""
     d = daemon_factory(BLOCK)
+    llm = {"max_model_len": 1024, **({"prefix_match_unit": unit} if unit else {})}
     args = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": 0,
             "conversations": CHAT, "ignore_eos": True, "logprobs": 2, "extra": {"turn_end_states": turn_ends},
-            "llm": {"max_model_len": 1024, "prefix_match_unit": UNIT},
-            "phases": [{"reset": True}, {"reset": False}, {"reset": True}],
+            "llm": llm, "phases": [{"reset": True}, {"reset": False}, {"reset": True}],
             "pause_before": [1], "sync_dir": str(tmp_path)}
     res = engine_runner(args, timeout_s=600, on_pause=lambda i: d.stop())
     hkvd, own, cold = (phase[0] for phase in res["phases"])
     got_hkvd = [t["num_cached_tokens"] for t in hkvd]
     got_vllm = [t["num_cached_tokens"] for t in own]
-    print(f"chat (turn_end_states={turn_ends}): hits from hkvd {got_hkvd}, from vLLM's own cache {got_vllm}")
+    print(f"chat (turn_end_states={turn_ends}, prefix_match_unit={unit}): hits from hkvd {got_hkvd}, "
+          f"from vLLM's own cache {got_vllm}")
     assert [t["num_cached_tokens"] for t in cold] == [0, 0, 0], res["log"][-3000:]
-    assert got_vllm == CHAT_VLLM, res["log"][-3000:]
+    assert got_vllm == (CHAT_VLLM if unit else CHAT_VLLM_BLOCKS), res["log"][-3000:]
     assert got_hkvd == (CHAT_TURN_ENDS if turn_ends else CHAT_VLLM), res["log"][-3000:]
     if not turn_ends:
         for t, (v, h) in enumerate(zip(own, hkvd, strict=True)):  # same hit boundaries: the same bytes

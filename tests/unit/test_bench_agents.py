@@ -269,6 +269,10 @@ def test_ratios_and_targets() -> None:
     assert alone["pins_hits_vs_limit"] is None and alone["pins_ttft_vs_recompute"] is None
     lines = agents.summary({"runs": [*runs[:2], failed], "ratios": agents.ratios(runs[:2])})
     assert any("hkvd_pins" in ln and "did not run: RuntimeError: x" in ln for ln in lines)
+    assert "turn_ends_hits_vs_limit" not in t  # an invocation without that run reports no target of it
+    ends = agents.ratios([*runs, _run("hkvd_turn_ends", 0.5, 1000)])["targets"]
+    assert ends["turn_ends_hits_vs_limit"]["met"] and not ends["turn_ends_ttft_vs_recompute"]["met"]
+    assert ends["pins_ttft_vs_recompute"]["met"]
 
 
 def test_plot_draws_pinned_bytes_over_time(tmp_path: Path) -> None:

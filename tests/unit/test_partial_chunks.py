@@ -27,14 +27,18 @@ def test_a_partial_key_is_neither_a_whole_chunks_key_nor_another_lengths() -> No
         partial_key(ROOT_KEY, [])
 
 
-def test_partial_chunks_need_a_mamba_group_full_attention_only_a_finer_unit_and_chunks_of_one_block() -> None:
-    assert partial.enabled([FULL, MAMBA], N, N, 32)
-    assert not partial.enabled([FULL, MAMBA], N, N, N)  # no prefix_match_unit below the block
-    assert not partial.enabled([FULL, MAMBA], N, N, 0)
-    assert not partial.enabled([FULL, MAMBA], N, 2 * N, 32)  # chunks of two blocks
-    assert not partial.enabled([FULL, SWA], N, N, 32)  # no Mamba: vLLM hits at block multiples only
-    assert not partial.enabled([FULL, SWA, MAMBA], N, N, 32)  # window tails are not kept per partial chunk
-    assert not partial.enabled([FULL, MAMBA], N, N, 48)  # does not divide the block
+def test_partial_chunks_need_a_mamba_group_full_attention_only_and_chunks_of_one_block() -> None:
+    assert partial.enabled([FULL, MAMBA], N, N)
+    assert not partial.enabled([FULL, MAMBA], N, 2 * N)  # chunks of two blocks
+    assert not partial.enabled([FULL, SWA], N, N)  # no Mamba: vLLM hits at block multiples only
+    assert not partial.enabled([FULL, SWA, MAMBA], N, N)  # window tails are not kept per partial chunk
+
+
+def test_checkpoints_inside_a_block_need_a_unit_below_the_block_that_divides_it() -> None:
+    assert partial.checkpoints(N, 32)
+    assert not partial.checkpoints(N, N)  # no prefix_match_unit below the block: turn ends only
+    assert not partial.checkpoints(N, 0)
+    assert not partial.checkpoints(N, 48)  # does not divide the block
 
 
 def test_probe_positions_lie_inside_the_chunk_after_the_hit_longest_first_and_spare_the_last_token() -> None:
