@@ -106,7 +106,7 @@ from hkvd.transport.errors import DaemonUnavailable, ProtocolViolation
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
-from hkvd.transport.wire.kv import MAX_PIN_PARTIALS, Item, LookupReply
+from hkvd.transport.wire.kv import MAX_PIN_PARTIALS, MAX_TAILS, Item, LookupReply
 from hkvd.transport.wire.message import MAX_KEYS
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
@@ -174,6 +174,7 @@ class SchedulerSide:
         # Partial chunks (hkvd.shim.partial): probes in flight, and each request's partial hit (tokens, key).
         self._hash_unit = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
         self._probes = partial.Probes()
+        self._lookup_tails: dict[int, list[tuple[int, bytes]]] = {}  # lookup id -> (position, key) of its tails
         self._partial: dict[str, tuple[int, bytes]] = {}
         # request -> the partial keys whose blocks went out, in the order they did
         self._partial_stored: dict[str, dict[bytes, None]] = {}
@@ -205,6 +206,7 @@ class SchedulerSide:
                     st.keys = []
             self.chunk_size = chunk
             self._by_lookup.clear()  # lookups and watches of the old connection never complete
+            self._lookup_tails.clear()
             self._probes.clear()
             self._watches.clear()
             for st in self._reqs.values():
@@ -293,17 +295,14 @@ class SchedulerSide:
                 self._probe_done(c.req_id, c.get(LookupReply) if c.ok else None)
                 continue
             req_id = self._by_lookup.pop(c.req_id, None)
+            tails = self._lookup_tails.pop(c.req_id, [])
             st = self._reqs.get(req_id) if req_id is not None else None
             if st is None:
                 if c.ok and c.get(LookupReply).lease_id:
                     self._release(c.get(LookupReply).lease_id)
                 continue
             if c.ok:
-                found = c.get(LookupReply)
-                st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
-                self._partial.pop(st.req_id, None)  # a lookup afresh (preempted): its partial hit is decided anew
-                if not self._probe(st.req_id, st):
-                    self._fire(st, Event.ANSWERED)
+                self._looked_up(st, c.get(LookupReply), tails)
             else:
                 self._answer(st, 0)
                 if isinstance(c.error, DaemonUnavailable):
@@ -313,6 +312,25 @@ class SchedulerSide:
         if not client.connected:
             self.link.lost(ConnectionError("connection lost"))
             self.feed.lost_connection()
+
+    def _looked_up(self, st: RequestRecord, found: LookupReply, tails: list[tuple[int, bytes]]) -> None:
+        """The whole-chunk lookup's answer, extended by one of its ``tails`` where the daemon says so; the
+        request is answered now, or once the probes of positions no tail tried reply (``_probe``)."""
+        self._partial.pop(st.req_id, None)  # a lookup afresh (preempted): its partial hit is decided anew
+        C = self.chunk_size
+        if found.tail and (found.tail > len(tails) or found.hit_chunks != tails[found.tail - 1][0] // C + 1):
+            # A daemon bug: the hit's last chunk is not the tail named, so serve none of it.
+            logger.error("hkvd: the daemon's lookup reply names tail %d of %d sent for a hit of %d chunks; "
+                         "recomputing %s", found.tail, len(tails), found.hit_chunks, st.req_id)
+            self._release(found.lease_id)
+            self._answer(st, 0)
+            return
+        st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
+        if found.tail:
+            self._partial[st.req_id] = tails[found.tail - 1]
+        elif self._probe(st.req_id, st, tried={pos for pos, _ in tails}):
+            return
+        self._fire(st, Event.ANSWERED)
 
     def _release(self, lease_id: int) -> None:
         if not lease_id or self.link.client is None:
@@ -333,8 +351,10 @@ class SchedulerSide:
         if n <= 0:
             self._answer(st, 0)
             return
+        tails = self._tails(st, keys, n)
+        sent = [(pos // self.chunk_size, key) for pos, key in tails]
         try:
-            rid = client.submit_lookup(keys[:n], lease=True)
+            rid = client.submit_lookup(keys[:n], lease=True, tails=sent)
         except Exception as e:
             # The connection died since the last call (daemon restarted?): reconnect once now.
             self.link.lost(e)
@@ -342,13 +362,17 @@ class SchedulerSide:
             try:
                 if client is None:
                     raise ConnectionError("daemon unavailable")
-                rid = client.submit_lookup(keys[:n], lease=True)
+                tails = self._tails(st, keys, n)  # the new daemon may not take them
+                rid = client.submit_lookup(keys[:n], lease=True,
+                                           tails=[(pos // self.chunk_size, key) for pos, key in tails])
             except Exception as e2:
                 self.link.lost(e2)
                 self._answer(st, 0)
                 return
         st.lookup_id, st.lookup_sent_at, st.lookup_gen = rid, time.monotonic(), self.link.generation
         self._by_lookup[rid] = req_id
+        if tails:
+            self._lookup_tails[rid] = tails
         self.stats["lookups"] += 1
 
     # ---- vLLM hooks ----------------------------------------------------------------------------
@@ -400,6 +424,7 @@ class SchedulerSide:
                 logger.warning("hkvd: lookup for %s unanswered after %.1f s; recomputing", request.request_id,
                                self.cfg.lookup_timeout_s)
                 self._by_lookup.pop(st.lookup_id or 0, None)
+                self._lookup_tails.pop(st.lookup_id or 0, None)
                 self._answer(st, 0)
         hit_tokens = self._hit_tokens(st)
         if hit_tokens <= num_computed_tokens:
@@ -568,9 +593,37 @@ class SchedulerSide:
         except Uncacheable:
             return True
 
-    def _probe(self, req_id: str, st: RequestRecord) -> bool:
+    def _positions(self, st: RequestRecord, keys: list[bytes], j: int, checkpoints: bool) -> list[int]:
+        """Where inside chunk ``j`` a partial chunk of this prompt may be stored, longest first: the positions
+        turns ended at after chunk j - 1, and with ``checkpoints`` the h multiples vLLM checkpoints."""
+        C = self.chunk_size
+        positions = (partial.candidates(j, st.num_tokens, C, self._hash_unit)
+                     if checkpoints and partial.checkpoints(self.block_size, self._hash_unit) else [])
+        if self.cfg.turn_end_states:
+            ends = self._turn_ends.positions(partial.before(keys, j), j * C, st.num_tokens)
+            positions = partial.merge(positions, ends)
+        return positions
+
+    def _tails(self, st: RequestRecord, keys: list[bytes], n: int) -> list[tuple[int, bytes]]:
+        """(position, key) of the partial chunks a lookup of ``n`` whole chunks asks the daemon to try where its
+        hit ends (``Lookup.tails``, longest first): every remembered turn end inside chunks 0 .. n, and the h
+        multiples inside chunk n; [] for a daemon that does not take them, or a request that gets none."""
+        ack = self.link.ack
+        if (ack is None or not ack.lookup_tails or not self._partial_on() or st.request is None or st.uncacheable
+                or self._has_extras(st)):
+            return []
+        positions = [p for j in range(n + 1) for p in self._positions(st, keys, j, checkpoints=j == n)]
+        tails = []
+        for pos in sorted(positions, reverse=True)[:MAX_TAILS]:
+            key = partial.key_at(keys, st.tokens, pos, self.chunk_size)
+            if key is not None:
+                tails.append((pos, key))
+        return tails
+
+    def _probe(self, req_id: str, st: RequestRecord, tried: set[int] | frozenset[int] = frozenset()) -> bool:
         """After the whole-chunk answer: probe the positions inside the next chunk where a partial chunk may be
-        stored. True when probes went out (the request is answered once they all reply)."""
+        stored, but those ``tried`` (the lookup's tails). True when probes went out (the request is answered
+        once they all reply)."""
         if not self._partial_on() or st.request is None or st.uncacheable:
             return False
         C, keys = self.chunk_size, self._keys(st)
@@ -578,11 +631,7 @@ class SchedulerSide:
             return False
         client = self.link.client
         submitted: dict[int, tuple[int, bytes]] = {}
-        positions = (partial.candidates(st.hit_chunks, st.num_tokens, C, self._hash_unit)
-                     if partial.checkpoints(self.block_size, self._hash_unit) else [])
-        if self.cfg.turn_end_states:
-            parent = partial.before(keys, st.hit_chunks)
-            positions = partial.merge(positions, self._turn_ends.positions(parent, st.hit_chunks * C, st.num_tokens))
+        positions = [p for p in self._positions(st, keys, st.hit_chunks, checkpoints=True) if p not in tried]
         for pos in positions:
             key = partial.key_at(keys, st.tokens, pos, C)
             if key is None or client is None:

@@ -350,7 +350,7 @@ class KVService:
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
                                       self.kv_events_mode(), lease_watch=True, verify=True, pins=True,
-                                      pin_partials=True, step_tenants=True))
+                                      pin_partials=True, step_tenants=True, lookup_tails=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""
@@ -372,15 +372,47 @@ class KVService:
         cluster) what the hit needs."""
         engine = self._engine(conn, copy=False)
         plan, missing = self._plan_lookup(engine, msg.keys)
-        if plan.hit_chunks < len(msg.keys) and self.promoter.usable():
+        keys, tail = msg.keys, 0
+        if msg.tails:
+            plan, keys, tail = self._with_tail(engine, msg, plan)
+        n = plan.hit_chunks - (tail > 0)  # the whole chunks of the hit
+        if self.promoter.usable() and (n < len(msg.keys) or (not tail and self._tails_at(msg, n))):
             return self._lookup_via_tiers(conn, engine, msg)
-        self._answer_lookup(conn, engine, msg, plan, missing)
+        self._answer_lookup(conn, engine, msg, plan, missing, keys, tail)
         return None
 
     async def _lookup_via_tiers(self, conn: Conn, engine: EngineState, msg: kv.Lookup) -> None:
-        await self.promoter.promote(engine, msg.keys, request_log(conn, msg.req_id))
+        log_extra = request_log(conn, msg.req_id)
+        await self.promoter.promote(engine, msg.keys, log_extra)
         plan, missing = self._plan_lookup(engine, msg.keys)  # again: the pool may have changed meanwhile
-        self._answer_lookup(conn, engine, msg, plan, missing)
+        keys, tail = msg.keys, 0
+        if msg.tails:
+            plan, keys, tail = self._with_tail(engine, msg, plan)
+            n = plan.hit_chunks
+            for _, key in [] if tail else self._tails_at(msg, n):  # longest first: read one, then try again
+                if await self.promoter.promote(engine, [*msg.keys[:n], key], log_extra):
+                    plan, keys, tail = self._with_tail(engine, msg, plan)
+                    if tail:
+                        break
+        self._answer_lookup(conn, engine, msg, plan, missing, keys, tail)
+
+    @staticmethod
+    def _tails_at(msg: kv.Lookup, n: int) -> list[tuple[int, bytes]]:
+        """``msg``'s tails (index, key) that may end a hit of ``n`` whole chunks, in the order sent."""
+        return [(i, t[1]) for i, t in enumerate(msg.tails) if t[0] == n]
+
+    def _with_tail(self, engine: EngineState, msg: kv.Lookup, plan: HitPlan) -> tuple[HitPlan, list[bytes], int]:
+        """``plan`` (a hit of n whole chunks) extended by the first of ``msg.tails`` at chunk n whose entries the
+        pool serves: (its plan, the keys it covers, 1 + the tail's index); unchanged, with 0, when none does."""
+        n, fps, ready = plan.hit_chunks, engine.rank_fingerprints, self.index.is_ready
+        for i, key in self._tails_at(msg, n):
+            if not all(ready((fp, gid, key)) for fp in fps for gid in engine.groups):
+                continue  # the usual case, decided without planning the chunks before it again
+            keys = [*msg.keys[:n], key]
+            extended, _ = self._plan_lookup(engine, keys)
+            if extended.hit_chunks == n + 1:
+                return extended, keys, i + 1
+        return plan, msg.keys, 0
 
     def _plan_lookup(self, engine: EngineState, keys: list[bytes]) -> tuple[HitPlan, dict[str, int]]:
         """The best hit the pool can serve to every rank, and the entries it lacks by kind."""
@@ -388,16 +420,18 @@ class KVService:
         return self.index.plan(engine, keys, engine.rank_fingerprints, missing=missing), missing
 
     def _answer_lookup(self, conn: Conn, engine: EngineState, msg: kv.Lookup, plan: HitPlan,
-                       missing: dict[str, int]) -> None:
-        keys, kinds = msg.keys, engine.kinds
+                       missing: dict[str, int], keys: list[bytes], tail: int) -> None:
+        """Reply with ``plan``, a hit over ``keys`` (``msg.keys``, or their first chunks and the tail ``tail``
+        names), leased when asked."""
+        kinds = engine.kinds
         lease_id = 0
         if msg.lease and plan.hit_chunks > 0:  # every rank's entries, one retrieve per rank
             lease_id = self.index.lease(plan, keys, engine.rank_fingerprints, conn.conn_id, self.cfg.lease_ttl_s)
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_hit_chunks", plan.hit_chunks)
-        self.metrics.inc("lookup_miss_chunks", len(keys) - plan.hit_chunks)
+        self.metrics.inc("lookup_miss_chunks", max(0, len(msg.keys) - plan.hit_chunks))
         self.traffic.lookup(engine.spec.model, engine.spec.rank, plan.hit_chunks * engine.chunk_size,
-                            (len(keys) - plan.hit_chunks) * engine.chunk_size)
+                            max(0, len(msg.keys) - plan.hit_chunks) * engine.chunk_size)
         hit_by_kind: dict[str, int] = {}
         for gid, chunks in plan.needed.items():
             hit_by_kind[kinds[gid]] = hit_by_kind.get(kinds[gid], 0) + len(chunks)
@@ -405,7 +439,7 @@ class KVService:
             self.metrics.inc("lookup_hit_entries", n, kind=kind)
         for kind, n in missing.items():
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
-        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s))
+        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, tail))
 
     # ---- lower tiers: write-behind on READY (reads: daemon/tiers/promotion.py) ------------------------
     def _write_behind(self, entries: list[Entry]) -> None:

@@ -35,8 +35,10 @@ from hkvd.shim.request_state import InvalidTransition, State
 from hkvd.shim.results import Completion
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig
+from hkvd.shim.spec import GroupInfo
 from hkvd.shim.worker import WorkerSide
 from hkvd.transport.errors import NotFound
+from hkvd.transport.keys import chunk_keys, partial_key
 from hkvd.transport.wire.control import RegisterAck
 from hkvd.transport.wire.kv import Item, LookupReply
 
@@ -55,8 +57,9 @@ class ScriptedClient:
     connected = True
     daemon_pid = 0
 
-    def __init__(self, hit: int = 0, lease_id: int = 0) -> None:
+    def __init__(self, hit: int = 0, lease_id: int = 0, tail_held: bool = False) -> None:
         self.hit, self.lease_id = hit, lease_id
+        self.tail_held = tail_held  # a lookup's first tail at its whole-chunk hit extends it (Lookup.tails)
         self.sent: list[tuple[Any, ...]] = []
         self.done: list[Completion] = []
         self.released: list[int] = []
@@ -66,9 +69,11 @@ class ScriptedClient:
         self.sent.append((rid, *what))
         return rid
 
-    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
-        rid = self._id("lookup", list(keys))
-        self.done.append(Completion(rid, True, LookupReply(rid, min(self.hit, len(keys)), self.lease_id, 30.0), None))
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = ()) -> int:
+        rid = self._id("lookup", list(keys), list(tails))
+        hit = min(self.hit, len(keys))
+        tail = next((i + 1 for i, (j, _) in enumerate(tails) if j == hit), 0) if self.tail_held else 0
+        self.done.append(Completion(rid, True, LookupReply(rid, hit + (tail > 0), self.lease_id, 30.0, tail), None))
         return rid
 
     def submit_retrieve(self, items: Sequence[Item], lease_id: int = 0) -> int:
@@ -139,8 +144,10 @@ def sched() -> SchedulerSide:
     return side
 
 
-def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True, pins: bool = True) -> None:
-    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, CHUNK, 0, verify=verify, pins=pins)
+def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True, pins: bool = True,
+            tails: bool = True) -> None:
+    side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, side.chunk_size, 0, verify=verify,
+                                                          pins=pins, lookup_tails=tails)
     side.link.generation += 1
 
 
@@ -246,8 +253,8 @@ class SlowLookups(ScriptedClient):
         super().__init__(hit, lease_id)
         self.held: list[Completion] = []
 
-    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True) -> int:
-        rid = super().submit_lookup(keys, lease)
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = ()) -> int:
+        rid = super().submit_lookup(keys, lease, tails)
         self.held.append(self.done.pop())
         return rid
 
@@ -269,6 +276,48 @@ def test_a_request_whose_lookup_has_not_answered_is_passed_over_and_counted(sche
     client.answer()
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
     assert sched.stats["lookups_deferred"] == 2
+
+
+def hybrid_sched() -> SchedulerSide:
+    """A scheduler side whose engine has a Mamba group beside full attention, chunks of one block: partial chunks
+    (turn ends) are on; no ``prefix_match_unit``."""
+    side = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
+                                                                      chunk_size=BLOCK))
+    side.groups = [GroupInfo(0, "full", BLOCK, 0), GroupInfo(1, "mamba", BLOCK, 0)]
+    return side
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["tail_held", "tail_gone"])
+def test_a_remembered_turn_end_goes_with_the_lookup_and_is_answered_in_one_round_trip(held: bool) -> None:
+    """The positions where earlier turns ended (after the same whole chunks) go with the whole-chunk lookup as
+    tails; the daemon's answer, with or without one of them, is final: no probe follows."""
+    sched = hybrid_sched()
+    client = ScriptedClient(hit=2, lease_id=5, tail_held=held)
+    connect(sched, client)
+    tokens = list(range(100))
+    keys = chunk_keys(tokens, BLOCK)
+    sched._turn_ends.add(keys[1], 7)  # a turn ended 7 tokens into chunk 2 (39 tokens)
+    sched._turn_ends.add(keys[3], 3)  # and one into chunk 4, beyond what this daemon holds
+    req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == ((39 if held else 2 * BLOCK), True)
+    [lookup] = client.kinds("lookup")  # one round trip
+    assert lookup[2] == keys[:6]
+    assert lookup[3] == [(4, partial_key(keys[3], tokens[64:67])), (2, partial_key(keys[1], tokens[32:39]))]
+
+
+def test_against_a_daemon_that_takes_no_tails_the_turn_end_is_probed_after_the_answer() -> None:
+    sched = hybrid_sched()
+    client = ScriptedClient(hit=2, lease_id=5)
+    connect(sched, client, tails=False)
+    tokens = list(range(100))
+    sched._turn_ends.add(chunk_keys(tokens, BLOCK)[1], 7)
+    req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)  # the probe hits 2 (scripted): a miss
+    keys = chunk_keys(tokens, BLOCK)
+    assert [(x[2], x[3]) for x in client.kinds("lookup")] == [(keys, []),  # no tails, then one probe
+                                                              ([*keys[:2], partial_key(keys[1], tokens[32:39])], [])]
 
 
 class Clock:

@@ -54,7 +54,7 @@ class ProducerClient:
         self.statuses += 1
         return {"peer": {"advertise": self.advertise}}
 
-    def submit_lookup(self, keys: list[bytes], lease: bool = True) -> int:
+    def submit_lookup(self, keys: list[bytes], lease: bool = True, tails: list[tuple[int, bytes]] | None = None) -> int:
         self.lookups.append(list(keys))
         return len(self.lookups)
 

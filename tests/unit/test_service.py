@@ -27,6 +27,7 @@ from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import Conn, KVService
 from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.tiers.contract import Source
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse, ProtocolViolation
 from hkvd.transport.keys import chunk_keys
@@ -85,15 +86,18 @@ class Harness:
 
 @contextlib.contextmanager
 def _harness(make_engine: Callable[[HugePagePool], HostCopyEngine] = HostCopyEngine,
-             threads: int = 2) -> Iterator[Harness]:
-    """A service over a 64 MiB pool, the copy engine ``make_engine`` builds, and this process as its engine."""
+             threads: int = 2, tier: Any = None) -> Iterator[Harness]:
+    """A service over a 64 MiB pool, the copy engine ``make_engine`` builds, and this process as its engine;
+    ``tier``: a lower tier, in the cluster tier's place."""
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     copy_engine = make_engine(pool)
     index = Cache(pool, make_policy("lru"))
     executor = ThreadPoolExecutor(threads)
     service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
-                        Metrics())
+                        Metrics(), cluster=tier)
+    if tier is not None:
+        tier.pool = pool
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
@@ -176,6 +180,99 @@ async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness)
     assert isinstance(confirm, kv.Done) and confirm.info == {"outcome": "accept"}  # no offers: no counts
     hit = await h.call(kv.Lookup(6, KEYS[:2], False))
     assert isinstance(hit, kv.LookupReply) and hit.hit_chunks == 2
+
+
+async def test_a_lookups_tails_extend_its_whole_chunk_hit_by_the_first_partial_chunk_held(h: Harness) -> None:
+    """Lookup.tails: the daemon tries each [chunk_index, key] at the chunk where the whole-chunk hit ends, in
+    the order sent, and extends the hit by the first whose every group's entry it serves; the reply names it
+    and the lease covers it. A tail at another chunk, or one only partly held, is passed over."""
+    ack = await h.register(mamba=True)
+    assert ack.lookup_tails
+    tail, loose, other = (bytes([i]) * 16 for i in (7, 8, 9))
+    h.engine.block(0, 5)[:] = 5  # the tail's attention page and state, as stored
+    h.engine.block(1, 10)[:] = 10
+    await h.call(kv.Store(2, [*_full(range(2), 1), kv.Item(0, 2, tail, [5, 6], KEYS[1]),
+                              kv.Item(0, 2, loose, [7, 8], KEYS[1])]))
+    await h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [9]), kv.Item(1, 2, tail, [10], KEYS[1])], []))
+    await h.call(events.StepEvent(4, 1, 2, [], [3]))  # confirmed: chunk 1's state and the tail's
+    for msg_id, tails, want in [(5, [[2, loose], [2, tail]], (3, 2)),  # loose: attention only, no state
+                                (6, [[1, tail], [2, other]], (2, 0)),  # at chunk 1: the hit ends at 2
+                                (7, [], (2, 0))]:
+        reply = await h.call(kv.Lookup(msg_id, KEYS[:2], True, tails))
+        assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail) == want, (tails, reply)
+        assert message_from_wire(reply.to_wire()) == reply
+        if reply.tail:  # the lease serves the tail's entries under its own key
+            dst = [*_full(range(2), 21), kv.Item(0, 2, tail, [25, 26], KEYS[1]), kv.Item(1, 2, tail, [27])]
+            done = await h.call(kv.Retrieve(8, reply.lease_id, dst))
+            assert isinstance(done, kv.Done), done
+            assert bytes(h.engine.block(0, 25)) == bytes(h.engine.block(0, 5))
+            assert bytes(h.engine.block(1, 27)) == bytes(h.engine.block(1, 10))
+        elif reply.lease_id:
+            assert h.service.handle(h.conn, kv.Release(reply.lease_id)) is None
+
+
+class HeldTier:
+    """A lower tier holding ``payloads`` by entry key, read into the pool pages it is given."""
+
+    name, label, budget_s, read_threads = "cluster", "test tier", 5.0, 1
+
+    def __init__(self) -> None:
+        self.payloads: dict[tuple[bytes, int, bytes], bytes] = {}
+        self.executor = ThreadPoolExecutor(1)
+        self.pool: HugePagePool | None = None
+
+    def usable(self) -> bool:
+        return True
+
+    async def holds(self, keys: Any) -> set[Any]:
+        return {k for k in keys if k in self.payloads}
+
+    def source(self, key: Any, nbytes: int, kind: str, parent: bytes) -> Any:
+        return Source(self.payloads[key], parent)
+
+    def offer(self, *args: Any) -> bool:
+        return False
+
+    def statistics(self) -> dict[str, int]:
+        return {}
+
+    def read_batch(self, jobs: Any) -> list[BaseException | None]:
+        assert self.pool is not None
+        for _, data, extents in jobs:
+            at = 0
+            for off, length in extents:
+                self.pool.buffer[off:off + length] = data[at:at + length]
+                at += length
+        return [None] * len(jobs)
+
+
+async def test_a_lookups_tail_only_a_lower_tier_holds_is_read_into_the_pool_and_served() -> None:
+    tier = HeldTier()
+    with _harness(tier=tier) as h:
+        await h.register(mamba=True)
+        await h.call(kv.Store(2, _full(range(2), 1)))
+        await h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [9])], []))
+        await h.call(events.StepEvent(4, 1, 2, [], [3]))
+        tail = b"\x07" * 16
+        fp = h.conn.engine.rank_fingerprints[0]
+        tier.payloads = {(fp, 0, tail): b"\x05" * (2 * PAGE), (fp, 1, tail): b"\x06" * PAGE}
+        reply = await h.call(kv.Lookup(5, KEYS[:2], True, [[2, b"\x08" * 16], [2, tail]]))
+        assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail) == (3, 2), reply
+        dst = [*_full(range(2), 21), kv.Item(0, 2, tail, [25, 26], KEYS[1]), kv.Item(1, 2, tail, [27])]
+        assert isinstance(await h.call(kv.Retrieve(6, reply.lease_id, dst)), kv.Done)
+        assert bytes(h.engine.block(0, 25)) == b"\x05" * PAGE and bytes(h.engine.block(1, 27)) == b"\x06" * PAGE
+        tier.executor.shutdown()
+
+
+def test_a_lookups_tails_are_checked_and_an_older_lookup_still_parses() -> None:
+    key = b"\1" * 16
+    msg = kv.Lookup(3, KEYS[:2], True, [[2, key], [1, key]])
+    assert message_from_wire(msg.to_wire()) == msg
+    assert message_from_wire(kv.Lookup(3, KEYS[:2], True).to_wire()) == kv.Lookup(3, KEYS[:2], True, [])
+    assert len(kv.Lookup(3, KEYS[:2], True).to_wire()) == 4  # no tails: not sent, as an older client sends
+    for bad in ([[3, key]], [[-1, key]], [[1, b"x"]], [[1]], [[True, key]], [[1, key]] * (kv.MAX_TAILS + 1)):
+        with pytest.raises(ProtocolViolation, match="tail"):
+            message_from_wire(kv.Lookup(3, KEYS[:2], True, bad).to_wire())
 
 
 async def test_a_step_events_states_count_against_each_offers_tenant(h: Harness) -> None:

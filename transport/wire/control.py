@@ -261,6 +261,9 @@ class RegisterAck(Message):
     # Whether it takes StepEvent.tenants (the tenant of each Mamba state offered); an older daemon sends
     # nothing: False, and a client sends none (every offered state then counts as the unsalted share's).
     step_tenants: bool = False
+    # Whether it takes Lookup.tails (partial chunks tried in the same lookup); an older daemon sends nothing:
+    # False, and a client probes them with lookups of their own once the whole-chunk answer is in.
+    lookup_tails: bool = False
 
 
 @dataclass(frozen=True, slots=True)

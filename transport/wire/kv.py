@@ -17,6 +17,7 @@ from hkvd.transport.wire.control import check_session, check_tenant
 from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 MAX_BLOCKS_PER_ITEM = 4096
+MAX_TAILS = 64  # Lookup.tails: a chunk's positions at the finest prefix_match_unit vLLM takes, and turn ends
 
 
 class Item(NamedTuple):
@@ -89,6 +90,11 @@ class Lookup(Message):
     req_id: int
     keys: list[bytes]
     lease: bool
+    # Partial chunks to try where the whole-chunk hit ends (docs/design.md, "Hit granularity"), each
+    # ``[chunk_index, key]``: a hit of n chunks is extended by the first tail whose chunk_index is n and
+    # whose entries the daemon serves, and the reply names it (``LookupReply.tail``). Sent only to a daemon
+    # whose RegisterAck.lookup_tails says so.
+    tails: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -96,6 +102,13 @@ class Lookup(Message):
             raise ProtocolViolation(f"Lookup: at most {MAX_KEYS} keys, got {len(self.keys)}")
         if any(len(k) != KEY_BYTES for k in self.keys):
             raise ProtocolViolation(f"Lookup: every key must be {KEY_BYTES} bytes")
+        if len(self.tails) > MAX_TAILS:
+            raise ProtocolViolation(f"Lookup: at most {MAX_TAILS} tails, got {len(self.tails)}")
+        for i, t in enumerate(self.tails):
+            if (type(t) is not list or len(t) != 2 or type(t[0]) is not int or not 0 <= t[0] <= len(self.keys)
+                    or type(t[1]) is not bytes or len(t[1]) != KEY_BYTES):
+                raise ProtocolViolation(f"Lookup.tails[{i}]: a tail is [chunk_index, key], 0 <= chunk_index <= "
+                                        f"{len(self.keys)} (the keys sent) and a {KEY_BYTES}-byte key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,8 @@ class LookupReply(Message):
     hit_chunks: int
     lease_id: int
     lease_ttl_s: float
+    # 1 + the index in Lookup.tails of the partial chunk that ends the hit (its last chunk); 0: none did.
+    tail: int = 0
 
 
 @dataclass(frozen=True, slots=True)
