@@ -13,21 +13,21 @@ turn: the node's other traffic, reported apart (count, TTFT) and left out of the
 shares and TTFTs. Lengths, prompts and pauses come from a seed: every run sends the same.
 
 Sizes. The engine's small KV memory holds the sessions in flight with a quarter to spare and the
-one-shots in flight, far fewer than the sessions paused: a paused session's blocks are taken
-before it comes back. The hkvd pool (``pool_plan``) is sized so that its pin budget
-(``--pin-max-fraction``, 0.75 here) holds every session's pins at their largest (all of a
-session's chunks and two states per turn), while the one-shots write more than the pool between
-a session's turns (see ``oneshots_to_fill_pool`` in the config against ``oneshots_per_pause`` in
-each run). The issue's "more sessions are paused than the pool holds" is read for the engine's
-memory: for hkvd's pool, a pin budget smaller than the paused sessions cannot reach the target
-whatever the policy, because sessions come back roughly in the order they paused, so the oldest
-pins, the first to lapse, are those of the session about to return. Pins win where the budget
-holds the paused sessions and what a recency-only pool keeps instead is other traffic. The
-fraction is 0.75, not the default 0.5: with 0.5 the quick run's pool is 18 one-shots, about as
-many as start between a session's turns on 2 cores (17 to 34 in two quick runs), so whether recency
-alone loses the sessions would hang on the machine's speed; with 0.75 it is 12.5. The full run's
-pool is 105 one-shots: its pauses (mean 60 s) are long enough for one stream to write that on 2
-cores (about 2 one-shots a second in the quick run).
+one-shots in flight, far fewer than the sessions paused: a paused session's blocks are taken before
+it comes back. The hkvd pool (``pool_plan``) is sized so that its pin budget (``--pin-max-
+fraction``, 0.75 here) holds every session's pins at their largest (all of a session's chunks, two
+states per turn and its last turn's partial chunks), while the one-shots write more than the pool
+between a session's turns (see ``oneshots_to_fill_pool`` in the config against
+``oneshots_per_pause`` in each run). The issue's "more sessions are paused than the pool holds" is
+read for the engine's memory: for hkvd's pool, a pin budget smaller than the paused sessions cannot
+reach the target whatever the policy, because sessions come back roughly in the order they paused,
+so the oldest pins, the first to lapse, are those of the session about to return. Pins win where the
+budget holds the paused sessions and what a recency-only pool keeps instead is other traffic. The
+fraction is 0.75, not the default 0.5: with 0.5 the quick run's pool is 18 one-shots, about as many
+as start between a session's turns on 2 cores (17 to 34 in two quick runs), so whether recency alone
+loses the sessions would hang on the machine's speed; with 0.75 it is 13.6. The full run's pool is
+109 one-shots: its pauses (mean 60 s) are long enough for one stream to write that on 2 cores (about
+2 one-shots a second in the quick run).
 
 Runs, one after another in one invocation, each a fresh server (and daemon) with the serving
 bench's flags (``bench.serving_server.VllmServer``: prefix caching, Mamba align mode, vLLM's
@@ -80,7 +80,7 @@ BLOCK = serving.BLOCK
 MODEL = {"full": "qwen3_next_8l_long", "quick": "qwen3_next_8l"}
 # A pin budget of 0.75 of the pool, not the default 0.5: see the module's docstring.
 FULL = Agents(sessions=16, concurrency=4, turns=10, system_tokens=384, task_tokens=128, answer_tokens=32,
-              pause_mean_s=60.0, pause_max_s=180.0, pin_max_fraction=0.75, oneshot_limit=600)
+              pause_mean_s=60.0, pause_max_s=180.0, pin_max_fraction=0.75, oneshot_limit=800)
 QUICK = Agents(sessions=5, concurrency=2, turns=4, system_tokens=256, task_tokens=128, answer_tokens=32,
                pause_mean_s=10.0, pause_max_s=30.0, pin_max_fraction=0.75, oneshot_limit=200)
 RUNS = {
@@ -104,10 +104,12 @@ Log = Callable[[str], None]
 
 def session_pin_bytes(agents: Agents, session: int, per_chunk: dict[str, int]) -> int:
     """Bytes ``session``'s pins hold at their largest, after its last turn: every chunk of its tokens
-    (a partial last chunk counted whole) and two states per turn (the state where a prompt's last
-    whole block ends, and the turn-end state), more than a newer pin keeps of its older ones."""
+    (a partial last chunk counted whole), two states per turn (the state where a prompt's last
+    whole block ends, and the turn-end state), more than a newer pin keeps of its older ones, and the
+    attention pages of the last turn's partial chunks (its turn end, and with ``--prefix-match-unit``
+    its prompt's checkpoint inside a block)."""
     chunks = math.ceil(agents.context_tokens(session) / BLOCK)
-    return chunks * per_chunk["attention"] + 2 * agents.turns * per_chunk["mamba_state"]
+    return (chunks + 2) * per_chunk["attention"] + 2 * agents.turns * per_chunk["mamba_state"]
 
 
 def oneshot_bytes(agents: Agents, per_chunk: dict[str, int]) -> int:

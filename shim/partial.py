@@ -7,19 +7,22 @@ Role
     it to the connector (a ``boundary_state_offloads`` boundary L that is not a multiple of N). The
     scheduler side stores it as a *partial chunk*: chunk ``j = L // C``'s entries (the attention blocks of
     chunk j, whole pages, and the state after L) under ``partial_key(key(j - 1), tokens [jC, L))``. The
-    daemon sees an ordinary chunk j: its hit rule is unchanged. A lookup that hits n whole chunks is
-    followed by probes of the h multiples inside chunk n, longest first; a probe that hits n + 1 chunks
-    serves L tokens. The page past L holds bytes of the storing request; the loading request's own
-    forward writes those slots before anything reads them.
+    daemon sees an ordinary chunk j: its hit rule is unchanged. A lookup of m whole chunks carries the
+    partial chunks that may end its hit as tails (``Lookup.tails``, longest first): the daemon extends a
+    hit of n chunks by the first tail at chunk n it serves, which then serves L tokens. Positions inside
+    chunk n that went with no tail (h multiples, where n < m) are probed once the answer is in
+    (``Probes``); so is every position against a daemon that takes no tails. The page past L holds bytes
+    of the storing request; the loading request's own forward writes those slots before anything reads them.
 
     On only where it can serve (``enabled``): C == N, a Mamba group, every other group full attention
-    (sliding-window tails are not kept per partial chunk), h < N; and per request, only without extra
-    keys (LoRA, multimodal, salt, embeddings: partial keys carry none).
+    (sliding-window tails are not kept per partial chunk); and per request, only without extra keys
+    (LoRA, multimodal, salt, embeddings: partial keys carry none). vLLM's checkpoints inside a block
+    need h < N dividing N (``checkpoints``); turn ends need no h.
 
     Turn ends (``TurnEnds``, the shim's ``turn_end_states``): a finished request's state after its last
     computed token (prompt + answer less the last sampled token) is stored the same way, at any position.
     The scheduler side remembers where such turns ended, by the key of the whole chunk before them, and
-    a later lookup probes those positions too: one more probe per remembered position, no scan of the chunk.
+    a later lookup sends those positions as tails: one more per remembered position, no scan of the chunk.
 
 Threading
     vLLM's scheduler thread (the scheduler side's hooks), like ``hkvd.shim.scheduler``.

@@ -91,7 +91,7 @@ def test_session_pin_bytes_and_oneshot_bytes_count_chunks_and_states() -> None:
     w = dataclasses.replace(SMALL, turns=2, system_tokens=100, task_tokens=28, answer_tokens=4, tool_min=50,
                             tool_max=50, oneshot_min=200, oneshot_max=300, oneshot_answer_tokens=2)
     # 100 + 28 + (4 + 50) + 4 = 186 tokens: 2 chunks of 128; 2 turns x 2 states.
-    assert w.context_tokens(0) == 186 and agents.session_pin_bytes(w, 0, per) == 2 * 1000 + 4 * 10
+    assert w.context_tokens(0) == 186 and agents.session_pin_bytes(w, 0, per) == (2 + 2) * 1000 + 4 * 10
     # A one-shot of mean length: 252 tokens, 2 chunks, and 2 states.
     assert agents.oneshot_bytes(w, per) == 2 * 1000 + 2 * 10
 
