@@ -133,8 +133,8 @@ class DaemonClient:
     # ---- non-blocking submits ------------------------------------------------------------------
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True,
                       tails: Sequence[tuple[int, bytes]] = ()) -> int:
-        """``tails``: (chunk index, key) of partial chunks to try where the whole-chunk hit ends, each chunk's
-        longest first; only to a daemon whose RegisterAck says ``lookup_tails``."""
+        """``tails``: (chunk index, key) of partial chunks that may end the hit, longest first; only to a
+        daemon whose RegisterAck says ``lookup_tails``."""
         return self._submit(lambda r: kv.Lookup(r, list(keys), lease, [[j, k] for j, k in tails]))
 
     def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"",

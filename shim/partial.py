@@ -9,7 +9,8 @@ Role
     chunk j, whole pages, and the state after L) under ``partial_key(key(j - 1), tokens [jC, L))``. The
     daemon sees an ordinary chunk j: its hit rule is unchanged. A lookup of m whole chunks carries the
     partial chunks that may end its hit as tails (``Lookup.tails``, longest first): the daemon extends a
-    hit of n chunks by the first tail at chunk n it serves, which then serves L tokens. Positions inside
+    hit of n whole chunks by the first tail at a chunk j >= n it serves (after chunks [0, j)), which then
+    serves L tokens. Positions inside
     chunk n that went with no tail (h multiples, where n < m) are probed once the answer is in
     (``Probes``); so is every position against a daemon that takes no tails. The page past L holds bytes
     of the storing request; the loading request's own forward writes those slots before anything reads them.

@@ -429,11 +429,14 @@ class SchedulerSide:
         hit_tokens = self._hit_tokens(st)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        if (st.pull is None and st.req_id not in self._partial
-                and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed)
+        if (st.pull is None and verify.sampled(request.request_id, self.cfg.verify_fraction, self.cfg.verify_seed)
                 and self._daemon_verifies()):
             # Sampled: the engine computes it (its answer never depends on the entries under test) and the
-            # chunks it computes are compared, not stored; its lease is released once it is allocated.
+            # chunks it computes are compared, not stored; its lease is released once it is allocated. A
+            # partial last chunk cannot be compared (the computing request holds no state where it ends): it
+            # is dropped from the hit, and the whole chunks before it are compared.
+            if self._partial.pop(st.req_id, None) is not None:
+                st.hit_chunks -= 1
             st.verify_upto = st.hit_chunks
             st.verify_from = -(-num_computed_tokens // self.chunk_size)  # chunks vLLM's own cache holds whole
             return 0, False

@@ -376,7 +376,7 @@ class KVService:
         if msg.tails:
             plan, keys, tail = self._with_tail(engine, msg, plan)
         n = plan.hit_chunks - (tail > 0)  # the whole chunks of the hit
-        if self.promoter.usable() and (n < len(msg.keys) or (not tail and self._tails_at(msg, n))):
+        if self.promoter.usable() and (n < len(msg.keys) or (not tail and self._tails_from(msg, n))):
             return self._lookup_via_tiers(conn, engine, msg)
         self._answer_lookup(conn, engine, msg, plan, missing, keys, tail)
         return None
@@ -388,29 +388,31 @@ class KVService:
         keys, tail = msg.keys, 0
         if msg.tails:
             plan, keys, tail = self._with_tail(engine, msg, plan)
-            n = plan.hit_chunks
-            for _, key in [] if tail else self._tails_at(msg, n):  # longest first: read one, then try again
-                if await self.promoter.promote(engine, [*msg.keys[:n], key], log_extra):
+            for _, j, key in [] if tail else self._tails_from(msg, plan.hit_chunks):  # longest first
+                if await self.promoter.promote(engine, [*msg.keys[:j], key], log_extra):  # read one, try again
                     plan, keys, tail = self._with_tail(engine, msg, plan)
                     if tail:
                         break
         self._answer_lookup(conn, engine, msg, plan, missing, keys, tail)
 
     @staticmethod
-    def _tails_at(msg: kv.Lookup, n: int) -> list[tuple[int, bytes]]:
-        """``msg``'s tails (index, key) that may end a hit of ``n`` whole chunks, in the order sent."""
-        return [(i, t[1]) for i, t in enumerate(msg.tails) if t[0] == n]
+    def _tails_from(msg: kv.Lookup, n: int) -> list[tuple[int, int, bytes]]:
+        """``msg``'s tails (index, chunk, key) that may end a hit longer than ``n`` whole chunks, in the order
+        sent. A tail at chunk j > n may: the whole chunks may stop at n for want of a Mamba state, which a
+        partial chunk carries itself."""
+        return [(i, t[0], t[1]) for i, t in enumerate(msg.tails) if t[0] >= n]
 
     def _with_tail(self, engine: EngineState, msg: kv.Lookup, plan: HitPlan) -> tuple[HitPlan, list[bytes], int]:
-        """``plan`` (a hit of n whole chunks) extended by the first of ``msg.tails`` at chunk n whose entries the
-        pool serves: (its plan, the keys it covers, 1 + the tail's index); unchanged, with 0, when none does."""
-        n, fps, ready = plan.hit_chunks, engine.rank_fingerprints, self.index.is_ready
-        for i, key in self._tails_at(msg, n):
+        """``plan`` (a hit of n whole chunks) extended by the first of ``msg.tails`` (at a chunk j >= n) that the
+        pool serves after the chunks before it: (its plan, of j + 1 chunks; the keys it covers; 1 + the tail's
+        index); ``plan`` and ``msg.keys`` with 0 when none does."""
+        fps, ready = engine.rank_fingerprints, self.index.is_ready
+        for i, j, key in self._tails_from(msg, plan.hit_chunks):
             if not all(ready((fp, gid, key)) for fp in fps for gid in engine.groups):
                 continue  # the usual case, decided without planning the chunks before it again
-            keys = [*msg.keys[:n], key]
+            keys = [*msg.keys[:j], key]
             extended, _ = self._plan_lookup(engine, keys)
-            if extended.hit_chunks == n + 1:
+            if extended.hit_chunks == j + 1:
                 return extended, keys, i + 1
         return plan, msg.keys, 0
 

@@ -18,7 +18,9 @@ tokens, ends in a 256-token chunk that its 40-token answer does not fill).
 Cases: Qwen3-Next (GDN, align mode) at one block per step with a state retained every block, and at
 vLLM's defaults (4096-token budget, retention 0); Gemma3 (sliding window) at vLLM's default budget with
 sliding-window tails retained every block. Each costs one engine (~40 s start) plus two phases of
-about 500 decode steps.
+about 500 decode steps. Qwen3-Next runs with ``turn_end_states`` off: with it, hkvd resumes each turn at
+the previous turn's end, beyond vLLM's own cache, where the bytes are compared with a no-cache run's
+instead (tests/shim/test_prefix_match_unit_vllm.py).
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ CONVERSATIONS = [
 # case -> (engine settings, hits per conversation and turn from hkvd, and from vLLM's own cache)
 CASES = {
     "qwen3_next-N-retention": (
-        {"model": "qwen3_next", "max_num_batched_tokens": BLOCK, "retention": BLOCK},
+        {"model": "qwen3_next", "max_num_batched_tokens": BLOCK, "retention": BLOCK,
+         "extra": {"turn_end_states": False}},
         [[0, 768, 1024], [0, 512, 896]],
         [[0, 768, 1024], [0, 512, 896]],
     ),
     "qwen3_next-vllm-defaults": (  # states only at each prompt's last boundary, in vLLM and in hkvd
-        {"model": "qwen3_next", "max_num_batched_tokens": 0},
+        {"model": "qwen3_next", "max_num_batched_tokens": 0, "extra": {"turn_end_states": False}},
         [[0, 512, 896], [0, 512, 896]],
         [[0, 512, 896], [0, 512, 896]],
     ),

@@ -40,10 +40,13 @@ def h():  # type: ignore[no-untyped-def]
 
 
 def _runner(h: Any, model_dir: Any, socket: str, mode: str, **extra: Any) -> Any:
-    """A Runner whose fake model samples a distinct token per position; async mode defers outputs."""
+    """A Runner whose fake model samples a distinct token per position; async mode defers outputs. Turn-end
+    states are off unless asked for: these tests follow whole chunks (a turn end would extend each next
+    turn's hit past them, tests/shim/test_prefix_match_unit_vllm.py)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    vcfg, kvc, sched = h._make(model_dir, socket, extra=extra or None,
+    extra = {"turn_end_states": False, **extra}
+    vcfg, kvc, sched = h._make(model_dir, socket, extra=extra,
                                scheduler_cls=AsyncScheduler if mode == "async" else None)
 
     class DecodeRunner(h.Runner):  # type: ignore[misc, name-defined]

@@ -89,7 +89,9 @@ def test_usable_prefix_equals_the_hit_a_fresh_engine_gets(kind, tiny_models, dae
     model = str(tiny_models[kind])
     common = {"model": model, "socket": d.socket, "max_num_batched_tokens": BLOCK, "max_tokens": 1}
     stores, queries = _workload(seed=7 if kind == "qwen3_next" else 8)
-    engine_runner({**common, "prompts": stores}, timeout_s=900)
+    # The storing engine keeps no turn ends: the fresh engine could not find them (an engine remembers where
+    # its own turns ended), while the endpoint, which tries every position, counts them (docs/routing.md).
+    engine_runner({**common, "prompts": stores, "extra": {"turn_end_states": False}}, timeout_s=900)
     with DaemonClient(d.socket, client_name="test", role="tool", timeout_s=10.0) as c:
         stored = c.status()
     assert stored["index"]["evictions"] > 0, stored["index"]  # partly evicted

@@ -278,11 +278,11 @@ def test_a_request_whose_lookup_has_not_answered_is_passed_over_and_counted(sche
     assert sched.stats["lookups_deferred"] == 2
 
 
-def hybrid_sched() -> SchedulerSide:
+def hybrid_sched(**cfg: Any) -> SchedulerSide:
     """A scheduler side whose engine has a Mamba group beside full attention, chunks of one block: partial chunks
     (turn ends) are on; no ``prefix_match_unit``."""
     side = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
-                                                                      chunk_size=BLOCK))
+                                                                      chunk_size=BLOCK, **cfg))
     side.groups = [GroupInfo(0, "full", BLOCK, 0), GroupInfo(1, "mamba", BLOCK, 0)]
     return side
 
@@ -304,6 +304,19 @@ def test_a_remembered_turn_end_goes_with_the_lookup_and_is_answered_in_one_round
     [lookup] = client.kinds("lookup")  # one round trip
     assert lookup[2] == keys[:6]
     assert lookup[3] == [(4, partial_key(keys[3], tokens[64:67])), (2, partial_key(keys[1], tokens[32:39]))]
+
+
+def test_a_sampled_request_drops_its_partial_chunk_and_compares_the_whole_chunks_before_it() -> None:
+    sched = hybrid_sched(verify_fraction=1.0)
+    client = ScriptedClient(hit=2, lease_id=5, tail_held=True)
+    connect(sched, client)
+    tokens = list(range(100))
+    sched._turn_ends.add(chunk_keys(tokens, BLOCK)[1], 7)
+    req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed, not loaded
+    st = sched._reqs["r1"]
+    assert (st.verify_from, st.verify_upto) == (0, 2) and "r1" not in sched._partial
 
 
 def test_against_a_daemon_that_takes_no_tails_the_turn_end_is_probed_after_the_answer() -> None:

@@ -211,6 +211,19 @@ async def test_a_lookups_tails_extend_its_whole_chunk_hit_by_the_first_partial_c
             assert h.service.handle(h.conn, kv.Release(reply.lease_id)) is None
 
 
+async def test_a_tail_past_the_whole_chunk_hit_serves_where_only_a_mamba_state_was_missing(h: Harness) -> None:
+    """The whole chunks stop at 1 (no state after chunk 1, as with vLLM's default retention); a turn end inside
+    chunk 2 carries its own state, so with chunks 0 and 1's attention it serves 3 chunks."""
+    await h.register(mamba=True)
+    tail = b"\x07" * 16
+    await h.call(kv.Store(2, [*_full(range(2), 1), kv.Item(0, 2, tail, [5, 6], KEYS[1])]))
+    await h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 0, KEYS[0], [9]), kv.Item(1, 2, tail, [10], KEYS[1])], []))
+    await h.call(events.StepEvent(4, 1, 2, [], [3]))
+    assert (await h.call(kv.Lookup(5, KEYS[:2], False))).hit_chunks == 1
+    reply = await h.call(kv.Lookup(6, KEYS[:2], False, [[2, tail]]))
+    assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail) == (3, 1), reply
+
+
 class HeldTier:
     """A lower tier holding ``payloads`` by entry key, read into the pool pages it is given."""
 

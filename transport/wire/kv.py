@@ -90,10 +90,10 @@ class Lookup(Message):
     req_id: int
     keys: list[bytes]
     lease: bool
-    # Partial chunks to try where the whole-chunk hit ends (docs/design.md, "Hit granularity"), each
-    # ``[chunk_index, key]``: a hit of n chunks is extended by the first tail whose chunk_index is n and
-    # whose entries the daemon serves, and the reply names it (``LookupReply.tail``). Sent only to a daemon
-    # whose RegisterAck.lookup_tails says so.
+    # Partial chunks that may end the hit (docs/design.md, "Hit granularity"), each ``[chunk_index, key]``,
+    # longest first: a hit of n whole chunks is extended to j + 1 by the first tail whose chunk_index j is
+    # at least n and that the daemon serves after chunks [0, j); the reply names it (``LookupReply.tail``).
+    # Sent only to a daemon whose RegisterAck.lookup_tails says so.
     tails: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
