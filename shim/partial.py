@@ -89,7 +89,7 @@ class TurnEnds:
     ``per_key`` offsets each, oldest out first. A remembered position only says where to probe: the probe's
     key, over the new prompt's tokens, decides whether it is the same prefix."""
 
-    def __init__(self, limit: int = 4096, per_key: int = 8) -> None:
+    def __init__(self, limit: int = 4096, per_key: int = 32) -> None:
         if limit < 1 or per_key < 1:
             raise ValueError(f"TurnEnds needs limit >= 1 and per_key >= 1, got {limit}, {per_key}")
         self._limit, self._per_key = limit, per_key

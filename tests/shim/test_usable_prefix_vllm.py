@@ -87,11 +87,12 @@ def test_usable_prefix_equals_the_hit_a_fresh_engine_gets(kind, tiny_models, dae
         args += ["--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "1"]
     d = daemon_factory(BLOCK, *args)
     model = str(tiny_models[kind])
-    common = {"model": model, "socket": d.socket, "max_num_batched_tokens": BLOCK, "max_tokens": 1}
+    # No turn ends: the endpoint tries every position inside a chunk, an engine only where its own recent
+    # turns ended (docs/routing.md); these prompts would put dozens of them after the same chunk.
+    common = {"model": model, "socket": d.socket, "max_num_batched_tokens": BLOCK, "max_tokens": 1,
+              "extra": {"turn_end_states": False}}
     stores, queries = _workload(seed=7 if kind == "qwen3_next" else 8)
-    # The storing engine keeps no turn ends: the fresh engine could not find them (an engine remembers where
-    # its own turns ended), while the endpoint, which tries every position, counts them (docs/routing.md).
-    engine_runner({**common, "prompts": stores, "extra": {"turn_end_states": False}}, timeout_s=900)
+    engine_runner({**common, "prompts": stores}, timeout_s=900)
     with DaemonClient(d.socket, client_name="test", role="tool", timeout_s=10.0) as c:
         stored = c.status()
     assert stored["index"]["evictions"] > 0, stored["index"]  # partly evicted
