@@ -351,10 +351,14 @@ class SchedulerSide:
         if n <= 0:
             self._answer(st, 0)
             return
-        tails = self._tails(st, keys, n)
-        sent = [(pos // self.chunk_size, key) for pos, key in tails]
+
+        def submit(client: DaemonClient) -> tuple[int, list[tuple[int, bytes]]]:
+            tails = self._tails(st, keys, n)  # per connection: a daemon may not take them
+            sent = [(pos // self.chunk_size, key) for pos, key in tails]
+            return client.submit_lookup(keys[:n], lease=True, tails=sent), tails
+
         try:
-            rid = client.submit_lookup(keys[:n], lease=True, tails=sent)
+            rid, tails = submit(client)
         except Exception as e:
             # The connection died since the last call (daemon restarted?): reconnect once now.
             self.link.lost(e)
@@ -362,9 +366,7 @@ class SchedulerSide:
             try:
                 if client is None:
                     raise ConnectionError("daemon unavailable")
-                tails = self._tails(st, keys, n)  # the new daemon may not take them
-                rid = client.submit_lookup(keys[:n], lease=True,
-                                           tails=[(pos // self.chunk_size, key) for pos, key in tails])
+                rid, tails = submit(client)
             except Exception as e2:
                 self.link.lost(e2)
                 self._answer(st, 0)
@@ -608,8 +610,8 @@ class SchedulerSide:
         return positions
 
     def _tails(self, st: RequestRecord, keys: list[bytes], n: int) -> list[tuple[int, bytes]]:
-        """(position, key) of the partial chunks a lookup of ``n`` whole chunks asks the daemon to try where its
-        hit ends (``Lookup.tails``, longest first): every remembered turn end inside chunks 0 .. n, and the h
+        """(position, key) of the partial chunks that may end the hit of a lookup of ``n`` whole chunks
+        (``Lookup.tails``, longest first): every remembered turn end inside chunks 0 .. n, and the h
         multiples inside chunk n; [] for a daemon that does not take them, or a request that gets none."""
         ack = self.link.ack
         if (ack is None or not ack.lookup_tails or not self._partial_on() or st.request is None or st.uncacheable
