@@ -17,6 +17,12 @@ Tenants
     never does: the daemon announces chunks node-wide, to every subscriber, so a salted chunk is
     named only by the hashes vLLM computed with the salt, which nobody without the salt can match.
 
+Partial chunks
+    A partial chunk (``hkvd.shim.partial``) ending at a multiple of vLLM's ``prefix_match_unit`` h < N
+    gets the note vLLM's own partial entry there gets: one block of h tokens ending at the position,
+    under vLLM's hash of that prefix (``partial_note``). A turn that ended between two multiples has no
+    vLLM hash, and so no note: no event names it.
+
 Threading
     vLLM's scheduler thread (the scheduler side's hooks).
 """
@@ -44,6 +50,7 @@ class NoteMaker:
         self.block_size = block_size
         self.hash_block_size = hash_block_size or block_size
         self.skipped = 0  # chunks with no note (hashes not computed yet, or a block size vLLM does not hash at)
+        self.partial_skipped = 0  # partial chunks with no note (no vLLM hash ends where they end)
 
     def note(self, request: Any, key: bytes, chunk: int, chunk_size: int) -> BlockNote | None:
         """The note of chunk ``chunk`` (``chunk_size`` tokens, key ``key``) of ``request``; None when vLLM
@@ -71,6 +78,28 @@ class NoteMaker:
             extra_keys=self._extra_keys(request, first, per_chunk) if _may_have_extras(request) else None,
             lora_id=int(lora.adapter_id) if lora is not None else None,
             lora_name=str(lora.name) if lora is not None else None,
+        )
+
+    def partial_note(self, request: Any, key: bytes, end: int) -> BlockNote | None:
+        """The note of a partial chunk ending at token ``end`` (key ``key``): vLLM's own partial entry there,
+        one block of ``hash_block_size`` tokens ending at ``end`` under the hash of that prefix (what vLLM
+        publishes when it caches a block from a position inside it). None where vLLM has no such hash: no
+        ``prefix_match_unit`` below the block size, ``end`` not a multiple of it (a turn that ended between
+        two), or the hashes not computed yet. Partial chunks are kept only for requests without extra keys, so
+        the note has none."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        h = self.hash_block_size
+        k = end // h
+        raw = request.block_hashes
+        if not 0 < h < self.block_size or end % h or end <= 0 or len(raw) < k:
+            self.partial_skipped += 1
+            return None
+        tokens = request.all_token_ids[end - h:end]
+        return BlockNote(
+            key=key, hashes=[maybe_convert_block_hash(raw[k - 1])],
+            parent=maybe_convert_block_hash(raw[k - 2]) if k > 1 else None,
+            tokens=np.asarray(tokens, dtype="<u4").tobytes(), extra_keys=None, lora_id=None, lora_name=None,
         )
 
     def _extra_keys(self, request: Any, first: int, count: int) -> list[Any] | None:

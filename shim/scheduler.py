@@ -682,15 +682,18 @@ class SchedulerSide:
             return
         parent_key = plans.parent(keys, j)
         stored = self._partial_stored.setdefault(st.req_id, {})
+        notes = self._partial_notes(st, key, boundary)
         if key not in stored:
             stored[key] = None
             items = [Item(g.group_id, j, key, [int(table[g.group_id][j])], parent_key)
                      for g in self.groups if g.kind == "full" and len(table[g.group_id]) > j
                      and table[g.group_id][j]]
-            if items:  # no notes: vLLM names a partial block by its own partial hash, not the whole block's
-                meta.stores.append(StoreJob(st.req_id, items, [], st.tenant))
+            if items:
+                meta.stores.append(StoreJob(st.req_id, items, notes, st.tenant))
                 self.stats["store_items"] += len(items)
         self._add_offer(meta, st, Item(group_id, j, key, [block_id], parent_key))
+        if not any(n.key == key for n in meta.offer_notes):
+            meta.offer_notes.extend(notes)
         st.had_copies = True
 
     def _store_turn_end(self, request: Request, st: RequestRecord,
@@ -722,7 +725,7 @@ class SchedulerSide:
             if not blk:  # every group or none: a partial chunk without its state (or page) serves nothing
                 return None
             items.append(Item(g.group_id, j, key, [blk], plans.parent(keys, j)))
-        self._finish_stores.append(StoreJob(st.req_id, items, [], st.tenant))
+        self._finish_stores.append(StoreJob(st.req_id, items, self._partial_notes(st, key, end), st.tenant))
         self.stats["store_items"] += len(items)
         st.had_copies = True
         self._turn_ends.add(partial.before(keys, j), end - j * C)
@@ -937,6 +940,16 @@ class SchedulerSide:
                 out.append(note)
         self.stats["notes"] += len(out)
         return out
+
+    def _partial_notes(self, st: RequestRecord, key: bytes, end: int) -> list[BlockNote]:
+        """The note of the partial chunk ``key`` ending at ``end`` (vLLM's partial entry there), or none."""
+        if st.request is None or not self._wants_notes() or not getattr(self.link.ack, "partial_notes", False):
+            return []
+        note = self._notes.partial_note(st.request, key, end)
+        if note is None:
+            return []
+        self.stats["notes"] += 1
+        return [note]
 
     def take_events(self) -> list[KVCacheEvent]:
         """The daemon's KV events for this engine's layout that arrived since the last call (see

@@ -350,7 +350,8 @@ class KVService:
                  "worker" if state.can_copy else "lookup-only", len(state.groups), state.fingerprint.hex()[:12])
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
                                       self.kv_events_mode(), lease_watch=True, verify=True, pins=True,
-                                      pin_partials=True, step_tenants=True, lookup_tails=True))
+                                      pin_partials=True, step_tenants=True, lookup_tails=True,
+                                      partial_notes=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""

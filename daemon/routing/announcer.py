@@ -18,6 +18,11 @@ Role
     gets ``BlockStored(HKVD_POOL)`` again. With tensor parallelism an engine's chunk is one entry
     per rank: a tier holds it (and it is announced, once) only while it holds every rank's entry.
 
+Partial chunks
+    A partial chunk's note (``block_notes.is_partial``) names one block of vLLM's hash unit ending where
+    the chunk ends: it is announced in each group the chunk holds as that block (``block_size`` the
+    unit), as vLLM announces its own partial entries.
+
 Identity
     A unit is (layout, group, chunk key); the layout is the rank-0 fingerprint of the engine world.
     A world's ranks come from the cache's record of engine formats (``Cache.formats``,
@@ -65,7 +70,7 @@ from hkvd.daemon.routing.kv_events import (
 )
 from hkvd.transport.errors import OutOfRange
 from hkvd.transport.stat_fields import status_only
-from hkvd.transport.wire.block_notes import BlockNote, ExternalHash, check_against
+from hkvd.transport.wire.block_notes import BlockNote, ExternalHash, check_against, is_partial
 from hkvd.transport.wire.events import MAX_POLL_BATCHES, KVEvents
 from hkvd.transport.wire.kv import Item
 
@@ -346,14 +351,17 @@ class Announcer:
         tokens = note.tokens
         extra = note.extra_keys
         parent = note.parent
-        if g.kind == "mamba":
+        block_size = g.block_size
+        if is_partial(note, g.block_size):  # one block of vLLM's hash unit, in every group alike
+            block_size = len(tokens) // 4
+        elif g.kind == "mamba":
             parent = hashes[-2] if len(hashes) > 1 else parent
             hashes = hashes[-1:]
             tokens = tokens[-4 * g.block_size:]
             extra = extra[-1:] if extra is not None else None
         return BlockStored(
             block_hashes=list(hashes), parent_block_hash=parent,
-            token_ids=np.frombuffer(tokens, dtype="<u4").tolist(), block_size=g.block_size,
+            token_ids=np.frombuffer(tokens, dtype="<u4").tolist(), block_size=block_size,
             lora_id=note.lora_id, medium=medium, lora_name=note.lora_name,
             # vLLM lists every block's extra keys, None for a block without any.
             extra_keys=list(extra) if extra is not None else [None] * len(hashes),

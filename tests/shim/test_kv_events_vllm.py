@@ -41,6 +41,7 @@ BLOCK = 128
 HASH_SEED = "20260501"  # PYTHONHASHSEED of the engine and of the test's own hashing (see the module doc)
 SALT = "tenant-a"
 MASK64 = (1 << 64) - 1
+UNIT = 32  # prefix_match_unit of the qwen3_next_unit case
 
 
 def _seq(n: int, mul: int, add: int) -> list[int]:
@@ -109,6 +110,12 @@ def _blocks(events: list[Any]) -> list[tuple[int, Any, Any, tuple[int, ...]]]:
     return out
 
 
+def _stored_type() -> Any:
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored
+
+
 def _indexer_hashes(tokens: list[int], salt: str | None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """What a router's indexer computes for the full blocks of ``tokens``: vLLM's chain, as published."""
     from vllm.utils.hashing import sha256
@@ -125,16 +132,19 @@ def _indexer_hashes(tokens: list[int], salt: str | None, monkeypatch: pytest.Mon
     return out
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next", "qwen3_next_unit"])
 def test_hkvd_announces_what_it_holds_under_vllms_own_block_hashes(kind, tiny_lib, models_root, daemon_factory,
                                                                    monkeypatch) -> None:
+    unit = UNIT if kind.endswith("_unit") else None
+    kind = kind.removesuffix("_unit")
     model = tiny_lib.build(kind, models_root)
     node, node_replay = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
     d = daemon_factory(BLOCK, "--kv-events-endpoint", node, "--kv-events-replay-endpoint", node_replay)
     t0 = time.monotonic()
     res = _run({"model": str(model), "socket": d.socket, "events": f"tcp://127.0.0.1:{_port()}",
                 "replay": f"tcp://127.0.0.1:{_port()}", "prompts": [PROMPT, {"ids": SALTED, "salt": SALT}],
-                "max_tokens": 100, "retention": BLOCK if kind == "qwen3_next" else None})
+                "max_tokens": 100, "retention": BLOCK if kind == "qwen3_next" else None,
+                "llm": {"prefix_match_unit": unit} if unit else {}})
     assert res["block_size"] == BLOCK
     engine_events = _events([bytes.fromhex(p) for _, p in res["batches"]])
     node_payloads = _replay(node_replay)
@@ -171,6 +181,18 @@ def test_hkvd_announces_what_it_holds_under_vllms_own_block_hashes(kind, tiny_li
             else:  # full attention, Mamba/GDN: exactly the blocks vLLM caches
                 assert held[g] == by_group[g], (path, g, k)
     assert {(g, h) for g, h, _, _ in _blocks(connector)} == {(g, h) for g, h, _, _ in _blocks(node_events)}
+    # Partial entries (a unit below the block size): vLLM caches the prompt's state at its last multiple of
+    # the unit inside a block (672 of 700 tokens) in every group, and announces one block of the unit there;
+    # hkvd announces its partial chunk at that position the same way, in every group.
+    partial = sorted((e.group_idx, h, e.parent_block_hash, tuple(e.token_ids), e.block_size) for e in node_events
+                     if isinstance(e, _stored_type()) and e.block_size < BLOCK for h in e.block_hashes)
+    vllm_partial = sorted((e.group_idx, h, e.parent_block_hash, tuple(e.token_ids), e.block_size) for e in gpu
+                          if isinstance(e, _stored_type()) and e.block_size < BLOCK for h in e.block_hashes)
+    assert partial == vllm_partial
+    assert bool(partial) == bool(unit), partial
+    if unit:
+        assert {t for *_, t in partial} == {unit} and {len(t) for _, _, _, t, _ in partial} == {unit}
+        assert {g for g, *_ in partial} == set(kinds), "a group of the partial chunk was not announced"
 
     # The indexer's side: it recomputes the prompt's hashes and finds them; the salted prompt only with the salt.
     announced = {h for _, h, _, _ in _blocks(node_events)}
@@ -183,6 +205,7 @@ def test_hkvd_announces_what_it_holds_under_vllms_own_block_hashes(kind, tiny_li
     assert not any(SALT in json.dumps(e.extra_keys) for e in connector if getattr(e, "extra_keys", None))
     # The check means something: vLLM's own event for the salted first block does carry the salt.
     assert any(e.extra_keys and (SALT,) in e.extra_keys for e in gpu)
-    print(f"\n{kind}: block hashes compared with vLLM's (blocks, equal): connector {figures['connector']}, "
+    print(f"\n{kind} (prefix_match_unit {unit}): {len(partial)} partial blocks as vLLM's;"
+          f" block hashes compared with vLLM's (blocks, equal): connector {figures['connector']}, "
           f"node {figures['node']}; indexer-recomputed: {len(plain)} plain + {len(salted)} salted found, "
           f"{len(unsalted)} bare-token hashes of the salted prompt absent; {time.monotonic() - t0:.0f} s")

@@ -306,6 +306,46 @@ def test_a_remembered_turn_end_goes_with_the_lookup_and_is_answered_in_one_round
     assert lookup[3] == [(4, partial_key(keys[3], tokens[64:67])), (2, partial_key(keys[1], tokens[32:39]))]
 
 
+@pytest.mark.parametrize("end,daemon_takes,noted", [(40, True, True), (42, True, False), (40, False, False)],
+                         ids=["on_the_unit", "between_units", "older_daemon"])
+def test_a_turn_end_on_a_multiple_of_the_unit_goes_with_vllms_partial_note(end: int, daemon_takes: bool,
+                                                                          noted: bool) -> None:
+    """A turn-end state is stored with the note vLLM gives its own partial entry there (one block of the hash unit,
+    ``NoteMaker.partial_note``) when the position is a multiple of the unit and the daemon takes partial notes;
+    otherwise without one."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+
+    from hkvd.shim.kv_event_notes import NoteMaker
+    from hkvd.transport.wire.control import KV_EVENTS_PUBLISHED
+
+    unit = BLOCK // 4
+    sched = hybrid_sched()
+    sched._notes = NoteMaker(BLOCK, unit)
+    client = ScriptedClient(hit=0)
+    sched.link.client = client
+    sched.link.ack = RegisterAck(0, 1, b"f" * 16, BLOCK, KV_EVENTS_PUBLISHED, lookup_tails=True,
+                                 partial_notes=daemon_takes)
+    sched.link.generation += 1
+    init_none_hash(sha256)
+    prompt = list(range(100, 136))
+    req = Request("r1", prompt, SamplingParams(max_tokens=8), None, block_hasher=get_request_block_hasher(unit, sha256))
+    sched.on_new_request(req)
+    req.append_output_token_ids(list(range(200, 200 + end + 1 - len(prompt))))
+    req.num_computed_tokens = end  # the last sampled token is not computed yet
+    key = sched._store_turn_end(req, sched._reqs["r1"], [TABLE, TABLE])
+    assert key is not None
+    (job,) = sched._finish_stores
+    assert {it.key for it in job.items} == {key}
+    if not noted:
+        assert job.notes == []
+        return
+    (note,) = job.notes
+    assert note.key == key and note.hashes == [maybe_convert_block_hash(req.block_hashes[end // unit - 1])]
+    assert note.parent == maybe_convert_block_hash(req.block_hashes[end // unit - 2])
+    assert len(note.tokens) == 4 * unit
+
+
 def test_a_sampled_request_drops_its_partial_chunk_and_compares_the_whole_chunks_before_it() -> None:
     sched = hybrid_sched(verify_fraction=1.0)
     client = ScriptedClient(hit=2, lease_id=5, tail_held=True)

@@ -317,6 +317,28 @@ def test_notes_are_checked_against_the_engine_and_the_items(world: World) -> Non
         world.announcer.check(world.engine, [good._replace(hashes=[1])], [Item(0, 0, good.key, [1])])
 
 
+def test_a_partial_chunk_is_announced_in_each_group_as_one_block_of_the_hash_unit(world: World) -> None:
+    world.events()
+    unit = BLOCK // 2
+    key = b"p" * 16  # chunk 1's partial chunk ending at CHUNK + BLOCK + unit (one block and a half in)
+    toks = np.arange(CHUNK + BLOCK, CHUNK + BLOCK + unit, dtype="<u4").tobytes()
+    note = BlockNote(key, [77], 76, toks, None, None, None)
+    items = [Item(0, 1, key, [1]), Item(1, 1, key, [2])]
+    world.announcer.check(world.engine, [note], items)
+    noted = world.announcer.accept(world.engine, [note])
+    for group, nbytes, kind in ((0, 2 * PAGE, "full"), (1, PAGE, "mamba")):
+        e = world.index.begin_write((world.fps[0], group, key), nbytes, kind, 1)
+        assert e is not None
+        world.index.finish_write(e, pending=False)
+    world.announcer.settle(world.engine, noted)
+    ev = world.events()
+    assert sorted((e.group_idx, e.block_hashes[0], e.parent_block_hash, e.block_size, tuple(e.token_ids))
+                  for e in ev) == [(g, 77, 76, unit, tuple(range(CHUNK + BLOCK, CHUNK + BLOCK + unit)))
+                                   for g in (0, 1)]
+    with pytest.raises(OutOfRange, match="does not divide"):  # a block of 5 tokens is no hash unit of 16
+        world.announcer.check(world.engine, [note._replace(tokens=toks[:20])], items)
+
+
 def test_a_chunk_without_a_note_is_never_announced_and_leaves_nothing_behind(world: World) -> None:
     world.events()
     e = world.index.begin_write((world.fps[0], 0, world.key(5)), 2 * PAGE, "full", 1)
@@ -360,6 +382,36 @@ def test_a_note_carries_vllms_block_hashes_and_never_the_salt(monkeypatch: pytes
     assert set(s0.hashes).isdisjoint(maybe_convert_block_hash(h) for h in plain.block_hashes)  # salted hashes
     assert s0.extra_keys is None  # the salt is the only extra key, and it is never sent
     assert maker.note(plain, b"k" * 16, 3, CHUNK) is None  # not hashed yet: no note
+
+
+def test_a_partial_note_is_what_vllm_announces_for_its_own_partial_entry() -> None:
+    """vLLM's block pool caches a block from a position inside it (``cache_partial_block``, as its Mamba
+    checkpoints below the block size do) and announces it; hkvd's note for a partial chunk ending there
+    names the same hash, parent and tokens, and its block size is the hash unit."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    unit = BLOCK // 4
+    init_none_hash(sha256)
+    tokens = list(range(200, 200 + 2 * CHUNK))
+    req = Request("r", tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(unit, sha256))
+    pool = BlockPool(8, True, unit, enable_kv_cache_events=True)
+    end = CHUNK + BLOCK + 3 * unit  # inside chunk 1's second block
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(req, block, end, kv_cache_group_id=0, block_size=BLOCK)
+    (theirs,) = [e for e in pool.take_events() if isinstance(e, kv_events.BlockStored)]
+    maker = NoteMaker(BLOCK, unit)
+    note = maker.partial_note(req, b"p" * 16, end)
+    assert note is not None
+    assert (note.hashes, note.parent) == (theirs.block_hashes, theirs.parent_block_hash)
+    assert np.frombuffer(note.tokens, "<u4").tolist() == theirs.token_ids and theirs.block_size == unit
+    # No vLLM hash ends between two multiples of the unit, nor anywhere without a unit below the block size.
+    assert maker.partial_note(req, b"p" * 16, end - 1) is None
+    assert NoteMaker(BLOCK).partial_note(req, b"p" * 16, end) is None
+    assert maker.partial_skipped == 1
 
 
 # ---- the connector's path: the scheduler side's feed ---------------------------------------------------------

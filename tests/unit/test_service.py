@@ -187,7 +187,7 @@ async def test_a_lookups_tails_extend_its_whole_chunk_hit_by_the_first_partial_c
     the order sent, and extends the hit by the first whose every group's entry it serves; the reply names it
     and the lease covers it. A tail at another chunk, or one only partly held, is passed over."""
     ack = await h.register(mamba=True)
-    assert ack.lookup_tails
+    assert ack.lookup_tails and ack.partial_notes
     tail, loose, other = (bytes([i]) * 16 for i in (7, 8, 9))
     h.engine.block(0, 5)[:] = 5  # the tail's attention page and state, as stored
     h.engine.block(1, 10)[:] = 10

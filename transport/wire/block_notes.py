@@ -7,6 +7,8 @@ sends, with the items of a ``Store`` or a ``StepEvent``, one *note* per chunk ke
     [key, hashes, parent, tokens, extra_keys, lora_id, lora_name]
 
 - ``key``: the chunk key (16 bytes) the items of the same message name;
+- a partial chunk's note (``is_partial``) holds one hash and the tokens of one block of vLLM's hash
+  unit, ending where the partial chunk ends: vLLM's own partial entry there;
 - ``hashes``: vLLM's hash of each of the chunk's blocks (``chunk_size / block_size`` of them), as
   vLLM publishes them (bytes, or the 64-bit integers of ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
 - ``parent``: the hash of the block before the chunk, or nil for chunk 0;
@@ -119,8 +121,20 @@ def checked_notes(raw: Any) -> list[BlockNote]:
     return [BlockNote(*n) for n in raw] if raw else []
 
 
+def is_partial(note: BlockNote, block_size: int) -> bool:
+    """Whether ``note`` names a partial chunk: one block of fewer tokens than vLLM's block size (its hash unit),
+    ending where the partial chunk ends, as vLLM names its own partial entries."""
+    return len(note.hashes) == 1 and len(note.tokens) < 4 * block_size
+
+
 def check_against(note: BlockNote, chunk_size: int, block_size: int) -> None:
     """A note's counts against the engine's registration; raise ``OutOfRange``."""
+    if is_partial(note, block_size):
+        unit = len(note.tokens) // 4
+        if block_size % unit or chunk_size % block_size:
+            raise OutOfRange(f"note for partial chunk key {note.key.hex()[:12]} holds a block of {unit} tokens, "
+                             f"which does not divide this engine's block size {block_size}")
+        return
     if len(note.tokens) != 4 * chunk_size:
         raise OutOfRange(f"note for chunk key {note.key.hex()[:12]} holds {len(note.tokens) // 4} tokens; this "
                          f"engine's chunks are {chunk_size}")

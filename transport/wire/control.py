@@ -264,6 +264,9 @@ class RegisterAck(Message):
     # Whether it takes Lookup.tails (partial chunks tried in the same lookup); an older daemon sends nothing:
     # False, and a client probes them with lookups of their own once the whole-chunk answer is in.
     lookup_tails: bool = False
+    # Whether it takes a partial chunk's note (``block_notes.is_partial``); an older daemon sends nothing:
+    # False, and a client sends partial chunks without notes (no event names them).
+    partial_notes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
