@@ -57,6 +57,8 @@ class StoreJob:
     notes: list[BlockNote] = field(default_factory=list)
     # The request's tenant (hkvd.shim.tenants): the daemon counts the entries against its quota.
     tenant: str = ""
+    # A turn-end state: the offset inside its chunk where it ends (Store.turn_end); 0: not one.
+    turn_end: int = 0
 
 
 @dataclass(slots=True)

@@ -20,10 +20,14 @@ Role
     (LoRA, multimodal, salt, embeddings: partial keys carry none). vLLM's checkpoints inside a block
     need h < N dividing N (``checkpoints``); turn ends need no h.
 
-    Turn ends (``TurnEnds``, the shim's ``turn_end_states``): a finished request's state after its last
-    computed token (prompt + answer less the last sampled token) is stored the same way, at any position.
-    The scheduler side remembers where such turns ended, by the key of the whole chunk before them, and
-    a later lookup sends those positions as tails: one more per remembered position, no scan of the chunk.
+    Turn ends (the shim's ``turn_end_states``): a finished request's state after its last computed token
+    (prompt + answer less the last sampled token) is stored the same way, at any position, with its offset
+    inside its chunk (``Store.turn_end``). The scheduler side remembers where such turns ended, by the key
+    of the whole chunk before them (``hkvd.transport.turn_ends.TurnEnds``), and a later lookup sends those
+    positions as tails: one more per remembered position, no scan of the chunk. The daemon remembers the
+    turn ends every engine stored; a lookup's reply names those the tails missed (``LookupReply.ends``:
+    another engine's, or this one's before it restarted), and the lookup goes again with them as tails,
+    once.
 
 Threading
     vLLM's scheduler thread (the scheduler side's hooks), like ``hkvd.shim.scheduler``.
@@ -35,7 +39,6 @@ Failure handling
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,40 +84,6 @@ def key_at(keys: Sequence[bytes], tokens: Sequence[int], end: int, chunk_size: i
 def merge(positions: Sequence[int], more: Sequence[int]) -> list[int]:
     """Probe positions from both lists, each once, longest first."""
     return sorted({*positions, *more}, reverse=True)
-
-
-class TurnEnds:
-    """Where stored turn-end states lie: the key of the whole chunk before one (``ROOT_KEY`` for chunk 0) ->
-    their offsets inside the next chunk. Bounded: ``limit`` chunk keys, least recently used out first, and
-    ``per_key`` offsets each, oldest out first. A remembered position only says where to probe: the probe's
-    key, over the new prompt's tokens, decides whether it is the same prefix."""
-
-    def __init__(self, limit: int = 4096, per_key: int = 32) -> None:
-        if limit < 1 or per_key < 1:
-            raise ValueError(f"TurnEnds needs limit >= 1 and per_key >= 1, got {limit}, {per_key}")
-        self._limit, self._per_key = limit, per_key
-        self._at: OrderedDict[bytes, dict[int, None]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._at)
-
-    def add(self, parent: bytes, offset: int) -> None:
-        offsets = self._at.pop(parent, {})
-        offsets.pop(offset, None)
-        offsets[offset] = None
-        while len(offsets) > self._per_key:
-            del offsets[next(iter(offsets))]
-        self._at[parent] = offsets
-        while len(self._at) > self._limit:
-            self._at.popitem(last=False)
-
-    def positions(self, parent: bytes, chunk_start: int, num_tokens: int) -> list[int]:
-        """The remembered positions after ``parent``'s chunk that leave the prompt's last token to compute."""
-        offsets = self._at.get(parent)
-        if offsets is None:
-            return []
-        self._at.move_to_end(parent)
-        return [chunk_start + o for o in offsets if chunk_start + o < num_tokens]
 
 
 @dataclass

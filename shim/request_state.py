@@ -112,6 +112,7 @@ class RequestRecord:
     lookup_id: int | None = None  # the lookup in flight (LOOKUP), None before it is sent or once lost
     lookup_sent_at: float = 0.0
     lookup_gen: int = 0  # the link generation it was sent on
+    ends_retried: bool = False  # looked up again with the turn ends the daemon named (LookupReply.ends)
     hit_chunks: int = 0  # known from LOOKED_UP on
     lease_id: int = 0
     lease_used: bool = False  # the lease was spent: a load retrieves under it, or it was released

@@ -104,6 +104,7 @@ from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo, build_engine_spec, group_infos, validate_vllm
 from hkvd.transport.errors import DaemonUnavailable, ProtocolViolation
 from hkvd.transport.keys import ROOT_KEY, chunk_keys
+from hkvd.transport.turn_ends import TurnEnds
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, KV_EVENTS_PUBLISHED
 from hkvd.transport.wire.kv import MAX_PIN_PARTIALS, MAX_TAILS, Item, LookupReply
@@ -166,6 +167,7 @@ class SchedulerSide:
         # loads_reported_early: loads this side reported finished before any worker did (lease watches).
         self.stats = {"lookups": 0, "lookups_deferred": 0, "hit_tokens": 0, "load_jobs": 0, "store_items": 0,
                       "offer_items": 0, "uncacheable": 0, "notes": 0, "loads_reported_early": 0,
+                      "lookups_for_turn_ends": 0,
                       "verify_sampled": 0, "verify_items": 0, "pins_sent": 0, "pins_refused": 0}
         # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
         events_cfg = getattr(vllm_config, "kv_events_config", None)
@@ -178,7 +180,7 @@ class SchedulerSide:
         self._partial: dict[str, tuple[int, bytes]] = {}
         # request -> the partial keys whose blocks went out, in the order they did
         self._partial_stored: dict[str, dict[bytes, None]] = {}
-        self._turn_ends = partial.TurnEnds()  # where finished requests' stored states lie (turn_end_states)
+        self._turn_ends = TurnEnds()  # where finished requests' stored states lie (turn_end_states)
         self.feed = EventFeed()
         self._connect(startup=True)
 
@@ -325,12 +327,33 @@ class SchedulerSide:
             self._release(found.lease_id)
             self._answer(st, 0)
             return
+        if found.ends and not found.tail and not st.ends_retried and self._learn_ends(st, found.ends, tails):
+            # Turn ends the daemon knows and the tails missed (another engine's): once more, with them as tails.
+            st.ends_retried = True
+            self._release(found.lease_id)
+            self.stats["lookups_for_turn_ends"] += 1
+            self._submit_lookup(st.req_id, st)
+            return
         st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
         if found.tail:
             self._partial[st.req_id] = tails[found.tail - 1]
         elif self._probe(st.req_id, st, tried={pos for pos, _ in tails}):
             return
         self._fire(st, Event.ANSWERED)
+
+    def _learn_ends(self, st: RequestRecord, ends: list[Any], tails: list[tuple[int, bytes]]) -> bool:
+        """Remember the turn ends a lookup's reply named (``LookupReply.ends``); whether any of them is a
+        position of this prompt the lookup's tails did not try."""
+        keys, C = self._keys(st), self.chunk_size
+        tried = {pos for pos, _ in tails}
+        new = False
+        for j, off in ends:
+            pos = j * C + off
+            if j > len(keys) or pos >= st.num_tokens or off >= C:
+                continue
+            self._turn_ends.add(partial.before(keys, j), off)
+            new = new or pos not in tried
+        return new
 
     def _release(self, lease_id: int) -> None:
         if not lease_id or self.link.client is None:
@@ -355,7 +378,10 @@ class SchedulerSide:
         def submit(client: DaemonClient) -> tuple[int, list[tuple[int, bytes]]]:
             tails = self._tails(st, keys, n)  # per connection: a daemon may not take them
             sent = [(pos // self.chunk_size, key) for pos, key in tails]
-            return client.submit_lookup(keys[:n], lease=True, tails=sent), tails
+            ack = self.link.ack
+            ends = bool(ack is not None and ack.turn_ends and self.cfg.turn_end_states and not st.ends_retried
+                        and self._tails_apply(st))
+            return client.submit_lookup(keys[:n], lease=True, tails=sent, ends=ends), tails
 
         try:
             rid, tails = submit(client)
@@ -613,9 +639,7 @@ class SchedulerSide:
         """(position, key) of the partial chunks that may end the hit of a lookup of ``n`` whole chunks
         (``Lookup.tails``, longest first): every remembered turn end inside chunks 0 .. n, and the h
         multiples inside chunk n; [] for a daemon that does not take them, or a request that gets none."""
-        ack = self.link.ack
-        if (ack is None or not ack.lookup_tails or not self._partial_on() or st.request is None or st.uncacheable
-                or self._has_extras(st)):
+        if not self._tails_apply(st):
             return []
         positions = [p for j in range(n + 1) for p in self._positions(st, keys, j, checkpoints=j == n)]
         tails = []
@@ -624,6 +648,13 @@ class SchedulerSide:
             if key is not None:
                 tails.append((pos, key))
         return tails
+
+    def _tails_apply(self, st: RequestRecord) -> bool:
+        """Whether a lookup of this request may carry tails: the daemon takes them, and the request can be served
+        partial chunks."""
+        ack = self.link.ack
+        return not (ack is None or not ack.lookup_tails or not self._partial_on() or st.request is None
+                    or bool(st.uncacheable) or self._has_extras(st))
 
     def _probe(self, req_id: str, st: RequestRecord, tried: set[int] | frozenset[int] = frozenset()) -> bool:
         """After the whole-chunk answer: probe the positions inside the next chunk where a partial chunk may be
@@ -725,7 +756,8 @@ class SchedulerSide:
             if not blk:  # every group or none: a partial chunk without its state (or page) serves nothing
                 return None
             items.append(Item(g.group_id, j, key, [blk], plans.parent(keys, j)))
-        self._finish_stores.append(StoreJob(st.req_id, items, self._partial_notes(st, key, end), st.tenant))
+        self._finish_stores.append(StoreJob(st.req_id, items, self._partial_notes(st, key, end), st.tenant,
+                                            turn_end=end - j * C))
         self.stats["store_items"] += len(items)
         st.had_copies = True
         self._turn_ends.add(partial.before(keys, j), end - j * C)

@@ -337,9 +337,10 @@ class WorkerSide:
             copies = meta.stores or meta.offers or meta.verifies or meta.boundary_verifies
             event = self._gpu.step_end_event() if self._gpu is not None and copies else b""
             pins = bool(self.link.ack is not None and self.link.ack.pins)  # an older daemon takes no tenant
+            ends = bool(self.link.ack is not None and self.link.ack.turn_ends)  # nor turn-end offsets
             for sj in meta.stores:
                 rid = client.submit_store(sj.items, wait_event=event, notes=sj.notes,
-                                          tenant=sj.tenant if pins else "")
+                                          tenant=sj.tenant if pins else "", turn_end=sj.turn_end if ends else 0)
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
             for vj in meta.verifies:  # sampled hits (hkvd.shim.verify): where their stores would have gone
                 rid = client.submit_verify(vj.items, wait_event=event)

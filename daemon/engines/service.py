@@ -68,8 +68,10 @@ from hkvd.transport.errors import (
     RegistrationError,
     ShuttingDown,
 )
+from hkvd.transport.keys import ROOT_KEY
 from hkvd.transport.layout import GroupSpec
 from hkvd.transport.stat_fields import status_dict
+from hkvd.transport.turn_ends import TurnEnds
 from hkvd.transport.wire import Message, control, events, kv, peer
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.kv import Item
@@ -91,6 +93,9 @@ if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py d
 log = logging.getLogger("hkvd.service")
 
 # Timed from request to reply (hkvd.daemon.engines.latency).
+TURN_END_CHUNKS = 65536  # chunk keys whose turn ends the daemon remembers, least recently used out first
+TURN_ENDS_PER_CHUNK = 32  # turn ends remembered after one chunk key, oldest out first
+
 _TIMED: dict[type, str] = {kv.Lookup: "lookup", kv.Store: "store", kv.Retrieve: "retrieve"}
 
 
@@ -216,6 +221,8 @@ class KVService:
         self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
         index.withheld = self.quarantine
         self._checks: set[asyncio.Task[None]] = set()  # comparisons of confirmed boundary states
+        # Where every engine's turn-end states end (Store.turn_end), named in lookup replies (LookupReply.ends).
+        self.turn_ends = TurnEnds(limit=TURN_END_CHUNKS, per_key=TURN_ENDS_PER_CHUNK)
 
     @property
     def cfg(self) -> DaemonConfig:
@@ -351,7 +358,7 @@ class KVService:
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
                                       self.kv_events_mode(), lease_watch=True, verify=True, pins=True,
                                       pin_partials=True, step_tenants=True, lookup_tails=True,
-                                      partial_notes=True))
+                                      partial_notes=True, turn_ends=True))
 
     def kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""
@@ -442,7 +449,33 @@ class KVService:
             self.metrics.inc("lookup_hit_entries", n, kind=kind)
         for kind, n in missing.items():
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
-        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, tail))
+        ends = self._ends(msg, plan.hit_chunks) if msg.ends and not tail else []
+        if ends:
+            self.metrics.inc("lookup_turn_ends_named", len(ends))
+        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, tail, ends))
+
+    def _ends(self, msg: kv.Lookup, n: int) -> list[list[int]]:
+        """``[chunk_index, offset]`` of the turn ends known inside chunks n .. len(msg.keys) (after the whole
+        chunk before each), the last chunk's first: where a hit of n whole chunks may still end (a turn end
+        at a chunk past n carries its own Mamba state, which the whole chunks may lack)."""
+        out: list[list[int]] = []
+        for j in range(len(msg.keys), n - 1, -1):
+            out.extend([j, off] for off in self.turn_ends.offsets(msg.keys[j - 1] if j else ROOT_KEY))
+            if len(out) >= kv.MAX_ENDS:
+                break
+        return out[:kv.MAX_ENDS]
+
+    def _turn_end_parent(self, engine: EngineState, msg: kv.Store) -> bytes:
+        """The key of the whole chunk before the turn end ``msg`` stores (``ROOT_KEY`` for chunk 0); raise
+        ``OutOfRange`` when its items are not one partial chunk ending ``msg.turn_end`` into a chunk."""
+        items = msg.items
+        j = items[0].chunk_index if items else 0
+        if (not items or any((it.key, it.chunk_index, it.parent) != (items[0].key, j, items[0].parent) for it in items)
+                or not msg.turn_end < engine.chunk_size or (j and not items[0].parent)):
+            raise OutOfRange(f"Store.turn_end {msg.turn_end}: the items of a turn end must be one partial chunk (one "
+                             f"key and chunk index, the parent key named past chunk 0) ending inside a chunk of "
+                             f"{engine.chunk_size} tokens")
+        return items[0].parent if j else ROOT_KEY
 
     # ---- lower tiers: write-behind on READY (reads: daemon/tiers/promotion.py) ------------------------
     def _write_behind(self, entries: list[Entry]) -> None:
@@ -465,8 +498,11 @@ class KVService:
         engine = self._engine(conn, copy=True)
         items = msg.items
         notes = self._check_notes(engine, msg.parsed_notes(), items)
+        parent = self._turn_end_parent(engine, msg) if msg.turn_end else None
         stored, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
                                             wait_event=msg.wait_event, notes=notes, tenant=msg.tenant)
+        if parent is not None:
+            self.turn_ends.add(parent, msg.turn_end)
         conn.send(stored.to_done(msg.req_id))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,

@@ -179,6 +179,33 @@ def test_a_chats_next_turn_hits_where_the_previous_turn_ended(turn_ends, unit, t
             break
 
 
+def test_a_turn_that_ended_on_another_engine_is_resumed_at_its_end(tiny_models, outputs, daemon_factory,
+                                                                   engine_runner, tmp_path) -> None:
+    """Qwen3-Next, no ``prefix_match_unit``: one engine runs a chat's first turn; a second engine (a new process,
+    which remembers no turn end of its own) gets the next turn's prompt. The daemon names where the first turn
+    ended (``LookupReply.ends``), so the second engine resumes there, past vLLM's block multiples, with the
+    tokens of a run without any cache."""
+    d = daemon_factory(BLOCK)
+    first = CHAT[0]["first"]
+    base = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": 0,
+            "ignore_eos": True, "logprobs": 2, "llm": {"max_model_len": 1024}}
+    # Two phases: the second's emptying of vLLM's cache runs steps, which send the first's turn-end store.
+    one = engine_runner({**base, "conversations": [{"first": first, "users": [], "max_tokens": [40]}],
+                         "phases": [{"reset": True}, {"reset": True}]}, timeout_s=600)
+    answer = one["phases"][0][0][0]["tokens"]
+    prompt = [*first, *answer, *CHAT[0]["users"][0]]
+    two = engine_runner({**base, "conversations": [{"first": prompt, "users": [], "max_tokens": [6]}],
+                         "phases": [{"reset": True}, {"reset": True}], "pause_before": [1],
+                         "sync_dir": str(tmp_path)}, timeout_s=600, on_pause=lambda i: d.stop())
+    (hkvd,), (cold,) = (phase[0] for phase in two["phases"])
+    end = len(first) + len(answer) - 1
+    print(f"next turn on another engine: hit {hkvd['num_cached_tokens']} of {len(prompt)} (first turn ended at "
+          f"{end}; vLLM's block multiples stop at {end // BLOCK * BLOCK})")
+    assert hkvd["num_cached_tokens"] == end, two["log"][-3000:]
+    assert cold["num_cached_tokens"] == 0
+    outputs.compare(cold, hkvd, "next turn on another engine (hkvd from the turn end vs no cache)")
+
+
 # A pinned session and an unpinned one of the same shape, each ending its first turn at 207 (a 200-token
 # prompt, 8 tokens answered, the last not computed), with three 900-token one-shots between their turns.
 SESSION = {"pin_s": 300, "session": "agent-1"}

@@ -36,7 +36,8 @@ class ScriptedClient:
         self.sent.append((self.next_id, *what))
         return self.next_id
 
-    def submit_store(self, items: Any, wait_event: bytes = b"", notes: Any = None, tenant: str = "") -> int:
+    def submit_store(self, items: Any, wait_event: bytes = b"", notes: Any = None, tenant: str = "",
+                     turn_end: int = 0) -> int:
         assert wait_event == b""  # host KV caches: no GPU events
         return self._id(("store", items))
 

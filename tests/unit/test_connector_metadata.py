@@ -57,9 +57,11 @@ class ScriptedClient:
     connected = True
     daemon_pid = 0
 
-    def __init__(self, hit: int = 0, lease_id: int = 0, tail_held: bool = False) -> None:
+    def __init__(self, hit: int = 0, lease_id: int = 0, tail_held: bool = False,
+                 ends: Sequence[list[int]] = ()) -> None:
         self.hit, self.lease_id = hit, lease_id
         self.tail_held = tail_held  # a lookup's first tail at its whole-chunk hit extends it (Lookup.tails)
+        self.ends = [list(e) for e in ends]  # turn ends a reply names when asked and no tail won (Lookup.ends)
         self.sent: list[tuple[Any, ...]] = []
         self.done: list[Completion] = []
         self.released: list[int] = []
@@ -69,18 +71,22 @@ class ScriptedClient:
         self.sent.append((rid, *what))
         return rid
 
-    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = ()) -> int:
-        rid = self._id("lookup", list(keys), list(tails))
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = (),
+                      ends: bool = False) -> int:
+        rid = self._id("lookup", list(keys), list(tails), ends)
         hit = min(self.hit, len(keys))
         tail = next((i + 1 for i, (j, _) in enumerate(tails) if j == hit), 0) if self.tail_held else 0
-        self.done.append(Completion(rid, True, LookupReply(rid, hit + (tail > 0), self.lease_id, 30.0, tail), None))
+        named = self.ends if ends and not tail else []
+        self.done.append(Completion(rid, True, LookupReply(rid, hit + (tail > 0), self.lease_id, 30.0, tail, named),
+                                    None))
         return rid
 
     def submit_retrieve(self, items: Sequence[Item], lease_id: int = 0) -> int:
         return self._id("retrieve", list(items), lease_id)
 
-    def submit_store(self, items: Sequence[Item], wait_event: bytes = b"", notes: Any = None, tenant: str = "") -> int:
-        return self._id("store", list(items), tenant)
+    def submit_store(self, items: Sequence[Item], wait_event: bytes = b"", notes: Any = None, tenant: str = "",
+                     turn_end: int = 0) -> int:
+        return self._id("store", list(items), tenant, *([turn_end] if turn_end else []))
 
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item], confirms: Iterable[int],
                           wait_event: bytes = b"", notes: Any = None, verifies: Sequence[Item] = (),
@@ -145,9 +151,9 @@ def sched() -> SchedulerSide:
 
 
 def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True, pins: bool = True,
-            tails: bool = True) -> None:
+            tails: bool = True, ends: bool = False) -> None:
     side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, side.chunk_size, 0, verify=verify,
-                                                          pins=pins, lookup_tails=tails)
+                                                          pins=pins, lookup_tails=tails, turn_ends=ends)
     side.link.generation += 1
 
 
@@ -253,8 +259,9 @@ class SlowLookups(ScriptedClient):
         super().__init__(hit, lease_id)
         self.held: list[Completion] = []
 
-    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = ()) -> int:
-        rid = super().submit_lookup(keys, lease, tails)
+    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = (),
+                      ends: bool = False) -> int:
+        rid = super().submit_lookup(keys, lease, tails, ends)
         self.held.append(self.done.pop())
         return rid
 
@@ -344,6 +351,46 @@ def test_a_turn_end_on_a_multiple_of_the_unit_goes_with_vllms_partial_note(end: 
     assert note.key == key and note.hashes == [maybe_convert_block_hash(req.block_hashes[end // unit - 1])]
     assert note.parent == maybe_convert_block_hash(req.block_hashes[end // unit - 2])
     assert len(note.tokens) == 4 * unit
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["learnt_from_the_daemon", "already_sent"])
+def test_a_turn_end_the_daemon_names_is_looked_up_again_once_as_a_tail(known: bool) -> None:
+    """A turn end another engine stored: the daemon names it in the reply (LookupReply.ends), and the lookup goes
+    once more with it as a tail, which serves; the first lease is released. A position the tails already tried
+    brings no second lookup."""
+    sched = hybrid_sched()
+    client = ScriptedClient(hit=2, lease_id=5, tail_held=True, ends=[[2, 7], [9, 1], [2, 90]])  # 2 bad: dropped
+    connect(sched, client, ends=True)
+    tokens = list(range(100))
+    keys = chunk_keys(tokens, BLOCK)
+    if known:
+        sched._turn_ends.add(keys[1], 7)
+        client.tail_held = False
+    req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == ((2 * BLOCK, True) if known else (39, True))
+    lookups = client.kinds("lookup")
+    tail = (2, partial_key(keys[1], tokens[32:39]))
+    if known:
+        assert [(lk[3], lk[4]) for lk in lookups] == [([tail], True)] and client.released == []
+        return
+    assert [(lk[3], lk[4]) for lk in lookups] == [([], True), ([tail], False)]
+    assert client.released == [5] and sched.stats["lookups_for_turn_ends"] == 1
+    assert sched._turn_ends.positions(keys[1], 2 * BLOCK, 100) == [39]  # remembered for the session's next turn
+
+
+def test_a_turn_end_is_stored_with_its_offset_for_other_engines() -> None:
+    sched = hybrid_sched()
+    client = ScriptedClient()
+    connect(sched, client, ends=True)
+    prompt = list(range(36))
+    req = Request("r1", prompt, SamplingParams(max_tokens=8), None)
+    sched.on_new_request(req)
+    req.append_output_token_ids(list(range(200, 206)))
+    req.num_computed_tokens = 41
+    assert sched._store_turn_end(req, sched._reqs["r1"], [TABLE, TABLE]) is not None
+    (job,) = sched._finish_stores
+    assert job.turn_end == 41 - 2 * BLOCK
 
 
 def test_a_sampled_request_drops_its_partial_chunk_and_compares_the_whole_chunks_before_it() -> None:

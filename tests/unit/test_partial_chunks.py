@@ -7,6 +7,7 @@ import pytest
 from hkvd.shim import partial
 from hkvd.shim.spec import GroupInfo
 from hkvd.transport.keys import ROOT_KEY, chunk_keys, partial_key
+from hkvd.transport.turn_ends import TurnEnds
 
 N = 128
 FULL = GroupInfo(0, "full", N, 0)
@@ -91,7 +92,7 @@ def test_dropping_a_request_hands_back_its_best_probe_lease_and_forgets_its_look
 
 
 def test_turn_end_positions_are_probed_with_the_unit_multiples_each_once_longest_first() -> None:
-    ends = partial.TurnEnds()
+    ends = TurnEnds()
     parent = chunk_keys(TOKENS, N)[1]
     assert ends.positions(parent, 2 * N, 440) == []
     ends.add(parent, 83)  # a turn ended at 339, inside chunk 2
@@ -104,7 +105,7 @@ def test_turn_end_positions_are_probed_with_the_unit_multiples_each_once_longest
 
 
 def test_turn_ends_are_bounded_by_chunk_key_and_by_offsets_per_key() -> None:
-    ends = partial.TurnEnds(limit=2, per_key=2)
+    ends = TurnEnds(limit=2, per_key=2)
     ends.add(b"a", 1)
     ends.add(b"b", 2)
     assert ends.positions(b"a", 0, 100) == [1]  # a used: b is now the oldest
@@ -116,5 +117,6 @@ def test_turn_ends_are_bounded_by_chunk_key_and_by_offsets_per_key() -> None:
     ends.add(b"a", 5)  # added again: the newest
     ends.add(b"a", 9)
     assert sorted(ends.positions(b"a", 0, 100)) == [5, 9]
+    assert ends.offsets(b"a") == [9, 5] and ends.offsets(b"z") == []  # newest first
     with pytest.raises(ValueError, match="limit"):
-        partial.TurnEnds(limit=0)
+        TurnEnds(limit=0)

@@ -54,7 +54,8 @@ class ProducerClient:
         self.statuses += 1
         return {"peer": {"advertise": self.advertise}}
 
-    def submit_lookup(self, keys: list[bytes], lease: bool = True, tails: list[tuple[int, bytes]] | None = None) -> int:
+    def submit_lookup(self, keys: list[bytes], lease: bool = True, tails: list[tuple[int, bytes]] | None = None,
+                      ends: bool = False) -> int:
         self.lookups.append(list(keys))
         return len(self.lookups)
 

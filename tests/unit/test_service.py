@@ -224,6 +224,41 @@ async def test_a_tail_past_the_whole_chunk_hit_serves_where_only_a_mamba_state_w
     assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail) == (3, 1), reply
 
 
+async def test_a_turn_end_one_engine_stored_is_named_in_another_lookups_reply(h: Harness) -> None:
+    """Store.turn_end: the daemon remembers where a turn-end state ends, by the whole chunk before it, and a
+    lookup that asks (Lookup.ends) and whose tails won nothing gets it back ([chunk_index, offset]) for chunks
+    from where its hit ends to its last key; then its tail at that position serves."""
+    ack = await h.register(mamba=True)
+    assert ack.turn_ends
+    tail = b"\x07" * 16
+    await h.call(kv.Store(2, _full(range(2), 1)))
+    await h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [9])], []))
+    await h.call(events.StepEvent(4, 1, 2, [], [3]))
+    end = [kv.Item(0, 2, tail, [5, 6], KEYS[1]), kv.Item(1, 2, tail, [10], KEYS[1])]
+    assert isinstance(await h.call(kv.Store(5, end, turn_end=7)), kv.Done)
+    await h.call(kv.Store(6, [kv.Item(0, 0, b"\x08" * 16, [11, 12])], turn_end=3))  # one inside chunk 0
+    reply = await h.call(kv.Lookup(7, KEYS[:2], False, [], True))
+    assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail, reply.ends) == (2, 0, [[2, 7]])
+    assert message_from_wire(reply.to_wire()) == reply
+    assert (await h.call(kv.Lookup(8, KEYS[:2], False))).ends == []  # not asked: none (an older client)
+    # No state after chunk 0: no hit, and the turn end inside chunk 0 (after the root) is named too.
+    assert (await h.call(kv.Lookup(9, KEYS[:1], False, [], True))).ends == [[0, 3]]
+    short = await h.call(kv.Lookup(10, KEYS[:2], False, [[2, b"\x09" * 16]], True))
+    assert short.ends == [[2, 7]]  # the tail sent was another position: still named
+    won = await h.call(kv.Lookup(11, KEYS[:2], False, [[2, tail]], True))
+    assert (won.hit_chunks, won.tail, won.ends) == (3, 1, [])  # a tail won: nothing to add
+    two = [kv.Item(0, 2, tail, [5, 6], KEYS[1]), kv.Item(0, 3, tail, [7, 8], KEYS[2])]  # not one partial chunk
+    for req_id, items, off in ((12, two, 7), (13, end, CHUNK)):  # and one past the chunk
+        refused = await h.call(kv.Store(req_id, items, turn_end=off))
+        assert isinstance(refused, kv.Error) and "turn_end" in refused.message, refused
+    assert (await h.call(kv.Lookup(16, KEYS[:2], False, [], True))).ends == [[2, 7]]  # nothing else learnt
+    with pytest.raises(ProtocolViolation, match="turn_end"):
+        message_from_wire(kv.Store(14, end, turn_end=-1).to_wire())
+    for bad in ([[1]], [[1, 0]], [[-1, 3]], [[1, 3]] * (kv.MAX_ENDS + 1)):
+        with pytest.raises(ProtocolViolation, match="ends"):
+            message_from_wire(kv.LookupReply(15, 0, 0, 1.0, 0, bad).to_wire())
+
+
 class HeldTier:
     """A lower tier holding ``payloads`` by entry key, read into the pool pages it is given."""
 

@@ -267,6 +267,9 @@ class RegisterAck(Message):
     # Whether it takes a partial chunk's note (``block_notes.is_partial``); an older daemon sends nothing:
     # False, and a client sends partial chunks without notes (no event names them).
     partial_notes: bool = False
+    # Whether it takes Store.turn_end and Lookup.ends (turn ends other engines stored); an older daemon sends
+    # nothing: False, and a client finds only the turn ends it remembers itself.
+    turn_ends: bool = False
 
 
 @dataclass(frozen=True, slots=True)

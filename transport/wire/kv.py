@@ -18,6 +18,8 @@ from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message,
 
 MAX_BLOCKS_PER_ITEM = 4096
 MAX_TAILS = 64  # Lookup.tails: a chunk's positions at the finest prefix_match_unit vLLM takes, and turn ends
+MAX_ENDS = 64  # LookupReply.ends
+MAX_TURN_END = 1 << 20  # an offset inside a chunk: far above any vLLM block size
 
 
 class Item(NamedTuple):
@@ -95,9 +97,14 @@ class Lookup(Message):
     # at least n and that the daemon serves after chunks [0, j); the reply names it (``LookupReply.tail``).
     # Sent only to a daemon whose RegisterAck.lookup_tails says so.
     tails: list[Any] = field(default_factory=list)
+    # Whether the reply names the turn ends the daemon knows where the hit may end (``LookupReply.ends``).
+    # Sent only to a daemon whose RegisterAck.turn_ends says so.
+    ends: bool = False
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
+        if type(self.ends) is not bool:
+            raise ProtocolViolation("Lookup.ends must be a boolean")
         if len(self.keys) > MAX_KEYS:
             raise ProtocolViolation(f"Lookup: at most {MAX_KEYS} keys, got {len(self.keys)}")
         if any(len(k) != KEY_BYTES for k in self.keys):
@@ -120,6 +127,21 @@ class LookupReply(Message):
     lease_ttl_s: float
     # 1 + the index in Lookup.tails of the partial chunk that ends the hit (its last chunk); 0: none did.
     tail: int = 0
+    # With Lookup.ends and no tail: ``[chunk_index, offset]`` of the turn ends the daemon knows (stored by any
+    # engine, ``Store.turn_end``) inside chunks hit_chunks .. len(Lookup.keys), after the whole chunk
+    # chunk_index - 1 of the keys sent; newest first, at most MAX_ENDS. A position only: the client's
+    # partial key over its own tokens decides whether it is the same prefix.
+    ends: list[Any] = field(default_factory=list)
+
+    def validate(self) -> None:
+        check_u64(self.req_id, "req_id")
+        if type(self.ends) is not list or len(self.ends) > MAX_ENDS:
+            raise ProtocolViolation(f"LookupReply: at most {MAX_ENDS} ends, got {len(self.ends)}")
+        for i, e in enumerate(self.ends):
+            if (type(e) is not list or len(e) != 2 or type(e[0]) is not int or type(e[1]) is not int
+                    or not 0 <= e[0] <= MAX_KEYS or not 0 < e[1] < MAX_TURN_END):
+                raise ProtocolViolation(f"LookupReply.ends[{i}]: an end is [chunk_index, offset], 0 <= chunk_index "
+                                        f"<= {MAX_KEYS}, 0 < offset < {MAX_TURN_END}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +158,15 @@ class Store(Message):
     # The tenant whose request stored these chunks (``hkvd.shim.tenants``: "" is the unsalted share);
     # entries are counted against that tenant's quota. Sent only to a daemon whose RegisterAck.pins says so.
     tenant: str = ""
+    # A turn-end state (docs/design.md, "Hit granularity"): the offset inside its chunk where the partial
+    # chunk these items store ends; the daemon remembers it for other engines' lookups (LookupReply.ends).
+    # 0: not a turn end. Sent only to a daemon whose RegisterAck.turn_ends says so.
+    turn_end: int = 0
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
+        if type(self.turn_end) is not int or not 0 <= self.turn_end < MAX_TURN_END:
+            raise ProtocolViolation(f"Store.turn_end must be an offset in [0, {MAX_TURN_END})")
         check_event(self.wait_event, "Store.wait_event")
         check_notes(self.notes, "Store.notes")
         check_tenant(self.tenant, "Store.tenant")
