@@ -713,7 +713,8 @@ class SchedulerSide:
             return
         parent_key = plans.parent(keys, j)
         stored = self._partial_stored.setdefault(st.req_id, {})
-        notes = self._partial_notes(st, key, boundary)
+        noted = any(n.key == key for n in meta.offer_notes)  # another Mamba group's offer of it, this step
+        notes = self._partial_notes(st, key, boundary) if key not in stored or not noted else []
         if key not in stored:
             stored[key] = None
             items = [Item(g.group_id, j, key, [int(table[g.group_id][j])], parent_key)
@@ -723,7 +724,7 @@ class SchedulerSide:
                 meta.stores.append(StoreJob(st.req_id, items, notes, st.tenant))
                 self.stats["store_items"] += len(items)
         self._add_offer(meta, st, Item(group_id, j, key, [block_id], parent_key))
-        if not any(n.key == key for n in meta.offer_notes):
+        if not noted:
             meta.offer_notes.extend(notes)
         st.had_copies = True
 

@@ -92,10 +92,10 @@ if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py d
 
 log = logging.getLogger("hkvd.service")
 
-# Timed from request to reply (hkvd.daemon.engines.latency).
 TURN_END_CHUNKS = 65536  # chunk keys whose turn ends the daemon remembers, least recently used out first
 TURN_ENDS_PER_CHUNK = 32  # turn ends remembered after one chunk key, oldest out first
 
+# Timed from request to reply (hkvd.daemon.engines.latency).
 _TIMED: dict[type, str] = {kv.Lookup: "lookup", kv.Store: "store", kv.Retrieve: "retrieve"}
 
 
