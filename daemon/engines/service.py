@@ -221,7 +221,8 @@ class KVService:
         self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
         index.withheld = self.quarantine
         self._checks: set[asyncio.Task[None]] = set()  # comparisons of confirmed boundary states
-        # Where every engine's turn-end states end (Store.turn_end), named in lookup replies (LookupReply.ends).
+        # Where every engine's turn-end states end (Store.turn_end), by layout and the whole chunk before them,
+        # named in lookup replies (LookupReply.ends).
         self.turn_ends = TurnEnds(limit=TURN_END_CHUNKS, per_key=TURN_ENDS_PER_CHUNK)
 
     @property
@@ -449,18 +450,25 @@ class KVService:
             self.metrics.inc("lookup_hit_entries", n, kind=kind)
         for kind, n in missing.items():
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
-        ends = self._ends(msg, plan.hit_chunks) if msg.ends and not tail else []
+        ends = self._ends(engine, msg, plan.hit_chunks) if msg.ends and not tail else []
         if ends:
             self.metrics.inc("lookup_turn_ends_named", len(ends))
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, tail, ends))
 
-    def _ends(self, msg: kv.Lookup, n: int) -> list[list[int]]:
-        """``[chunk_index, offset]`` of the turn ends known inside chunks n .. len(msg.keys) (after the whole
-        chunk before each), the last chunk's first: where a hit of n whole chunks may still end (a turn end
-        at a chunk past n carries its own Mamba state, which the whole chunks may lack)."""
+    @staticmethod
+    def _layout(engine: EngineState) -> bytes:
+        """The engine world's rank-0 fingerprint: engines of one layout share entries, and so turn ends."""
+        return (engine.rank_fingerprints or (engine.fingerprint,))[0]
+
+    def _ends(self, engine: EngineState, msg: kv.Lookup, n: int) -> list[list[int]]:
+        """``[chunk_index, offset]`` of the turn ends engines of this layout stored inside chunks
+        n .. len(msg.keys) (after the whole chunk before each), the last chunk's first: where a hit of n whole
+        chunks may still end (a turn end at a chunk past n carries its own Mamba state, which the whole chunks
+        may lack)."""
         out: list[list[int]] = []
+        layout = self._layout(engine)
         for j in range(len(msg.keys), n - 1, -1):
-            out.extend([j, off] for off in self.turn_ends.offsets(msg.keys[j - 1] if j else ROOT_KEY))
+            out.extend([j, off] for off in self.turn_ends.offsets(layout + (msg.keys[j - 1] if j else ROOT_KEY)))
             if len(out) >= kv.MAX_ENDS:
                 break
         return out[:kv.MAX_ENDS]
@@ -502,7 +510,7 @@ class KVService:
         stored, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
                                             wait_event=msg.wait_event, notes=notes, tenant=msg.tenant)
         if parent is not None:
-            self.turn_ends.add(parent, msg.turn_end)
+            self.turn_ends.add(self._layout(engine) + parent, msg.turn_end)
         conn.send(stored.to_done(msg.req_id))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,

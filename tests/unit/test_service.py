@@ -252,6 +252,11 @@ async def test_a_turn_end_one_engine_stored_is_named_in_another_lookups_reply(h:
         refused = await h.call(kv.Store(req_id, items, turn_end=off))
         assert isinstance(refused, kv.Error) and "turn_end" in refused.message, refused
     assert (await h.call(kv.Lookup(16, KEYS[:2], False, [], True))).ends == [[2, 7]]  # nothing else learnt
+    # An engine of another layout (attention only) shares no entries, so it is named no turn end.
+    h.conn = Conn(conn_id=2, pid=os.getpid(), uid=os.getuid(), send=h.sent.append,
+                  process=ClientProcess.open(os.getpid()))
+    await h.register(mamba=False)
+    assert (await h.call(kv.Lookup(17, KEYS[:2], False, [], True))).ends == []
     with pytest.raises(ProtocolViolation, match="turn_end"):
         message_from_wire(kv.Store(14, end, turn_end=-1).to_wire())
     for bad in ([[1]], [[1, 0]], [[-1, 3]], [[1, 3]] * (kv.MAX_ENDS + 1)):
