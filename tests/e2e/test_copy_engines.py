@@ -37,7 +37,7 @@ def test_old_clients_without_the_optional_fields_still_parse():
     assert kv.Store.from_wire(with_event.to_wire()[1:]) == with_event
     with pytest.raises(ProtocolViolation, match="64 bytes"):
         kv.Store.from_wire([7, [], b"short"])
-    with pytest.raises(ProtocolViolation, match="expected 2 to 5 fields"):  # wait_event, KV-event notes, tenant
+    with pytest.raises(ProtocolViolation, match="expected 2 to 6 fields"):  # wait_event, notes, tenant, turn_end
         kv.Store.from_wire([7])
 
 
