@@ -551,5 +551,5 @@ def test_engine_without_cupy_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> N
 
     # Run as ``python -m pytest`` from the checkout's root, the checkout's cuda/ shadows NVIDIA's, and the
     # error names that fix instead.
-    with pytest.raises(CupyMissing, match="GPU extra|Run from another directory"):
+    with pytest.raises(CupyMissing, match=r"GPU extra|Run from another directory"):
         CudaCopyEngine(_Pool())
