@@ -46,9 +46,6 @@ class TurnEnds:
         return list(reversed(offsets))
 
     def positions(self, parent: bytes, chunk_start: int, num_tokens: int) -> list[int]:
-        """The remembered positions after ``parent``'s chunk that leave the prompt's last token to compute."""
-        offsets = self._at.get(parent)
-        if offsets is None:
-            return []
-        self._at.move_to_end(parent)
-        return [chunk_start + o for o in offsets if chunk_start + o < num_tokens]
+        """The remembered positions after ``parent``'s chunk that leave the prompt's last token to compute,
+        newest first."""
+        return [chunk_start + o for o in self.offsets(parent) if chunk_start + o < num_tokens]

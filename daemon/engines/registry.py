@@ -124,6 +124,11 @@ class EngineState:
     def can_copy(self) -> bool:
         return self.attachment is not None
 
+    @property
+    def world_fingerprints(self) -> tuple[bytes, ...]:
+        """Every rank's fingerprint (this one's alone where the world's are not known); [0] names the layout."""
+        return self.rank_fingerprints or (self.fingerprint,)
+
     def statistics(self) -> EngineStats:
         return EngineStats(
             engine_id=self.engine_id, pid=self.pid, model=self.spec.model, rank=self.spec.rank,

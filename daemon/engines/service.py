@@ -455,18 +455,13 @@ class KVService:
             self.metrics.inc("lookup_turn_ends_named", len(ends))
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, tail, ends))
 
-    @staticmethod
-    def _layout(engine: EngineState) -> bytes:
-        """The engine world's rank-0 fingerprint: engines of one layout share entries, and so turn ends."""
-        return (engine.rank_fingerprints or (engine.fingerprint,))[0]
-
     def _ends(self, engine: EngineState, msg: kv.Lookup, n: int) -> list[list[int]]:
         """``[chunk_index, offset]`` of the turn ends engines of this layout stored inside chunks
         n .. len(msg.keys) (after the whole chunk before each), the last chunk's first: where a hit of n whole
         chunks may still end (a turn end at a chunk past n carries its own Mamba state, which the whole chunks
         may lack)."""
         out: list[list[int]] = []
-        layout = self._layout(engine)
+        layout = engine.world_fingerprints[0]  # engines of one layout share entries, and turn ends
         for j in range(len(msg.keys), n - 1, -1):
             out.extend([j, off] for off in self.turn_ends.offsets(layout + (msg.keys[j - 1] if j else ROOT_KEY)))
             if len(out) >= kv.MAX_ENDS:
@@ -510,7 +505,7 @@ class KVService:
         stored, _ = await self._write_items(conn, engine, items, job_id=msg.req_id, pending=False,
                                             wait_event=msg.wait_event, notes=notes, tenant=msg.tenant)
         if parent is not None:
-            self.turn_ends.add(self._layout(engine) + parent, msg.turn_end)
+            self.turn_ends.add(engine.world_fingerprints[0] + parent, msg.turn_end)
         conn.send(stored.to_done(msg.req_id))
 
     async def _write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,

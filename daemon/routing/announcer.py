@@ -108,7 +108,7 @@ def world_of(state: EngineState, topic_template: str) -> World:
                                        g.window_tokens if g.kind == "swa" else None))
         groups[gid] = GroupMeta(g.kind, kind, window, g.tokens_per_block)
     block = spec.block_size or min(g.tokens_per_block for g in state.groups.values())
-    fps = state.rank_fingerprints or (state.fingerprint,)
+    fps = state.world_fingerprints
     return World(fps[0], block, groups, topic_template.replace("{model}", spec.model).encode())
 
 
@@ -176,7 +176,7 @@ class Announcer:
         """An engine registered: know how its world's events are named (kept after it leaves, as its
         entries are). The registry records the world in ``formats``; an engine it did not register is
         recorded here."""
-        fps = state.rank_fingerprints or (state.fingerprint,)
+        fps = state.world_fingerprints
         if self.formats.world(fps[0]) is None:
             self.formats.add(fps, fps.index(state.fingerprint), model=state.spec.model, chunk_size=state.chunk_size,
                              rules=state.rules, kinds=state.kinds, entry_bytes=state.entry_bytes)
@@ -224,7 +224,7 @@ class Announcer:
         self.events.flush()
 
     def _world(self, engine: EngineState) -> World:
-        fps = engine.rank_fingerprints or (engine.fingerprint,)
+        fps = engine.world_fingerprints
         w = self._lookup(fps[0])
         if w is None:
             self.register(engine)

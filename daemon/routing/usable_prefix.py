@@ -164,7 +164,7 @@ class FormatBook:
 
     def add(self, engine: EngineState) -> None:
         """Record a registration of ``engine`` (the registry does so for a daemon's engines)."""
-        fps = engine.rank_fingerprints or (engine.fingerprint,)
+        fps = engine.world_fingerprints
         self.formats.add(fps, fps.index(engine.fingerprint), model=engine.spec.model,
                          chunk_size=engine.chunk_size, rules=engine.rules, kinds=engine.kinds,
                          entry_bytes=engine.entry_bytes)

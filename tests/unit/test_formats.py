@@ -105,7 +105,8 @@ def test_the_routing_view_follows_the_record() -> None:
     book = Formats(max_worlds=2)
     routing = FormatBook(book)
     eng = SimpleNamespace(spec=SimpleNamespace(model="a"), chunk_size=CHUNK, fingerprint=fps(0)[0],
-                          rank_fingerprints=fps(0), rules=[GroupRule(0, "full")], kinds={0: "full"},
+                          rank_fingerprints=fps(0), world_fingerprints=fps(0), rules=[GroupRule(0, "full")],
+                          kinds={0: "full"},
                           entry_bytes={0: PAGE})
     routing.add(eng)  # type: ignore[arg-type]
     assert len(book) == 1 and routing.find("a", None).model == "a"

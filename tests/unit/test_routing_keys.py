@@ -31,8 +31,8 @@ def _request(tokens: list[int], mm: list[tuple[str, int, int]], lora: tuple[str,
 
 def _daemon(chunk_size: int) -> UsablePrefix:
     eng = SimpleNamespace(spec=SimpleNamespace(model="m"), chunk_size=chunk_size, fingerprint=b"\1" * 16,
-                          rank_fingerprints=(b"\1" * 16,), rules=[GroupRule(0, "full")], kinds={0: "full"},
-                          entry_bytes={0: 1})
+                          rank_fingerprints=(b"\1" * 16,), world_fingerprints=(b"\1" * 16,),
+                          rules=[GroupRule(0, "full")], kinds={0: "full"}, entry_bytes={0: 1})
     up = UsablePrefix(SimpleNamespace(index=None, disk=None, cluster=None), Metrics())
     up.book.add(eng)  # type: ignore[arg-type]
     return up

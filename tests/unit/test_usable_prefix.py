@@ -35,7 +35,7 @@ def engine(model: str = "/m/tiny", fps: tuple[bytes, ...] = (b"\1" * 16,), kinds
            window: int = 32) -> Any:
     rules = [GroupRule(g, k, window if k == "swa" else 0) for g, k in enumerate(kinds)]  # type: ignore[arg-type]
     return SimpleNamespace(spec=SimpleNamespace(model=model), chunk_size=C, fingerprint=fps[0],
-                           rank_fingerprints=fps, rules=rules, kinds=dict(enumerate(kinds)),
+                           rank_fingerprints=fps, world_fingerprints=fps, rules=rules, kinds=dict(enumerate(kinds)),
                            entry_bytes=dict.fromkeys(range(len(kinds)), 4096))
 
 
