@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -68,3 +70,20 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if path == _UNIT or _UNIT in path.parents or path in _UNIT.parents:
         return None
     return True
+
+
+# Per-tier time budgets and the durations report (tests/budgets.py, docs/testing.md), loaded by path: the
+# importlib import mode puts no test folder on sys.path.
+def load_budgets() -> ModuleType:
+    name = "hkvd_test_budgets"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("budgets.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: its dataclass looks its module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(load_budgets().BudgetPlugin(Path(__file__).resolve().parent), "hkvd-budgets")
