@@ -87,3 +87,34 @@ def load_budgets() -> ModuleType:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(load_budgets().BudgetPlugin(Path(__file__).resolve().parent), "hkvd-budgets")
+    if os.environ.get("HKVD_TEST_LEDGER"):
+        config.pluginmanager.register(Ledger(Path(os.environ["HKVD_TEST_LEDGER"])), "hkvd-ledger")
+
+
+# A run ledger (HKVD_TEST_LEDGER=FILE): each test that passes is written to FILE, and a test that FILE already
+# names as passed is not run again. .ci/run runs README's quick checks in a clean venv without vLLM and then
+# `make test` with the same ledger, so every test runs once; a test skipped there (it needs vLLM) runs here.
+class Ledger:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.passed = set(path.read_text().split("\n")) - {""} if path.exists() else set()
+        self.failed: set[str] = set()
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        done = [item for item in items if item.nodeid in self.passed]
+        if done:
+            items[:] = [item for item in items if item.nodeid not in self.passed]
+            config.hook.pytest_deselected(items=done)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # A test passed once its teardown passed too (the budget check fails a test there).
+        if report.when == "teardown" and report.passed and report.nodeid not in self.failed:
+            with self.path.open("a") as f:
+                f.write(report.nodeid + "\n")
+        elif not report.passed:
+            self.failed.add(report.nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.passed:
+            terminalreporter.write_line(f"ledger {self.path}: {len(self.passed)} tests had passed in an earlier "
+                                        "run and were not run again")

@@ -32,27 +32,39 @@ Threading
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from hkvd.transport.layout import GroupSpec
 
-_NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int8": np.int8,
-          "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint16": np.uint16, "uint32": np.uint32,
-          "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-          "float8_e5m2": ml_dtypes.float8_e5m2,
-          "uint8": ml_dtypes.float8_e4m3fn}  # vLLM's fp8 caches (module docstring)
-_ITEMSIZE = {k: np.dtype(v).itemsize for k, v in _NUMPY.items()}
+#: Bytes per value of each dtype name the comparison reads (``_numpy`` gives their NumPy types).
+_ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2,
+             "uint32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+
+
+@functools.cache
+def _numpy() -> dict[str, type]:
+    """Each dtype name's NumPy type. ``ml_dtypes`` (0.7 s to import) is imported at the first comparison, not
+    with the daemon: most daemons never compare."""
+    import ml_dtypes
+
+    return {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int8": np.int8,
+            "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint16": np.uint16, "uint32": np.uint32,
+            "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+            "float8_e5m2": ml_dtypes.float8_e5m2,
+            "uint8": ml_dtypes.float8_e4m3fn}  # vLLM's fp8 caches (module docstring)
+
+
 _STATE = re.compile(r"([a-z0-9_]+)\[([0-9, ]*)\]")
 
 
 def decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     """``raw`` (uint8, a whole number of values) as values: float64 for floats, int64 for integers."""
-    values = raw.view(_NUMPY[dtype])
+    values = raw.view(_numpy()[dtype])
     return values.astype(np.int64 if values.dtype.kind in "iu" else np.float64)
 
 

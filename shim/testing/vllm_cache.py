@@ -6,6 +6,12 @@ until a later step reports them done, and an idle engine takes no step: right af
 returns, the reset usually fails. ``reset_prefix_cache(llm)`` drives steps with a three-token request
 (shorter than any chunk, so nothing of it is stored or looked up) until the reset succeeds, and
 raises if it has not within ``timeout_s``.
+
+An engine whose core runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's
+``InprocClient``) takes a step only when the caller asks for output: ``generate`` returns once its request
+is done, and nothing steps the core for the stores still in flight. There the helper steps the core
+itself (an empty step reports finished stores, as the engine core's own loop does in a process of its
+own) before it falls back to the three-token request.
 """
 
 from __future__ import annotations
@@ -23,9 +29,22 @@ def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
     from vllm.inputs import TokensPrompt
 
     deadline = time.monotonic() + timeout_s
+    inproc = _inproc_client(llm)
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
             raise RuntimeError(f"vLLM's prefix cache could not be reset within {timeout_s:.0f} s: finished "
                                "requests still hold blocks (stores the daemon never finished?)")
-        llm.generate([TokensPrompt(prompt_token_ids=_STEP_PROMPT)], SamplingParams(max_tokens=1), use_tqdm=False)
+        if inproc is not None and inproc.engine_core.scheduler.has_requests():
+            inproc.get_output()  # one turn of the core's loop: finished stores are reported
+        else:
+            llm.generate([TokensPrompt(prompt_token_ids=_STEP_PROMPT)], SamplingParams(max_tokens=1),
+                         use_tqdm=False)
         time.sleep(0.01)
+
+
+def _inproc_client(llm: Any) -> Any:
+    """The client of an engine whose core runs in this process (``InprocClient``), or None."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = getattr(llm.llm_engine, "engine_core", None)
+    return client if isinstance(client, InprocClient) else None

@@ -25,6 +25,13 @@ reference run of vLLM's own prefix cache).
 gets nothing from hkvd), or before prompt i; with ``"pause_after_reset": true`` the pause before a prompt
 comes after the reset of vLLM's cache (the previous prompt's stores are done, and no engine step runs until
 the prompt's own lookup). ``"connector": false`` starts the engine without hkvd.
+
+Processes: a TP=1 engine runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+vLLM's in-process client and its one-process executor, the one a single-GPU engine core runs its worker
+with), so the connector's scheduler and worker sides share this process and an engine starts in seconds
+instead of the ~25 s that two more vLLM imports take on two cores. ``"processes": true`` keeps vLLM's
+own topology instead (engine core and worker each in a process of its own, as vLLM runs on CPU);
+tensor-parallel runs always have it.
 ``"vllm_metrics": true`` turns vLLM's stats on and adds ``"vllm_metrics"`` to the output: vLLM's own
 ``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads) -> value, and the
 sampled checks' largest error per group kind (``vllm:hkvd_verify_max_error{kind}``); in conversation mode, a list
@@ -61,10 +68,17 @@ def _handshake(sync_dir: str, i: int) -> None:
         time.sleep(0.05)
 
 
+def core_in_own_process(args: dict) -> bool:
+    """Whether vLLM's engine core gets processes of its own (``"processes": true``, or tensor parallelism)."""
+    return bool(args.get("processes")) or int(args.get("llm", {}).get("tensor_parallel_size", 1)) > 1
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     if args.get("omp_bind"):  # per-rank CPU binding for tensor-parallel runs ("0|1")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args["omp_bind"]
+    # Where vLLM's engine core runs (see the module doc): in this process unless asked otherwise.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_in_own_process(args) else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams

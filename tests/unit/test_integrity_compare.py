@@ -164,3 +164,12 @@ def test_rows_past_the_bound_fold_into_other_and_never_quarantine() -> None:
     rows = q.statistics().groups
     assert len(rows) == MAX_ROWS and rows[-1].fingerprint == "other" and rows[-1].divergences == 3
     assert len(q) == 0
+
+
+def test_item_sizes_are_the_numpy_types_sizes() -> None:
+    """The sizes the layout reads without importing ml_dtypes are those of the types the comparison views."""
+    import numpy as np
+
+    from hkvd.daemon.integrity import compare
+
+    assert {k: np.dtype(v).itemsize for k, v in compare._numpy().items()} == compare._ITEMSIZE
