@@ -9,7 +9,8 @@ What is compared (tests/shim/outputs.py): greedy tokens strictly; logprobs withi
 Runs use the same ``VLLM_CPU_OMP_THREADS_BIND`` and ``max_num_batched_tokens`` (one block per
 step).
 
-Costs ~40 s per engine on 2 cores (import + startup dominate); 6 engines in all (~4 min).
+Engines run their engine core in the test's process (tests/shim/e2e_run.py, "Processes"); the start-up
+error test keeps vLLM's own process topology.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def test_gemma3_sliding_window_cold_warm(tiny_models, outputs, daemon_factory, e
 
 def test_startup_error_surfaces_in_vllm_with_its_fix(tiny_models, daemon_factory, engine_runner) -> None:
     d = daemon_factory(chunk_size=BLOCK)
-    res = engine_runner({"model": str(tiny_models["qwen3_next"]), "socket": d.socket,
+    # vLLM's own process topology: the error crosses the engine core's process boundary to the caller.
+    res = engine_runner({"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "processes": True,
                          "max_num_batched_tokens": BLOCK, "prompts": [P1], "extra": {"chunk_size": 192}},
                         expect_failure=True)
     assert "Engine core initialization failed" in res["log"]
