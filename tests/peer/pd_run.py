@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from hkvd.shim.testing.vllm_cache import reset_prefix_cache
+from hkvd.shim.testing.vllm_cache import place_engine_core, reset_prefix_cache
 
 
 def main() -> None:
@@ -26,6 +26,7 @@ def main() -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args["omp_bind"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    place_engine_core(args)  # the engine core in this process unless tensor-parallel or asked otherwise
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

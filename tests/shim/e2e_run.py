@@ -26,12 +26,10 @@ gets nothing from hkvd), or before prompt i; with ``"pause_after_reset": true`` 
 comes after the reset of vLLM's cache (the previous prompt's stores are done, and no engine step runs until
 the prompt's own lookup). ``"connector": false`` starts the engine without hkvd.
 
-Processes: a TP=1 engine runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-vLLM's in-process client and its one-process executor, the one a single-GPU engine core runs its worker
-with), so the connector's scheduler and worker sides share this process and an engine starts in seconds
-instead of the ~25 s that two more vLLM imports take on two cores. ``"processes": true`` keeps vLLM's
-own topology instead (engine core and worker each in a process of its own, as vLLM runs on CPU);
-tensor-parallel runs always have it.
+Processes: a TP=1 engine runs vLLM's engine core in this process
+(``hkvd.shim.testing.vllm_cache.place_engine_core``), so the connector's scheduler and worker sides share
+it, as in a single-GPU engine core. ``"processes": true`` keeps vLLM's own CPU topology instead (engine
+core and worker each in a process of its own); tensor-parallel runs always have it.
 ``"vllm_metrics": true`` turns vLLM's stats on and adds ``"vllm_metrics"`` to the output: vLLM's own
 ``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads) -> value, and the
 sampled checks' largest error per group kind (``vllm:hkvd_verify_max_error{kind}``); in conversation mode, a list
@@ -52,7 +50,7 @@ import json
 import os
 import sys
 
-from hkvd.shim.testing.vllm_cache import reset_prefix_cache
+from hkvd.shim.testing.vllm_cache import place_engine_core, reset_prefix_cache
 
 
 def _handshake(sync_dir: str, i: int) -> None:
@@ -68,17 +66,11 @@ def _handshake(sync_dir: str, i: int) -> None:
         time.sleep(0.05)
 
 
-def core_in_own_process(args: dict) -> bool:
-    """Whether vLLM's engine core gets processes of its own (``"processes": true``, or tensor parallelism)."""
-    return bool(args.get("processes")) or int(args.get("llm", {}).get("tensor_parallel_size", 1)) > 1
-
-
 def main() -> None:
     args = json.loads(sys.argv[1])
     if args.get("omp_bind"):  # per-rank CPU binding for tensor-parallel runs ("0|1")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args["omp_bind"]
-    # Where vLLM's engine core runs (see the module doc): in this process unless asked otherwise.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_in_own_process(args) else "0"
+    place_engine_core(args)  # see the module doc, "Processes"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams

@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from hkvd.shim.testing.vllm_cache import place_engine_core
+
 
 def _replay(endpoint: str, timeout_s: float = 30.0) -> list[list[object]]:
     import zmq
@@ -49,6 +51,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    place_engine_core(args)  # the engine core in this process unless tensor-parallel or asked otherwise
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
