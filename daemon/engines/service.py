@@ -220,7 +220,7 @@ class KVService:
         self.latencies = Latencies()  # lookup, store, retrieve: request to reply
         self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
         index.withheld = self.quarantine
-        self._checks: set[asyncio.Task[None]] = set()  # comparisons of confirmed boundary states
+        self._checks: set[asyncio.Task[VerifyResult]] = set()  # comparisons of confirmed boundary states
         # Where every engine's turn-end states end (Store.turn_end), by layout and the whole chunk before them,
         # named in lookup replies (LookupReply.ends).
         self.turn_ends = TurnEnds(limit=TURN_END_CHUNKS, per_key=TURN_ENDS_PER_CHUNK)
@@ -776,7 +776,7 @@ class KVService:
         self._checks.add(task)
         task.add_done_callback(self._check_done)
 
-    def _check_done(self, task: asyncio.Task[None]) -> None:
+    def _check_done(self, task: asyncio.Task[VerifyResult]) -> None:
         self._checks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("comparing a sampled hit's boundary states failed: %r", exc)
