@@ -277,7 +277,7 @@ class _CudaState:
     bases: dict[int, int]
     sizes: dict[int, int]
     handles: list[bytes]
-    events: Any  # OpenedEvents
+    events: OpenedEvents
     kernel_ok: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
     lanes: dict[Direction, _Lane] = field(default_factory=dict)

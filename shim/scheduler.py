@@ -114,7 +114,7 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -341,7 +341,7 @@ class SchedulerSide:
             return
         self._fire(st, Event.ANSWERED)
 
-    def _learn_ends(self, st: RequestRecord, ends: list[Any], tails: list[tuple[int, bytes]]) -> bool:
+    def _learn_ends(self, st: RequestRecord, ends: list[list[int]], tails: list[tuple[int, bytes]]) -> bool:
         """Remember the turn ends a lookup's reply named (``LookupReply.ends``); whether any of them is a
         position of this prompt the lookup's tails did not try."""
         keys, C = self._keys(st), self.chunk_size
@@ -698,8 +698,8 @@ class SchedulerSide:
             self._partial[req_id] = (choice.tokens, choice.key)
         self._fire(st, Event.ANSWERED)
 
-    def _partial_offer(self, st: RequestRecord, group_id: int, block_id: int, boundary: int, block_state: Any,
-                       meta: HkvdConnectorMetadata) -> None:
+    def _partial_offer(self, st: RequestRecord, group_id: int, block_id: int, boundary: int,
+                       block_state: KVConnectorBlockState, meta: HkvdConnectorMetadata) -> None:
         """vLLM's state at ``boundary``, inside a chunk: offered under the partial chunk's key, with the
         attention blocks of that chunk stored under the same key (once per request and boundary)."""
         C = self.chunk_size

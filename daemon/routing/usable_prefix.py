@@ -66,7 +66,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 
@@ -75,8 +75,13 @@ from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing import partial_prefix
+from hkvd.daemon.tiers.contract import Tier
 from hkvd.transport.extras import MMItem, Uncacheable, chunk_extras, read_adapter_digest
 from hkvd.transport.keys import ROOT_KEY, chunk_keys_le32
+
+if TYPE_CHECKING:  # for annotations only (daemon/app.py builds the service and hands it over)
+    from hkvd.daemon.engines.service import KVService
+    from hkvd.daemon.tiers.disk import DiskTier
 
 log = logging.getLogger("hkvd.routing")
 
@@ -357,7 +362,7 @@ def _parse_mm(items: Any) -> list[MMItem]:
 class _ClusterChecks:
     """One batched existence check in flight at a time; requests that arrive meanwhile share the next."""
 
-    def __init__(self, tier: Any) -> None:
+    def __init__(self, tier: Tier[object]) -> None:
         self.tier = tier
         self._waiting: list[tuple[list[EntryKey], asyncio.Future[set[EntryKey] | None]]] = []
         self._running = False
@@ -440,7 +445,7 @@ class LazyKeys:
 class UsablePrefix:
     """The endpoint's logic. ``service`` is the daemon's ``KVService`` (index and tiers)."""
 
-    def __init__(self, service: Any, metrics: Metrics, book: FormatBook | None = None) -> None:
+    def __init__(self, service: KVService, metrics: Metrics, book: FormatBook | None = None) -> None:
         self.service = service
         self.metrics = metrics
         self.book = book if book is not None else FormatBook()
@@ -572,7 +577,7 @@ class UsablePrefix:
         sizes, kinds = fmt.entry_bytes, fmt.kinds
 
         def on_disk(k: EntryKey) -> bool:
-            st = disk.get(k)
+            st = cast("DiskTier", disk).get(k)  # asked only when there is a disk tier (below)
             return st is not None and st.nbytes == sizes[k[1]] and st.kind == kinds[k[1]]
 
         named = [(name, has) for name, has in (

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hkvd.shim.client import DaemonClient
 from hkvd.transport.errors import KVError
@@ -42,7 +42,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def spawn(self) -> DaemonProcess:
-        out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out: IO[bytes] | int = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=self.env,

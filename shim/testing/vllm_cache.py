@@ -17,13 +17,16 @@ own) before it falls back to the three-token request.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM's type, for annotations only
+    from vllm import LLM
 
 # Token ids 0..3 are the tiny test models' special tokens; any three ordinary ids do.
 _STEP_PROMPT = [5, 6, 7]
 
 
-def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
+def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> None:
     """Reset ``llm``'s prefix cache (a ``vllm.LLM``); raise ``RuntimeError`` after ``timeout_s``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
