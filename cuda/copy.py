@@ -192,7 +192,7 @@ def choose_method(desc: np.ndarray, method: str, *, kernel_ok: bool = True) -> s
 
 def enqueue_copy(desc: np.ndarray, method: str, stream: Any, *, batch: dma.BatchApi | None,
                  threads_per_block: int = DEFAULT_THREADS_PER_BLOCK,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> object:
     """Enqueue every row of ``desc`` on ``stream`` (a CuPy stream; the device is current) and return
     what the GPU reads later and must stay referenced until it finished (kernel descriptors), or None."""
     if desc.shape[0] == 0:
@@ -551,7 +551,7 @@ class CudaCopyEngine(CopyEngine):
         raise exc
 
     def _launch(self, st: _CudaState, direction: Direction, desc: np.ndarray, method: str, wait_ptr: int,
-                ticket: CopyTicket) -> tuple[CopyResult, int, Any]:
+                ticket: CopyTicket) -> tuple[CopyResult, int, object]:
         """Enqueue the copy on the lane's copy stream, its done event and host function (the ticket's
         launch: on the submitting thread, or the completion thread once the gate opened)."""
         cp = cupy()

@@ -193,7 +193,7 @@ def folder_digest(folder: str) -> str:
     return h.hexdigest()
 
 
-def _sample_file(path: Path, h: Any) -> None:
+def _sample_file(path: Path, h: hashlib.blake2b) -> None:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h.update(size.to_bytes(8, "little"))

@@ -66,7 +66,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import msgpack
 
@@ -122,6 +122,30 @@ class BadRequest(Exception):
 # --------------------------------------------------------------------------- formats
 
 
+class FormatInfo(TypedDict):
+    """One format in ``GET /v1/models`` (``Format.describe``)."""
+
+    model: str
+    format: str
+    chunk_size: int
+    world_size: int
+    groups: list[dict[str, str | int]]  # {"kind": ...}, with "window_tokens" for swa groups
+    last_registered: str
+
+
+class Answer(TypedDict):
+    """The usable-prefix answer's fields (``UsablePrefix.answer``); ``tiers``: tokens per tier, None when not
+    asked."""
+
+    model: str
+    format: str
+    chunk_size: int
+    prompt_tokens: int
+    usable_tokens: int
+    prefix_tokens: int
+    tiers: dict[str, int | None]
+
+
 @dataclass(slots=True)
 class Format:
     """One engine layout as routers see it."""
@@ -143,7 +167,7 @@ class Format:
         self.json_head = (f'{{"model":{json.dumps(self.model)},"format":{json.dumps(self.label)},'
                           f'"chunk_size":{self.chunk_size}')
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> FormatInfo:
         return {"model": self.model, "format": self.label, "chunk_size": self.chunk_size,
                 "world_size": self.world_size,
                 "groups": [{"kind": r.kind, **({"window_tokens": r.window_tokens} if r.kind == "swa" else {})}
@@ -191,7 +215,7 @@ class FormatBook:
     def __len__(self) -> int:
         return len(self._views())
 
-    def listing(self) -> list[dict[str, Any]]:
+    def listing(self) -> list[FormatInfo]:
         return [f.describe() for f in sorted(self._views().values(), key=lambda f: (f.model, f.label))]
 
     def find(self, model: str, label: str | None) -> Format:
@@ -335,7 +359,7 @@ def parse_query(raw: bytes, book: FormatBook, content_type: str = JSON) -> Query
     return Query(fmt, tokens, n, salt, lora_key, digest, mm, wanted)
 
 
-def _parse_mm(items: Any) -> list[MMItem]:
+def _parse_mm(items: object) -> list[MMItem]:
     if items is None:
         return []
     if not isinstance(items, list) or len(items) > MAX_MM_ITEMS:
@@ -491,7 +515,7 @@ class UsablePrefix:
         except BadRequest as e:
             return self._refuse(e)
 
-    def _respond(self, q: Query, answer: dict[str, Any]) -> Response:
+    def _respond(self, q: Query, answer: Answer) -> Response:
         self.metrics.inc("usable_prefix_requests", outcome="ok")
         t = answer["tiers"]
         # By hand: a third of json.dumps' time, and the same bytes (tests/unit/test_usable_prefix.py).
@@ -566,7 +590,7 @@ class UsablePrefix:
     def _entry_keys(fmt: Format, keys: Sequence[bytes]) -> list[EntryKey]:
         return [(fp, r.group_id, k) for k in keys for r in fmt.rules for fp in fmt.rank_fingerprints]
 
-    def answer(self, q: Query, keys: LazyKeys | list[bytes], cluster_held: set[EntryKey] | None) -> dict[str, Any]:
+    def answer(self, q: Query, keys: LazyKeys | list[bytes], cluster_held: set[EntryKey] | None) -> Answer:
         """The answer for ``q`` whose chunk keys are ``keys`` (see the module docstring); ``cluster_held``:
         what the cluster's existence check found (None: not asked, or no answer in time)."""
         fmt = q.fmt
@@ -649,5 +673,5 @@ def _num(v: int | None) -> str:
     return "null" if v is None else str(v)
 
 
-def _dump(obj: Any) -> bytes:
+def _dump(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()

@@ -177,7 +177,7 @@ class EngineSpec:
             raise ProtocolViolation("event_groups must name each registered group once")
 
 
-def _pieces(raw: Any, where: str) -> tuple[tuple[int, int], ...]:
+def _pieces(raw: object, where: str) -> tuple[tuple[int, int], ...]:
     """A view's pieces: 1 to ``MAX_PIECES`` [offset, bytes] pairs (their values: ``GroupSpec.validate``)."""
     if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PIECES:
         raise ProtocolViolation(f"{where}: a list of 1 to {MAX_PIECES} [offset, bytes] pairs")
@@ -189,7 +189,7 @@ def _pieces(raw: Any, where: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _event_groups(raw: Any, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
+def _event_groups(raw: object, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
     """Optional; absent from older clients."""
     if raw is None:
         return []
