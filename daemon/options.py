@@ -44,11 +44,11 @@ def _gib(flag: str, example: str) -> Callable[[Any], int]:
     return convert
 
 
-def _lower(v: Any) -> str:
+def _lower(v: object) -> str:
     return str(v).lower()
 
 
-def _bool(v: Any) -> bool:
+def _bool(v: object) -> bool:
     if isinstance(v, bool):
         return v
     text = str(v).strip().lower()
@@ -59,7 +59,7 @@ def _bool(v: Any) -> bool:
     raise ConfigError(f"{v!r}: expected true or false")
 
 
-def _octal(v: Any) -> int:
+def _octal(v: object) -> int:
     return int(str(v), 8)
 
 

@@ -181,7 +181,7 @@ def status_dict(stats: object) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return status_dict(value)
     if isinstance(value, (tuple, list)):

@@ -101,7 +101,7 @@ def _records(hint: Any) -> type[Records] | None:
     return None
 
 
-def _check(value: Any, hint: Any, where: str) -> None:
+def _check(value: object, hint: Any, where: str) -> None:
     origin = typing.get_origin(hint)
     if hint is Any:
         return
@@ -191,7 +191,7 @@ class Message:
         """Value checks beyond types; raise ProtocolViolation."""
 
 
-def message_from_wire(obj: Any) -> Message:
+def message_from_wire(obj: object) -> Message:
     """Turn a decoded frame (a list) into a validated message."""
     if not isinstance(obj, list) or not obj:
         raise ProtocolViolation("a frame must be a non-empty array [msg_type, *fields]")
