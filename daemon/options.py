@@ -67,7 +67,7 @@ def _uids(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v))
 
 
-def _quotas(v: Any) -> tuple[tuple[str, float], ...]:
+def _quotas(v: object) -> tuple[tuple[str, float], ...]:
     """Per-tenant quotas: a TOML table (``"salt:ab12" = 0.25``) or a flag's ``LABEL=FRACTION,...``."""
     if isinstance(v, str):
         pairs = []

@@ -18,7 +18,7 @@ from hkvd.shim.client import DaemonClient
 from hkvd.transport.errors import KVError
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> int:
+def stop_process(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout_s: float = 20.0) -> int:
     """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

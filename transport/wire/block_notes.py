@@ -41,6 +41,9 @@ MAX_LORA_NAME = 1024
 _U64 = 1 << 64
 
 ExternalHash = bytes | int
+ExtraScalar = str | bytes | int
+# One of a block's extra keys as vLLM publishes it (a tuple, such as a multimodal item's, as a list).
+ExtraKey = ExtraScalar | list[ExtraScalar]
 
 
 class BlockNote(NamedTuple):
@@ -48,11 +51,11 @@ class BlockNote(NamedTuple):
     hashes: list[ExternalHash]
     parent: ExternalHash | None
     tokens: bytes  # little-endian uint32 token ids
-    extra_keys: list[Any] | None
+    extra_keys: list[list[ExtraKey] | None] | None  # per block: its extra keys, or None
     lora_id: int | None
     lora_name: str | None
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         return list(self)
 
 
