@@ -47,7 +47,7 @@ class BatchApi:
     """``cudaMemcpyBatchAsync`` from cuda-bindings, with the one attribute entry every copy uses."""
 
     fn: Callable[..., Any]
-    attrs: Any  # a cudaMemcpyAttributes
+    attrs: object  # a cudaMemcpyAttributes, passed through
     version: int  # min(runtime, driver) as CUDA writes versions: 12080 = 12.8
 
 
@@ -113,7 +113,7 @@ def batch_api_reason() -> str:
     return _reason
 
 
-def batch_args(desc: np.ndarray, stream_ptr: int, attrs: Any) -> tuple[Any, ...]:
+def batch_args(desc: np.ndarray, stream_ptr: int, attrs: object) -> tuple[object, ...]:
     """Positional arguments of cuda-bindings' ``cudaMemcpyBatchAsync`` for every row of ``desc``.
 
     One attribute entry (index 0) covers all rows; ``stream_ptr`` must be a created stream (the

@@ -265,7 +265,7 @@ INTERNAL_FIELDS = ("max_frame_bytes", "superblock_bytes")
 BY_KEY: dict[str, Option] = {o.key.replace("-", "_"): o for o in OPTIONS}
 
 
-def parse_value(option: Option, value: Any) -> Any:
+def parse_value(option: Option, value: object) -> Any:
     try:
         return option.parse(value)
     except ConfigError:
@@ -306,7 +306,7 @@ def load_toml(path: str) -> dict[str, Any]:
     return from_toml(raw, f"--config {path}")
 
 
-def from_toml(raw: dict[str, Any], where: str) -> dict[str, Any]:
+def from_toml(raw: dict[str, object], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         o = BY_KEY.get(key.replace("-", "_"))

@@ -165,9 +165,9 @@ def declaration(f: dataclasses.Field[Any]) -> tuple[Metric, ...] | StatusOnly | 
 
 # ---- the two views -------------------------------------------------------------------------------
 
-def status_dict(stats: object) -> dict[str, Any]:
+def status_dict(stats: object) -> dict[str, object]:
     """The status JSON of ``stats`` (see the module docstring); plain dicts, lists and scalars."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for f in dataclasses.fields(stats):  # type: ignore[arg-type]  # any stats dataclass instance
         value = getattr(stats, f.name)
         decl = declaration(f)

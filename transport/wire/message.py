@@ -162,7 +162,7 @@ class Message:
             cls._layout_cache = layout  # type: ignore[attr-defined]
         return layout
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         hints, required, defaults = self._layout()
         values = [getattr(self, name) if records is None else records.encode_list(getattr(self, name))
                   for name, _, records in hints]
@@ -172,7 +172,7 @@ class Message:
         return [int(self.TYPE), *values]
 
     @classmethod
-    def from_wire(cls, fields: list[Any]) -> Message:
+    def from_wire(cls, fields: list[object]) -> Message:
         hints, required, _ = cls._layout()
         if not required <= len(fields) <= len(hints):
             want = str(len(hints)) if required == len(hints) else f"{required} to {len(hints)}"
