@@ -334,7 +334,7 @@ class CudaCopyEngine(CopyEngine):
         self._boundaries = self._pinned.boundaries if self._pinned is not None else ()
         self._lock = threading.Lock()
         self._lanes: list[_Lane] = []
-        self._retired: list[Any] = []  # lanes and gate streams never used again: the GPU may still use them
+        self._retired: list[object] = []  # lanes and gate streams never used again: the GPU may still use them
         self._attached: list[Attachment] = []
         self._closed = False
         self._watcher = CompletionWatcher(event_error)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hkvd.transport.wire.block_notes import BlockNote
+from hkvd.transport.wire.block_notes import BlockNote, ExtraKey
 
 if TYPE_CHECKING:  # vLLM's type, for annotations only
     from vllm.v1.request import Request
@@ -105,7 +105,7 @@ class NoteMaker:
             tokens=np.asarray(tokens, dtype="<u4").tobytes(), extra_keys=None, lora_id=None, lora_name=None,
         )
 
-    def _extra_keys(self, request: Request, first: int, count: int) -> list[Any] | None:
+    def _extra_keys(self, request: Request, first: int, count: int) -> list[list[ExtraKey] | None] | None:
         """Each block's extra keys as vLLM publishes them, the salt left out; None when no block has any."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 

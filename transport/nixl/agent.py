@@ -137,7 +137,7 @@ class _Read:
     transfer: Transfer
     local: np.ndarray  # (N, 3) uint64: addr, len, device
     remote: np.ndarray
-    handle: Any = None
+    handle: object = None  # NIXL's transfer handle, handed back to it
 
 
 _STOP = object()
@@ -168,7 +168,7 @@ class NixlTransport(DataTransport):
         self._offsets: dict[str, int] = {}
         # Transfer-thread state: never touched from the loop.
         self._agent: Any = None
-        self._regs: list[Any] = []
+        self._regs: list[object] = []  # NIXL registrations, handed back to deregister_memory
         self._active: dict[int, _Read] = {}
         self._remove_later: set[str] = set()
 

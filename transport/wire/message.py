@@ -92,7 +92,7 @@ class Records(typing.Protocol):
         ...
 
 
-def _records(hint: Any) -> type[Records] | None:
+def _records(hint: object) -> type[Records] | None:
     """The record type of a ``list[R]`` field whose ``R`` decodes itself, else None."""
     if typing.get_origin(hint) is list:
         (inner,) = typing.get_args(hint)
@@ -133,7 +133,7 @@ class Message:
     __slots__ = ()
     TYPE: ClassVar[MsgType]
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "TYPE" in cls.__dict__:
             prev = MESSAGE_CLASSES.get(cls.TYPE)
@@ -143,7 +143,7 @@ class Message:
             MESSAGE_CLASSES[cls.TYPE] = cls
 
     @classmethod
-    def _layout(cls) -> tuple[list[tuple[str, Any, type[Records] | None]], int, tuple[Any, ...]]:
+    def _layout(cls) -> tuple[list[tuple[str, object, type[Records] | None]], int, tuple[object, ...]]:
         """(name, type hint, record type of a list of records) of each field, how many fields are required,
         each field's default.
 
