@@ -95,7 +95,7 @@ def _addresses(v: Any) -> tuple[str, ...]:
 class Option:
     flag: str  # "--chunk-size"
     field: str  # the DaemonConfig field it sets
-    parse: Callable[[Any], Any]
+    parse: Callable[[Any], object]
     default: str  # as a user reads it; a parseable value, or words ("off", "see --socket")
     help: str
     metavar: str = ""  # how the value reads in the tables ("N", "PATH"); "" for words like auto/off
@@ -284,7 +284,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(o.flag, dest=o.field, metavar=o.metavar or None, help=o.help + default)
 
 
-def values_from(toml: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def values_from(toml: dict[str, object], args: argparse.Namespace) -> dict[str, Any]:
     """DaemonConfig values: the TOML file's (already parsed), then the flags given, which win."""
     values = dict(toml)
     for o in OPTIONS:

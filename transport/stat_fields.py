@@ -155,7 +155,7 @@ def counter_series(name: str, help: str, *, always: bool = True) -> Any:
     return metric(name, help, "counter", samples=series(always=always), optional=not always, default_factory=dict)
 
 
-def declaration(f: dataclasses.Field[Any]) -> tuple[Metric, ...] | StatusOnly | Part | None:
+def declaration(f: dataclasses.Field[object]) -> tuple[Metric, ...] | StatusOnly | Part | None:
     """What field ``f`` declares; None: nothing (a test fails for that)."""
     decl = f.metadata.get(META_KEY)
     if isinstance(decl, (StatusOnly, Part)) or (isinstance(decl, tuple) and all(isinstance(m, Metric) for m in decl)):

@@ -286,7 +286,7 @@ class NixlTransport(DataTransport):
         return self._counts.statistics(len(self._peers))
 
     # ---- the transfer thread -------------------------------------------------------------------
-    def _resolve(self, fut: asyncio.Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+    def _resolve(self, fut: asyncio.Future[Any], value: object = None, exc: BaseException | None = None) -> None:
         def set_() -> None:
             if fut.done():
                 return
