@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Required, TypedDict
@@ -263,7 +263,7 @@ class KVService:
             return None
         return self._timed(op, t0, rest)
 
-    async def _timed(self, op: str, t0: float, rest: Coroutine[Any, Any, None]) -> None:
+    async def _timed(self, op: str, t0: float, rest: Awaitable[None]) -> None:
         try:
             await rest
         finally:
