@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 INSTALL_HINT = ("install the GPU extra: pip install -e '.[gpu]' (CuPy for CUDA 12, which CUDA 12 and 13 drivers "
                 "run), or '.[gpu-cu13]' where torch is built for CUDA 13 (R580+ drivers); the copy kernel needs NVRTC")
@@ -123,7 +122,7 @@ def check_versions(cp: ModuleType) -> None:
                 "(torch built for CUDA 13) or 'hkvd[gpu-cu12]'") from e
 
 
-def runtime() -> Any:
+def runtime() -> ModuleType:
     return cupy().cuda.runtime
 
 

@@ -64,7 +64,7 @@ class LaunchFailed(Exception):
         self.enqueued = enqueued
 
 
-Launch = Callable[["CopyTicket"], tuple[CopyResult, int, Any]]
+Launch = Callable[["CopyTicket"], tuple[CopyResult, int, object]]
 
 
 class CopyTicket:
@@ -79,7 +79,7 @@ class CopyTicket:
     """
 
     def __init__(self, nbytes: int, done_event: bytes, *, deadline: float, what: str, event_ptr: int = 0,
-                 keep: Any = None, owner: Any = None, launch: Launch | None = None) -> None:
+                 keep: object = None, owner: Any = None, launch: Launch | None = None) -> None:
         self.result = CopyResult(nbytes, done_event)
         self.deadline = deadline
         self.what = what

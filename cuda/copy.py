@@ -192,7 +192,7 @@ def choose_method(desc: np.ndarray, method: str, *, kernel_ok: bool = True) -> s
 
 def enqueue_copy(desc: np.ndarray, method: str, stream: Any, *, batch: dma.BatchApi | None,
                  threads_per_block: int = DEFAULT_THREADS_PER_BLOCK,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> object:
     """Enqueue every row of ``desc`` on ``stream`` (a CuPy stream; the device is current) and return
     what the GPU reads later and must stay referenced until it finished (kernel descriptors), or None."""
     if desc.shape[0] == 0:
@@ -277,7 +277,7 @@ class _CudaState:
     bases: dict[int, int]
     sizes: dict[int, int]
     handles: list[bytes]
-    events: Any  # OpenedEvents
+    events: OpenedEvents
     kernel_ok: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
     lanes: dict[Direction, _Lane] = field(default_factory=dict)
@@ -334,7 +334,7 @@ class CudaCopyEngine(CopyEngine):
         self._boundaries = self._pinned.boundaries if self._pinned is not None else ()
         self._lock = threading.Lock()
         self._lanes: list[_Lane] = []
-        self._retired: list[Any] = []  # lanes and gate streams never used again: the GPU may still use them
+        self._retired: list[object] = []  # lanes and gate streams never used again: the GPU may still use them
         self._attached: list[Attachment] = []
         self._closed = False
         self._watcher = CompletionWatcher(event_error)
@@ -551,7 +551,7 @@ class CudaCopyEngine(CopyEngine):
         raise exc
 
     def _launch(self, st: _CudaState, direction: Direction, desc: np.ndarray, method: str, wait_ptr: int,
-                ticket: CopyTicket) -> tuple[CopyResult, int, Any]:
+                ticket: CopyTicket) -> tuple[CopyResult, int, object]:
         """Enqueue the copy on the lane's copy stream, its done event and host function (the ticket's
         launch: on the submitting thread, or the completion thread once the gate opened)."""
         cp = cupy()

@@ -31,6 +31,7 @@ import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ class BatchApi:
     """``cudaMemcpyBatchAsync`` from cuda-bindings, with the one attribute entry every copy uses."""
 
     fn: Callable[..., Any]
-    attrs: Any  # a cudaMemcpyAttributes
+    attrs: object  # a cudaMemcpyAttributes, passed through
     version: int  # min(runtime, driver) as CUDA writes versions: 12080 = 12.8
 
 
@@ -64,7 +65,7 @@ def _version(result: Any) -> int:
     return int(value)
 
 
-def resolve_batch_api(import_runtime: Callable[[], Any]) -> tuple[BatchApi | None, str]:
+def resolve_batch_api(import_runtime: Callable[[], ModuleType]) -> tuple[BatchApi | None, str]:
     """The batch call from the module ``import_runtime`` returns, or None and why not."""
     try:
         rt = import_runtime()
@@ -90,7 +91,7 @@ def resolve_batch_api(import_runtime: Callable[[], Any]) -> tuple[BatchApi | Non
     return BatchApi(fn=fn, attrs=attrs, version=version), ""
 
 
-def _import_nvidia_runtime() -> Any:
+def _import_nvidia_runtime() -> ModuleType:
     # Imported here, never at module import: the base install has no cuda-bindings. A checkout's
     # cuda/ folder on sys.path shadows NVIDIA's namespace (hkvd.cuda._cupy explains): then this
     # import fails and the per-row path is used, with the reason kept.
@@ -112,7 +113,7 @@ def batch_api_reason() -> str:
     return _reason
 
 
-def batch_args(desc: np.ndarray, stream_ptr: int, attrs: Any) -> tuple[Any, ...]:
+def batch_args(desc: np.ndarray, stream_ptr: int, attrs: object) -> tuple[object, ...]:
     """Positional arguments of cuda-bindings' ``cudaMemcpyBatchAsync`` for every row of ``desc``.
 
     One attribute entry (index 0) covers all rows; ``stream_ptr`` must be a created stream (the
@@ -136,7 +137,7 @@ def run_batch(api: BatchApi, desc: np.ndarray, stream_ptr: int) -> None:
         raise CopyFailedError(f"cudaMemcpyBatchAsync of {desc.shape[0]} rows failed{where} (cudaError {err})")
 
 
-def run_rows(rt: Any, desc: np.ndarray, stream_ptr: int) -> None:
+def run_rows(rt: ModuleType, desc: np.ndarray, stream_ptr: int) -> None:
     """Enqueue one ``cudaMemcpyAsync`` per row (CuPy's runtime ``rt``); unified addressing picks the kind."""
     kind = rt.memcpyDefault
     for i, (src, dst, nbytes) in enumerate(desc.tolist()):
@@ -146,7 +147,7 @@ def run_rows(rt: Any, desc: np.ndarray, stream_ptr: int) -> None:
             raise CopyFailedError(f"cudaMemcpyAsync of row {i} of {desc.shape[0]} failed: {e}") from e
 
 
-def enqueue_dma(rt: Any, desc: np.ndarray, stream_ptr: int, api: BatchApi | None) -> str:
+def enqueue_dma(rt: ModuleType, desc: np.ndarray, stream_ptr: int, api: BatchApi | None) -> str:
     """Enqueue ``desc`` on the copy engines: one batch where ``api`` is given, else per row. Returns
     which ("batch" or "rows")."""
     if desc.shape[0] == 0:

@@ -35,12 +35,15 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hkvd.cuda._cupy import cupy, runtime
 from hkvd.cuda.ipc import IPC_HANDLE_BYTES, device_uuid
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import RegistrationError
+
+if TYPE_CHECKING:  # torch is the engine's, for annotations only
+    import torch
 
 # cuda.h CUpointer_attribute values.
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
@@ -101,10 +104,10 @@ def plan_export(ptr: int, nbytes: int, info: PointerInfo, alloc_conf: str | None
     return offset
 
 
-_libcuda: Any = None
+_libcuda: ctypes.CDLL | None = None
 
 
-def _driver() -> Any:
+def _driver() -> ctypes.CDLL:
     global _libcuda
     if _libcuda is None:
         cupy()  # loads the driver (and fails with the install hint when CuPy is missing)
@@ -155,7 +158,7 @@ def export_pointer(region_id: int, ptr: int, nbytes: int, device: int) -> Region
     )
 
 
-def export_tensor(region_id: int, tensor: Any) -> Region:
+def export_tensor(region_id: int, tensor: torch.Tensor) -> Region:
     """Export the whole backing storage of a torch CUDA tensor (views address into it).
 
     The region starts at the storage's byte 0 (``untyped_storage().data_ptr()``), not at the

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from hkvd.cuda._cupy import unshadow_nvidia_cuda
 from hkvd.daemon import fd_budget
@@ -35,7 +35,7 @@ from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
 from hkvd.transport.wire.replies import QuarantineLifted, Unpinned
 
 
-def _serve_parser(sub: Any) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the daemon")
     p.add_argument("--config", help="TOML file; keys as the flags (chunk-size = 256); flags win")
     add_flags(p)
@@ -400,7 +400,7 @@ def _service_user(name: str | None) -> tuple[str, str] | str:
     return name, grp.getgrgid(pw.pw_gid).gr_name
 
 
-def install_service(prefix: str, *, user: str | None = None, force: bool = False, out: Any = sys.stdout) -> int:
+def install_service(prefix: str, *, user: str | None = None, force: bool = False, out: TextIO = sys.stdout) -> int:
     """Put the unit in <prefix>/etc/systemd/system, example config in <prefix>/etc/hkvd (kept if present)."""
     unit_src, conf_src = PACKAGING / "hkvd.service", PACKAGING / "hkvd.toml"
     if not unit_src.exists() or not conf_src.exists():

@@ -37,7 +37,6 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from hkvd.daemon.metrics import Metrics
 from hkvd.transport.stat_fields import status_only
@@ -86,7 +85,7 @@ class HeapPolicy:
         if self.freezes:
             gc.unfreeze()
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
             return

@@ -54,12 +54,16 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httptools
 
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.stat_fields import families, sample_name
+
+if TYPE_CHECKING:  # prometheus-client is optional (the metrics extra): for annotations only
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("hkvd.http")
 
@@ -93,7 +97,7 @@ class StatsCollector:
     def __init__(self, statistics: Callable[[], object]) -> None:
         self.statistics = statistics
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import Metric
 
         for fam in families(self.statistics()):
@@ -104,7 +108,7 @@ class StatsCollector:
             yield m
 
 
-def build_registry(statistics: Callable[[], object]) -> Any:
+def build_registry(statistics: Callable[[], object]) -> CollectorRegistry:
     require_prometheus()
     from prometheus_client import CollectorRegistry, ProcessCollector
 

@@ -14,7 +14,6 @@ import dataclasses
 import threading
 from collections import defaultdict, deque
 from collections.abc import Mapping
-from typing import Any
 
 from hkvd.transport.stat_fields import Metric, Sample, counter_series, metric, metrics, series
 
@@ -128,7 +127,7 @@ class Metrics:
 
     def statistics(self) -> CounterStats:
         snap = self.snapshot()
-        declared: dict[str, Any] = {f.name: snap.pop(f.name) for f in _DECLARED if f.name in snap}
+        declared: dict[str, dict[LabelKey, float]] = {f.name: snap.pop(f.name) for f in _DECLARED if f.name in snap}
         return CounterStats(**declared, others=snap)
 
     def observe_rate(self, name: str, nbytes: int, seconds: float, **labels: str) -> None:

@@ -44,11 +44,11 @@ def _gib(flag: str, example: str) -> Callable[[Any], int]:
     return convert
 
 
-def _lower(v: Any) -> str:
+def _lower(v: object) -> str:
     return str(v).lower()
 
 
-def _bool(v: Any) -> bool:
+def _bool(v: object) -> bool:
     if isinstance(v, bool):
         return v
     text = str(v).strip().lower()
@@ -59,7 +59,7 @@ def _bool(v: Any) -> bool:
     raise ConfigError(f"{v!r}: expected true or false")
 
 
-def _octal(v: Any) -> int:
+def _octal(v: object) -> int:
     return int(str(v), 8)
 
 
@@ -67,7 +67,7 @@ def _uids(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v))
 
 
-def _quotas(v: Any) -> tuple[tuple[str, float], ...]:
+def _quotas(v: object) -> tuple[tuple[str, float], ...]:
     """Per-tenant quotas: a TOML table (``"salt:ab12" = 0.25``) or a flag's ``LABEL=FRACTION,...``."""
     if isinstance(v, str):
         pairs = []
@@ -95,7 +95,7 @@ def _addresses(v: Any) -> tuple[str, ...]:
 class Option:
     flag: str  # "--chunk-size"
     field: str  # the DaemonConfig field it sets
-    parse: Callable[[Any], Any]
+    parse: Callable[[Any], object]
     default: str  # as a user reads it; a parseable value, or words ("off", "see --socket")
     help: str
     metavar: str = ""  # how the value reads in the tables ("N", "PATH"); "" for words like auto/off
@@ -265,7 +265,7 @@ INTERNAL_FIELDS = ("max_frame_bytes", "superblock_bytes")
 BY_KEY: dict[str, Option] = {o.key.replace("-", "_"): o for o in OPTIONS}
 
 
-def parse_value(option: Option, value: Any) -> Any:
+def parse_value(option: Option, value: object) -> Any:
     try:
         return option.parse(value)
     except ConfigError:
@@ -284,7 +284,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(o.flag, dest=o.field, metavar=o.metavar or None, help=o.help + default)
 
 
-def values_from(toml: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def values_from(toml: dict[str, object], args: argparse.Namespace) -> dict[str, Any]:
     """DaemonConfig values: the TOML file's (already parsed), then the flags given, which win."""
     values = dict(toml)
     for o in OPTIONS:
@@ -306,7 +306,7 @@ def load_toml(path: str) -> dict[str, Any]:
     return from_toml(raw, f"--config {path}")
 
 
-def from_toml(raw: dict[str, Any], where: str) -> dict[str, Any]:
+def from_toml(raw: dict[str, object], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         o = BY_KEY.get(key.replace("-", "_"))

@@ -55,10 +55,10 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
@@ -424,13 +424,13 @@ class _Link(asyncio.Protocol):
             self._spawn(req_id, rest)
         return True
 
-    def _spawn(self, req_id: int, rest: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, req_id: int, rest: Awaitable[None]) -> None:
         task = asyncio.get_running_loop().create_task(self._job(req_id, rest))
         self.tasks.add(task)
         task.add_done_callback(self._job_done)
         self._update_reading()
 
-    async def _job(self, req_id: int, rest: Coroutine[Any, Any, None]) -> None:
+    async def _job(self, req_id: int, rest: Awaitable[None]) -> None:
         conn = self.conn
         assert conn is not None
         try:

@@ -396,7 +396,7 @@ def _items(items: Sequence[Item | Sequence[Any]]) -> list[Item]:
     return [it if isinstance(it, Item) else Item(*it) for it in items]
 
 
-def _notes(notes: Sequence[BlockNote] | None) -> list[list[Any]] | None:
+def _notes(notes: Sequence[BlockNote] | None) -> list[list[object]] | None:
     return [n.to_wire() for n in notes] if notes else None
 
 

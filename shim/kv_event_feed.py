@@ -31,11 +31,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.results import Completion
 from hkvd.transport.wire.events import KVEvents
+
+if TYPE_CHECKING:  # vLLM's and msgspec's types, for annotations only
+    import msgspec
+    from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch
+    from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -50,9 +55,9 @@ class EventFeed:
         self._inflight: int | None = None
         self._inflight_client: DaemonClient | None = None
         self._last_poll = -1e9
-        self._events: list[Any] = []
-        self._held: dict[tuple[str, int | None], set[Any]] = {}
-        self._decoder: Any = None
+        self._events: list[KVCacheEvent] = []
+        self._held: dict[tuple[str, int | None], set[ExternalBlockHash]] = {}
+        self._decoder: msgspec.msgpack.Decoder[KVEventBatch] | None = None
         self.stats = {"polls": 0, "batches": 0, "events": 0, "lost": 0, "errors": 0}
 
     def maybe_poll(self, client: DaemonClient) -> None:
@@ -95,7 +100,7 @@ class EventFeed:
         """The poll in flight will not be answered; the next ``maybe_poll`` sends another."""
         self._inflight = None
 
-    def take(self) -> list[Any]:
+    def take(self) -> list[KVCacheEvent]:
         out, self._events = self._events, []
         return out
 

@@ -29,16 +29,19 @@ Threading
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hkvd.transport.wire.block_notes import BlockNote
+from hkvd.transport.wire.block_notes import BlockNote, ExtraKey
+
+if TYPE_CHECKING:  # vLLM's type, for annotations only
+    from vllm.v1.request import Request
 
 SALT_TAG = "cache_salt"
 
 
-def _may_have_extras(request: Any) -> bool:
+def _may_have_extras(request: Request) -> bool:
     return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
                 or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None)
 
@@ -52,7 +55,7 @@ class NoteMaker:
         self.skipped = 0  # chunks with no note (hashes not computed yet, or a block size vLLM does not hash at)
         self.partial_skipped = 0  # partial chunks with no note (no vLLM hash ends where they end)
 
-    def note(self, request: Any, key: bytes, chunk: int, chunk_size: int) -> BlockNote | None:
+    def note(self, request: Request, key: bytes, chunk: int, chunk_size: int) -> BlockNote | None:
         """The note of chunk ``chunk`` (``chunk_size`` tokens, key ``key``) of ``request``; None when vLLM
         has not hashed all of its blocks."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -80,7 +83,7 @@ class NoteMaker:
             lora_name=str(lora.name) if lora is not None else None,
         )
 
-    def partial_note(self, request: Any, key: bytes, end: int) -> BlockNote | None:
+    def partial_note(self, request: Request, key: bytes, end: int) -> BlockNote | None:
         """The note of a partial chunk ending at token ``end`` (key ``key``): vLLM's own partial entry there,
         one block of ``hash_block_size`` tokens ending at ``end`` under the hash of that prefix (what vLLM
         publishes when it caches a block from a position inside it). None where vLLM has no such hash: no
@@ -102,7 +105,7 @@ class NoteMaker:
             tokens=np.asarray(tokens, dtype="<u4").tobytes(), extra_keys=None, lora_id=None, lora_name=None,
         )
 
-    def _extra_keys(self, request: Any, first: int, count: int) -> list[Any] | None:
+    def _extra_keys(self, request: Request, first: int, count: int) -> list[list[ExtraKey] | None] | None:
         """Each block's extra keys as vLLM publishes them, the salt left out; None when no block has any."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,7 @@ class ProducerSide:
         return c.get(LookupReply).lease_id if c.ok else 0
 
 
-def wants_params(kv_role: str, request_params: dict[str, Any] | None) -> bool:
+def wants_params(kv_role: str, request_params: Mapping[str, object] | None) -> bool:
     """A producer always hands out params; a kv_both engine only when the proxy asks."""
     if kv_role == "kv_producer":
         return True

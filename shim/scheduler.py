@@ -114,7 +114,7 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -341,7 +341,7 @@ class SchedulerSide:
             return
         self._fire(st, Event.ANSWERED)
 
-    def _learn_ends(self, st: RequestRecord, ends: list[Any], tails: list[tuple[int, bytes]]) -> bool:
+    def _learn_ends(self, st: RequestRecord, ends: list[list[int]], tails: list[tuple[int, bytes]]) -> bool:
         """Remember the turn ends a lookup's reply named (``LookupReply.ends``); whether any of them is a
         position of this prompt the lookup's tails did not try."""
         keys, C = self._keys(st), self.chunk_size
@@ -616,11 +616,11 @@ class SchedulerSide:
         got = self._partial.get(st.req_id)
         return got[0] if got is not None else st.hit_chunks * self.chunk_size
 
-    def _has_extras(self, st: RequestRecord) -> bool:
+    def _has_extras(self, request: Request) -> bool:
         """Whether vLLM may key the request's blocks by extra keys (LoRA, multimodal, salt, embeddings): partial
         keys carry none, so such a request gets no partial chunks."""
         try:
-            return self._identity.extras(st.request, self.chunk_size, 0) is not None
+            return self._identity.extras(request, self.chunk_size, 0) is not None
         except Uncacheable:
             return True
 
@@ -654,7 +654,7 @@ class SchedulerSide:
         partial chunks."""
         ack = self.link.ack
         return not (ack is None or not ack.lookup_tails or not self._partial_on() or st.request is None
-                    or bool(st.uncacheable) or self._has_extras(st))
+                    or bool(st.uncacheable) or self._has_extras(st.request))
 
     def _probe(self, req_id: str, st: RequestRecord, tried: set[int] | frozenset[int] = frozenset()) -> bool:
         """After the whole-chunk answer: probe the positions inside the next chunk where a partial chunk may be
@@ -663,7 +663,7 @@ class SchedulerSide:
         if not self._partial_on() or st.request is None or st.uncacheable:
             return False
         C, keys = self.chunk_size, self._keys(st)
-        if st.hit_chunks > len(keys) or self._has_extras(st):
+        if st.hit_chunks > len(keys) or self._has_extras(st.request):
             return False
         client = self.link.client
         submitted: dict[int, tuple[int, bytes]] = {}
@@ -698,13 +698,13 @@ class SchedulerSide:
             self._partial[req_id] = (choice.tokens, choice.key)
         self._fire(st, Event.ANSWERED)
 
-    def _partial_offer(self, st: RequestRecord, group_id: int, block_id: int, boundary: int, block_state: Any,
-                       meta: HkvdConnectorMetadata) -> None:
+    def _partial_offer(self, st: RequestRecord, group_id: int, block_id: int, boundary: int,
+                       block_state: KVConnectorBlockState, meta: HkvdConnectorMetadata) -> None:
         """vLLM's state at ``boundary``, inside a chunk: offered under the partial chunk's key, with the
         attention blocks of that chunk stored under the same key (once per request and boundary)."""
         C = self.chunk_size
         j = boundary // C
-        if st.request is None or st.uncacheable or self._has_extras(st):
+        if st.request is None or st.uncacheable or self._has_extras(st.request):
             return
         keys = self._keys_through(st, j)
         key = partial.key_at(keys, list(st.request.all_token_ids[:boundary]), boundary, C)
@@ -744,7 +744,7 @@ class SchedulerSide:
             return None
         end = int(request.num_computed_tokens)
         j = end // C
-        if end % C == 0 or end < st.num_tokens or end > len(request.all_token_ids) or self._has_extras(st):
+        if end % C == 0 or end < st.num_tokens or end > len(request.all_token_ids) or self._has_extras(st.request):
             return None
         keys = self._keys_through(st, j)
         key = partial.key_at(keys, list(request.all_token_ids[:end]), end, C)

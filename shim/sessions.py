@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.control import MAX_SESSION, check_session
@@ -43,7 +42,7 @@ class PinAsk:
     ttl_s: float
 
 
-def parse(params: Any) -> tuple[PinAsk | None, str]:
+def parse(params: object) -> tuple[PinAsk | None, str]:
     """(the pin asked for, or None; a warning line, or "") from a request's ``kv_transfer_params``."""
     if not isinstance(params, Mapping) or KEY not in params:
         return None, ""

@@ -121,7 +121,7 @@ class ShimConfig:
         return cfg
 
 
-def _to_bool(v: Any) -> bool:
+def _to_bool(v: object) -> bool:
     if isinstance(v, str):
         return v.strip().lower() in ("1", "true", "yes", "on")
     return bool(v)

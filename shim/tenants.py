@@ -22,7 +22,6 @@ Threading
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 from hkvd.transport.wire.control import MAX_TENANT
 
@@ -50,7 +49,7 @@ def lora_label(name: str) -> str:
     return label[:MAX_TENANT - len(tail)] + tail
 
 
-def tenant(request: Any) -> str:
+def tenant(request: object) -> str:
     """The tenant label of a vLLM ``Request`` (or anything with ``cache_salt`` and ``lora_request``)."""
     salt = getattr(request, "cache_salt", None)
     if salt:

@@ -9,7 +9,6 @@ own size limits, so a hostile body cannot allocate more than the frame it came i
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import msgpack
 
@@ -27,7 +26,7 @@ def encode(msg: Message) -> bytes:
 
 def decode_body(body: bytes | memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
     try:
-        obj: Any = msgpack.unpackb(
+        obj: object = msgpack.unpackb(
             body, raw=False, strict_map_key=True,
             max_bin_len=max_frame_bytes, max_str_len=max_frame_bytes,
             max_array_len=max_frame_bytes, max_map_len=max_frame_bytes, max_ext_len=0,

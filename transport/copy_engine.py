@@ -37,7 +37,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Self
 
 from hkvd.transport.errors import ProtocolViolation
 
@@ -105,9 +105,9 @@ class EnqueuedCopy(Protocol):
 
     def exception(self) -> BaseException | None: ...
 
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+    def add_done_callback(self, fn: Callable[[Self], None]) -> None: ...
 
-    def add_finished_callback(self, fn: Callable[[Any], None]) -> None:
+    def add_finished_callback(self, fn: Callable[[Self], None]) -> None:
         """``fn(copy)`` once the device will never touch the copy's memory again (perhaps never, after
         a device fault)."""
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # for annotations only: copy_engine imports this module
+    from hkvd.transport.copy_engine import EnqueuedCopy
 
 
 class ErrorCode(enum.IntEnum):
@@ -177,7 +180,7 @@ class PagesInUse:
         self._add(fn)
 
     @classmethod
-    def until_finished(cls, copy: Any) -> PagesInUse:
+    def until_finished(cls, copy: EnqueuedCopy) -> PagesInUse:
         """In use until ``copy`` (an ``EnqueuedCopy``: ``gpu_finished``, ``add_finished_callback``) is done
         with its memory on the device."""
         return cls(copy.gpu_finished, lambda fn: copy.add_finished_callback(lambda _copy: fn()))

@@ -32,7 +32,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgpack
 
@@ -59,11 +58,11 @@ class Uncacheable(Exception):
 # --------------------------------------------------------------------------- encoding
 
 
-def encode_extra(extra: tuple[Any, ...] | None, lora_digest: str = "") -> bytes:
+def encode_extra(extra: tuple[object, ...] | None, lora_digest: str = "") -> bytes:
     """The canonical bytes of one range's extra keys (b"" for none); raise ``Uncacheable`` if unknown."""
     if not extra:
         return b""
-    parts: list[list[Any]] = []
+    parts: list[list[object]] = []
     for key in extra:
         if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
             raise Uncacheable("unknown_extra_key", f"extra key {key!r} is not a tagged tuple")
@@ -101,14 +100,14 @@ class MMItem:
 
 
 def range_extra_keys(start: int, end: int, *, lora: tuple[str, str] | None, mm: Sequence[MMItem],
-                     cache_salt: str | None, mm_idx: int = 0) -> tuple[tuple[Any, ...] | None, int]:
+                     cache_salt: str | None, mm_idx: int = 0) -> tuple[tuple[tuple[str | int, ...], ...] | None, int]:
     """vLLM 0.32's ``generate_block_hash_extra_keys`` for tokens ``[start, end)`` of a request with
     these identities (and no prompt embeddings): ``(extra keys or None, next mm_idx)``.
 
     ``mm`` must be sorted by offset (vLLM sorts a request's items so); ``mm_idx`` is the scan hint
     the previous range returned (0 for the first), as vLLM and the shim pass it.
     """
-    mm_keys: list[tuple[Any, ...]] = []
+    mm_keys: list[tuple[str | int, ...]] = []
     next_idx = mm_idx
     if mm and mm[-1].offset + mm[-1].length > start:
         i = mm_idx
@@ -126,7 +125,7 @@ def range_extra_keys(start: int, end: int, *, lora: tuple[str, str] | None, mm: 
             else:
                 break
         next_idx = i
-    keys: list[tuple[Any, ...]] = [("lora", lora[0], lora[1])] if lora else []
+    keys: list[tuple[str | int, ...]] = [("lora", lora[0], lora[1])] if lora else []
     keys += mm_keys
     if start == 0 and cache_salt:
         keys.append(("cache_salt", cache_salt))
@@ -193,7 +192,7 @@ def folder_digest(folder: str) -> str:
     return h.hexdigest()
 
 
-def _sample_file(path: Path, h: Any) -> None:
+def _sample_file(path: Path, h: hashlib.blake2b) -> None:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h.update(size.to_bytes(8, "little"))

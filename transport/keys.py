@@ -63,7 +63,7 @@ def chunk_keys_le32(tokens: bytes | memoryview, chunk_size: int, *, parent: byte
     return keys
 
 
-def partial_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+def partial_key(parent: bytes, token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Key of a partial chunk: ``token_ids`` (at least one, fewer than a chunk) after the chunk keyed ``parent``."""
     if len(token_ids) == 0:
         raise ValueError("a partial chunk holds at least one token")

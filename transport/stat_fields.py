@@ -155,7 +155,7 @@ def counter_series(name: str, help: str, *, always: bool = True) -> Any:
     return metric(name, help, "counter", samples=series(always=always), optional=not always, default_factory=dict)
 
 
-def declaration(f: dataclasses.Field[Any]) -> tuple[Metric, ...] | StatusOnly | Part | None:
+def declaration(f: dataclasses.Field[object]) -> tuple[Metric, ...] | StatusOnly | Part | None:
     """What field ``f`` declares; None: nothing (a test fails for that)."""
     decl = f.metadata.get(META_KEY)
     if isinstance(decl, (StatusOnly, Part)) or (isinstance(decl, tuple) and all(isinstance(m, Metric) for m in decl)):
@@ -165,9 +165,9 @@ def declaration(f: dataclasses.Field[Any]) -> tuple[Metric, ...] | StatusOnly | 
 
 # ---- the two views -------------------------------------------------------------------------------
 
-def status_dict(stats: object) -> dict[str, Any]:
+def status_dict(stats: object) -> dict[str, object]:
     """The status JSON of ``stats`` (see the module docstring); plain dicts, lists and scalars."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for f in dataclasses.fields(stats):  # type: ignore[arg-type]  # any stats dataclass instance
         value = getattr(stats, f.name)
         decl = declaration(f)
@@ -181,7 +181,7 @@ def status_dict(stats: object) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return status_dict(value)
     if isinstance(value, (tuple, list)):

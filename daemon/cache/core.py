@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from hkvd.daemon.cache.eviction import EvictionPolicy
@@ -40,6 +40,15 @@ _UNFINISHED = (EntryState.WRITING, EntryState.PENDING)  # may still turn READY (
 
 #: ``has(entry_key)``: is that entry available where the plan may take it from?
 HasFn = Callable[[EntryKey], bool]
+
+
+class Withheld(Protocol):
+    """What ``Cache.withheld`` needs of its holder: membership of (fingerprint, group) pairs, and a size
+    (empty: nothing withheld). ``Quarantine`` (daemon/integrity/quarantine.py), or an empty tuple."""
+
+    def __contains__(self, pair: object, /) -> bool: ...
+
+    def __len__(self) -> int: ...
 
 
 class Shape(Protocol):
@@ -92,7 +101,7 @@ class Cache(Index):
         super().__init__(pool, policy, clock, tenants=tenants, pin_fraction=pin_fraction)
         self.formats = formats if formats is not None else Formats()
         # (fingerprint, group) pairs whose entries no plan takes (quarantined: daemon/integrity/quarantine.py)
-        self.withheld: Collection[tuple[bytes, int]] = ()
+        self.withheld: Withheld = ()
 
     # ---- hits ----------------------------------------------------------------------------------
     def plan(self, shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], *, has: HasFn | None = None,

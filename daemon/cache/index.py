@@ -29,6 +29,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from hkvd.daemon.cache.chains import ChainChange, ChainTracker, Groups
 from hkvd.daemon.cache.eviction import EvictionPolicy
@@ -120,7 +121,7 @@ class Index:
         self._by_tenant: TenantOrder | None = None
         if self.tenants.active:
             entries = self._entries
-            self._by_tenant = TenantOrder(type(policy), lambda k: entries[k].tenant, self.tenants)
+            self._by_tenant = TenantOrder(type(policy), lambda k: entries[cast(EntryKey, k)].tenant, self.tenants)
             self.policy = self._by_tenant
         self.pins = Pins(self._pin_changed, clock)
         self.pin_budget_bytes = int(pin_fraction * capacity)

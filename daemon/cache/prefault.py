@@ -94,7 +94,7 @@ class PrefaultStats:
 class Prefaulter:
     def __init__(self, populate: Callable[[int, int], None], admit: Callable[[int, int], None], *,
                  capacity: int, superblock_bytes: int, page_size: int, threads: int,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], object] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._populate = populate

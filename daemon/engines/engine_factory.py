@@ -8,11 +8,10 @@ Role
 
 from __future__ import annotations
 
-from typing import Any
-
 from hkvd.cuda._cupy import CupyMissing, cupy, device_count
 from hkvd.cuda.copy import DEFAULT_METHOD, CudaCopyEngine
 from hkvd.cuda.hostreg import MAX_REGISTER_BYTES
+from hkvd.daemon.cache import HugePagePool
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.transport.copy_engine import CopyEngine
@@ -43,7 +42,7 @@ def check_copy_engine(name: str) -> None:
             "and the service's DeviceAllow); use --copy-engine host for CPU KV caches")
 
 
-def make_copy_engine(name: str, pool: Any, *, copy_timeout_s: float, cuda_copy_method: str = DEFAULT_METHOD,
+def make_copy_engine(name: str, pool: HugePagePool, *, copy_timeout_s: float, cuda_copy_method: str = DEFAULT_METHOD,
                      cuda_pin_chunk_bytes: int = MAX_REGISTER_BYTES) -> CopyEngine:
     """Build the engine ``hkvd serve --copy-engine`` names, for ``pool`` (a ``HugePagePool``);
     ``cuda_copy_method`` is ``--cuda-copy-method`` (the CUDA engine's path, ``hkvd.cuda.copy``) and

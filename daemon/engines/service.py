@@ -27,10 +27,10 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Required, TypedDict
 
 from hkvd.daemon.cache import Allocation, Cache, Entry, EntryState, Extent, HitPlan, mamba_checkpoint_keep
 from hkvd.daemon.config import ConfigCell, DaemonConfig
@@ -51,7 +51,7 @@ from hkvd.daemon.tiers.contract import Tier
 from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.daemon.tiers.promotion import Promoter
 from hkvd.transport import layout
-from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, Segment
+from hkvd.transport.copy_engine import Attachment, CopyEngine, CopyResult, Direction, EnqueuedCopy, Segment
 from hkvd.transport.errors import (
     Aborted,
     CopyFailedError,
@@ -134,9 +134,18 @@ class Scratch(NamedTuple):
     alloc: Allocation
 
 
-def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
+class RequestLog(TypedDict, total=False):
+    """``extra=`` fields of a per-request log line (``request_log``)."""
+
+    peer_pid: Required[int]
+    req_id: Required[int]
+    engine: int  # the registered engine's id, or
+    conn: int  # the connection's, before Register
+
+
+def request_log(conn: Conn, req_id: int) -> RequestLog:
     """``extra=`` fields for a per-request log line: ``engine`` (or ``conn``), ``peer_pid``, ``req_id``."""
-    fields: dict[str, Any] = {"peer_pid": conn.pid, "req_id": req_id}
+    fields: RequestLog = {"peer_pid": conn.pid, "req_id": req_id}
     if conn.engine is not None:
         fields["engine"] = conn.engine.engine_id
     else:
@@ -149,7 +158,7 @@ def request_log(conn: Conn, req_id: int) -> dict[str, Any]:
 ENQUEUED_GRACE_S = 5.0
 
 
-def _settle_future(fut: asyncio.Future[CopyResult], ticket: Any) -> None:
+def _settle_future(fut: asyncio.Future[CopyResult], ticket: EnqueuedCopy) -> None:
     """Pass an enqueued copy's outcome (``EnqueuedCopy``) to its future on the loop."""
     if fut.done():
         return
@@ -220,7 +229,7 @@ class KVService:
         self.latencies = Latencies()  # lookup, store, retrieve: request to reply
         self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
         index.withheld = self.quarantine
-        self._checks: set[asyncio.Task[None]] = set()  # comparisons of confirmed boundary states
+        self._checks: set[asyncio.Task[VerifyResult]] = set()  # comparisons of confirmed boundary states
         # Where every engine's turn-end states end (Store.turn_end), by layout and the whole chunk before them,
         # named in lookup replies (LookupReply.ends).
         self.turn_ends = TurnEnds(limit=TURN_END_CHUNKS, per_key=TURN_ENDS_PER_CHUNK)
@@ -254,7 +263,7 @@ class KVService:
             return None
         return self._timed(op, t0, rest)
 
-    async def _timed(self, op: str, t0: float, rest: Coroutine[Any, Any, None]) -> None:
+    async def _timed(self, op: str, t0: float, rest: Awaitable[None]) -> None:
         try:
             await rest
         finally:
@@ -776,7 +785,7 @@ class KVService:
         self._checks.add(task)
         task.add_done_callback(self._check_done)
 
-    def _check_done(self, task: asyncio.Task[None]) -> None:
+    def _check_done(self, task: asyncio.Task[VerifyResult]) -> None:
         self._checks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("comparing a sampled hit's boundary states failed: %r", exc)
@@ -884,7 +893,7 @@ class KVService:
             engine.submit, attachment, segments, direction, wait_event=wait_event or None))
         settled: asyncio.Future[CopyResult] = loop.create_future()
 
-        def bridge(t: Any) -> None:  # on the engine's completion thread
+        def bridge(t: EnqueuedCopy) -> None:  # on the engine's completion thread
             with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
                 loop.call_soon_threadsafe(_settle_future, settled, t)
 

@@ -47,7 +47,7 @@ _ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "i
 
 
 @functools.cache
-def _numpy() -> dict[str, type]:
+def _numpy() -> dict[str, type[np.generic]]:
     """Each dtype name's NumPy type. ``ml_dtypes`` (0.7 s to import) is imported at the first comparison, not
     with the daemon: most daemons never compare."""
     import ml_dtypes

@@ -46,7 +46,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeVar, overload
 
 from hkvd.daemon.cache import Cache, Entry, HitPlan, HugePagePool, required_chunks
 from hkvd.daemon.config import DaemonConfig
@@ -86,6 +86,8 @@ from hkvd.transport.wire.peer import (
     RemoteEntry,
 )
 from hkvd.transport.wire.replies import PullResult
+
+M = TypeVar("M", bound=Message)
 
 log = logging.getLogger("hkvd.peer_client")
 
@@ -131,7 +133,13 @@ class PeerLink:
     def next_id(self) -> int:
         return next(self._ids)
 
-    async def call(self, msg: Message, reply_type: type | None, timeout_s: float) -> Any:
+    @overload
+    async def call(self, msg: Message, reply_type: type[M], timeout_s: float) -> M: ...
+
+    @overload
+    async def call(self, msg: Message, reply_type: None, timeout_s: float) -> None: ...
+
+    async def call(self, msg: Message, reply_type: type[M] | None, timeout_s: float) -> M | None:
         """Send ``msg``; return its reply (``None`` for one-way messages). A link that timed out,
         broke, or answered out of order is closed: its replies can no longer be matched."""
         async with self.lock:
@@ -359,7 +367,7 @@ class PeerClient:
         log.info("READ from %s failed (%s); the link reconnects on the next pull", link.address, why)
 
     @staticmethod
-    async def _expect(stream: FrameStream, cls: type, budget_s: float) -> Any:
+    async def _expect(stream: FrameStream, cls: type[M], budget_s: float) -> M:
         msg = await stream.recv(budget_s)
         if isinstance(msg, kv.Error):
             raise error_from_wire(msg.code, msg.message)

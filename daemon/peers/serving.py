@@ -46,7 +46,7 @@ import resource
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hkvd.daemon.peers.auth import (
     GateStats,
@@ -173,7 +173,7 @@ class _GatedProtocol(asyncio.StreamReaderProtocol):
         super().connection_lost(exc)
 
 
-def _address(peer: Any) -> str:
+def _address(peer: object) -> str:
     return str(peer[0]) if isinstance(peer, tuple) else str(peer)
 
 

@@ -138,7 +138,7 @@ def _continues(a: BlockStored, b: BlockStored) -> bool:
 class EventLog:
     def __init__(self, ring_batches: int = DEFAULT_RING_BATCHES, *,
                  sink: Callable[[Batch], None] | None = None,
-                 schedule: Callable[[Callable[[], Any]], Any] | None = None,
+                 schedule: Callable[[Callable[[], object]], object] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``schedule(fn)`` runs ``fn`` soon on the event loop (``loop.call_soon``); None: the owner
         calls ``flush`` itself (tests)."""

@@ -22,15 +22,18 @@ Failure handling
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hkvd.daemon.cache import EntryKey, plan_ranks
 from hkvd.transport.keys import ROOT_KEY, partial_key
 
+if TYPE_CHECKING:  # for annotations only: usable_prefix imports this module
+    from hkvd.daemon.routing.usable_prefix import Format
 
-def servable(fmt: Any) -> bool:
+
+def servable(fmt: Format) -> bool:
     """Whether partial chunks can serve hits of this layout."""
     kinds = {r.kind for r in fmt.rules}
     return "mamba" in kinds and kinds <= {"full", "mamba"}
@@ -53,7 +56,7 @@ class PartialKeys:
         return key
 
 
-def extend(fmt: Any, keys: Sequence[bytes], pkeys: PartialKeys, hit: int, limit: int,
+def extend(fmt: Format, keys: Sequence[bytes], pkeys: PartialKeys, hit: int, limit: int,
            has: Callable[[EntryKey], bool]) -> int:
     """``hit`` (tokens, a whole-chunk multiple) extended to the longest partial chunk ending at most at
     ``limit`` that the hybrid rule serves through ``has``; ``hit`` when none does."""

@@ -203,7 +203,7 @@ class ZmqPublisher:
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-def _bind(sock: Any, endpoint: str, flag: str) -> str:
+def _bind(sock: zmq.Socket[bytes], endpoint: str, flag: str) -> str:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:

@@ -34,13 +34,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hkvd.daemon.cache import Cache, Entry, EntryKey
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.tiers.contract import Tier
 from hkvd.transport.errors import PoolFull
+
+if TYPE_CHECKING:  # for annotations only: the service imports this module
+    from hkvd.daemon.engines.service import RequestLog
 
 log = logging.getLogger("hkvd.tiers")
 
@@ -61,7 +64,7 @@ class Promoter:
     def usable(self) -> bool:
         return any(t.usable() for t in self.tiers)
 
-    async def promote(self, engine: EngineState, keys: list[bytes], log_extra: dict[str, Any]) -> bool:
+    async def promote(self, engine: EngineState, keys: list[bytes], log_extra: RequestLog) -> bool:
         """Read what the best hit needs and only the tiers have; True if any entry was read."""
         loop = asyncio.get_running_loop()
         tiers = [t for t in self.tiers if t.usable()]
@@ -122,7 +125,7 @@ class Promoter:
 
     async def _promote(self, tier: Tier[object], engine: EngineState, keys: list[bytes],
                        wanted: list[tuple[EntryKey, int]], deadline: float,
-                       log_extra: dict[str, Any]) -> set[EntryKey]:
+                       log_extra: RequestLog) -> set[EntryKey]:
         """Read ``wanted`` from ``tier`` into fresh pool entries; return the keys that did not make it."""
         bad: set[EntryKey] = set()
         jobs: list[tuple[Entry, object]] = []
@@ -165,7 +168,7 @@ class Promoter:
         return bad
 
     async def _read(self, tier: Tier[object], jobs: list[tuple[Entry, object]], deadline: float,
-                    log_extra: dict[str, Any]) -> set[EntryKey]:
+                    log_extra: RequestLog) -> set[EntryKey]:
         loop = asyncio.get_running_loop()
         n = max(1, min(tier.read_threads, len(jobs)))
         parts = [jobs[i::n] for i in range(n)]

@@ -12,13 +12,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hkvd.shim.client import DaemonClient
 from hkvd.transport.errors import KVError
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> int:
+def stop_process(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout_s: float = 20.0) -> int:
     """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -42,7 +42,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def spawn(self) -> DaemonProcess:
-        out: Any = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out: IO[bytes] | int = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "hkvd.daemon", "serve", "--socket", self.socket_path, *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=self.env,

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item, LookupReply
 from hkvd.transport.wire.replies import StoreResult
+
+if TYPE_CHECKING:
+    import multiprocessing.queues
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +148,8 @@ class SyntheticEngine:
 
 
 def fetch_in_child(socket_path: str, shapes: list[GroupShape], engine_kw: dict[str, Any],
-                   keys: list[bytes], items: list[Item], out: Any) -> None:
+                   keys: list[bytes], items: list[Item],
+                   out: multiprocessing.queues.Queue[dict[str, object]]) -> None:
     """Child-process body: a fresh engine of the same layout looks up ``keys``, retrieves ``items``
     into its own (zeroed) memory, and reports the hit and the bytes of every block it loaded."""
     eng = SyntheticEngine(socket_path, shapes, **engine_kw)

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only
+    from vllm import LLM
+    from vllm.v1.engine.core_client import InprocClient
 
 # Token ids 0..3 are the tiny test models' special tokens; any three ordinary ids do.
 _STEP_PROMPT = [5, 6, 7]
 
 
-def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
+def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> None:
     """Reset ``llm``'s prefix cache (a ``vllm.LLM``); raise ``RuntimeError`` after ``timeout_s``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -43,7 +47,7 @@ def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def _inproc_client(llm: Any) -> Any:
+def _inproc_client(llm: LLM) -> InprocClient | None:
     """The client of an engine whose core runs in this process (``InprocClient``), or None."""
     from vllm.v1.engine.core_client import InprocClient
 

@@ -49,11 +49,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hkvd.transport.base import DataTransport, Desc, ReadCounters, Transfer, TransportStats
 from hkvd.transport.errors import CopyFailedError, InternalError, KVTimeout
 from hkvd.transport.nixl.host_wire import unwrap_metadata
+
+if TYPE_CHECKING:  # numpy is imported where the reads are built
+    import numpy as np
+
+T = TypeVar("T")
 
 log = logging.getLogger("hkvd.nixl")
 
@@ -130,9 +135,9 @@ def _progress_delay(nixl: ModuleType, delay_us: int) -> Iterator[None]:
 @dataclass(slots=True)
 class _Read:
     transfer: Transfer
-    local: Any  # numpy (N, 3) uint64: addr, len, device
-    remote: Any
-    handle: Any = None
+    local: np.ndarray  # (N, 3) uint64: addr, len, device
+    remote: np.ndarray
+    handle: object = None  # NIXL's transfer handle, handed back to it
 
 
 _STOP = object()
@@ -163,7 +168,7 @@ class NixlTransport(DataTransport):
         self._offsets: dict[str, int] = {}
         # Transfer-thread state: never touched from the loop.
         self._agent: Any = None
-        self._regs: list[Any] = []
+        self._regs: list[object] = []  # NIXL registrations, handed back to deregister_memory
         self._active: dict[int, _Read] = {}
         self._remove_later: set[str] = set()
 
@@ -241,7 +246,7 @@ class NixlTransport(DataTransport):
 
         await self._call(remove, 10.0, f"removing peer {peer}")
 
-    async def _call(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    async def _call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
         if self._closed or self._thread is None or not self._thread.is_alive():
             raise TransportUnavailable(f"{what}: the NIXL transport is not running")
         fut = asyncio.get_running_loop().create_future()
@@ -281,7 +286,7 @@ class NixlTransport(DataTransport):
         return self._counts.statistics(len(self._peers))
 
     # ---- the transfer thread -------------------------------------------------------------------
-    def _resolve(self, fut: asyncio.Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+    def _resolve(self, fut: asyncio.Future[Any], value: object = None, exc: BaseException | None = None) -> None:
         def set_() -> None:
             if fut.done():
                 return

@@ -109,7 +109,7 @@ class _Host:
 
         transfer.settled.add_done_callback(settled)
 
-    def send(self, msg: list[Any]) -> None:
+    def send(self, msg: list[object]) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg))
 

@@ -45,7 +45,7 @@ class FrameError(Exception):
     """A frame on the host pipe is malformed (a bug on one side: the pipe is closed)."""
 
 
-def encode(msg: Sequence[Any]) -> bytes:
+def encode(msg: Sequence[object]) -> bytes:
     body = msgpack.packb(list(msg), use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES:
         raise FrameError(f"a host-pipe frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")

@@ -312,7 +312,7 @@ class HostedTransport(DataTransport):
             raise TransportUnavailable(f"{what}: the NIXL transport host is {state}; pulls recompute until it is up")
         return child
 
-    async def _call(self, child: _Child, op: str, args: list[Any], timeout_s: float, what: str) -> Any:
+    async def _call(self, child: _Child, op: str, args: list[object], timeout_s: float, what: str) -> Any:
         if child.lost or child.pipe is None:
             raise TransportUnavailable(f"{what}: the NIXL transport host is restarting after a crash")
         call_id = next(self._call_ids)

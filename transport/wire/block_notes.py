@@ -41,6 +41,9 @@ MAX_LORA_NAME = 1024
 _U64 = 1 << 64
 
 ExternalHash = bytes | int
+ExtraScalar = str | bytes | int
+# One of a block's extra keys as vLLM publishes it (a tuple, such as a multimodal item's, as a list).
+ExtraKey = ExtraScalar | list[ExtraScalar]
 
 
 class BlockNote(NamedTuple):
@@ -48,15 +51,15 @@ class BlockNote(NamedTuple):
     hashes: list[ExternalHash]
     parent: ExternalHash | None
     tokens: bytes  # little-endian uint32 token ids
-    extra_keys: list[Any] | None
+    extra_keys: list[list[ExtraKey] | None] | None  # per block: its extra keys, or None
     lora_id: int | None
     lora_name: str | None
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         return list(self)
 
 
-def _hash_ok(h: Any) -> bool:
+def _hash_ok(h: object) -> bool:
     if type(h) is bytes:
         return 0 < len(h) <= MAX_HASH_BYTES
     return type(h) is int and 0 <= h < _U64
@@ -71,13 +74,13 @@ def _scalar_ok(v: Any) -> bool:
     return t is int and -_U64 < v < _U64
 
 
-def _extra_ok(v: Any) -> bool:
+def _extra_ok(v: object) -> bool:
     if type(v) is list:
         return len(v) <= MAX_EXTRA_TUPLE and all(_scalar_ok(x) for x in v)
     return _scalar_ok(v)
 
 
-def _check_note(n: Any, where: str) -> None:
+def _check_note(n: object, where: str) -> None:
     if type(n) is not list or len(n) != 7:
         raise ProtocolViolation(f"{where}: a note is [key, hashes, parent, tokens, extra_keys, lora_id, lora_name]")
     key, hashes, parent, tokens, extra, lora_id, lora_name = n
@@ -106,7 +109,7 @@ def _check_note(n: Any, where: str) -> None:
         raise ProtocolViolation(f"{where}: lora_name must be a string of at most {MAX_LORA_NAME} characters or nil")
 
 
-def check_notes(raw: Any, where: str) -> None:
+def check_notes(raw: object, where: str) -> None:
     """Raise ``ProtocolViolation`` naming the first bad note of ``raw`` (nil: none); build nothing."""
     if raw is None:
         return

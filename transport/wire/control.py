@@ -37,7 +37,7 @@ KV_EVENTS_ACCEPTED = 1  # takes notes and answers KVEventsPoll (the connector's 
 KV_EVENTS_PUBLISHED = 2  # also publishes them node-wide (hkvd serve --kv-events-endpoint)
 
 
-def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+def _get(d: dict[str, object], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in d:
         raise ProtocolViolation(f"{where}: missing key {key!r}")
     value = d[key]
@@ -67,7 +67,7 @@ class EngineSpec:
     # Not part of the fingerprint. Empty: derived from the group kinds (docs/routing.md).
     event_groups: list[tuple[int, str, int | None]] = field(default_factory=list)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, object]:
         return {
             "model": self.model, "world_size": self.world_size, "rank": self.rank,
             "layout_tag": self.layout_tag, "chunk_size": self.chunk_size, "block_size": self.block_size,
@@ -90,7 +90,7 @@ class EngineSpec:
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> EngineSpec:
+    def from_wire(cls, d: dict[str, object]) -> EngineSpec:
         w = "EngineSpec"
         regions_raw = _get(d, "regions", list, w)
         groups_raw = _get(d, "groups", list, w)
@@ -177,7 +177,7 @@ class EngineSpec:
             raise ProtocolViolation("event_groups must name each registered group once")
 
 
-def _pieces(raw: Any, where: str) -> tuple[tuple[int, int], ...]:
+def _pieces(raw: object, where: str) -> tuple[tuple[int, int], ...]:
     """A view's pieces: 1 to ``MAX_PIECES`` [offset, bytes] pairs (their values: ``GroupSpec.validate``)."""
     if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PIECES:
         raise ProtocolViolation(f"{where}: a list of 1 to {MAX_PIECES} [offset, bytes] pairs")
@@ -189,7 +189,7 @@ def _pieces(raw: Any, where: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _event_groups(raw: Any, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
+def _event_groups(raw: object, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
     """Optional; absent from older clients."""
     if raw is None:
         return []

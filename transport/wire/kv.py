@@ -36,7 +36,7 @@ class Item(NamedTuple):
         return parse_items(raw, where)
 
     @staticmethod
-    def encode_list(records: list[Item]) -> list[list[Any]]:
+    def encode_list(records: list[Item]) -> list[list[int | bytes | list[int]]]:
         return items_to_wire(records)
 
 
@@ -72,7 +72,7 @@ def parse_items(raw: object, where: str) -> list[Item]:
     return items
 
 
-def items_to_wire(items: list[Item]) -> list[list[Any]]:
+def items_to_wire(items: list[Item]) -> list[list[int | bytes | list[int]]]:
     """The arrays ``parse_items`` takes: the parent only when there is one (as a client always sent)."""
     return [[it.group_id, it.chunk_index, it.key, list(it.block_ids), *((it.parent,) if it.parent else ())]
             for it in items]

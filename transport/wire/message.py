@@ -92,7 +92,7 @@ class Records(typing.Protocol):
         ...
 
 
-def _records(hint: Any) -> type[Records] | None:
+def _records(hint: object) -> type[Records] | None:
     """The record type of a ``list[R]`` field whose ``R`` decodes itself, else None."""
     if typing.get_origin(hint) is list:
         (inner,) = typing.get_args(hint)
@@ -101,7 +101,7 @@ def _records(hint: Any) -> type[Records] | None:
     return None
 
 
-def _check(value: Any, hint: Any, where: str) -> None:
+def _check(value: object, hint: Any, where: str) -> None:
     origin = typing.get_origin(hint)
     if hint is Any:
         return
@@ -133,7 +133,7 @@ class Message:
     __slots__ = ()
     TYPE: ClassVar[MsgType]
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "TYPE" in cls.__dict__:
             prev = MESSAGE_CLASSES.get(cls.TYPE)
@@ -143,7 +143,7 @@ class Message:
             MESSAGE_CLASSES[cls.TYPE] = cls
 
     @classmethod
-    def _layout(cls) -> tuple[list[tuple[str, Any, type[Records] | None]], int, tuple[Any, ...]]:
+    def _layout(cls) -> tuple[list[tuple[str, object, type[Records] | None]], int, tuple[object, ...]]:
         """(name, type hint, record type of a list of records) of each field, how many fields are required,
         each field's default.
 
@@ -162,7 +162,7 @@ class Message:
             cls._layout_cache = layout  # type: ignore[attr-defined]
         return layout
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         hints, required, defaults = self._layout()
         values = [getattr(self, name) if records is None else records.encode_list(getattr(self, name))
                   for name, _, records in hints]
@@ -172,7 +172,7 @@ class Message:
         return [int(self.TYPE), *values]
 
     @classmethod
-    def from_wire(cls, fields: list[Any]) -> Message:
+    def from_wire(cls, fields: list[object]) -> Message:
         hints, required, _ = cls._layout()
         if not required <= len(fields) <= len(hints):
             want = str(len(hints)) if required == len(hints) else f"{required} to {len(hints)}"
@@ -191,7 +191,7 @@ class Message:
         """Value checks beyond types; raise ProtocolViolation."""
 
 
-def message_from_wire(obj: Any) -> Message:
+def message_from_wire(obj: object) -> Message:
     """Turn a decoded frame (a list) into a validated message."""
     if not isinstance(obj, list) or not obj:
         raise ProtocolViolation("a frame must be a non-empty array [msg_type, *fields]")
