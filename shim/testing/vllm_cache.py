@@ -55,7 +55,7 @@ def _inproc_client(llm: LLM) -> InprocClient | None:
     return client if isinstance(client, InprocClient) else None
 
 
-def place_engine_core(args: dict[str, Any]) -> None:
+def place_engine_core(args: dict[str, object]) -> None:
     """Before vLLM is imported: run a test engine's core in this process, unless ``args`` asks for vLLM's own
     process topology (``"processes": true``) or the engine is tensor-parallel (its workers need processes).
 
@@ -63,6 +63,7 @@ def place_engine_core(args: dict[str, Any]) -> None:
     one-process executor holds the worker, as a single-GPU engine core does: the connector's scheduler and
     worker sides share the process, and the engine starts without importing vLLM twice more (~25 s on two
     cores)."""
-    tp = int(args.get("llm", {}).get("tensor_parallel_size", 1))
+    llm = args.get("llm")
+    tp = int(llm.get("tensor_parallel_size", 1)) if isinstance(llm, dict) else 1
     own = bool(args.get("processes")) or tp > 1
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own else "0"
