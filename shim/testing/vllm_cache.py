@@ -55,15 +55,20 @@ def _inproc_client(llm: LLM) -> InprocClient | None:
     return client if isinstance(client, InprocClient) else None
 
 
+def core_in_own_process(args: dict[str, object]) -> bool:
+    """Whether a test engine's core needs processes of its own: it asks for vLLM's own process topology
+    (``"processes": true``), or it is tensor-parallel (its workers need processes)."""
+    llm = args.get("llm")
+    tp = int(llm.get("tensor_parallel_size", 1)) if isinstance(llm, dict) else 1
+    return bool(args.get("processes")) or tp > 1
+
+
 def place_engine_core(args: dict[str, object]) -> None:
-    """Before vLLM is imported: run a test engine's core in this process, unless ``args`` asks for vLLM's own
-    process topology (``"processes": true``) or the engine is tensor-parallel (its workers need processes).
+    """Before vLLM starts an engine: run a test engine's core in this process unless
+    ``core_in_own_process(args)``.
 
     In this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's in-process client drives the core and its
     one-process executor holds the worker, as a single-GPU engine core does: the connector's scheduler and
     worker sides share the process, and the engine starts without importing vLLM twice more (~25 s on two
     cores)."""
-    llm = args.get("llm")
-    tp = int(llm.get("tensor_parallel_size", 1)) if isinstance(llm, dict) else 1
-    own = bool(args.get("processes")) or tp > 1
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own else "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_in_own_process(args) else "0"

@@ -137,25 +137,59 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         d.stop()
 
 
-def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ignore[no-untyped-def]
-               expect_failure: bool = False) -> dict:
-    """Run tests/shim/e2e_run.py in a fresh process; return its JSON result.
+_ZYGOTE: list[object] = []  # the session's engine zygote (hkvd.shim.testing.zygote), started at the first engine
+_SESSION_ENV = dict(os.environ)  # before any test's monkeypatch: the zygote's imports see no test's settings
 
-    ``on_pause(i)`` runs when the engine pauses before prompt ``i`` (``args["pause_before"]``).
-    ``expect_failure``: the engine must fail to start; returns ``{"log": ..., "rc": ...}``.
-    """
-    env = dict(os.environ)
+
+def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """An engine's environment: the test's (``base``: the session's), with the settings every engine shares."""
+    env = dict(os.environ if base is None else base)
     # Identical thread binding in every compared run: vLLM's automatic binding reserves one
     # more core once a connector is configured, which moves bf16 logprobs (see the reference).
     env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("HKVD_TEST_OMP_BIND", "0-1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.Popen([sys.executable, str(HERE / "e2e_run.py"), json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    return env
+
+
+def _zygote():  # type: ignore[no-untyped-def]
+    from hkvd.shim.testing.zygote import Zygote
+
+    if not _ZYGOTE:
+        import tempfile
+
+        _ZYGOTE.append(Zygote(Path(tempfile.mkdtemp(prefix="hkvd-zygote-")), engine_env(_SESSION_ENV)).start())
+    return _ZYGOTE[0]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for z in _ZYGOTE:
+        z.stop()  # type: ignore[attr-defined]
+    _ZYGOTE.clear()
+
+
+def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ignore[no-untyped-def]
+               expect_failure: bool = False) -> dict:
+    """Run tests/shim/e2e_run.py as an engine process of its own; return its JSON result.
+
+    A TP=1 engine whose core runs in its process (e2e_run's "Processes") is a fork of the session's engine
+    zygote (hkvd.shim.testing.zygote: vLLM imported once); any other is a fresh interpreter.
+    ``on_pause(i)`` runs when the engine pauses before prompt ``i`` (``args["pause_before"]``).
+    ``expect_failure``: the engine must fail to start; returns ``{"log": ..., "rc": ...}``.
+    """
+    from hkvd.shim.testing.vllm_cache import core_in_own_process
+
+    env = engine_env()
+    argv = [str(HERE / "e2e_run.py"), json.dumps(args)]
     chunks: list[bytes] = []
-    # A reader thread drains the pipe (vLLM logs a lot) while this thread watches for pauses.
-    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, b"")),  # type: ignore[union-attr]
-                              daemon=True)
+    if core_in_own_process(args):
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        lines = iter(proc.stdout.readline, b"")  # type: ignore[union-attr]
+    else:
+        proc = _zygote().spawn(argv, env)
+        lines = proc.lines()
+    # A reader thread drains the output (vLLM logs a lot) while this thread watches for pauses.
+    reader = threading.Thread(target=lambda: chunks.extend(lines), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s
     paused = set()
