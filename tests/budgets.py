@@ -42,7 +42,59 @@ import pytest
 #: - a module's path, for every test in it: ``"tests/e2e/test_x.py"``.
 #:
 #: The reason must say why the test cannot be faster or share a fixture (it must not be empty).
-EXCEPTIONS: dict[str, tuple[float, str]] = {}
+EXCEPTIONS: dict[str, tuple[float, str]] = {
+    # fast tier (1 s): property-based tests, whose many generated cases are the point of them
+    "tests/unit/test_snapshots.py::TestOrderingMachine::": (15.0, "stateful property test: 300 runs of up to 40 "
+                                                           "steps against a model of Mamba step ordering"),
+    "tests/unit/test_layout.py::test_segments_for_entries_match_reference": (12.0, "property test: 400 layouts "
+                                                                             "against the reference copy plan"),
+    "tests/unit/test_layout.py::test_segments_match_reference": (6.0, "property test: 400 layouts against the "
+                                                                 "reference copy plan"),
+    "tests/unit/test_layout.py::test_validate_bound_is_tight": (4.0, "property test: 200 layouts at the bound"),
+    "tests/unit/test_hybrid.py::test_matches_brute_force": (8.0, "property test: 400 hybrid hits against a "
+                                                            "brute-force search"),
+    "tests/unit/test_hybrid.py::test_never_rounds_up": (3.0, "property test: 300 hybrid hits"),
+    "tests/unit/test_chains.py::test_orphans_are_exactly_what_a_removal_makes_useless": (4.0, "property test: 400 "
+                                                                                          "chains of entries"),
+    "tests/unit/test_pool.py": (3.0, "property tests of the allocator: 50 to 200 random alloc/free sequences"),
+    "tests/unit/test_heap.py::test_dropping_frozen_entries_frees_them": (10.0, "writes and drops 2,000 entries "
+                                                                         "of two groups under a frozen collector"),
+    "tests/unit/test_checksums.py::test_the_scrub_thread_catches_damage_on_its_own": (3.0, "waits for a pass of "
+                                                                                        "the scrub thread"),
+    "tests/unit/test_layers.py::test_no_module_imports_in_a_circle": (3.0, "parses every module of the product"),
+    "tests/unit/test_wire.py::test_a_register_with_more_views_than_any_model_is_refused": (3.0, "encodes "
+                                                                                            "registrations at the "
+                                                                                            "wire's size bound"),
+    "tests/unit/test_wire.py::test_view_pieces_are_bounded_in_all_groups_together": (3.0, "encodes views at the "
+                                                                                      "wire's size bound"),
+    "tests/unit/test_peer_links.py::test_a_peer_without_the_entries_answers_a_miss": (3.0, "starts a NIXL agent "
+                                                                                        "on each side"),
+    "tests/unit/test_budgets.py": (3.0, "runs pytest inside pytest (pytester), one or two sessions a test"),
+    # default tier (15 s): soaks, fuzzing and network namespaces
+    "tests/fault/test_soak.py::test_soak_keeps_rss_flat_and_leaves_nothing_behind": (150.0, "soak: thousands of "
+                                                                                         "requests from several "
+                                                                                         "engines, then RSS and "
+                                                                                         "leftovers checked"),
+    "tests/fault/test_soak.py::test_late_aborts_are_not_kept": (45.0, "soak: aborts that arrive after their "
+                                                                "requests ended, by the thousand"),
+    "tests/peer/test_peer_soak.py": (70.0, "soak: pulls between two daemons, then both daemons' memory checked"),
+    "tests/fault/test_fuzz.py::test_fuzz_frames_get_typed_errors_and_hurt_no_one": (45.0, "fuzzes the daemon's "
+                                                                                        "framing with thousands of "
+                                                                                        "frames"),
+    "tests/fault/test_memory_pressure.py::test_store_storm_over_capacity_evicts_per_policy_and_counts_every_failure":
+        (30.0, "a store storm of twice the pool, per eviction policy"),
+    "tests/peer/test_netns.py::test_misrouted_peer_cannot_take_the_serving_daemon_down": (45.0, "two network "
+                                                                                           "namespaces, NIXL agents "
+                                                                                           "on both sides"),
+    "tests/cluster/test_cluster.py": (30.0, "a Mooncake master and two daemons in two network namespaces"),
+    # vllm tier (90 s): engines of several processes each
+    "tests/shim/test_tp_vllm.py": (200.0, "TP=2: a cold and a warm engine, each an engine core and two worker "
+                                   "processes that import vLLM"),
+    "tests/peer/test_pd_vllm.py::test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size":
+        (300.0, "TP=2 prefill and decode engines and a refused TP=1 decode engine, each with processes of its own"),
+    "tests/shim/test_load_overlap_vllm.py": (180.0, "a wide-KV model: a prefix of thousands of tokens loads beside "
+                                             "a decoding request, in vLLM's own process topology"),
+}
 
 #: Each tier's budget per test, in seconds (before ``HKVD_TEST_BUDGET_SCALE``).
 TIERS: dict[str, float] = {"fast": 1.0, "vllm": 90.0, "default": 15.0}

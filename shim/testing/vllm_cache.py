@@ -40,11 +40,26 @@ def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> None:
             raise RuntimeError(f"vLLM's prefix cache could not be reset within {timeout_s:.0f} s: finished "
                                "requests still hold blocks (stores the daemon never finished?)")
         if inproc is not None and inproc.engine_core.scheduler.has_requests():
-            inproc.get_output()  # one turn of the core's loop: finished stores are reported
+            settle(llm, deadline - time.monotonic())
         else:
             llm.generate([TokensPrompt(prompt_token_ids=_STEP_PROMPT)], SamplingParams(max_tokens=1),
                          use_tqdm=False)
         time.sleep(0.01)
+
+
+def settle(llm: LLM, timeout_s: float = 60.0) -> None:
+    """Step an engine whose core runs in this process until no finished request waits for its stores or
+    checks (vLLM frees its blocks then), as the core's own loop does in a process of its own; raise
+    ``RuntimeError`` after ``timeout_s``. Through ``LLMEngine.step``, so that each step's statistics (the
+    connector's among them) reach vLLM's metrics. Nothing to do for a core in a process of its own."""
+    inproc = _inproc_client(llm)
+    deadline = time.monotonic() + timeout_s
+    while inproc is not None and inproc.engine_core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's engine core still held finished requests after {timeout_s:.0f} s "
+                               "(stores the daemon never finished?)")
+        llm.llm_engine.step()
+        time.sleep(0.001)
 
 
 def _inproc_client(llm: LLM) -> InprocClient | None:

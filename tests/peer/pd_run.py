@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from hkvd.shim.testing.vllm_cache import place_engine_core, reset_prefix_cache
+from hkvd.shim.testing.vllm_cache import place_engine_core, reset_prefix_cache, settle
 
 
 def main() -> None:
@@ -57,6 +57,7 @@ def main() -> None:
         extra = {"kv_transfer_params": params} if params else None
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, extra_args=extra)
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        settle(llm)  # the engine core in this process steps only when asked (e2e_run's "Processes")
         comp = out.outputs[0]
         lps = [float(d[t].logprob) for t, d in zip(comp.token_ids, comp.logprobs or [], strict=False)]
         results.append({"tokens": list(comp.token_ids), "logprobs": lps,

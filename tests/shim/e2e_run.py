@@ -29,7 +29,9 @@ the prompt's own lookup). ``"connector": false`` starts the engine without hkvd.
 Processes: a TP=1 engine runs vLLM's engine core in this process
 (``hkvd.shim.testing.vllm_cache.place_engine_core``), so the connector's scheduler and worker sides share
 it, as in a single-GPU engine core. ``"processes": true`` keeps vLLM's own CPU topology instead (engine
-core and worker each in a process of its own); tensor-parallel runs always have it.
+core and worker each in a process of its own); tensor-parallel runs always have it. A core in this process
+takes a step only when asked, so after each request the script steps it until the request's stores and
+checks are done (``vllm_cache.settle``), as vLLM's own core loop does by itself.
 ``"vllm_metrics": true`` turns vLLM's stats on and adds ``"vllm_metrics"`` to the output: vLLM's own
 ``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads) -> value, and the
 sampled checks' largest error per group kind (``vllm:hkvd_verify_max_error{kind}``); in conversation mode, a list
@@ -50,7 +52,7 @@ import json
 import os
 import sys
 
-from hkvd.shim.testing.vllm_cache import place_engine_core, reset_prefix_cache
+from hkvd.shim.testing.vllm_cache import place_engine_core, reset_prefix_cache, settle
 
 
 def _handshake(sync_dir: str, i: int) -> None:
@@ -128,6 +130,7 @@ def main() -> None:
             params = sp.clone()
             params.extra_args = {"kv_transfer_params": spec["kv_transfer_params"]}
         out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+        settle(llm)  # see the module doc, "Processes"
         comp = out.outputs[0]
         lps = [float(d[t].logprob) for t, d in zip(comp.token_ids, comp.logprobs or [], strict=False)]
         results.append({"tokens": list(comp.token_ids), "logprobs": lps,
@@ -179,6 +182,7 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
                 params.stop_token_ids = [out[src["conversation"]][src["turn"]]["tokens"][src["index"]]]
                 params.ignore_eos = False
             res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
+            settle(llm)
             comp = res.outputs[0]
             steps = list(zip(comp.token_ids, comp.logprobs or [], strict=False))
             # gaps: the top-1 minus the top-2 logprob at each step (needs "logprobs": 2); a near-tie

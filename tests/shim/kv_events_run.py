@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from hkvd.shim.testing.vllm_cache import place_engine_core
+from hkvd.shim.testing.vllm_cache import place_engine_core, settle
 
 
 def _replay(endpoint: str, timeout_s: float = 30.0) -> list[list[object]]:
@@ -78,6 +78,7 @@ def main() -> None:
         if salt:
             prompt["cache_salt"] = salt
         llm.generate([prompt], sp, use_tqdm=False)
+        settle(llm)  # the engine core in this process steps only when asked (e2e_run's "Processes")
     # Steps after the last prompt: its finish-time stores complete, the connector polls their events.
     deadline = time.monotonic() + args.get("drain_s", 2.0)
     while time.monotonic() < deadline:
