@@ -91,6 +91,9 @@ EXCEPTIONS: dict[str, tuple[float, str]] = {
     "tests/peer/test_netns.py": (45.0, "two network namespaces, NIXL agents on both sides, links cut mid-pull"),
     "tests/cluster/test_cluster.py": (30.0, "a Mooncake master and two daemons in two network namespaces"),
     # vllm tier (90 s): engines of several processes each
+    "tests/shim/test_e2e_vllm.py::test_qwen3_next_cold_warm_restart": (180.0, "three Qwen3-Next engines of five "
+                                                                             "prompts, the last in vLLM's own "
+                                                                             "process topology"),
     "tests/shim/test_tp_vllm.py": (200.0, "TP=2: a cold and a warm engine, each an engine core and two worker "
                                    "processes that import vLLM"),
     "tests/peer/test_pd_vllm.py::test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size":
