@@ -98,6 +98,12 @@ EXCEPTIONS: dict[str, tuple[float, str]] = {
                                    "processes that import vLLM"),
     "tests/peer/test_pd_vllm.py::test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size":
         (300.0, "TP=2 prefill and decode engines and a refused TP=1 decode engine, each with processes of its own"),
+    "tests/cluster/test_cluster_vllm.py": (150.0, "a Mooncake master, two daemons in two network namespaces and "
+                                           "an engine on each node (76 s measured)"),
+    "tests/peer/test_pd_vllm.py::test_prefill_decode_pair_matches_a_single_engine": (150.0, "a prefill, a decode "
+                                                                                          "and a single engine, each "
+                                                                                          "in vLLM's processes "
+                                                                                          "(68 s measured)"),
     "tests/shim/test_load_overlap_vllm.py": (180.0, "a wide-KV model: a prefix of thousands of tokens loads beside "
                                              "a decoding request, in vLLM's own process topology"),
 }
