@@ -130,13 +130,22 @@ class Zygote:
             time.sleep(0.1)
         return self
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> ForkedEngine:
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None,
+              fork_timeout_s: float = 30.0) -> ForkedEngine:
+        """Fork an engine that runs ``argv``; raise ``RuntimeError`` if the zygote has not forked it (its
+        first line) within ``fork_timeout_s``."""
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError(f"the engine zygote is not running (log: {self.log})")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.path)
-        conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode() + b"\n")
-        return ForkedEngine(conn)
+        conn.settimeout(fork_timeout_s)  # the connection and the fork; the engine's output has no bound
+        try:
+            conn.connect(self.path)
+            conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode() + b"\n")
+            return ForkedEngine(conn)
+        except TimeoutError as e:
+            conn.close()
+            raise RuntimeError(f"the engine zygote forked no engine within {fork_timeout_s:.0f} s "
+                               f"(log: {self.log})") from e
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -157,6 +166,7 @@ class ForkedEngine:
         if not first.startswith(PID_LINE):
             raise RuntimeError(f"the engine zygote did not fork an engine: {first!r}")
         self.pid = int(first[len(PID_LINE):])
+        conn.settimeout(None)  # the caller bounds the engine's run (and kills it)
         self.returncode: int | None = None
         self._ended = threading.Event()
 
@@ -177,10 +187,6 @@ class ForkedEngine:
 
     def poll(self) -> int | None:
         return self.returncode if self._ended.is_set() else None
-
-    def wait(self, timeout_s: float) -> int | None:
-        self._ended.wait(timeout_s)
-        return self.poll()
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
