@@ -207,24 +207,24 @@ def test_a_turn_that_ended_on_another_engine_is_resumed_at_its_end(tiny_models, 
 
 
 # A pinned session and an unpinned one of the same shape, each ending its first turn at 207 (a 200-token
-# prompt, 8 tokens answered, the last not computed), with three 900-token one-shots between their turns.
+# prompt, 8 tokens answered, the last not computed), with six 900-token one-shots between their turns:
+# about twice the 12 MB pool (three stored about 12.7 MB, so whether they evicted the unpinned session's
+# entries hung on which Mamba checkpoints a run happened to store).
 SESSION = {"pin_s": 300, "session": "agent-1"}
 PINNED_CHAT = {"first": _seq(200, 29, 6), "users": [_seq(30, 31, 2)], "kv_transfer_params": {"hkvd": SESSION}}
 LOOSE_CHAT = {"first": _seq(200, 37, 9), "users": [_seq(30, 41, 3)]}
-FLOOD = [{"first": _seq(900, 43 + 2 * i, i), "users": []} for i in range(3)]
+FLOOD = [{"first": _seq(900, 43 + 2 * i, i), "users": []} for i in range(6)]
 TURN_END = 207
 
 
 def test_a_pinned_sessions_turn_end_outlives_a_flood_that_evicts_an_unpinned_ones(tiny_models, daemon_factory,
                                                                                  engine_runner) -> None:
     """The partial chunks a pinned request stores (its turn's end, vLLM's checkpoint inside its last block) are
-    pinned with its whole chunks (``Pin.partial_keys``): one-shots that overflow a 10 MB pool evict the unpinned
+    pinned with its whole chunks (``Pin.partial_keys``): one-shots that overflow a 12 MB pool evict the unpinned
     session's, and the pinned session's next turn still resumes at its previous turn's end."""
     d = daemon_factory(BLOCK, "--l1-size-gb", "0.01")
-    # vLLM's own process topology: with the engine core in the test engine's process the one-shots left the
-    # unpinned session's turn end in the pool (its next turn hit 207), so the test would prove nothing there.
     args = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": 0,
-            "processes": True, "conversations": [PINNED_CHAT, LOOSE_CHAT, *FLOOD], "ignore_eos": True,
+            "conversations": [PINNED_CHAT, LOOSE_CHAT, *FLOOD], "ignore_eos": True,
             "llm": {"max_model_len": 1024, "prefix_match_unit": UNIT}, "phases": [{"reset": True}]}
     res = engine_runner(args, timeout_s=600)
     pinned, loose = (conv for conv in res["phases"][0][:2])
