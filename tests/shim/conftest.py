@@ -172,17 +172,19 @@ def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ig
                expect_failure: bool = False) -> dict:
     """Run tests/shim/e2e_run.py as an engine process of its own; return its JSON result.
 
-    A TP=1 engine whose core runs in its process (e2e_run's "Processes") is a fork of the session's engine
-    zygote (hkvd.shim.testing.zygote: vLLM imported once); any other is a fresh interpreter.
+    An engine is a fork of the session's engine zygote (hkvd.shim.testing.zygote: vLLM imported once), and so
+    are its engine core and workers where it has processes of its own (``vllm_cache.forks_engine_processes``);
+    with ``HKVD_TEST_FORK_PROCESSES=0`` such an engine is a fresh interpreter that spawns them, as vLLM's CPU
+    platform does.
     ``on_pause(i)`` runs when the engine pauses before prompt ``i`` (``args["pause_before"]``).
     ``expect_failure``: the engine must fail to start; returns ``{"log": ..., "rc": ...}``.
     """
-    from hkvd.shim.testing.vllm_cache import core_in_own_process
+    from hkvd.shim.testing.vllm_cache import core_in_own_process, forks_engine_processes
 
     env = engine_env()
     argv = [str(HERE / "e2e_run.py"), json.dumps(args)]
     chunks: list[bytes] = []
-    if core_in_own_process(args):
+    if core_in_own_process(args) and not forks_engine_processes():
         proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         lines = iter(proc.stdout.readline, b"")  # type: ignore[union-attr]
     else:
