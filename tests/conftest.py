@@ -22,6 +22,12 @@ class DaemonProc(DaemonProcess):
         super().__init__(socket_path, ["--hugepages", "off", "--log-level", "debug", *args], log_path)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from hkvd.shim.testing.zygote import stop_session_zygote
+
+    stop_session_zygote()  # the real-vLLM tests' engine zygote, if any started it
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
     procs: list[DaemonProc] = []

@@ -19,9 +19,13 @@ Limits
     A fork keeps what the zygote's imports read from the environment at import time, so the zygote starts
     with the settings every engine shares (``HF_HUB_OFFLINE=1``); each child gets its own environment before
     the script runs, and vLLM reads its own variables when it needs them. The zygote refuses to fork once
-    its imports started a thread (a fork copies a thread's locks, not the thread). Engines whose engine core
-    or workers need processes of their own (tensor parallelism, ``"processes": true``) are started as
-    fresh interpreters by their callers, not forked.
+    its imports started a thread (a fork copies a thread's locks, not the thread). An engine whose engine core
+    or workers run in processes of their own (tensor parallelism, ``"processes": true``) forks them in turn
+    where vLLM's start method is ``fork`` (``vllm_cache.forks_engine_processes``). A fork keeps the zygote's
+    hash seed: an engine that needs its own ``PYTHONHASHSEED`` is started as a fresh interpreter.
+
+One zygote per test session: ``session_zygote(env)`` starts it at its first use, ``stop_session_zygote()``
+ends it (tests/conftest.py, at the session's end).
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 #: Imported before the first fork: what every engine script imports (and vLLM's CPU worker and the tiny
 #: models' classes, which the engine imports while it starts).
 PRELOAD = ("torch", "transformers", "vllm", "vllm.inputs", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
-           "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+           "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
            "vllm.model_executor.models.qwen3_next", "vllm.model_executor.models.gemma3",
            "vllm.model_executor.models.llama", "hkvd.shim.connector", "hkvd.shim.testing.vllm_cache")
 
@@ -154,6 +158,41 @@ class Zygote:
         self.proc = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+_SESSION: list[Zygote] = []
+
+
+def engine_env(base: Mapping[str, str]) -> dict[str, str]:
+    """A test engine's environment: ``base`` with the settings every engine of a session shares."""
+    env = dict(base)
+    # Identical thread binding in every compared run: vLLM's automatic binding reserves one
+    # more core once a connector is configured, which moves bf16 logprobs.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = base.get("HKVD_TEST_OMP_BIND", "0-1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def fork_engine(argv: list[str], env: dict[str, str], session_env: Mapping[str, str]) -> ForkedEngine:
+    """An engine that runs ``argv`` with ``env``, forked from the session's zygote (started at the first call
+    with ``engine_env(session_env)``: the environment before any test changed it)."""
+    return session_zygote(engine_env(session_env)).spawn(argv, env)
+
+
+def session_zygote(env: dict[str, str]) -> Zygote:
+    """This process's zygote, started with ``env`` at the first call (later calls return it as it is)."""
+    if not _SESSION:
+        import tempfile
+
+        _SESSION.append(Zygote(Path(tempfile.mkdtemp(prefix="hkvd-zygote-")), env).start())
+    return _SESSION[0]
+
+
+def stop_session_zygote() -> None:
+    for z in _SESSION:
+        z.stop()
+    _SESSION.clear()
 
 
 class ForkedEngine:

@@ -4,16 +4,15 @@
 Qwen3-Next hybrid: full attention + Gated-DeltaNet states) from the prefill daemon with NIXL, and
 the decode engine's greedy output equals a single engine's.
 
-Costs three engine starts (~1 min each on 2 cores). Needs vLLM (``make vllm``) and NIXL."""
+Costs three engine starts, each forked from the session's engine zygote. Needs vLLM (``make vllm``) and NIXL."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 BLOCK = 128  # vLLM's block size for the tiny Qwen3-Next on CPU (= hkvd chunk size N)
+_SESSION_ENV = dict(os.environ)  # before any test's monkeypatch: the engine zygote's imports see no test's settings
 LOGPROB_TOL = 0.02  # nats: a few bf16 ulps (a restored state may differ from a recomputed one by one)
 
 
@@ -53,21 +53,18 @@ def _model(tmp_path_factory: pytest.TempPathFactory, kind: str = "qwen3_next") -
 
 
 def _run(args: dict[str, Any], timeout_s: float = 400) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("HKVD_TEST_OMP_BIND", "0-1")  # the same in every run
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.Popen([sys.executable, str(HERE / "pd_run.py"), json.dumps(args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env)
+    """One engine of pd_run.py, forked from the session's engine zygote (hkvd.shim.testing.zygote)."""
+    from hkvd.shim.testing.zygote import engine_env, fork_engine
+
+    proc = fork_engine([str(HERE / "pd_run.py"), json.dumps(args)], engine_env(os.environ), _SESSION_ENV)
     chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, b"")),  # type: ignore[union-attr]
-                              daemon=True)
+    reader = threading.Thread(target=lambda: chunks.extend(proc.lines()), daemon=True)
     reader.start()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:
         proc.kill()
-        proc.wait(10)
     reader.join(30)
     text = b"".join(chunks).decode(errors="replace")
     for line in text.splitlines():

@@ -137,35 +137,14 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         d.stop()
 
 
-_ZYGOTE: list[object] = []  # the session's engine zygote (hkvd.shim.testing.zygote), started at the first engine
 _SESSION_ENV = dict(os.environ)  # before any test's monkeypatch: the zygote's imports see no test's settings
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """An engine's environment: the test's (``base``: the session's), with the settings every engine shares."""
-    env = dict(os.environ if base is None else base)
-    # Identical thread binding in every compared run: vLLM's automatic binding reserves one
-    # more core once a connector is configured, which moves bf16 logprobs (see the reference).
-    env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("HKVD_TEST_OMP_BIND", "0-1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return env
+    from hkvd.shim.testing.zygote import engine_env as shared
 
-
-def _zygote():  # type: ignore[no-untyped-def]
-    from hkvd.shim.testing.zygote import Zygote
-
-    if not _ZYGOTE:
-        import tempfile
-
-        _ZYGOTE.append(Zygote(Path(tempfile.mkdtemp(prefix="hkvd-zygote-")), engine_env(_SESSION_ENV)).start())
-    return _ZYGOTE[0]
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    for z in _ZYGOTE:
-        z.stop()  # type: ignore[attr-defined]
-    _ZYGOTE.clear()
+    return shared(os.environ if base is None else base)
 
 
 def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ignore[no-untyped-def]
@@ -180,6 +159,7 @@ def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ig
     ``expect_failure``: the engine must fail to start; returns ``{"log": ..., "rc": ...}``.
     """
     from hkvd.shim.testing.vllm_cache import core_in_own_process, forks_engine_processes
+    from hkvd.shim.testing.zygote import fork_engine
 
     env = engine_env()
     argv = [str(HERE / "e2e_run.py"), json.dumps(args)]
@@ -188,7 +168,7 @@ def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ig
         proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         lines = iter(proc.stdout.readline, b"")  # type: ignore[union-attr]
     else:
-        proc = _zygote().spawn(argv, env)
+        proc = fork_engine(argv, env, _SESSION_ENV)
         lines = proc.lines()
     # A reader thread drains the output (vLLM logs a lot) while this thread watches for pauses.
     reader = threading.Thread(target=lambda: chunks.extend(lines), daemon=True)
