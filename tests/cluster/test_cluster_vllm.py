@@ -7,8 +7,8 @@ with real KV of another chunk, well-formed and sealed with a key the fleet does 
 node 2, whose daemon's pool never saw the prompts, runs them again and loads them through the cluster. Its
 greedy tokens equal the cold run's; the forged values are misses (``corrupt{mac}``), so the prompt they belong
 to loads fewer tokens than a warm run on a single node (a fresh engine on node 1 again), and the other prompt
-as many. Costs three engine starts (~1 min each on 2 cores); needs vLLM (``make vllm``), Mooncake and root
-(the namespaces)."""
+as many. Costs three engine starts, forked from the session's engine zygote; needs vLLM (``make vllm``),
+Mooncake and root (the namespaces)."""
 
 from __future__ import annotations
 
