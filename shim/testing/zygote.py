@@ -46,9 +46,10 @@ from pathlib import Path
 #: Imported before the first fork: what every engine script imports (and vLLM's CPU worker and the tiny
 #: models' classes, which the engine imports while it starts).
 PRELOAD = ("torch", "transformers", "vllm", "vllm.inputs", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
-           "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
-           "vllm.model_executor.models.qwen3_next", "vllm.model_executor.models.gemma3",
-           "vllm.model_executor.models.llama", "hkvd.shim.connector", "hkvd.shim.testing.vllm_cache")
+           "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+           "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.qwen3_next",
+           "vllm.model_executor.models.gemma3", "vllm.model_executor.models.llama", "hkvd.shim.connector",
+           "hkvd.shim.testing.vllm_cache")
 
 PID_LINE = "HKVD_ZYGOTE_PID "
 EXIT_LINE = "HKVD_ZYGOTE_EXIT "
