@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 WHEELS ?= /opt/wheels
 PIP := $(BIN)/pip install --find-links $(WHEELS)
 
-.PHONY: dev vllm cluster serve test test-fast test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
+.PHONY: dev vllm cluster serve test test-slow test-fast test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,9 +52,14 @@ cluster: $(CLUSTER_STAMP)
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
 	  $$SUDO apt-get install -y -q libibverbs1 || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }; }
 
-# The full suite, as CI runs it (README's test command).
+# The full suite but the soaks, as CI runs it (README's test command).
 test: vllm cluster
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -m "not slow" tests
+
+# The soaks (the `slow` marker): minutes of load on a daemon or a daemon pair, then its memory and what it
+# left behind checked. Run before a release and after a change to the pool, the index or the peer links.
+test-slow: vllm cluster
+	$(BIN)/pytest -q -m slow tests
 
 # In-process unit tests only (the `fast` marker: every tests/unit test that starts no process and uses no
 # vLLM, tests/unit/conftest.py): under a minute on 2 cores. test-fast and test-unit need no vLLM (its tests

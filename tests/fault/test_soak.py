@@ -29,6 +29,7 @@ RSS_DRIFT_LIMIT_MIB = 4.0
 SAMPLE_S = 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(int(SOAK_S) + 240)
 def test_soak_keeps_rss_flat_and_leaves_nothing_behind(daemon_factory, fault, tmp_path):
     d = daemon_factory("--l1-size-gb", "0.125", "--chunk-size", "16", "--lease-ttl-s", "2")

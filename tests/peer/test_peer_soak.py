@@ -43,6 +43,7 @@ def _drift(samples: list[tuple[float, float]]) -> tuple[float, float, float]:
     return first, last, last - first
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(int(SOAK_S) + 240)
 def test_peer_soak_keeps_both_daemons_flat_and_exact(pair_factory: Any, lib: Any) -> None:
     prefill, decode = pair_factory(pool_gb="0.0625")  # 64 MiB each; ~256 KiB per prompt
