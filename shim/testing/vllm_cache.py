@@ -1,17 +1,17 @@
 """Empty a vLLM engine's own prefix cache for real, so that later hits can only come from hkvd.
 
 ``LLM.reset_prefix_cache()`` returns False, and leaves every cached block in place, while a finished
-request still holds blocks. The connector delays the free of a request whose stores are in flight
-until a later step reports them done, and an idle engine takes no step: right after ``generate``
-returns, the reset usually fails. ``reset_prefix_cache(llm)`` drives steps with a three-token request
-(shorter than any chunk, so nothing of it is stored or looked up) until the reset succeeds, and
-raises if it has not within ``timeout_s``.
+request still holds blocks: the connector delays the free of a request whose stores are in flight until
+a worker reports them done. vLLM's engine loop keeps stepping for that
+(``HkvdConnector.has_pending_push_work``), so an engine core in a process of its own frees them by itself
+within milliseconds; ``reset_prefix_cache(llm)`` retries until the reset succeeds, and raises if it has
+not within ``timeout_s``.
 
 An engine whose core runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's
 ``InprocClient``) takes a step only when the caller asks for output: ``generate`` returns once its request
-is done, and nothing steps the core for the stores still in flight. There the helper steps the core
-itself (an empty step reports finished stores, as the engine core's own loop does in a process of its
-own) before it falls back to the three-token request.
+is done, and nothing steps the core for the stores still in flight. There ``settle`` steps the core itself
+while its scheduler has work (``Scheduler.has_requests``, which asks the connector), as the engine core's
+own loop does in a process of its own.
 """
 
 from __future__ import annotations
@@ -24,26 +24,15 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm import LLM
     from vllm.v1.engine.core_client import InprocClient
 
-# Token ids 0..3 are the tiny test models' special tokens; any three ordinary ids do.
-_STEP_PROMPT = [5, 6, 7]
-
 
 def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> None:
     """Reset ``llm``'s prefix cache (a ``vllm.LLM``); raise ``RuntimeError`` after ``timeout_s``."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     deadline = time.monotonic() + timeout_s
-    inproc = _inproc_client(llm)
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
             raise RuntimeError(f"vLLM's prefix cache could not be reset within {timeout_s:.0f} s: finished "
                                "requests still hold blocks (stores the daemon never finished?)")
-        if inproc is not None and inproc.engine_core.scheduler.has_requests():
-            settle(llm, deadline - time.monotonic())
-        else:
-            llm.generate([TokensPrompt(prompt_token_ids=_STEP_PROMPT)], SamplingParams(max_tokens=1),
-                         use_tqdm=False)
+        settle(llm, deadline - time.monotonic())
         time.sleep(0.01)
 
 
