@@ -145,10 +145,6 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
-    def has_pending_push_work(self) -> bool:
-        """vLLM's engine loop keeps stepping while this is True (``SchedulerSide.has_pending_push_work``)."""
-        return self._sched is not None and self._sched.has_pending_push_work()
-
     def take_events(self) -> Iterable[KVCacheEvent]:
         """hkvd's KV events for this engine (its tiers' stores and removals), published by vLLM beside its
         own when the engine runs with ``kv_events_config`` (hkvd.shim.kv_event_feed)."""

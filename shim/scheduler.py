@@ -152,10 +152,6 @@ class SchedulerSide:
         self._invalid_logged = False
         self._loads: list[LoadJob] = []
         self._delayed: list[str] = []
-        # Finished requests whose blocks vLLM frees only once the worker reports them (finished_sending, or
-        # finished_recving for a load that outlived its request), each with the time until which the engine
-        # keeps stepping for it (has_pending_push_work).
-        self._awaiting_free: dict[str, float] = {}
         self._finish_stores: list[StoreJob] = []  # chunks keyed only when their request finished
         self._said_no_verify = False  # warned that the daemon compares no sampled hits
         self._said_no_pins = False  # warned that the daemon takes no session pins
@@ -781,9 +777,6 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         recving = set(getattr(output, "finished_recving", None) or ())
         failed = set(getattr(output, "failed_recving", None) or ())
-        if self._awaiting_free:
-            for req_id in set(getattr(output, "finished_sending", None) or ()) | recving | failed:
-                self._awaiting_free.pop(req_id, None)
         self._reports.from_workers(recving, failed)  # vLLM must not hear a load a watch reported
         for req_id in recving | failed:
             st = self._reqs.get(req_id)
@@ -865,38 +858,13 @@ class SchedulerSide:
             # remote KV): vLLM frees its blocks when the worker reports the load, after the daemon's
             # reply. Never also in delayed_free: a second report would free them twice.
             self._fire(st, Event.FINISHED)
-            self._await_free(request.request_id)
             return True, params
         if st.had_copies:
             self._fire(st, Event.FINISHED_STORING)
             self._delayed.append(request.request_id)
-            self._await_free(request.request_id)
             return True, params
         self._fire(st, Event.FINISHED)
         return False, params
-
-    def has_pending_push_work(self) -> bool:
-        """Whether vLLM's engine loop must keep stepping with nothing scheduled: a finished request's blocks
-        wait for the worker's report (its stores, or a load that outlived it), or stores and checks planned at
-        a request's finish have not gone to the workers yet. Without it an idle engine stops after the step
-        that finished the request, and the blocks stay held (and vLLM's prefix cache cannot be reset) until
-        another request makes it step. Each request keeps it stepping for at most ``load_timeout_s`` (a
-        worker whose daemon stopped answering reports late; the engine does not spin on it meanwhile)."""
-        if self._delayed or self._finish_stores or self._finish_verifies:
-            return True
-        if not self._awaiting_free:
-            return False
-        now = time.monotonic()
-        late = [r for r, until in self._awaiting_free.items() if until < now]
-        for req_id in late:
-            del self._awaiting_free[req_id]
-            logger.warning("request %s: the workers have not reported its stores after %.0f s; vLLM's engine "
-                           "no longer steps for it (its blocks are freed once they do)", req_id,
-                           self.cfg.load_timeout_s)
-        return bool(self._awaiting_free)
-
-    def _await_free(self, req_id: str) -> None:
-        self._awaiting_free[req_id] = time.monotonic() + self.cfg.load_timeout_s
 
     def _store_on_finish(self, request: Request, st: RequestRecord,
                          block_ids: list[int] | tuple[list[int], ...]) -> None:

@@ -1,17 +1,16 @@
 """Empty a vLLM engine's own prefix cache for real, so that later hits can only come from hkvd.
 
 ``LLM.reset_prefix_cache()`` returns False, and leaves every cached block in place, while a finished
-request still holds blocks: the connector delays the free of a request whose stores are in flight until
-a worker reports them done. vLLM's engine loop keeps stepping for that
-(``HkvdConnector.has_pending_push_work``), so an engine core in a process of its own frees them by itself
-within milliseconds; ``reset_prefix_cache(llm)`` retries until the reset succeeds, and raises if it has
-not within ``timeout_s``.
+request still holds blocks: the connector delays the free of a request whose stores are in flight until a
+worker reports them done. vLLM's engine loop keeps stepping for that (``Scheduler.has_finished_requests``
+counts such a request), so an engine core in a process of its own frees them by itself within milliseconds;
+``reset_prefix_cache(llm)`` retries until the reset succeeds, and raises if it has not within ``timeout_s``.
 
 An engine whose core runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's
 ``InprocClient``) takes a step only when the caller asks for output: ``generate`` returns once its request
 is done, and nothing steps the core for the stores still in flight. There ``settle`` steps the core itself
-while its scheduler has work (``Scheduler.has_requests``, which asks the connector), as the engine core's
-own loop does in a process of its own.
+while its scheduler has work (``Scheduler.has_requests``), as the engine core's own loop does in a process
+of its own.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import time
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -222,9 +221,7 @@ def test_a_finished_request_with_copies_in_flight_frees_its_blocks_after_them(sc
     first = sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
     assert [len(s.items) for s in first.stores] == [3]
 
-    assert not sched.has_pending_push_work()  # a running request: vLLM steps for it anyway
     assert sched.request_finished(req, TABLE) == (True, None)  # its store may still be copying
-    assert sched.has_pending_push_work()  # an idle engine keeps stepping until its blocks are freed
     second = sched.build_connector_meta(SimpleNamespace(
         scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                                      num_computed_tokens=[]),
@@ -241,33 +238,6 @@ def test_a_finished_request_with_copies_in_flight_frees_its_blocks_after_them(sc
     assert w.get_finished(set()) == (None, None)  # the store out of its blocks still runs
     wclient.fail(wclient.kinds("store")[0][0])  # done or failed: either way the blocks are free
     assert w.get_finished(set()) == ({"r2"}, None)
-    assert sched.has_pending_push_work()  # until vLLM hands the scheduler side the workers' report
-    sched.update_connector_output(SimpleNamespace(finished_sending={"r2"}, finished_recving=None,
-                                                  failed_recving=None))
-    assert not sched.has_pending_push_work()
-
-
-def test_an_engine_stops_stepping_for_a_store_the_workers_never_report(monkeypatch: pytest.MonkeyPatch,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    sched = SchedulerSide(vllm_config(), kv_cache_config(),
-                          ShimConfig(socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK, load_timeout_s=5.0))
-    connect(sched, ScriptedClient())
-    req = Request("r3", list(range(100)), SamplingParams(max_tokens=4), None)
-    sched.on_new_request(req)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 0)
-    sched.build_connector_meta(scheduler_output(req, computed=0, scheduled=100))
-    assert sched.request_finished(req, TABLE) == (True, None)
-    sched.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                                                     num_computed_tokens=[]),
-        num_scheduled_tokens={}, total_num_scheduled_tokens=0, kv_connector_block_state=None))
-    assert sched.has_pending_push_work()
-    later = time.monotonic() + 6.0  # past load_timeout_s
-    monkeypatch.setattr("hkvd.shim.scheduler.time", SimpleNamespace(monotonic=lambda: later))
-    with caplog.at_level(logging.WARNING):
-        assert not sched.has_pending_push_work()
-    assert "have not reported its stores after 5 s" in caplog.text
 
 
 def test_metadata_objects_are_independent_and_survive_pickling() -> None:
