@@ -74,8 +74,9 @@ def place_engine_core(args: dict[str, object]) -> None:
     one-process executor holds the worker, as a single-GPU engine core does: the connector's scheduler and
     worker sides share the process, and the engine starts without importing vLLM twice more (~25 s on two
     cores)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_in_own_process(args) else "0"
-    if core_in_own_process(args) and forks_engine_processes():
+    own = core_in_own_process(args)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own else "0"
+    if own and forks_engine_processes():
         _fork_engine_processes()
 
 
@@ -88,8 +89,8 @@ def forks_engine_processes() -> bool:
 
 
 def _fork_engine_processes() -> None:
-    """Keep ``fork`` as vLLM's start method past its CPU platform's configuration (see
-    ``forks_engine_processes``)."""
+    """Keep ``fork`` as vLLM's start method past its CPU platform's configuration, which sets ``spawn`` before
+    vLLM starts any process (see ``forks_engine_processes``)."""
     from vllm.platforms.cpu import CpuPlatform
 
     original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
@@ -99,4 +100,3 @@ def _fork_engine_processes() -> None:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"

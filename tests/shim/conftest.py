@@ -140,13 +140,6 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
 _SESSION_ENV = dict(os.environ)  # before any test's monkeypatch: the zygote's imports see no test's settings
 
 
-def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """An engine's environment: the test's (``base``: the session's), with the settings every engine shares."""
-    from hkvd.shim.testing.zygote import engine_env as shared
-
-    return shared(os.environ if base is None else base)
-
-
 def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ignore[no-untyped-def]
                expect_failure: bool = False) -> dict:
     """Run tests/shim/e2e_run.py as an engine process of its own; return its JSON result.
@@ -159,9 +152,9 @@ def run_engine(args: dict, *, timeout_s: float = 240, on_pause=None,  # type: ig
     ``expect_failure``: the engine must fail to start; returns ``{"log": ..., "rc": ...}``.
     """
     from hkvd.shim.testing.vllm_cache import core_in_own_process, forks_engine_processes
-    from hkvd.shim.testing.zygote import fork_engine
+    from hkvd.shim.testing.zygote import engine_env, fork_engine
 
-    env = engine_env()
+    env = engine_env(os.environ)
     argv = [str(HERE / "e2e_run.py"), json.dumps(args)]
     chunks: list[bytes] = []
     if core_in_own_process(args) and not forks_engine_processes():
