@@ -4,36 +4,42 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 WHEELS ?= /opt/wheels
-PIP := $(BIN)/pip install --find-links $(WHEELS)
+# Installs go through uv (in the venv, from PyPI): measured on a fresh 2-core machine, `-e '.[dev]'` took 6 s
+# where pip took 66 s, and vLLM's CPU build 26 s where pip took about 3 minutes (docs/testing.md).
+UV_VERSION := 0.13.9
+UV := $(BIN)/uv pip
+PIP := $(UV) install --python $(BIN)/python --find-links $(WHEELS)
 
 .PHONY: dev vllm cluster serve test test-slow test-fast test-unit test-fault test-shim test-gpu check lint type bench bench-deps bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+
+$(BIN)/uv: | $(BIN)/python
+	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 
 NIXL_VERSION := 1.5.1
 
 # NIXL (peer links) declares a dependency on torch; --no-deps keeps the CPU torch in place
 # (the [peer] extra cannot say --no-deps). numpy, its other dependency, is one of ours.
 # Each install leaves a stamp in the venv, so the targets that need it (test-fast, test, ...) do not run pip
-# again (about 12 s a time) until pyproject.toml or the Makefile changes.
+# again until pyproject.toml or the Makefile changes.
 DEV_STAMP := $(VENV)/.hkvd-dev
 VLLM_STAMP := $(VENV)/.hkvd-vllm
 CLUSTER_STAMP := $(VENV)/.hkvd-cluster
 
-$(DEV_STAMP): pyproject.toml Makefile | $(BIN)/python
+$(DEV_STAMP): pyproject.toml Makefile | $(BIN)/uv
 	$(PIP) -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps nixl-cu12==$(NIXL_VERSION)
+	$(PIP) -q --no-deps nixl-cu12==$(NIXL_VERSION)
 	touch $@
 
 dev: $(DEV_STAMP)
 
-# vLLM's CPU build for the shim's end-to-end tests (about 3 minutes, 3.4 GB). vLLM pulls torchvision,
+# vLLM's CPU build for the shim's end-to-end tests (3.4 GB; 26 s with uv on a fresh 2-core machine). vLLM pulls torchvision,
 # torchaudio and torchcodec, which break `import vllm` beside the CPU torch: remove them.
 $(VLLM_STAMP): $(DEV_STAMP)
 	$(PIP) -q -e '.[dev,vllm]'
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(UV) uninstall --python $(BIN)/python -q torchvision torchaudio torchcodec
 	touch $@
 
 vllm: $(VLLM_STAMP)
@@ -84,7 +90,7 @@ TORCH_CUDA = $(shell $(BIN)/python -c "import torch; print((torch.version.cuda o
 CUDA ?= $(or $(TORCH_CUDA),12)
 test-gpu: dev
 	@case "$(CUDA)" in 12|13) ;; *) echo "test-gpu: CUDA major $(CUDA) has no extra (gpu-cu12, gpu-cu13)"; exit 2;; esac
-	$(BIN)/pip uninstall -y -q cupy-cuda$(if $(filter 12,$(CUDA)),13,12)x
+	$(UV) uninstall --python $(BIN)/python -q cupy-cuda$(if $(filter 12,$(CUDA)),13,12)x
 	$(PIP) -q -e '.[dev,gpu-cu$(CUDA)]' || true
 	HKVD_REQUIRE_GPU=1 $(BIN)/pytest -q -m gpu tests/gpu
 	$(BIN)/python bench/gpu_copy.py

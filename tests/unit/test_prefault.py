@@ -121,7 +121,7 @@ def test_populate_lets_the_event_loop_run_while_it_faults() -> None:
     ticks = 0
     during: list[int] = []
     done = threading.Event()
-    with HugePagePool(256 * MIB, "off", superblock_bytes=32 * MIB, faulted_only=True) as p:
+    with HugePagePool(64 * MIB, "off", superblock_bytes=16 * MIB, faulted_only=True) as p:
 
         def fault() -> None:
             before = ticks
@@ -140,7 +140,7 @@ def test_populate_lets_the_event_loop_run_while_it_faults() -> None:
         finally:
             sys.setswitchinterval(interval)
         t.join(30)
-    assert during and during[0] > 0, "this thread never ran while the populate faulted 256 MiB in"
+    assert during and during[0] > 0, "this thread never ran while the populate faulted 64 MiB in"
 
 
 def test_close_stops_a_running_prefault() -> None:
