@@ -94,15 +94,18 @@ def load_budgets() -> ModuleType:
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(load_budgets().BudgetPlugin(Path(__file__).resolve().parent), "hkvd-budgets")
     if os.environ.get("HKVD_TEST_LEDGER"):
-        config.pluginmanager.register(Ledger(Path(os.environ["HKVD_TEST_LEDGER"])), "hkvd-ledger")
+        # Under pytest-xdist (make test-fast) each worker deselects; only the controller writes.
+        writes = not hasattr(config, "workerinput")
+        config.pluginmanager.register(Ledger(Path(os.environ["HKVD_TEST_LEDGER"]), writes), "hkvd-ledger")
 
 
 # A run ledger (HKVD_TEST_LEDGER=FILE): each test that passes is written to FILE, and a test that FILE already
 # names as passed is not run again. .ci/run runs README's quick checks in a clean venv without vLLM and then
 # `make test` with the same ledger, so every test runs once; a test skipped there (it needs vLLM) runs here.
 class Ledger:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writes: bool = True) -> None:
         self.path = path
+        self.writes = writes
         self.passed = set(path.read_text().split("\n")) - {""} if path.exists() else set()
         self.failed: set[str] = set()
 
@@ -114,6 +117,8 @@ class Ledger:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         # A test passed once its teardown passed too (the budget check fails a test there).
+        if not self.writes:
+            return
         if report.when == "teardown" and report.passed and report.nodeid not in self.failed:
             with self.path.open("a") as f:
                 f.write(report.nodeid + "\n")
@@ -121,6 +126,6 @@ class Ledger:
             self.failed.add(report.nodeid)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
-        if self.passed:
+        if self.passed and self.writes:
             terminalreporter.write_line(f"ledger {self.path}: {len(self.passed)} tests had passed in an earlier "
                                         "run and were not run again")
