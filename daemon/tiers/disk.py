@@ -86,6 +86,7 @@ from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.contract import Source, Tier
 from hkvd.daemon.tiers.write_queue import WriteJob, WriteQueue
+from hkvd.transport.keys import KEY_BYTES
 from hkvd.transport.stat_fields import metric, part, status_only
 
 log = logging.getLogger("hkvd.disk")
@@ -98,7 +99,6 @@ MAGIC = b"HKVDL2\r\n"
 # 3: the header ends in a MAC under the directory's key instead of a CRC-32.
 VERSION = 3
 KINDS = ("full", "swa", "mamba")
-KEY_BYTES = 16
 _HEAD = struct.Struct("<8sHBBIQI16s16s16s")
 MAC_BYTES = 16
 HEAD_BYTES = _HEAD.size  # 76: the fields a MAC covers

@@ -21,6 +21,7 @@ import typing
 from typing import Any, ClassVar
 
 from hkvd.transport.errors import ProtocolViolation, UnknownMessage
+from hkvd.transport.keys import KEY_BYTES
 
 # 2: EngineSpec.identity, Uncacheable, chunk keys with extra keys (LoRA, images, cache_salt).
 PROTOCOL_VERSION = 2
@@ -29,7 +30,6 @@ DEFAULT_MAX_FRAME_BYTES = 16 << 20
 # low enough that one frame cannot make the daemon do unbounded work.
 MAX_KEYS = 1 << 16
 MAX_ITEMS = 1 << 16
-KEY_BYTES = 16
 
 
 class MsgType(enum.IntEnum):
