@@ -10,7 +10,8 @@ full ``all`` runs them where vLLM is installed. ``serving`` runs only when named
 one after another); ``serving --quick`` runs it on the tiny model with a smaller workload. ``verify_cost``
 (sampled verification's cost: three vLLM + hkvd servers per round) also runs only when named, and takes
 ``--serving-model`` and ``--serving-rounds`` too. ``agents`` (agent sessions pausing between turns: vLLM
-alone, hkvd with LRU only, hkvd with session pins) runs only when named.
+alone, hkvd with LRU only, hkvd with session pins) runs only when named, and so does ``long_context`` (a hit's
+TTFT on prompts of 8K-32K tokens against vLLM's own hit and against recompute).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from bench import report
 from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
-        "load_overlap", "usable_prefix", "serving", "verify_cost", "agents")
+        "load_overlap", "usable_prefix", "serving", "verify_cost", "agents", "long_context")
 # Not in `all --quick`: too slow for the 2-minute smoke.
 QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
 # Not in `all`: vLLM servers one after another (serving, agents: four, verify_cost: three), tens of minutes on
 # 2 cores.
-ALONE = ("serving", "verify_cost", "agents")
+ALONE = ("serving", "verify_cost", "agents", "long_context")
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
