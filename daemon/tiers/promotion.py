@@ -43,7 +43,7 @@ from hkvd.daemon.tiers.contract import Tier
 from hkvd.transport.errors import PoolFull
 
 if TYPE_CHECKING:  # for annotations only: the service imports this module
-    from hkvd.daemon.engines.service import RequestLog
+    from hkvd.daemon.engines.connection import RequestLog
 
 log = logging.getLogger("hkvd.tiers")
 

@@ -98,7 +98,7 @@ def in_process_daemon(copy_timeout_s: float = 30.0,
         executor = ThreadPoolExecutor(1)  # one copy thread: "free" means a job submitted now runs at once
         service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(16, engine, pool=pool),
                             engine, executor, Metrics())
-        service.copy_timeout_s = copy_timeout_s  # the config's is at least 30 s
+        service.copies.timeout_s = copy_timeout_s  # the config's is at least 30 s
         try:
             yield Server(cfg, service), engine, executor
         finally:

@@ -18,7 +18,7 @@ import sys
 
 def _install(fault: str) -> None:
     import hkvd.transport.wire  # noqa: F401 - first, as the daemon's own start-up imports it
-    from hkvd.daemon.engines import service
+    from hkvd.daemon.engines import copies
     from hkvd.transport.copy_engine import Direction
 
     kind, _, nth = fault.partition(":")
@@ -26,7 +26,7 @@ def _install(fault: str) -> None:
     if want is None or not nth.isdigit() or int(nth) < 1:
         raise SystemExit(f"faulty_serve: HKVD_FAULT={fault!r}; use retrieve:N or store:N (N >= 1)")
     target = int(nth)
-    original = service.KVService._run_copy
+    original = copies.Copies.run
     seen = 0
 
     async def run_copy(self, conn, attachment, segments, direction, *args, **kw):  # type: ignore[no-untyped-def]
@@ -41,7 +41,7 @@ def _install(fault: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return await original(self, conn, attachment, segments, direction, *args, **kw)
 
-    service.KVService._run_copy = run_copy  # type: ignore[method-assign]
+    copies.Copies.run = run_copy  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
