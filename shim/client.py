@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from hkvd.shim.daemon_port import DaemonPort
 from hkvd.shim.results import Completion, Result
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import (
@@ -50,7 +51,9 @@ _ANSWER_TYPES = frozenset(ANSWERS.values())
 M = TypeVar("M", bound=Message)
 
 
-class DaemonClient:
+class DaemonClient(DaemonPort):
+    """The daemon over its Unix socket: ``DaemonPort``, plus connecting, registering and status."""
+
     def __init__(self, socket_path: str, *, client_name: str, role: str, timeout_s: float = 5.0) -> None:
         self.socket_path = socket_path
         self.client_name = client_name

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hkvd.shim.client import DaemonClient
+from hkvd.shim.daemon_port import DaemonPort
 from hkvd.shim.jobs import LoadJob
 from hkvd.shim.results import Completion
 from hkvd.transport.wire.replies import RetrieveResult
@@ -79,7 +79,7 @@ class Loads:
         """The requests whose loads are in flight (the daemon may be writing into their blocks)."""
         return {p.job.req_id for p in self._flying.values()}
 
-    def start(self, client: DaemonClient, job: LoadJob, lease_id: int, deadline: float = 0.0,
+    def start(self, client: DaemonPort, job: LoadJob, lease_id: int, deadline: float = 0.0,
               budget: str = "load_timeout_s") -> None:
         """Submit ``job``'s Retrieve; the client's error (connection lost) propagates, nothing is kept."""
         rid = client.submit_retrieve(job.items, lease_id)
@@ -118,7 +118,7 @@ class Loads:
         end = time.monotonic() + horizon_s
         return any(p.started + self._s_per_block * len(p.job.block_ids) <= end for p in self._flying.values())
 
-    def expire(self, client: DaemonClient | None) -> None:
+    def expire(self, client: DaemonPort | None) -> None:
         """Abort loads past their deadline, once each; each still ends with the daemon's reply."""
         now = time.monotonic()
         for rid, p in self._flying.items():

@@ -113,7 +113,11 @@ class RequestRecord:
     lookup_sent_at: float = 0.0
     lookup_gen: int = 0  # the link generation it was sent on
     ends_retried: bool = False  # looked up again with the turn ends the daemon named (LookupReply.ends)
-    hit_chunks: int = 0  # known from LOOKED_UP on
+    hit_chunks: int = 0  # known from LOOKED_UP on; a partial hit's last chunk counts
+    # A partial hit (hkvd.shim.partial): the tokens it serves and the partial key of its last chunk
+    # (hit_chunks - 1), which is then not the whole chunk. None: the hit is whole chunks.
+    partial: tuple[int, bytes] | None = None
+    lookup_tails: list[tuple[int, bytes]] = field(default_factory=list)  # (position, key) the lookup sent
     lease_id: int = 0
     lease_used: bool = False  # the lease was spent: a load retrieves under it, or it was released
     next_store_chunk: int = 0
@@ -129,6 +133,8 @@ class RequestRecord:
     verify_upto: int = 0
     tenant: str = ""  # whose quota its stores count against (hkvd.shim.tenants)
     pin: PinAsk | None = None  # the session pin its kv_transfer_params asked for (hkvd.shim.sessions)
+    # The partial chunks whose blocks went out as stores or offers, in the order they did (pinned with it).
+    partials_stored: dict[bytes, None] = field(default_factory=dict)
 
     @property
     def answered(self) -> bool:
@@ -151,9 +157,19 @@ class RequestRecord:
         if to is State.LOOKUP:  # asked again: the old answer and its lease are spent
             self.hit_chunks, self.lookup_id, self.lease_id, self.lease_used = 0, None, 0, False
             self.verify_from = self.verify_upto = 0
+            self.partial = None
         elif to is State.FAILED:  # recomputed from scratch: store it again (a new daemon lacks it)
-            self.hit_chunks, self.lease_id, self.next_store_chunk = 0, 0, 0
+            self.hit_chunks, self.lease_id, self.next_store_chunk, self.partial = 0, 0, 0, None
         return to
+
+    def hit_tokens(self, chunk_size: int) -> int:
+        """The tokens the hit serves: a partial hit's position, else its whole chunks'."""
+        return self.partial[0] if self.partial is not None else self.hit_chunks * chunk_size
+
+    @property
+    def held_chunks(self) -> int:
+        """The whole chunks the daemon holds of the hit (a partial last chunk is not the whole chunk)."""
+        return self.hit_chunks - (self.partial is not None)
 
     def fail_safe(self, event: Event) -> None:
         """After an ``InvalidTransition`` on ``event``: recompute the request, never offer it a hit again.
@@ -162,7 +178,7 @@ class RequestRecord:
         worker refuses it and reports it failed, so the request leaves WAITING_FOR_REMOTE_KVS (LOADING
         until then, then FAILED). Any other event fails the request at once."""
         self.state = State.LOADING if event is Event.LOAD_PLANNED else State.FAILED
-        self.hit_chunks, self.lease_id = 0, 0
+        self.hit_chunks, self.lease_id, self.partial = 0, 0, None
 
 
 class LoadReports:

@@ -290,13 +290,11 @@ def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
-    from hkvd.shim.identity import ChunkIdentity, prompt_tokens
+    from hkvd.shim.identity import prompt_tokens
+    from hkvd.shim.request_keys import ChunkKeys
     from hkvd.shim.request_state import RequestRecord
-    from hkvd.shim.scheduler import SchedulerSide
-    from hkvd.shim.shim_config import ShimConfig
 
-    side = SchedulerSide.__new__(SchedulerSide)  # only the keying half: no daemon, no vLLM config
-    side.cfg, side.chunk_size, side._identity = ShimConfig(socket_path="unused"), 16, ChunkIdentity()
+    chunk_keys = ChunkKeys(16, store_decode=True)  # the scheduler side's keying: no daemon, no vLLM config
 
     def request(req_id: str, tokens: list[int], lora: str = "a", salt: str = "t1") -> Request:
         image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",
@@ -307,7 +305,7 @@ def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
 
     def keys(req: Request, n: int) -> list[bytes]:
         st = RequestRecord(req.request_id, prompt_tokens(req), req.num_prompt_tokens, request=req)
-        return side._keys_through(st, n)
+        return chunk_keys.through(st, n)
 
     first = request("turn1", list(range(10, 110)))  # 100 tokens: 6 full chunks, the image in chunks 1-3
     for t in range(60):
@@ -318,7 +316,7 @@ def test_answer_keys_are_the_next_turns_prompt_keys() -> None:
     assert keys(request("turn2", nxt), 12)[:10] == answer_keys
     for other in (request("lora-b", nxt, lora="b"), request("salt-2", nxt, salt="t2")):
         assert all(a != b for a, b in zip(keys(other, 12), answer_keys, strict=False))
-    side.cfg = ShimConfig(socket_path="unused", store_decode=False)
+    chunk_keys.store_decode = False
     off = request("off", list(range(10, 110)))
     for t in range(60):
         off.append_output_token_ids(200 + t)

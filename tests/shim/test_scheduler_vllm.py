@@ -417,7 +417,7 @@ def test_the_scheduler_reports_a_load_the_daemon_wrote_before_its_worker_reads_t
         assert run.read(table[0][i], PAGE) == Runner.pattern(prompt, (i + 1) * BLOCK, PAGE)
     held.hold = False
     run.step()  # the worker's own report of r3 now comes, and is taken out: vLLM asserts it never sees it twice
-    assert side.loads.stats["loads_ok"] == 1 and not scheduler_side._reported_early
+    assert side.loads.stats["loads_ok"] == 1 and not scheduler_side.loads.reported_early
     run.run()
     assert not sched.has_unfinished_requests()
 
@@ -431,12 +431,12 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(qw
     # As for a request that stored chunks before it was preempted and is now loaded back: its free
     # would be delayed for its copies, and a report in finished_sending would free the blocks while
     # the daemon writes into them (and vLLM's later finished_recving would find no request).
-    sched.connector._sched._reqs["r3"].had_copies = True
+    sched.connector._sched.ctx.reqs["r3"].had_copies = True
     sched.finish_requests("r3", RequestStatus.FINISHED_ABORTED)
     for _ in range(3):  # the daemon may still be writing into them: vLLM must not reuse them
         run.step()
         assert "r3" in sched.requests and all(pool.blocks[b].ref_cnt > 0 for b in blocks)
-    assert sched.connector._sched._delayed == []  # no second free through finished_sending
+    assert sched.connector._sched.stores.delayed == []  # no second free through finished_sending
     held.hold = False
     run.step()  # the reply: the load is reported and vLLM frees the blocks, once
     assert "r3" not in sched.requests
@@ -466,9 +466,9 @@ def test_a_lookup_waits_on_past_other_replies_that_come_first(qwen_dir, daemon_f
             return getattr(real, name)
 
         def poll(self, timeout_s: float = 0.0) -> list[Any]:
-            if self.first and side._by_lookup:
+            if self.first and side.lookups.by_lookup:
                 self.first = False
-                side._watches[999_999] = ("gone", 1)  # a watch whose request finished meanwhile
+                side.loads.watches[999_999] = ("gone", 1)  # a watch whose request finished meanwhile
                 return [Completion(999_999, True, Acknowledged(), None)]
             return list(real.poll(timeout_s))
 

@@ -1,8 +1,8 @@
 """The scheduler's metadata (``hkvd.shim.metadata``): built by ``SchedulerSide`` from vLLM-shaped
 inputs, pickled as vLLM ships it to the workers, and consumed by ``WorkerSide``.
 
-No daemon and no model: both halves talk to a scripted client that answers lookups and records what
-the worker submits. vLLM's own objects (``Request``, ``KVCacheConfig``) are real; the scheduler
+No daemon and no model: both halves talk to the shim's one fake daemon (``FakeDaemon``), which answers
+lookups and records what the worker submits. vLLM's own objects (``Request``, ``KVCacheConfig``) are real; the scheduler
 output and the block tables are the few attributes the shim reads of them.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,11 +35,11 @@ from hkvd.shim.results import Completion
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo
+from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.shim.worker import WorkerSide
-from hkvd.transport.errors import NotFound
 from hkvd.transport.keys import chunk_keys, partial_key
 from hkvd.transport.wire.control import RegisterAck
-from hkvd.transport.wire.kv import Item, LookupReply
+from hkvd.transport.wire.kv import Item
 
 pytestmark = pytest.mark.vllm
 
@@ -48,84 +47,6 @@ BLOCK = 16
 CHUNK = 32  # two blocks
 BLOCKS = 64
 TABLE = list(range(1, 9))  # the request's block ids (vLLM's block 0 is its null block)
-
-
-class ScriptedClient:
-    """What both halves call on ``DaemonClient``: lookups are answered with ``hit`` chunks and a lease;
-    everything else is recorded in ``sent`` as (req_id, kind, ...)."""
-
-    connected = True
-    daemon_pid = 0
-
-    def __init__(self, hit: int = 0, lease_id: int = 0, tail_held: bool = False,
-                 ends: Sequence[list[int]] = ()) -> None:
-        self.hit, self.lease_id = hit, lease_id
-        self.tail_held = tail_held  # a lookup's first tail at its whole-chunk hit extends it (Lookup.tails)
-        self.ends = [list(e) for e in ends]  # turn ends a reply names when asked and no tail won (Lookup.ends)
-        self.sent: list[tuple[Any, ...]] = []
-        self.done: list[Completion] = []
-        self.released: list[int] = []
-
-    def _id(self, *what: Any) -> int:
-        rid = len(self.sent) + 1
-        self.sent.append((rid, *what))
-        return rid
-
-    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = (),
-                      ends: bool = False) -> int:
-        rid = self._id("lookup", list(keys), list(tails), ends)
-        hit = min(self.hit, len(keys))
-        tail = next((i + 1 for i, (j, _) in enumerate(tails) if j == hit), 0) if self.tail_held else 0
-        named = self.ends if ends and not tail else []
-        self.done.append(Completion(rid, True, LookupReply(rid, hit + (tail > 0), self.lease_id, 30.0, tail, named),
-                                    None))
-        return rid
-
-    def submit_retrieve(self, items: Sequence[Item], lease_id: int = 0) -> int:
-        return self._id("retrieve", list(items), lease_id)
-
-    def submit_store(self, items: Sequence[Item], wait_event: bytes = b"", notes: Any = None, tenant: str = "",
-                     turn_end: int = 0) -> int:
-        return self._id("store", list(items), tenant, *([turn_end] if turn_end else []))
-
-    def submit_step_event(self, seq: int, step: int, offers: Sequence[Item], confirms: Iterable[int],
-                          wait_event: bytes = b"", notes: Any = None, verifies: Sequence[Item] = (),
-                          tenants: Sequence[str] = ()) -> int:
-        return self._id("step", step, list(offers), list(confirms), list(verifies), list(tenants))
-
-    def submit_verify(self, items: Sequence[Item], wait_event: bytes = b"") -> int:
-        return self._id("verify", list(items))
-
-    def fail(self, rid: int) -> None:
-        self.done.append(Completion(rid, False, None, NotFound("scripted failure")))
-
-    def poll(self, timeout_s: float = 0.0) -> list[Completion]:
-        out, self.done = self.done, []
-        return out
-
-    def wait(self, req_ids: Iterable[int], timeout_s: float) -> dict[int, Completion]:
-        done = {c.req_id: c for c in self.poll()}
-        return {rid: done[rid] for rid in req_ids if rid in done}
-
-    def release(self, lease_id: int) -> None:
-        self.released.append(lease_id)
-
-    def uncacheable(self, reason: str) -> None:
-        pass
-
-    def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes],
-            partial_keys: Sequence[bytes] = ()) -> None:
-        partial = [list(partial_keys)] if partial_keys else []  # a pin of whole chunks only: six fields
-        self.sent.append((0, "pin", session, tenant, ttl_s, list(keys), *partial))
-
-    def abort(self, rid: int) -> None:
-        self.sent.append((rid, "abort"))
-
-    def close(self) -> None:
-        self.connected = False
-
-    def kinds(self, kind: str) -> list[tuple[Any, ...]]:
-        return [s for s in self.sent if s[1] == kind]
 
 
 def kv_cache_config() -> KVCacheConfig:
@@ -150,14 +71,14 @@ def sched() -> SchedulerSide:
     return side
 
 
-def connect(side: SchedulerSide, client: ScriptedClient, *, verify: bool = True, pins: bool = True,
+def connect(side: SchedulerSide, client: FakeDaemon, *, verify: bool = True, pins: bool = True,
             tails: bool = True, ends: bool = False) -> None:
     side.link.client, side.link.ack = client, RegisterAck(0, 1, b"f" * 16, side.chunk_size, 0, verify=verify,
                                                           pins=pins, lookup_tails=tails, turn_ends=ends)
     side.link.generation += 1
 
 
-def worker(client: ScriptedClient) -> WorkerSide:
+def worker(client: FakeDaemon) -> WorkerSide:
     w = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK))
     w.link.client = client
     w._regions = [object()]  # registered (the regions' content is not read here)
@@ -175,7 +96,7 @@ def scheduler_output(req: Request, computed: int, scheduled: int) -> Any:
 
 
 def test_a_hit_becomes_a_load_and_the_rest_of_the_prompt_a_store_the_worker_submits(sched: SchedulerSide) -> None:
-    client = ScriptedClient(hit=2, lease_id=77)
+    client = FakeDaemon(hit=2, lease_id=77)
     connect(sched, client)
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)  # 3 full chunks, 4 tokens over
 
@@ -195,7 +116,7 @@ def test_a_hit_becomes_a_load_and_the_rest_of_the_prompt_a_store_the_worker_subm
     assert meta.fence_blocks == set(TABLE)  # newly allocated: copies out of them finish first
 
     shipped = pickle.loads(pickle.dumps(meta))  # vLLM hands the metadata to the workers serialized
-    wclient = ScriptedClient()
+    wclient = FakeDaemon()
     w = worker(wclient)
     w.handle_preemptions(shipped)
     w.bind(shipped)
@@ -212,7 +133,7 @@ def test_a_hit_becomes_a_load_and_the_rest_of_the_prompt_a_store_the_worker_subm
 
 
 def test_a_finished_request_with_copies_in_flight_frees_its_blocks_after_them(sched: SchedulerSide) -> None:
-    client = ScriptedClient()
+    client = FakeDaemon()
     connect(sched, client)
     req = Request("r2", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -228,7 +149,7 @@ def test_a_finished_request_with_copies_in_flight_frees_its_blocks_after_them(sc
         num_scheduled_tokens={}, total_num_scheduled_tokens=0, kv_connector_block_state=None))
     assert second.delayed_free == ["r2"] and second.step == 2
 
-    wclient = ScriptedClient()
+    wclient = FakeDaemon()
     w = worker(wclient)
     for meta in (first, second):
         w.handle_preemptions(meta)
@@ -252,27 +173,9 @@ def test_metadata_objects_are_independent_and_survive_pickling() -> None:
     assert item_blocks(back.loads[0].items + back.stores[0].items) == {1, 2, 3, 4}
 
 
-class SlowLookups(ScriptedClient):
-    """Lookups whose replies come only when ``answer`` is called (the daemon is busy)."""
-
-    def __init__(self, hit: int, lease_id: int) -> None:
-        super().__init__(hit, lease_id)
-        self.held: list[Completion] = []
-
-    def submit_lookup(self, keys: Sequence[bytes], lease: bool = True, tails: Sequence[tuple[int, bytes]] = (),
-                      ends: bool = False) -> int:
-        rid = super().submit_lookup(keys, lease, tails, ends)
-        self.held.append(self.done.pop())
-        return rid
-
-    def answer(self) -> None:
-        self.done += self.held
-        self.held = []
-
-
 def test_a_request_whose_lookup_has_not_answered_is_passed_over_and_counted(sched: SchedulerSide) -> None:
     """vLLM skips the request this step (None) and asks again; each pass is a step it waits, counted."""
-    client = SlowLookups(hit=2, lease_id=5)
+    client = FakeDaemon(hit=2, lease_id=5, hold_lookups=True)
     connect(sched, client)
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -290,7 +193,7 @@ def hybrid_sched(**cfg: Any) -> SchedulerSide:
     (turn ends) are on; no ``prefix_match_unit``."""
     side = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
                                                                       chunk_size=BLOCK, **cfg))
-    side.groups = [GroupInfo(0, "full", BLOCK, 0), GroupInfo(1, "mamba", BLOCK, 0)]
+    side.ctx.groups = [GroupInfo(0, "full", BLOCK, 0), GroupInfo(1, "mamba", BLOCK, 0)]
     return side
 
 
@@ -299,12 +202,12 @@ def test_a_remembered_turn_end_goes_with_the_lookup_and_is_answered_in_one_round
     """The positions where earlier turns ended (after the same whole chunks) go with the whole-chunk lookup as
     tails; the daemon's answer, with or without one of them, is final: no probe follows."""
     sched = hybrid_sched()
-    client = ScriptedClient(hit=2, lease_id=5, tail_held=held)
+    client = FakeDaemon(hit=2, lease_id=5, tail_held=held)
     connect(sched, client)
     tokens = list(range(100))
     keys = chunk_keys(tokens, BLOCK)
-    sched._turn_ends.add(keys[1], 7)  # a turn ended 7 tokens into chunk 2 (39 tokens)
-    sched._turn_ends.add(keys[3], 3)  # and one into chunk 4, beyond what this daemon holds
+    sched.ctx.turn_ends.add(keys[1], 7)  # a turn ended 7 tokens into chunk 2 (39 tokens)
+    sched.ctx.turn_ends.add(keys[3], 3)  # and one into chunk 4, beyond what this daemon holds
     req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == ((39 if held else 2 * BLOCK), True)
@@ -328,8 +231,8 @@ def test_a_turn_end_on_a_multiple_of_the_unit_goes_with_vllms_partial_note(end: 
 
     unit = BLOCK // 4
     sched = hybrid_sched()
-    sched._notes = NoteMaker(BLOCK, unit)
-    client = ScriptedClient(hit=0)
+    sched.stores.notes = NoteMaker(BLOCK, unit)
+    client = FakeDaemon(hit=0)
     sched.link.client = client
     sched.link.ack = RegisterAck(0, 1, b"f" * 16, BLOCK, KV_EVENTS_PUBLISHED, lookup_tails=True,
                                  partial_notes=daemon_takes)
@@ -340,9 +243,9 @@ def test_a_turn_end_on_a_multiple_of_the_unit_goes_with_vllms_partial_note(end: 
     sched.on_new_request(req)
     req.append_output_token_ids(list(range(200, 200 + end + 1 - len(prompt))))
     req.num_computed_tokens = end  # the last sampled token is not computed yet
-    key = sched._store_turn_end(req, sched._reqs["r1"], [TABLE, TABLE])
+    key = sched.stores.store_turn_end(req, sched.ctx.reqs["r1"], [TABLE, TABLE])
     assert key is not None
-    (job,) = sched._finish_stores
+    (job,) = sched.stores.finish_stores
     assert {it.key for it in job.items} == {key}
     if not noted:
         assert job.notes == []
@@ -359,12 +262,12 @@ def test_a_turn_end_the_daemon_names_is_looked_up_again_once_as_a_tail(known: bo
     once more with it as a tail, which serves; the first lease is released. A position the tails already tried
     brings no second lookup."""
     sched = hybrid_sched()
-    client = ScriptedClient(hit=2, lease_id=5, tail_held=True, ends=[[2, 7], [9, 1], [2, 90]])  # 2 bad: dropped
+    client = FakeDaemon(hit=2, lease_id=5, tail_held=True, ends=[[2, 7], [9, 1], [2, 90]])  # 2 bad: dropped
     connect(sched, client, ends=True)
     tokens = list(range(100))
     keys = chunk_keys(tokens, BLOCK)
     if known:
-        sched._turn_ends.add(keys[1], 7)
+        sched.ctx.turn_ends.add(keys[1], 7)
         client.tail_held = False
     req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -376,42 +279,42 @@ def test_a_turn_end_the_daemon_names_is_looked_up_again_once_as_a_tail(known: bo
         return
     assert [(lk[3], lk[4]) for lk in lookups] == [([], True), ([tail], False)]
     assert client.released == [5] and sched.stats["lookups_for_turn_ends"] == 1
-    assert sched._turn_ends.positions(keys[1], 2 * BLOCK, 100) == [39]  # remembered for the session's next turn
+    assert sched.ctx.turn_ends.positions(keys[1], 2 * BLOCK, 100) == [39]  # remembered for the session's next turn
 
 
 def test_a_turn_end_is_stored_with_its_offset_for_other_engines() -> None:
     sched = hybrid_sched()
-    client = ScriptedClient()
+    client = FakeDaemon()
     connect(sched, client, ends=True)
     prompt = list(range(36))
     req = Request("r1", prompt, SamplingParams(max_tokens=8), None)
     sched.on_new_request(req)
     req.append_output_token_ids(list(range(200, 206)))
     req.num_computed_tokens = 41
-    assert sched._store_turn_end(req, sched._reqs["r1"], [TABLE, TABLE]) is not None
-    (job,) = sched._finish_stores
+    assert sched.stores.store_turn_end(req, sched.ctx.reqs["r1"], [TABLE, TABLE]) is not None
+    (job,) = sched.stores.finish_stores
     assert job.turn_end == 41 - 2 * BLOCK
 
 
 def test_a_sampled_request_drops_its_partial_chunk_and_compares_the_whole_chunks_before_it() -> None:
     sched = hybrid_sched(verify_fraction=1.0)
-    client = ScriptedClient(hit=2, lease_id=5, tail_held=True)
+    client = FakeDaemon(hit=2, lease_id=5, tail_held=True)
     connect(sched, client)
     tokens = list(range(100))
-    sched._turn_ends.add(chunk_keys(tokens, BLOCK)[1], 7)
+    sched.ctx.turn_ends.add(chunk_keys(tokens, BLOCK)[1], 7)
     req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed, not loaded
-    st = sched._reqs["r1"]
-    assert (st.verify_from, st.verify_upto) == (0, 2) and "r1" not in sched._partial
+    st = sched.ctx.reqs["r1"]
+    assert (st.verify_from, st.verify_upto) == (0, 2) and st.partial is None
 
 
 def test_against_a_daemon_that_takes_no_tails_the_turn_end_is_probed_after_the_answer() -> None:
     sched = hybrid_sched()
-    client = ScriptedClient(hit=2, lease_id=5)
+    client = FakeDaemon(hit=2, lease_id=5)
     connect(sched, client, tails=False)
     tokens = list(range(100))
-    sched._turn_ends.add(chunk_keys(tokens, BLOCK)[1], 7)
+    sched.ctx.turn_ends.add(chunk_keys(tokens, BLOCK)[1], 7)
     req = Request("r1", tokens, SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)  # the probe hits 2 (scripted): a miss
@@ -431,9 +334,9 @@ class Clock:
         return self.now
 
 
-class WaitedLookups(SlowLookups):
+class WaitedLookups(FakeDaemon):
     def __init__(self, clock: Clock) -> None:
-        super().__init__(hit=2, lease_id=5)
+        super().__init__(hit=2, lease_id=5, hold_lookups=True)
         self.clock = clock
         self.waits: list[float] = []
 
@@ -456,7 +359,7 @@ def test_the_lookup_wait_follows_the_engine_step_within_its_bounds(monkeypatch: 
     """lookup_wait_fraction of the longest of the last four steps, at least lookup_wait_s, at most
     lookup_wait_max_s; a step that scheduled nothing is not the engine's pace."""
     clock = Clock()
-    monkeypatch.setattr("hkvd.shim.scheduler.time", clock)
+    monkeypatch.setattr("hkvd.shim.lookups.time", clock)
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(
         socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK, lookup_wait_s=0.002, lookup_wait_fraction=0.05,
         lookup_wait_max_s=0.025))
@@ -488,7 +391,7 @@ def test_lookups_of_one_scheduling_share_its_wait(monkeypatch: pytest.MonkeyPatc
     """With 0.2-second steps one scheduling may wait 10 ms for replies: the first lookup not answered takes
     it, the next waits lookup_wait_s only; the next scheduling has its own."""
     clock = Clock()
-    monkeypatch.setattr("hkvd.shim.scheduler.time", clock)
+    monkeypatch.setattr("hkvd.shim.lookups.time", clock)
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(
         socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK, lookup_wait_s=0.002, lookup_wait_fraction=0.05,
         lookup_wait_max_s=0.025))
@@ -516,7 +419,7 @@ def test_lookups_of_one_scheduling_share_its_wait(monkeypatch: pytest.MonkeyPatc
 
 def test_an_invalid_transition_raises_under_strict_and_otherwise_recomputes_the_request(
         sched: SchedulerSide, caplog: pytest.LogCaptureFixture) -> None:
-    client = ScriptedClient(hit=2, lease_id=77)
+    client = FakeDaemon(hit=2, lease_id=77)
     connect(sched, client)
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -525,7 +428,7 @@ def test_an_invalid_transition_raises_under_strict_and_otherwise_recomputes_the_
     sched.strict = True
     with pytest.raises(InvalidTransition):
         sched.update_connector_output(SimpleNamespace(finished_recving={"r1"}, failed_recving=None))
-    assert sched._reqs["r1"].state is State.LOOKED_UP
+    assert sched.ctx.reqs["r1"].state is State.LOOKED_UP
     sched.strict = False
     with caplog.at_level(logging.DEBUG, "hkvd.shim"):
         for _ in range(2):
@@ -539,7 +442,7 @@ def test_an_invalid_transition_raises_under_strict_and_otherwise_recomputes_the_
 
 
 def test_a_load_planned_in_an_invalid_state_reaches_the_worker_empty_and_fails(sched: SchedulerSide) -> None:
-    client = ScriptedClient(hit=2, lease_id=77)
+    client = FakeDaemon(hit=2, lease_id=77)
     connect(sched, client)
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -549,13 +452,13 @@ def test_a_load_planned_in_an_invalid_state_reaches_the_worker_empty_and_fails(s
     sched.update_state_after_alloc(req, blocks, 2 * CHUNK)  # again while it loads: vLLM never does
     meta = sched.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=0))
     assert [len(j.items) for j in meta.loads] == [2, 0]  # the second is refused: vLLM still waits for it
-    w = worker(ScriptedClient())
+    w = worker(FakeDaemon())
     w.bind(meta)
     w.start_load_kv()
     _, recving, failed = w.get_transfer_results(set())
     assert recving == failed == {"r1"}
     sched.update_connector_output(SimpleNamespace(finished_recving=recving, failed_recving=failed))
-    assert sched._reqs["r1"].state is State.FAILED
+    assert sched.ctx.reqs["r1"].state is State.FAILED
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
@@ -566,7 +469,7 @@ def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_
 
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
                                                                        chunk_size=CHUNK, verify_fraction=1.0))
-    client = ScriptedClient(hit=2, lease_id=77)
+    client = FakeDaemon(hit=2, lease_id=77)
     connect(sched, client)
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -583,7 +486,7 @@ def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_
     assert store.items == [Item(0, 2, keys[2], [5, 6], keys[1])]  # past the hit: stored as usual
 
     assert sched.request_finished(req, TABLE) == (True, None)  # its blocks wait for the Verify's read
-    wclient = ScriptedClient()
+    wclient = FakeDaemon()
     w = worker(wclient)
     shipped = pickle.loads(pickle.dumps(meta))
     w.bind(shipped)
@@ -591,7 +494,7 @@ def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_
     w.bind(HkvdConnectorMetadata(step=2, delayed_free=["r1"]))
     [(vid, _, items)] = wclient.kinds("verify")
     assert items == check.items
-    wclient.done.append(Completion(wclient.kinds("store")[0][0], True, StoreResult(4096, 1, 0, 0, 0), None))
+    wclient.complete(wclient.kinds("store")[0][0], result=StoreResult(4096, 1, 0, 0, 0))
     assert w.get_finished(set()) == (None, None)  # the daemon still reads its blocks for the comparison
     wclient.fail(vid)  # a daemon without verification answers an error: counted, the request unaffected
     assert w.get_finished(set()) == ({"r1"}, None)
@@ -605,7 +508,7 @@ def test_a_hit_that_is_not_sampled_is_loaded_and_never_verified(why: str, caplog
     fraction = 0.0 if why == "not sampled" else 1.0
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
                                                                        chunk_size=CHUNK, verify_fraction=fraction))
-    client = ScriptedClient(hit=2, lease_id=77)
+    client = FakeDaemon(hit=2, lease_id=77)
     connect(sched, client, verify=why == "not sampled")
     req = Request("r1", list(range(100)), SamplingParams(max_tokens=4), None)
     sched.on_new_request(req)
@@ -616,11 +519,11 @@ def test_a_hit_that_is_not_sampled_is_loaded_and_never_verified(why: str, caplog
     assert ("upgraded" in caplog.text) == (why == "an older daemon")
 
 
-def pinned(req_id: str, params: Any, hit: int = 0, **kw: Any) -> tuple[SchedulerSide, ScriptedClient, Request]:
+def pinned(req_id: str, params: Any, hit: int = 0, **kw: Any) -> tuple[SchedulerSide, FakeDaemon, Request]:
     """A scheduler side with a pinned request that arrived, was allocated and computed its whole prompt."""
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
                                                                        chunk_size=CHUNK, verify_fraction=0.0))
-    client = ScriptedClient(hit=hit, lease_id=5 if hit else 0)
+    client = FakeDaemon(hit=hit, lease_id=5 if hit else 0)
     connect(sched, client, pins=kw.pop("pins", True))
     req = Request(req_id, list(range(100)), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
                   None, **kw)
@@ -649,7 +552,7 @@ def test_a_pinned_salted_request_stores_under_its_tenant_and_pins_its_chunks_whe
     assert sched.stats["pins_sent"] == 2
 
     for pins in (True, False):  # the worker sends the tenant only to a daemon that keeps quotas
-        wclient = ScriptedClient()
+        wclient = FakeDaemon()
         w = worker(wclient)
         w.link.ack = RegisterAck(0, 1, b"f" * 16, CHUNK, 0, pins=pins)
         w.bind(pickle.loads(pickle.dumps(meta)))
@@ -682,7 +585,7 @@ def test_a_salted_requests_offered_states_go_out_under_its_tenant() -> None:
     assert [r for r, _ in meta.offers] == ["r1", "r2"] and meta.offer_tenants == {"r1": tenant(req)}
 
     for takes in (True, False):
-        wclient = ScriptedClient()
+        wclient = FakeDaemon()
         w = worker(wclient)
         w.link.ack = RegisterAck(0, 1, b"f" * 16, CHUNK, 0, pins=True, step_tenants=takes)
         shipped = pickle.loads(pickle.dumps(meta))

@@ -16,17 +16,9 @@ from hkvd.shim.connector import HkvdConnector
 from hkvd.shim.connector_stats import FIELDS, HkvdConnectorStats, StatsReporter
 from hkvd.shim.jobs import LoadJob
 from hkvd.shim.shim_config import ShimConfig
+from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.shim.worker import WorkerSide
 from hkvd.transport.wire.replies import RetrieveResult
-
-
-class _Client:
-    def __init__(self) -> None:
-        self.rid = 0
-
-    def submit_retrieve(self, items: Any, lease_id: int) -> int:
-        self.rid += 1
-        return self.rid
 
 
 def _done(rid: int, nbytes: int) -> Any:
@@ -39,7 +31,7 @@ def _failed(rid: int) -> Any:
 
 def test_stats_are_what_moved_since_the_previous_call() -> None:
     w = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock"))
-    client, reporter = _Client(), StatsReporter()
+    client, reporter = FakeDaemon(), StatsReporter()
     assert reporter.take(w.transfer_totals()) is None  # nothing moved: vLLM gets None
     for r in ("a", "b"):
         w.loads.start(client, LoadJob(r, 0, [], [1]), 0)

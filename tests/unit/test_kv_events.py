@@ -37,6 +37,7 @@ from hkvd.daemon.routing.zmq_publisher import END_SEQ, ZmqPublisher
 from hkvd.shim.kv_event_feed import EventFeed
 from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.results import Completion
+from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.transport.errors import OutOfRange
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.block_notes import BlockNote
@@ -415,14 +416,8 @@ def test_a_partial_note_is_what_vllm_announces_for_its_own_partial_entry() -> No
 
 
 # ---- the connector's path: the scheduler side's feed ---------------------------------------------------------
-class FakeClient:
-    def __init__(self, server_id: str) -> None:
-        self.server_id = server_id
-        self.polls: list[int] = []
-
-    def submit_events_poll(self, since: int) -> int:
-        self.polls.append(since)
-        return len(self.polls)
+def polls(daemon: FakeDaemon) -> list[int]:
+    return [s[2] for s in daemon.kinds("events")]
 
 
 def test_the_feed_hands_vllm_the_events_and_withdraws_a_gone_daemons() -> None:
@@ -432,16 +427,16 @@ def test_the_feed_hands_vllm_the_events_and_withdraws_a_gone_daemons() -> None:
     log.add(FP0, b"", AllBlocksCleared())  # never in an engine's stream (it would clear vLLM's GPU blocks)
     (batch,) = log.flush()
     feed = EventFeed(interval_s=0)
-    first = FakeClient("run-1")
+    first = FakeDaemon(server_id="run-1")
     feed.maybe_poll(first)
     feed.maybe_poll(first)  # one poll in flight at most
-    assert first.polls == [0]
+    assert polls(first) == [0]
     assert not feed.on_completion(Completion(99, True, None, None))  # not the feed's
     assert feed.on_completion(Completion(1, True, KVEvents(1, 7, 0, [batch.payload]), None))
     got = feed.take()
     assert [type(e) for e in got] == [kv_events.BlockStored, kv_events.BlockRemoved]
     feed.maybe_poll(first)
-    assert first.polls == [0, 7]  # continues from the answer's next
-    feed.maybe_poll(FakeClient("run-2"))  # the daemon restarted: its pool, and what it held, are gone
+    assert polls(first) == [0, 7]  # continues from the answer's next
+    feed.maybe_poll(FakeDaemon(server_id="run-2"))  # the daemon restarted: its pool, and what it held, are gone
     (gone,) = feed.take()
     assert isinstance(gone, kv_events.BlockRemoved) and (gone.block_hashes, gone.medium) == ([2], MEDIUM_POOL)

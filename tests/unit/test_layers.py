@@ -223,18 +223,22 @@ SHIM_TIERS: tuple[frozenset[str], ...] = (
     #    session pins asked for and tenant labels.
     frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
                "connector_stats", "verify", "sessions", "tenants"}),
-    # 1. The daemon client, the engine spec, the step metadata, a request's states.
+    # 1. What the shim asks of its daemon (the port the client implements and the tests' fake stands in for).
+    frozenset({"daemon_port"}),
+    # 2. The daemon client, the engine spec, the step metadata, a request's states.
     frozenset({"client", "spec", "metadata", "request_state"}),
-    # 2. What drives the client (the link, the worker's loads, the KV event feed); block tables into items;
-    #    partial chunks (keys and probes of hits inside a block).
-    frozenset({"link", "loads", "kv_event_feed", "plans", "partial"}),
-    # 3. Prefill/decode pulls (they end in loads).
-    frozenset({"pd"}),
-    # 4. The connector's two halves.
+    # 3. What drives the client (the link, the worker's loads, the KV event feed); block tables into items;
+    #    partial chunks (keys and probes of hits inside a block); a request's chunk keys.
+    frozenset({"link", "loads", "kv_event_feed", "plans", "partial", "request_keys"}),
+    # 4. Prefill/decode pulls (they end in loads); what the scheduler side's parts share.
+    frozenset({"pd", "scheduler_context"}),
+    # 5. The scheduler side's three parts: lookups, stores, loads.
+    frozenset({"lookups", "store_planner", "load_planner"}),
+    # 6. The connector's two halves.
     frozenset({"scheduler", "worker"}),
-    # 5. The connector vLLM loads.
+    # 7. The connector vLLM loads.
     frozenset({"connector"}),
-    # 6. The package of tools for tests and benchmarks (shim/testing/): nothing of the product imports it.
+    # 8. The package of tools for tests and benchmarks (shim/testing/): nothing of the product imports it.
     frozenset({"testing"}),
 )
 

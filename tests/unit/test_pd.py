@@ -17,9 +17,9 @@ from hkvd.shim import pd
 from hkvd.shim.jobs import PullSpec
 from hkvd.shim.loads import Loads
 from hkvd.shim.results import Completion
+from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.transport.errors import Aborted, DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.kv import LookupReply
 from hkvd.transport.wire.replies import PullResult, RetrieveResult
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
@@ -43,38 +43,18 @@ def test_params_round_trip_and_checks() -> None:
     assert pd.wants_params("kv_both", {"do_remote_decode": True}) and not pd.wants_params("kv_both", {})
 
 
-class ProducerClient:
-    """What a producer's scheduler asks its daemon: its advertised peer address, and a hold lease."""
-
-    def __init__(self, advertise: str) -> None:
-        self.advertise, self.statuses = advertise, 0
-        self.lookups: list[list[bytes]] = []
-
-    def status(self) -> dict[str, Any]:
-        self.statuses += 1
-        return {"peer": {"advertise": self.advertise}}
-
-    def submit_lookup(self, keys: list[bytes], lease: bool = True, tails: list[tuple[int, bytes]] | None = None,
-                      ends: bool = False) -> int:
-        self.lookups.append(list(keys))
-        return len(self.lookups)
-
-    def wait(self, req_ids: list[int], timeout_s: float) -> dict[int, Completion]:
-        return {rid: Completion(rid, True, LookupReply(rid, len(self.lookups[rid - 1]), 33, 30.0), None)
-                for rid in req_ids}
-
-
-def _producer(client: ProducerClient, peer_address: str = "") -> pd.ProducerSide:
+def _producer(client: FakeDaemon, peer_address: str = "") -> pd.ProducerSide:
     link = SimpleNamespace(client=client, cfg=SimpleNamespace(socket_path="/run/hkvd.sock"), lost=lambda e: None)
     return pd.ProducerSide(link, "kv_producer", peer_address, lambda: client)  # type: ignore[arg-type]
 
 
 def test_a_producer_hands_out_its_daemons_peer_address_and_a_hold_lease_on_the_prefix() -> None:
-    client = ProducerClient("10.0.0.5:7470")
+    client = FakeDaemon(hit=len(KEYS), lease_id=33, advertise="10.0.0.5:7470")
     side = _producer(client)
     assert side.params(KEYS, 0, 128) is None and client.statuses == 0  # nothing to hand: nothing asked
     assert side.params(KEYS, 3, 128) == pd.producer_params("10.0.0.5:7470", KEYS, 3, 128, 33)
-    assert client.lookups == [KEYS[:3]]  # the lease holds the three chunks until the decode side pulls
+    # The lease holds the three chunks until the decode side pulls.
+    assert [s[2] for s in client.kinds("lookup")] == [KEYS[:3]]
     side.params(KEYS, 3, 128)
     assert client.statuses == 1  # the address is kept
     assert _producer(client, "192.0.2.1:7000").params(KEYS, 2, 128)[pd.PEER] == "192.0.2.1:7000"  # type: ignore[index]
@@ -82,38 +62,11 @@ def test_a_producer_hands_out_its_daemons_peer_address_and_a_hold_lease_on_the_p
 
 def test_a_producer_whose_daemon_serves_no_peers_hands_out_nothing_and_asks_again_later(
         caplog: pytest.LogCaptureFixture) -> None:
-    client = ProducerClient("")
+    client = FakeDaemon(hit=len(KEYS), lease_id=33)
     side = _producer(client)
     assert side.params(KEYS, 3, 128) is None and side.params(KEYS, 3, 128) is None
-    assert client.statuses == 1 and client.lookups == []  # asked at most every PEER_ASK_INTERVAL_S
+    assert client.statuses == 1 and client.kinds("lookup") == []  # asked at most every PEER_ASK_INTERVAL_S
     assert "--peer-listen" in caplog.text
-
-
-class ScriptedClient:
-    """The daemon client's boundary: records submits; the test feeds completions."""
-
-    def __init__(self) -> None:
-        self.next = 100
-        self.sent: list[tuple[str, Any]] = []
-        self.released: list[int] = []
-        self.aborted: list[int] = []
-
-    def _id(self, what: str, arg: Any) -> int:
-        self.next += 1
-        self.sent.append((what, arg))
-        return self.next
-
-    def submit_pull(self, peer: str, keys: list[bytes], max_chunks: int, release_lease: int) -> int:
-        return self._id("pull", (peer, len(keys), max_chunks, release_lease))
-
-    def submit_retrieve(self, items: list[Any], lease_id: int) -> int:
-        return self._id("retrieve", lease_id)
-
-    def release(self, lease_id: int) -> None:
-        self.released.append(lease_id)
-
-    def abort(self, rid: int) -> None:
-        self.aborted.append(rid)
 
 
 def _job(req: str = "r1", n: int = 4) -> SimpleNamespace:
@@ -125,7 +78,7 @@ class Worker:
     """The worker's two halves of a pd load, fed completions in the worker's order (pulls first)."""
 
     def __init__(self, timeout_s: float = 30.0) -> None:
-        self.client = ScriptedClient()
+        self.client = FakeDaemon(first_id=101)
         self.loads = Loads(60.0)
         self.pulls = pd.PullLoads(timeout_s, self.loads)
 
@@ -141,9 +94,9 @@ def test_pull_then_load_then_done() -> None:
     w = Worker()
     c = w.client
     w.pulls.start(c, _job())
-    assert c.sent == [("pull", ("p:1", 4, 4, 9))]
+    assert [s[1:] for s in c.sent] == [("pull", "p:1", 4, 4, 9)]
     assert w.feed(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.1), None))
-    assert c.sent[-1] == ("retrieve", 55)  # the load uses the pull's local lease
+    assert (c.sent[-1][1], c.sent[-1][3]) == ("retrieve", 55)  # the load uses the pull's local lease
     assert w.loads.take() == (set(), set())  # pulled, not loaded yet: nothing to report
     assert not w.feed(Completion(7, True, RetrieveResult(0, 0), None))  # not ours
     assert w.feed(Completion(102, True, RetrieveResult(10, 4), None))
@@ -159,7 +112,7 @@ def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
     w.pulls.start(w.client, _job())
     assert w.feed(completion)
     assert w.loads.take() == ({"r1"}, {"r1"})  # failed: in both sets, as vLLM wants it
-    assert [k for k, _ in w.client.sent] == ["pull"]  # no load after it
+    assert [s[1] for s in w.client.sent] == ["pull"]  # no load after it
     assert w.client.released == ([55] if completion.ok else [])
 
 
@@ -189,7 +142,7 @@ def test_timeout_fails_and_a_late_reply_gives_its_lease_back() -> None:
     w.pulls.expire(c)
     assert w.loads.take() == ({"r1"}, {"r1"}) and c.aborted == [101] and w.in_flight == 0
     assert w.feed(Completion(101, True, PullResult(0, 4, 77, 30.0, 4, 0, 0.0), None))
-    assert c.released == [77] and [k for k, _ in c.sent] == ["pull"]
+    assert c.released == [77] and [s[1] for s in c.sent] == ["pull"]
 
 
 def test_lost_connection_fails_everything_in_flight() -> None:
