@@ -95,10 +95,10 @@ class DaemonLink:
         self.generation += 1
         if self._warned:
             logger.info("hkvd %s: daemon back at %s (engine %s); caching resumes", self.role,
-                        self.cfg.socket_path, getattr(ack, "engine_id", "?"))
+                        self.cfg.socket_path, ack.engine_id)
         else:
             logger.info("hkvd %s: registered with daemon at %s (engine %s, chunk %s tokens)", self.role,
-                        self.cfg.socket_path, getattr(ack, "engine_id", "?"), getattr(ack, "chunk_size", "?"))
+                        self.cfg.socket_path, ack.engine_id, ack.chunk_size)
         self._warned = False
         return client
 

@@ -269,19 +269,18 @@ class Lookups:
                 break
         if not submitted:
             return False
-        self._probes.begin(st.req_id, st.hit_chunks, st.lease_id, submitted)
+        self._probes.begin(st, submitted)
         return True
 
     def _probe_done(self, lookup_id: int, found: LookupReply | None) -> None:
-        req_id, choice, release = self._probes.reply(lookup_id, found.hit_chunks if found else 0,
-                                                     found.lease_id if found else 0)
-        st = self.ctx.reqs.get(req_id)
-        if choice is not None and (st is None or st.answered):  # finished or answered otherwise meanwhile
-            release += [x for x in (choice.lease_id,) if x and (st is None or x != st.lease_id)]
+        st, choice, release = self._probes.reply(lookup_id, found.hit_chunks if found else 0,
+                                                 found.lease_id if found else 0)
+        if choice is not None and st.answered:  # answered otherwise meanwhile
+            release += [x for x in (choice.lease_id,) if x and x != st.lease_id]
             choice = None
         for lease in release:
             self.ctx.release(lease)
-        if choice is None or st is None:
+        if choice is None:
             return
         st.lease_id = choice.lease_id
         self.ctx.answer(st, choice.hit_chunks, (choice.tokens, choice.key) if choice.tokens else None)
@@ -315,7 +314,7 @@ class Lookups:
 
     def finished(self, st: RequestRecord) -> None:
         """The request finished: its probes' leases released, its lookup's reply no longer awaited."""
-        for lease in self._probes.drop(st.req_id):
+        for lease in self._probes.drop(st):
             self.ctx.release(lease)
         if st.lookup_id is not None:
             self.by_lookup.pop(st.lookup_id, None)

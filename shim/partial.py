@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hkvd.shim.request_state import Probe, RequestRecord
 from hkvd.shim.spec import GroupInfo
 from hkvd.transport.keys import ROOT_KEY, partial_key
 
@@ -87,17 +88,6 @@ def merge(positions: Sequence[int], more: Sequence[int]) -> list[int]:
 
 
 @dataclass
-class Probe:
-    """The probes of one request: the whole-chunk answer they may extend, and the best partial hit so far."""
-
-    hit_chunks: int
-    lease_id: int
-    waiting: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # lookup id -> (position, key)
-    best: tuple[int, int, bytes] | None = None  # (position, lease, key)
-    spare_leases: list[int] = field(default_factory=list)
-
-
-@dataclass
 class Choice:
     """A request's answer after its probes: ``hit_chunks`` and lease for the daemon, and, for a partial hit,
     the tokens it serves and the key of its last chunk."""
@@ -110,26 +100,27 @@ class Choice:
 
 
 class Probes:
-    """Probes in flight, by request and by lookup id."""
+    """Probes in flight by lookup id; each request's progress is on its record (``RequestRecord.probe``)."""
 
     def __init__(self) -> None:
-        self._by_req: dict[str, Probe] = {}
-        self._by_id: dict[int, str] = {}
+        self._by_id: dict[int, RequestRecord] = {}
 
     def __contains__(self, lookup_id: int) -> bool:
         return lookup_id in self._by_id
 
-    def begin(self, req_id: str, hit_chunks: int, lease_id: int, submitted: dict[int, tuple[int, bytes]]) -> None:
-        self.drop(req_id)
-        self._by_req[req_id] = Probe(hit_chunks, lease_id, dict(submitted))
+    def begin(self, st: RequestRecord, submitted: dict[int, tuple[int, bytes]]) -> None:
+        """Probes ``submitted`` (lookup id -> (position, key)) extend the record's whole-chunk answer."""
+        self.drop(st)
+        st.probe = Probe(st.hit_chunks, st.lease_id, dict(submitted))
         for rid in submitted:
-            self._by_id[rid] = req_id
+            self._by_id[rid] = st
 
-    def reply(self, lookup_id: int, hit_chunks: int, lease_id: int) -> tuple[str, Choice | None, list[int]]:
-        """Take one probe's reply (``hit_chunks`` 0 for a failed one). Returns (request, its choice once every
-        probe answered else None, leases to release now)."""
-        req_id = self._by_id.pop(lookup_id)
-        p = self._by_req[req_id]
+    def reply(self, lookup_id: int, hit_chunks: int, lease_id: int) -> tuple[RequestRecord, Choice | None, list[int]]:
+        """Take one probe's reply (``hit_chunks`` 0 for a failed one). Returns (its record, the record's choice
+        once every probe answered else None, leases to release now)."""
+        st = self._by_id.pop(lookup_id)
+        p = st.probe
+        assert p is not None  # an id is indexed only while its record's probes run
         pos, key = p.waiting.pop(lookup_id)
         release: list[int] = []
         if hit_chunks == p.hit_chunks + 1 and (p.best is None or pos > p.best[0]):
@@ -139,19 +130,19 @@ class Probes:
         elif lease_id:
             release.append(lease_id)
         if p.waiting:
-            return req_id, None, release
-        del self._by_req[req_id]
+            return st, None, release
+        st.probe = None
         if p.best is None:
-            return req_id, Choice(p.hit_chunks, p.lease_id), release
+            return st, Choice(p.hit_chunks, p.lease_id), release
         pos, lease, key = p.best
         if p.lease_id:
             release.append(p.lease_id)
-        return req_id, Choice(p.hit_chunks + 1, lease, pos, key), release
+        return st, Choice(p.hit_chunks + 1, lease, pos, key), release
 
-    def drop(self, req_id: str) -> list[int]:
-        """Forget a request's probes (finished, answered otherwise); the probe leases to release (the whole-chunk
+    def drop(self, st: RequestRecord) -> list[int]:
+        """Forget a record's probes (finished, answered otherwise); the probe leases to release (the whole-chunk
         lookup's lease is the request's own, released with it)."""
-        p = self._by_req.pop(req_id, None)
+        p, st.probe = st.probe, None
         if p is None:
             return []
         for rid in p.waiting:
@@ -160,5 +151,6 @@ class Probes:
 
     def clear(self) -> None:
         """The connection was lost: no probe will be answered, and its leases ended with it."""
-        self._by_req.clear()
+        for st in self._by_id.values():
+            st.probe = None
         self._by_id.clear()

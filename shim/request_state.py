@@ -101,6 +101,17 @@ class InvalidTransition(RuntimeError):
 
 
 @dataclass(slots=True)
+class Probe:
+    """A request's probes in flight (``hkvd.shim.partial.Probes``): the whole-chunk answer they may extend, each
+    probe's (position, key) by lookup id, and the best partial hit so far (position, lease, key)."""
+
+    hit_chunks: int
+    lease_id: int
+    waiting: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    best: tuple[int, int, bytes] | None = None
+
+
+@dataclass(slots=True)
 class RequestRecord:
     """One request as the scheduler side tracks it; ``state`` moves only through ``fire``."""
 
@@ -118,6 +129,7 @@ class RequestRecord:
     # (hit_chunks - 1), which is then not the whole chunk. None: the hit is whole chunks.
     partial: tuple[int, bytes] | None = None
     lookup_tails: list[tuple[int, bytes]] = field(default_factory=list)  # (position, key) the lookup sent
+    probe: Probe | None = None  # probes of positions inside the next chunk, after the whole-chunk answer
     lease_id: int = 0
     lease_used: bool = False  # the lease was spent: a load retrieves under it, or it was released
     next_store_chunk: int = 0

@@ -126,6 +126,9 @@ logger = logging.getLogger("hkvd.shim")
 
 
 class SchedulerSide:
+    """vLLM's scheduler hooks: each routed to ``Lookups``, ``LoadPlanner`` or ``StorePlanner``, the daemon's
+    replies routed to the part that waits for them (``_pump``), and the records' events fired here."""
+
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ShimConfig) -> None:
         validate_vllm(vllm_config, kv_cache_config, cfg)
         self.cfg = cfg
@@ -150,6 +153,7 @@ class SchedulerSide:
         self.feed = EventFeed()
         self._connect(startup=True)
 
+    # The context's settings and counters, where the connector and the tests read them.
     @property
     def stats(self) -> dict[str, int]:
         return self.ctx.stats
@@ -157,10 +161,6 @@ class SchedulerSide:
     @property
     def chunk_size(self) -> int:
         return self.ctx.chunk_size
-
-    @property
-    def groups(self) -> list[Any]:
-        return self.ctx.groups
 
     @property
     def strict(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hkvd.shim import partial
+from hkvd.shim.request_state import RequestRecord
 from hkvd.shim.spec import GroupInfo
 from hkvd.transport.keys import ROOT_KEY, chunk_keys, partial_key
 from hkvd.transport.turn_ends import TurnEnds
@@ -60,35 +61,40 @@ def test_key_at_names_the_chunk_holding_the_position() -> None:
     assert partial.key_at(whole, TOKENS[:200], 224, N) is None  # tokens not known that far
 
 
+def record(req_id: str, hit_chunks: int, lease_id: int) -> RequestRecord:
+    return RequestRecord(req_id, [], 0, hit_chunks=hit_chunks, lease_id=lease_id)
+
+
 def test_the_longest_probe_that_hits_one_chunk_more_wins_and_every_other_lease_is_released() -> None:
-    p = partial.Probes()
-    p.begin("r", 1, 10, {1: (224, b"k224"), 2: (192, b"k192"), 3: (160, b"k160")})
-    assert 2 in p and 9 not in p
-    assert p.reply(3, 2, 13) == ("r", None, [])  # 160 hits
-    assert p.reply(2, 2, 12) == ("r", None, [13])  # 192 beats it: 160's lease goes
-    req, choice, release = p.reply(1, 1, 11)  # 224 misses: only the whole chunk
-    assert (req, release) == ("r", [11, 10])  # its lease, and the whole-chunk lookup's (replaced)
+    p, r = partial.Probes(), record("r", 1, 10)
+    p.begin(r, {1: (224, b"k224"), 2: (192, b"k192"), 3: (160, b"k160")})
+    assert 2 in p and 9 not in p and r.probe is not None
+    assert p.reply(3, 2, 13) == (r, None, [])  # 160 hits
+    assert p.reply(2, 2, 12) == (r, None, [13])  # 192 beats it: 160's lease goes
+    st, choice, release = p.reply(1, 1, 11)  # 224 misses: only the whole chunk
+    assert (st, release) == (r, [11, 10])  # its lease, and the whole-chunk lookup's (replaced)
     assert choice == partial.Choice(2, 12, 192, b"k192")
-    assert 1 not in p and 2 not in p
+    assert 1 not in p and 2 not in p and r.probe is None
 
 
 def test_without_a_winning_probe_the_whole_chunk_answer_stands() -> None:
-    p = partial.Probes()
-    p.begin("r", 1, 10, {1: (224, b"k224"), 2: (192, b"k192")})
-    assert p.reply(1, 0, 0) == ("r", None, [])  # failed
-    req, choice, release = p.reply(2, 1, 12)
-    assert (req, choice, release) == ("r", partial.Choice(1, 10), [12])
+    p, r = partial.Probes(), record("r", 1, 10)
+    p.begin(r, {1: (224, b"k224"), 2: (192, b"k192")})
+    assert p.reply(1, 0, 0) == (r, None, [])  # failed
+    st, choice, release = p.reply(2, 1, 12)
+    assert (st, choice, release) == (r, partial.Choice(1, 10), [12])
 
 
 def test_dropping_a_request_hands_back_its_best_probe_lease_and_forgets_its_lookups() -> None:
-    p = partial.Probes()
-    p.begin("r", 1, 10, {1: (224, b"k224"), 2: (192, b"k192")})
+    p, r = partial.Probes(), record("r", 1, 10)
+    p.begin(r, {1: (224, b"k224"), 2: (192, b"k192")})
     p.reply(2, 2, 12)
-    assert p.drop("r") == [12]
-    assert 1 not in p and p.drop("r") == []
-    p.begin("s", 0, 0, {5: (32, b"k32")})
+    assert p.drop(r) == [12]
+    assert 1 not in p and p.drop(r) == []
+    s = record("s", 0, 0)
+    p.begin(s, {5: (32, b"k32")})
     p.clear()
-    assert 5 not in p
+    assert 5 not in p and s.probe is None
 
 
 def test_turn_end_positions_are_probed_with_the_unit_multiples_each_once_longest_first() -> None:
