@@ -180,6 +180,8 @@ class Message:
         values = list(fields)
         for i, (name, hint, records) in enumerate(hints[:len(fields)]):
             if records is None:
+                if type(values[i]) is hint:  # a scalar of exactly its type: the common case, nothing more to check
+                    continue
                 _check(values[i], hint, f"{cls.__name__}.{name}")
             else:
                 values[i] = records.decode_list(values[i], f"{cls.__name__}.{name}")
