@@ -1,19 +1,20 @@
 """The cache: the one place that decides what counts as a hit and what gets leased.
 
 ``core`` is the facade (``Cache``: the hit rule over every tier and rank, leases, stores, reads,
-and ``formats``, the one record of engine formats, ``Formats``);
-under it, ``index`` keeps entry keys -> pool pages with their states and pins, ``leases`` the
-lookup leases, ``hybrid`` the hybrid hit rule, ``chains`` which entries can serve no hit any more,
-``eviction`` the eviction policies, and ``pool`` (with ``backing`` and ``prefault``) the huge-page
-pool and its accounting. Code outside this package imports the names below, never the modules
-under it (``tests/unit/test_layers.py``).
+and ``formats``, the one record of engine formats, ``Formats``); under it, ``lookup_plan`` decides
+what a lookup gets (``Cache.plan_lookup`` its one caller), ``index`` keeps entry keys -> pool pages
+with their states and pins, ``leases`` the lookup leases, ``hybrid`` the hybrid hit rule, ``chains``
+which entries can serve no hit any more, ``eviction`` the eviction policies, and ``pool`` (with
+``backing`` and ``prefault``) the huge-page pool and its accounting. Code outside this package
+imports the names below, never the modules under it (``tests/unit/test_layers.py``).
 """
 
-from hkvd.daemon.cache.core import Cache, HasFn, Shape, plan_keys, plan_ranks
+from hkvd.daemon.cache.core import Cache
 from hkvd.daemon.cache.eviction import EvictionPolicy, make_policy
 from hkvd.daemon.cache.formats import MAX_WORLDS, Formats, WorldFormat
-from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, mamba_checkpoint_keep, required_chunks
+from hkvd.daemon.cache.hybrid import GroupRule, mamba_checkpoint_keep
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, IndexStats
+from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource
 from hkvd.daemon.cache.pins import PinStats
 from hkvd.daemon.cache.pool import (
     MIN_SUPERBLOCK_BYTES,
@@ -29,8 +30,7 @@ from hkvd.daemon.cache.quotas import Tenants, TenantStats
 
 __all__ = [
     "MAX_WORLDS", "MIN_SUPERBLOCK_BYTES", "Allocation", "Cache", "Entry", "EntryKey", "EntryState", "EvictionPolicy",
-    "Extent", "Formats", "GroupRule", "HasFn", "HitPlan", "HugePagePool", "IndexStats", "PinStats", "PoolStats",
-    "Prefaulter", "Shape", "TenantStats", "Tenants", "WorldFormat", "default_threads", "first_slice_bytes",
-    "make_policy", "mamba_checkpoint_keep", "plan_keys", "plan_ranks", "required_chunks", "smallest_pool_bytes",
-    "superblocks_needed",
+    "Extent", "Formats", "GroupRule", "HasFn", "HugePagePool", "IndexStats", "LookupPlan", "PinStats", "PoolStats",
+    "Prefaulter", "Shape", "Tail", "TailSource", "TenantStats", "Tenants", "WorldFormat", "default_threads",
+    "first_slice_bytes", "make_policy", "mamba_checkpoint_keep", "smallest_pool_bytes", "superblocks_needed",
 ]

@@ -3,9 +3,10 @@
 Role
     ``Cache`` is the index (``daemon/cache/index.py``: entries, states, pins, eviction, chains)
     with the decisions every caller shares. A lookup of an engine, a peer's lookup, a pull's local
-    answer, promotion from the lower tiers and a router's usable-prefix question all ask ``plan``
-    (the hybrid hit rule, ``daemon/cache/hybrid.py``, over every tensor-parallel rank named and
-    whatever tiers the presence test covers) and take their leases through ``lease``; stores go
+    answer, promotion from the lower tiers and a router's usable-prefix question all ask ``plan_lookup``
+    (whole chunks, partial-chunk tails and turn ends, ``daemon/cache/lookup_plan.py``, by the hybrid hit rule,
+    ``daemon/cache/hybrid.py``, over every tensor-parallel rank named and whatever tiers the presence
+    test covers, less the withheld pairs given at construction) and take their leases through ``lease``; stores go
     through ``begin_store``/``complete_store`` and retrieves pin through ``pin_for_read``. Callers
     outside ``daemon/cache/`` use this class and the names ``hkvd.daemon.cache`` exports, never the
     modules under it (``tests/unit/test_layers.py`` holds them to that).
@@ -29,17 +30,25 @@ from typing import Protocol
 
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.formats import Formats
-from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, plan_hit, required_chunks
+from hkvd.daemon.cache.hybrid import required_chunks
 from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, Index
 from hkvd.daemon.cache.leases import Lease
+from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource, plan
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.daemon.cache.quotas import Tenants
 from hkvd.transport.errors import PoolFull
+from hkvd.transport.keys import ROOT_KEY
+from hkvd.transport.turn_ends import TurnEnds
+from hkvd.transport.wire.kv import MAX_ENDS
 
 _UNFINISHED = (EntryState.WRITING, EntryState.PENDING)  # may still turn READY (a CORRUPT entry never does)
 
-#: ``has(entry_key)``: is that entry available where the plan may take it from?
-HasFn = Callable[[EntryKey], bool]
+TURN_END_CHUNKS = 65536  # chunk keys whose turn ends the cache remembers, least recently used out first
+TURN_ENDS_PER_CHUNK = 32  # turn ends remembered after one chunk key, oldest out first
+
+
+def _absent(_: EntryKey) -> bool:
+    return False
 
 
 class Withheld(Protocol):
@@ -51,71 +60,87 @@ class Withheld(Protocol):
     def __len__(self) -> int: ...
 
 
-class Shape(Protocol):
-    """What the hit rule needs of an engine format: its groups' rules and its chunk size."""
-
-    @property
-    def rules(self) -> Sequence[GroupRule]: ...
-
-    @property
-    def chunk_size(self) -> int: ...
-
-
-def plan_ranks(shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], has: HasFn,
-               max_chunks: int | None = None, missing: dict[str, int] | None = None) -> HitPlan:
-    """The hybrid hit over ``keys`` that every rank of ``fingerprints`` holds, by ``has``.
-
-    ``missing``, when given, counts the entries found absent by group kind (every rank's that was
-    probed). Read-only: ``has`` must not change what it reports during the call."""
-    if missing is None and len(fingerprints) == 1:
-        fp = fingerprints[0]
-
-        def present(group_id: int, chunk: int) -> bool:
-            return has((fp, group_id, keys[chunk]))
-    else:
-        kinds = {r.group_id: r.kind for r in shape.rules}
-
-        def present(group_id: int, chunk: int) -> bool:
-            key = keys[chunk]
-            lacking = sum(not has((fp, group_id, key)) for fp in fingerprints)
-            if not lacking:
-                return True
-            if missing is not None:
-                missing[kinds[group_id]] = missing.get(kinds[group_id], 0) + lacking
-            return False
-
-    return plan_hit(shape.rules, len(keys), shape.chunk_size, present, max_chunks)
-
-
-def plan_keys(plan: HitPlan, keys: Sequence[bytes], fingerprints: Sequence[bytes]) -> list[EntryKey]:
-    """Every rank's entry keys that a retrieve of ``plan`` loads, rank by rank."""
-    return [(fp, gid, keys[c]) for fp in fingerprints for gid, chunks in plan.needed.items() for c in chunks]
-
-
 class Cache(Index):
     """The index with the decisions every caller shares (module docstring), and ``formats``: the one
     record of the engine worlds registered here (``Formats``), which the registry feeds."""
 
     def __init__(self, pool: HugePagePool, policy: EvictionPolicy, clock: Callable[[], float] = time.monotonic,
-                 formats: Formats | None = None, *, tenants: Tenants | None = None, pin_fraction: float = 0.5) -> None:
+                 formats: Formats | None = None, *, tenants: Tenants | None = None, pin_fraction: float = 0.5,
+                 withheld: Withheld = (), turn_ends: TurnEnds | None = None) -> None:
         super().__init__(pool, policy, clock, tenants=tenants, pin_fraction=pin_fraction)
         self.formats = formats if formats is not None else Formats()
         # (fingerprint, group) pairs whose entries no plan takes (quarantined: daemon/integrity/quarantine.py)
-        self.withheld: Withheld = ()
+        self.withheld: Withheld = withheld
+        # Where every engine's turn-end states end, by layout and the whole chunk before them (``add_turn_end``),
+        # named in lookup plans (``ends_of``).
+        self.turn_ends = turn_ends if turn_ends is not None else TurnEnds(TURN_END_CHUNKS, TURN_ENDS_PER_CHUNK)
 
     # ---- hits ----------------------------------------------------------------------------------
-    def plan(self, shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], *, has: HasFn | None = None,
-             max_chunks: int | None = None, missing: dict[str, int] | None = None) -> HitPlan:
-        """The hit every rank of ``fingerprints`` can be served: from the pool (READY entries), or from
-        whatever ``has`` says is there (a plan over the lower tiers, or a router's question)."""
-        present = self.is_ready if has is None else has
+    def plan_lookup(self, shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], *,
+                    tails: Sequence[Tail] | TailSource = (), tiers: HasFn | None = None, pool: bool = True,
+                    max_chunks: int | None = None, ends_of: bytes | None = None,
+                    count_missing: bool = False) -> LookupPlan:
+        """What a lookup of ``keys`` gets, served to every rank of ``fingerprints`` (``daemon/cache/lookup_plan.py``).
+
+        Entries count where they are READY in the pool (``pool``) or where ``tiers`` says a lower tier holds
+        them; never those withheld. ``tails``: partial chunks that may end the hit, longest first (or a function
+        of the whole chunks' hit giving them); ``max_chunks`` caps the whole chunks. ``ends_of``: the layout
+        whose turn ends inside the chunks past the hit to name (when no tail ends it). With ``tiers`` and the
+        pool, ``promote`` names the entries to read into the pool first. ``count_missing``: count the entries
+        found absent by kind."""
+        present = self._presence(pool, tiers)
+        withheld = 0
         if self.withheld:
-            withheld, base = self.withheld, present
+            pairs, base = self.withheld, present
 
             def present(key: EntryKey) -> bool:
-                return (key[0], key[1]) not in withheld and base(key)
+                nonlocal withheld
+                if (key[0], key[1]) not in pairs:
+                    return base(key)
+                withheld += base(key)
+                return False
 
-        return plan_ranks(shape, keys, fingerprints, present, max_chunks, missing)
+        missing: dict[str, int] = {}
+        hit, covered, tail, complete = plan(shape, keys, fingerprints, present, tails=tails, max_chunks=max_chunks,
+                                            missing=missing if count_missing else None)
+        out = LookupPlan(hit.hit_chunks, hit.needed, covered, tuple(fingerprints), tail, withheld=withheld,
+                         missing=missing, complete=complete)
+        if ends_of is not None and not tail:
+            out.ends.extend(self._ends(ends_of, keys, hit.hit_chunks))
+        if tiers is not None and pool:
+            ready = self.is_ready
+            out.promote.extend(((fp, gid, covered[c]), covered[c - 1] if c else b"") for fp in out.fingerprints
+                               for gid, chunks in hit.needed.items() for c in chunks
+                               if not ready((fp, gid, covered[c])))
+        return out
+
+    def _presence(self, pool: bool, tiers: HasFn | None) -> HasFn:
+        if tiers is None:
+            return self.is_ready if pool else _absent
+        if not pool:
+            return tiers
+        ready = self.is_ready
+        return lambda k: ready(k) or tiers(k)
+
+    def _ends(self, layout: bytes, keys: Sequence[bytes], n: int) -> list[list[int]]:
+        """``[chunk_index, offset]`` of the turn ends engines of ``layout`` stored inside chunks n .. len(keys)
+        (after the whole chunk before each), the last chunk's first: where a hit of n whole chunks may still
+        end (a turn end at a chunk past n carries its own Mamba state, which the whole chunks may lack)."""
+        out: list[list[int]] = []
+        for j in range(len(keys), n - 1, -1):
+            out.extend([j, off] for off in self.turn_ends.offsets(layout + (keys[j - 1] if j else ROOT_KEY)))
+            if len(out) >= MAX_ENDS:
+                break
+        return out[:MAX_ENDS]
+
+    def add_turn_end(self, layout: bytes, parent: bytes, offset: int) -> None:
+        """An engine of ``layout`` stored a turn-end state ``offset`` tokens into the chunk after ``parent``."""
+        self.turn_ends.add(layout + parent, offset)
+
+    @staticmethod
+    def needs(shape: Shape, hit_chunks: int) -> set[tuple[int, int]]:
+        """(group, chunk) of every entry a retrieve of a hit of ``hit_chunks`` whole chunks loads."""
+        return {(r.group_id, c) for r in shape.rules for c in required_chunks(r, hit_chunks, shape.chunk_size)}
 
     def busy(self, shape: Shape, keys: Sequence[bytes], fingerprint: bytes, hit: int) -> bool:
         """Whether an entry a hit of ``hit`` chunks needs is in the index but not READY (being written)."""
@@ -123,13 +148,12 @@ class Cache(Index):
                    for r in shape.rules for c in required_chunks(r, hit, shape.chunk_size))
 
     # ---- leases --------------------------------------------------------------------------------
-    def lease(self, plan: HitPlan, keys: Sequence[bytes], fingerprints: Sequence[bytes], owner: int,
-              ttl_s: float) -> int:
+    def lease(self, plan: LookupPlan, owner: int, ttl_s: float) -> int:
         """A lease on every rank's entries of ``plan`` (those READY now), serving one retrieve per rank. A hit
         on chunks a session pin holds restarts that pin's TTL (``daemon/cache/pins.py``)."""
         if plan.hit_chunks and len(self.pins):
-            self.pins.refresh(fingerprints[0], keys[:plan.hit_chunks])
-        return self.leases.take(plan_keys(plan, keys, fingerprints), owner, ttl_s, uses=len(fingerprints))
+            self.pins.refresh(plan.fingerprints[0], plan.keys[:plan.hit_chunks])
+        return self.leases.take(plan.entries(), owner, ttl_s, uses=len(plan.fingerprints))
 
     def hold(self, keys: Sequence[EntryKey], owner: int, ttl_s: float) -> int:
         """A lease that only holds ``keys`` (the READY ones) against eviction, for no retrieve: its owner

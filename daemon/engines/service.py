@@ -54,7 +54,6 @@ from hkvd.daemon.tiers.promotion import Promoter
 from hkvd.transport.copy_engine import CopyEngine, Direction
 from hkvd.transport.errors import NotFound, PermissionDenied, ProtocolViolation, ShuttingDown
 from hkvd.transport.stat_fields import status_dict
-from hkvd.transport.turn_ends import TurnEnds
 from hkvd.transport.wire import Message, control, events, kv, peer
 from hkvd.transport.wire.replies import Acknowledged, QuarantineLifted, Unpinned
 
@@ -67,8 +66,6 @@ __all__ = ["Conn", "KVService", "request_log"]  # Conn, request_log: connection.
 
 log = logging.getLogger("hkvd.service")
 
-TURN_END_CHUNKS = 65536  # chunk keys whose turn ends the daemon remembers, least recently used out first
-TURN_ENDS_PER_CHUNK = 32  # turn ends remembered after one chunk key, oldest out first
 
 # Timed from request to reply (hkvd.daemon.engines.latency).
 _TIMED: dict[type, str] = {kv.Lookup: "lookup", kv.Store: "store", kv.Retrieve: "retrieve"}
@@ -115,13 +112,10 @@ class KVService:
         self.latencies = Latencies()  # lookup, store, retrieve: request to reply
         self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
         index.withheld = self.quarantine
-        # Where every engine's turn-end states end (Store.turn_end), by layout and the whole chunk before them,
-        # named in lookup replies (LookupReply.ends).
-        turn_ends = TurnEnds(limit=TURN_END_CHUNKS, per_key=TURN_ENDS_PER_CHUNK)
         # copy_timeout_s is not reloadable
         self.copies = Copies(copy_engine, executor, step_executor or executor, metrics, config.current.copy_timeout_s)
-        self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic, turn_ends)
-        self.stores = Stores(config, index, self.copies, metrics, self.traffic, tiers, turn_ends, announcer)
+        self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic)
+        self.stores = Stores(config, index, self.copies, metrics, self.traffic, tiers, announcer)
         self.retrieves = Retrieves(index, self.copies, metrics, self.traffic, self.quarantine)
         self.verification = Verification(config, index, self.copies, executor, self.quarantine)
         self.step_events = StepEvents(index, self.stores, self.verification, metrics)

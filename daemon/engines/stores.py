@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from hkvd.daemon.routing.announcer import Announcer
     from hkvd.daemon.tiers.contract import Tier
     from hkvd.transport.layout import GroupSpec
-    from hkvd.transport.turn_ends import TurnEnds
     from hkvd.transport.wire import kv
     from hkvd.transport.wire.block_notes import BlockNote
     from hkvd.transport.wire.kv import Item
@@ -55,14 +54,13 @@ class Stores:
     """Writes into the pool. ``announcer``: KV-event notes are checked and announced, or None: ignored."""
 
     def __init__(self, config: ConfigCell, index: Cache, copies: Copies, metrics: Metrics, traffic: EngineTraffic,
-                 tiers: list[Tier[object]], turn_ends: TurnEnds, announcer: Announcer | None) -> None:
+                 tiers: list[Tier[object]], announcer: Announcer | None) -> None:
         self.config = config
         self.index = index
         self.copies = copies
         self.metrics = metrics
         self.traffic = traffic
         self.tiers = tiers  # local before remote
-        self.turn_ends = turn_ends
         self.announcer = announcer
 
     async def store(self, conn: Conn, msg: kv.Store) -> None:
@@ -73,7 +71,7 @@ class Stores:
         stored, _ = await self.write_items(conn, engine, items, job_id=msg.req_id, pending=False,
                                            wait_event=msg.wait_event, notes=notes, tenant=msg.tenant)
         if parent is not None:
-            self.turn_ends.add(engine.world_fingerprints[0] + parent, msg.turn_end)
+            self.index.add_turn_end(engine.world_fingerprints[0], parent, msg.turn_end)
         conn.send(stored.to_done(msg.req_id))
 
     async def write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,

@@ -48,7 +48,7 @@ import os
 import time
 from typing import NamedTuple, TypeVar, overload
 
-from hkvd.daemon.cache import Cache, Entry, HitPlan, HugePagePool, required_chunks
+from hkvd.daemon.cache import Cache, Entry, HugePagePool, LookupPlan
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.integrity.checksums import Checksums, checksum
@@ -395,7 +395,7 @@ class PeerClient:
         fp = engine.fingerprint
         local = self._plan_local(engine, keys, want)
         if local.hit_chunks >= want:  # nothing to move
-            return self._answer(engine, keys, local, owner, nbytes=0, pulled=0, started=started)
+            return self._answer(engine, local, owner, nbytes=0, pulled=0, started=started)
         for attempt in (0, 1):
             reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
             reused = link.requests > 1
@@ -412,7 +412,7 @@ class PeerClient:
                 raise
             break
         plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
-        out = self._answer(engine, keys, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
+        out = self._answer(engine, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
         return dataclasses.replace(out, lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6),
                                    descs=read.descs)
 
@@ -538,7 +538,7 @@ class PeerClient:
             reads[i] = (t, [le for le in begun if id(le) not in bad])
 
     def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
-        need = {(r.group_id, c) for r in engine.rules for c in required_chunks(r, hit, engine.chunk_size)}
+        need = self.index.needs(engine, hit)
         got = [(e.group_id, e.chunk_index) for e in entries]
         if set(got) != need or len(got) != len(need):
             raise ProtocolViolation(f"peer {address} sent entries {sorted(got)[:8]}..., but a hit of {hit} chunks "
@@ -596,10 +596,10 @@ class PeerClient:
                         "their engines recompute); check the UCX route between the nodes (UCX_NET_DEVICES)", why)
 
     # ---- local side ----------------------------------------------------------------------------
-    def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> HitPlan:
-        return self.index.plan(engine, keys, (engine.fingerprint,), max_chunks=n)
+    def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> LookupPlan:
+        return self.index.plan_lookup(engine, keys, (engine.fingerprint,), max_chunks=n)
 
-    async def _settle(self, engine: EngineState, keys: list[bytes], hit: int, deadline: float) -> HitPlan:
+    async def _settle(self, engine: EngineState, keys: list[bytes], hit: int, deadline: float) -> LookupPlan:
         """The hit now servable here. Entries another job is still writing are waited for (bounded)."""
         while True:
             plan = self._plan_local(engine, keys, hit)
@@ -609,11 +609,11 @@ class PeerClient:
                 return plan
             await asyncio.sleep(SETTLE_POLL_S)
 
-    def _answer(self, engine: EngineState, keys: list[bytes], plan: HitPlan, owner: int, *, nbytes: int,
+    def _answer(self, engine: EngineState, plan: LookupPlan, owner: int, *, nbytes: int,
                 pulled: int, started: float) -> PullResult:
         lease_id = 0
         if plan.hit_chunks:
-            lease_id = self.index.lease(plan, keys, (engine.fingerprint,), owner, self.cfg.lease_ttl_s)
+            lease_id = self.index.lease(plan, owner, self.cfg.lease_ttl_s)
         needed = sum(len(c) for c in plan.needed.values())
         elapsed = time.monotonic() - started
         self.metrics.inc("peer_pull_chunks", plan.hit_chunks)

@@ -457,7 +457,7 @@ class PeerServer:
 
         deadline = time.monotonic() + min(msg.wait_s, self.cfg.peer_timeout_s / 2)
         while True:
-            plan = self.index.plan(layout, keys, (fp,), max_chunks=want)
+            plan = self.index.plan_lookup(layout, keys, (fp,), max_chunks=want)
             if plan.hit_chunks >= want or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(WAIT_POLL_S)
@@ -467,7 +467,7 @@ class PeerServer:
         lease_id = served = 0
         if plan.hit_chunks:
             needed = [(gid, c) for gid, chunks in sorted(plan.needed.items()) for c in chunks]
-            lease_id = self.index.lease(plan, keys, (fp,), session.owner, self.cfg.lease_ttl_s)
+            lease_id = self.index.lease(plan, session.owner, self.cfg.lease_ttl_s)
             base, get = self.pool.base_addr, self.index.get
             for gid, c in needed:
                 e = get((fp, gid, keys[c]))

@@ -6,8 +6,9 @@ Role
     tokens [nC, L))`` (``hkvd.shim.partial``). A usable-prefix answer of n whole chunks is then extended
     to the longest L inside chunk n whose partial chunk the hybrid rule serves. The daemon does not know
     the engine's hash unit, and vLLM accepts a hit at any position, so every position of chunk n is a
-    candidate, longest first; a candidate is planned only once its Mamba states are held (one lookup per
-    group and rank), so a chunk without partial entries costs its partial keys' hashes only.
+    tail (``PartialTails``), longest first. Which tail serves is the cache's decision, the same as for an
+    engine's lookup (``Cache.plan_lookup``): a tail is planned only once every group's entry of it is held
+    (one lookup per group and rank), so a chunk without partial entries costs its partial keys' hashes only.
 
     Only layouts a partial chunk can serve (``servable``: Mamba groups and full attention, nothing else)
     and prompts without extra keys (partial keys carry none) are extended.
@@ -16,17 +17,17 @@ Threading
     Event loop (the endpoint's), like ``hkvd.daemon.routing.usable_prefix``.
 
 Failure handling
-    None of its own: it reads membership through the ``has`` it is given.
+    None of its own: the cache reads membership through the presence test it is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hkvd.daemon.cache import EntryKey, plan_ranks
+from hkvd.daemon.cache import LookupPlan, Tail
 from hkvd.transport.keys import ROOT_KEY, partial_key
 
 if TYPE_CHECKING:  # for annotations only: usable_prefix imports this module
@@ -56,20 +57,23 @@ class PartialKeys:
         return key
 
 
-def extend(fmt: Format, keys: Sequence[bytes], pkeys: PartialKeys, hit: int, limit: int,
-           has: Callable[[EntryKey], bool]) -> int:
-    """``hit`` (tokens, a whole-chunk multiple) extended to the longest partial chunk ending at most at
-    ``limit`` that the hybrid rule serves through ``has``; ``hit`` when none does."""
-    C = fmt.chunk_size
-    n = hit // C
-    if n > len(keys):
-        return hit
-    mamba = [r.group_id for r in fmt.rules if r.kind == "mamba"]
-    fps = fmt.rank_fingerprints
-    for end in range(min((n + 1) * C - 1, limit), n * C, -1):
-        key = pkeys.at(keys, end)
-        if not all(has((fp, g, key)) for g in mamba for fp in fps):
-            continue
-        if plan_ranks(fmt, [*keys[:n], key], fps, has, n + 1).hit_chunks == n + 1:
-            return end
-    return hit
+class PartialTails:
+    """A router's tails for one prompt (``Cache.plan_lookup``'s ``tails``): every position inside chunk n,
+    the whole chunks' hit, longest first, ending at most at ``limit``; ``tokens`` reads the hit's length
+    back from the plan."""
+
+    def __init__(self, keys: Sequence[bytes], pkeys: PartialKeys, chunk_size: int, limit: int) -> None:
+        self._keys, self._pkeys, self._C, self._limit = keys, pkeys, chunk_size, limit
+        self._longest = 0  # the first position offered inside the last chunk asked for
+
+    def __call__(self, n: int) -> Iterator[Tail]:
+        C = self._C
+        self._longest = min((n + 1) * C - 1, self._limit)
+        for end in range(self._longest, n * C, -1):
+            yield n, self._pkeys.at(self._keys, end)
+
+    def tokens(self, plan: LookupPlan) -> int:
+        """The hit of ``plan`` in tokens: its whole chunks, or the position of the tail that ends it."""
+        if not plan.tail:
+            return plan.hit_chunks * self._C
+        return self._longest - (plan.tail - 1)

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, TypedDict, cast
 
 import msgpack
 
-from hkvd.daemon.cache import MAX_WORLDS, EntryKey, Formats, GroupRule, plan_ranks
+from hkvd.daemon.cache import MAX_WORLDS, EntryKey, Formats, GroupRule, HasFn
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
@@ -592,62 +592,55 @@ class UsablePrefix:
 
     def answer(self, q: Query, keys: LazyKeys | list[bytes], cluster_held: set[EntryKey] | None) -> Answer:
         """The answer for ``q`` whose chunk keys are ``keys`` (see the module docstring); ``cluster_held``:
-        what the cluster's existence check found (None: not asked, or no answer in time)."""
+        what the cluster's existence check found (None: not asked, or no answer in time). Every length is
+        what ``Cache.plan_lookup`` plans over the tiers named, as for an engine's lookup."""
         fmt = q.fmt
         C = fmt.chunk_size
         n_keys = len(keys)
         cap = min(n_keys, (q.n_tokens - 1) // C)
-        disk = self.service.disk
+        disk, cache = self.service.disk, self.service.index
         sizes, kinds = fmt.entry_bytes, fmt.kinds
 
         def on_disk(k: EntryKey) -> bool:
             st = cast("DiskTier", disk).get(k)  # asked only when there is a disk tier (below)
             return st is not None and st.nbytes == sizes[k[1]] and st.kind == kinds[k[1]]
 
-        named = [(name, has) for name, has in (
-            ("pool", self.service.index.is_ready if "pool" in q.tiers else None),
+        pool = "pool" in q.tiers
+        lower = [(name, has) for name, has in (
             ("disk", on_disk if "disk" in q.tiers and disk is not None else None),
             ("cluster", cluster_held.__contains__ if cluster_held is not None and "cluster" in q.tiers else None))
             if has is not None]
-        anywhere = _any_of([has for _, has in named])
+        below = _any_of([has for _, has in lower]) if lower else None
+        tiers: dict[str, int | None] = dict.fromkeys(TIERS)
+        if not pool and below is None:
+            return {"model": fmt.model, "format": fmt.label, "chunk_size": C, "prompt_tokens": q.n_tokens,
+                    "usable_tokens": 0, "prefix_tokens": 0, "tiers": tiers}
         if isinstance(keys, LazyKeys):
             # Only the keys before the first chunk whose full-attention entries no tier holds can be in a hit.
-            keys = keys.while_(_full_held(fmt, anywhere)) if fmt.full_groups and named else keys.all()
-        tiers: dict[str, int | None] = dict.fromkeys(TIERS)
-        prefix = usable = 0
-        for name, has in named:
-            tiers[name], whole = self._plan_pair(fmt, keys, n_keys, cap, has)
-            usable, prefix = max(usable, tiers[name] or 0), max(prefix, whole)
-        if len(named) > 1 and prefix < n_keys * C:  # the tiers together may serve more than each alone
-            usable, prefix = self._plan_pair(fmt, keys, n_keys, cap, anywhere)
-        elif len(named) > 1 and usable < cap * C:
-            usable = self._plan(fmt, keys, cap, anywhere)
-        if named and partial_prefix.servable(fmt) and q.lora is None and not q.mm and not q.salt:
-            # Past the last whole chunk: a partial chunk of this prompt (hkvd.daemon.routing.partial_prefix).
-            pkeys = partial_prefix.PartialKeys(q.tokens, C)
-            for name, has in named:
-                tiers[name] = partial_prefix.extend(fmt, keys, pkeys, tiers[name] or 0, q.n_tokens - 1, has)
-            usable = max(partial_prefix.extend(fmt, keys, pkeys, usable, q.n_tokens - 1, anywhere),
-                         *(t or 0 for t in tiers.values()))
-            prefix = max(partial_prefix.extend(fmt, keys, pkeys, prefix, q.n_tokens, anywhere), usable)
+            anywhere = _any_of([cache.is_ready] if below is None else [cache.is_ready, below]) if pool else below
+            keys = keys.while_(_full_held(fmt, cast("HasFn", anywhere))) if fmt.full_groups else keys.all()
+        pkeys = None
+        if partial_prefix.servable(fmt) and q.lora is None and not q.mm and not q.salt:
+            pkeys = partial_prefix.PartialKeys(q.tokens, C)  # past the last whole chunk: a partial chunk
+
+        def tokens(in_pool: bool, has: HasFn | None, chunks: int, limit: int) -> int:
+            if pkeys is None:
+                return cache.plan_lookup(fmt, keys, fmt.rank_fingerprints, tiers=has, pool=in_pool,
+                                         max_chunks=chunks).hit_chunks * C
+            tails = partial_prefix.PartialTails(keys, pkeys, C, limit)
+            return tails.tokens(cache.plan_lookup(fmt, keys, fmt.rank_fingerprints, tails=tails, tiers=has,
+                                                  pool=in_pool, max_chunks=chunks))
+
+        if pool:
+            tiers["pool"] = tokens(True, None, cap, q.n_tokens - 1)
+        for name, has in lower:
+            tiers[name] = tokens(False, has, cap, q.n_tokens - 1)
+        usable = max(t or 0 for t in tiers.values())
+        if pool + len(lower) > 1:  # the tiers together may serve more than each alone
+            usable = max(usable, tokens(pool, below, cap, q.n_tokens - 1))
+        prefix = max(usable, tokens(pool, below, n_keys, q.n_tokens))
         return {"model": fmt.model, "format": fmt.label, "chunk_size": C, "prompt_tokens": q.n_tokens,
                 "usable_tokens": usable, "prefix_tokens": prefix, "tiers": tiers}
-
-    @classmethod
-    def _plan_pair(cls, fmt: Format, keys: list[bytes], n_keys: int, cap: int,
-                   has: Callable[[EntryKey], bool]) -> tuple[int, int]:
-        """(tokens of the hit over the first ``cap`` chunks, tokens of the hit over all ``n_keys``): one
-        plan where the whole prompt's hit is within the cap (the best hit up to ``cap`` is then the same).
-        ``keys`` may stop before ``n_keys``: where no hit reaches."""
-        whole = cls._plan(fmt, keys, n_keys, has)
-        if whole <= cap * fmt.chunk_size:
-            return whole, whole
-        return cls._plan(fmt, keys, cap, has), whole
-
-    @staticmethod
-    def _plan(fmt: Format, keys: list[bytes], limit: int, has: Callable[[EntryKey], bool]) -> int:
-        """Tokens of the hybrid hit over ``keys[:limit]`` when ``has`` says which entries are there."""
-        return plan_ranks(fmt, keys, fmt.rank_fingerprints, has, limit).hit_chunks * fmt.chunk_size
 
 
 def _any_of(fns: list[Callable[[EntryKey], bool]]) -> Callable[[EntryKey], bool]:

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hkvd.daemon.cache import Cache, Entry, EntryKey
+from hkvd.daemon.cache import Cache, Entry, EntryKey, Tail
 from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.tiers.contract import Tier
@@ -64,13 +64,53 @@ class Promoter:
     def usable(self) -> bool:
         return any(t.usable() for t in self.tiers)
 
-    async def promote(self, engine: EngineState, keys: list[bytes], log_extra: RequestLog) -> bool:
-        """Read what the best hit needs and only the tiers have; True if any entry was read."""
+    async def promote(self, engine: EngineState, keys: list[bytes], log_extra: RequestLog,
+                      tails: Sequence[Tail] = ()) -> bool:
+        """Read what the best hit over the pool and the tiers needs and only the tiers have (the plan is the
+        cache's: ``Cache.plan_lookup``, ``tails`` included); True if any entry was read."""
         loop = asyncio.get_running_loop()
         tiers = [t for t in self.tiers if t.usable()]
         deadlines = {t.name: loop.time() + t.budget_s for t in tiers}
-        fps, ready = engine.rank_fingerprints, self.index.is_ready
-        lacking = [k for c, key in enumerate(keys) for gid in engine.groups for fp in fps
+        held = await self._held(tiers, engine, [*keys, *(key for _, key in tails)], deadlines, log_extra)
+        failed: set[EntryKey] = set()
+
+        def has(k: EntryKey) -> bool:  # in a tier whose read has not failed
+            return k not in failed and k in held
+
+        promoted = False
+        pin = 0  # a lease on the pool's part of the plan: the reads' allocations must not evict it
+        ttl_s = max((t.budget_s for t in tiers), default=0.0) + 1.0
+        try:
+            for _ in range(PROMOTE_ROUNDS):
+                if not held:
+                    break
+                plan = self.index.plan_lookup(engine, keys, engine.rank_fingerprints, tails=tails, tiers=has)
+                if not plan.promote:
+                    break
+                if pin:
+                    self.index.release(pin)
+                pin = self.index.hold(plan.entries(), PROMOTION_OWNER, ttl_s)  # the READY part
+                by_tier: dict[str, list[tuple[EntryKey, bytes]]] = {}
+                for k, parent in plan.promote:
+                    by_tier.setdefault(held[k].name, []).append((k, parent))
+                results = await asyncio.gather(*[
+                    self._promote(next(t for t in tiers if t.name == name), engine, part, deadlines[name],
+                                  log_extra) for name, part in by_tier.items()])
+                bad = set().union(*results)
+                promoted = promoted or len(bad) < len(plan.promote)
+                if not bad:
+                    break
+                failed.update(bad)
+        finally:
+            if pin:  # the caller plans again at once, without yielding: nothing is evicted in between
+                self.index.release(pin)
+        return promoted
+
+    async def _held(self, tiers: list[Tier[object]], engine: EngineState, keys: list[bytes],
+                    deadlines: dict[str, float], log_extra: RequestLog) -> dict[EntryKey, Tier[object]]:
+        """The first of ``tiers`` that holds each entry of ``keys`` the pool lacks (each tier asked once)."""
+        ready, fps = self.index.is_ready, engine.rank_fingerprints
+        lacking = [k for key in keys for gid in engine.groups for fp in fps
                    if not ready(k := (fp, gid, key))] if tiers else []
         held: dict[EntryKey, Tier[object]] = {}
         for tier in tiers:
@@ -87,56 +127,22 @@ class Promoter:
                 continue
             for k in got:
                 held.setdefault(k, tier)
-        failed: set[EntryKey] = set()
+        return held
 
-        def has(k: EntryKey) -> bool:  # in the pool, or in a tier whose read has not failed
-            return ready(k) or (k not in failed and k in held)
-
-        promoted = False
-        pin = 0  # a lease on the pool's part of the plan: the reads' allocations must not evict it
-        ttl_s = max((t.budget_s for t in tiers), default=0.0) + 1.0
-        try:
-            for _ in range(PROMOTE_ROUNDS):
-                if not held:
-                    break
-                plan = self.index.plan(engine, keys, fps, has=has)
-                needed = [((fp, gid, keys[c]), c) for fp in fps for gid, chunks in plan.needed.items() for c in chunks]
-                wanted = [(k, c) for k, c in needed if not ready(k)]
-                if not wanted:
-                    break
-                if pin:
-                    self.index.release(pin)
-                pin = self.index.hold([k for k, _ in needed if ready(k)], PROMOTION_OWNER, ttl_s)
-                by_tier: dict[str, list[tuple[EntryKey, int]]] = {}
-                for k, c in wanted:
-                    by_tier.setdefault(held[k].name, []).append((k, c))
-                results = await asyncio.gather(*[
-                    self._promote(next(t for t in tiers if t.name == name), engine, keys, part, deadlines[name],
-                                  log_extra) for name, part in by_tier.items()])
-                bad = set().union(*results)
-                promoted = promoted or len(bad) < len(wanted)
-                if not bad:
-                    break
-                failed.update(bad)
-        finally:
-            if pin:  # the caller plans again at once, without yielding: nothing is evicted in between
-                self.index.release(pin)
-        return promoted
-
-    async def _promote(self, tier: Tier[object], engine: EngineState, keys: list[bytes],
-                       wanted: list[tuple[EntryKey, int]], deadline: float,
+    async def _promote(self, tier: Tier[object], engine: EngineState,
+                       wanted: list[tuple[EntryKey, bytes]], deadline: float,
                        log_extra: RequestLog) -> set[EntryKey]:
         """Read ``wanted`` from ``tier`` into fresh pool entries; return the keys that did not make it."""
         bad: set[EntryKey] = set()
         jobs: list[tuple[Entry, object]] = []
         others: list[tuple[EntryKey, asyncio.Future[None]]] = []
-        for k, c in wanted:
+        for k, parent in wanted:
             if (fut := self._promoting.get(k)) is not None:  # another lookup is reading it already
                 others.append((k, fut))
                 continue
             group = engine.groups[k[1]]
             nbytes = engine.entry_bytes[group.group_id]
-            src = tier.source(k, nbytes, group.kind, keys[c - 1] if c else b"")
+            src = tier.source(k, nbytes, group.kind, parent)
             if isinstance(src, str):
                 self.metrics.inc(f"{tier.name}_read_failures", reason=src)
                 bad.add(k)

@@ -49,14 +49,13 @@ def _store_prefix(cache: Cache, fp: bytes, chunks: int) -> None:
 def test_a_hit_is_what_every_rank_holds_and_its_lease_serves_one_retrieve_per_rank(cache: Cache) -> None:
     _store_prefix(cache, RANKS[0], 3)
     _store_prefix(cache, RANKS[1], 2)  # rank 1 stored two chunks only
-    missing: dict[str, int] = {}
-    plan = cache.plan(Shape(), KEYS, RANKS, missing=missing)
+    plan = cache.plan_lookup(Shape(), KEYS, RANKS, count_missing=True)
     assert plan.hit_chunks == 2  # the minimum over the ranks, never the longer rank's hit
     assert plan.needed == {0: [0, 1], 1: [1]}
-    assert missing == {"full": 1}  # rank 1's chunk 2 stops the full-attention run
-    assert cache.plan(Shape(), KEYS, RANKS[:1]).hit_chunks == 3  # rank 0 alone holds three
+    assert plan.missing == {"full": 1}  # rank 1's chunk 2 stops the full-attention run
+    assert cache.plan_lookup(Shape(), KEYS, RANKS[:1]).hit_chunks == 3  # rank 0 alone holds three
 
-    lease_id = cache.lease(plan, KEYS, RANKS, owner=7, ttl_s=60)
+    lease_id = cache.lease(plan, owner=7, ttl_s=60)
     lease = cache.check_lease(lease_id)
     held = {(fp, g, KEYS[c]) for fp in RANKS for g, cs in plan.needed.items() for c in cs}
     assert set(lease.keys) == held and len(lease.keys) == 6  # every rank's entries under one lease
@@ -72,9 +71,9 @@ def test_a_hit_is_what_every_rank_holds_and_its_lease_serves_one_retrieve_per_ra
 def test_a_lease_that_names_one_rank_ends_at_its_one_retrieve(cache: Cache) -> None:
     # A peer's lookup and a pull name the one rank whose shards they move.
     _store_prefix(cache, RANKS[1], 2)
-    plan = cache.plan(Shape(), KEYS, RANKS[1:])
+    plan = cache.plan_lookup(Shape(), KEYS, RANKS[1:])
     assert plan.hit_chunks == 2
-    lease_id = cache.lease(plan, KEYS, RANKS[1:], owner=7, ttl_s=60)
+    lease_id = cache.lease(plan, owner=7, ttl_s=60)
     assert len(cache.check_lease(lease_id).keys) == 3
     cache.use_lease(lease_id, written=True)
     with pytest.raises(LeaseExpired):
@@ -84,6 +83,6 @@ def test_a_lease_that_names_one_rank_ends_at_its_one_retrieve(cache: Cache) -> N
 def test_a_plan_over_another_presence_test_counts_every_rank_too(cache: Cache) -> None:
     # Promotion and routers plan over what the lower tiers hold: the same rule, another presence test.
     on_disk = {(fp, g, KEYS[c]) for fp in RANKS for g in (0, 1) for c in range(4)} - {(RANKS[1], 1, KEYS[3])}
-    plan = cache.plan(Shape(), KEYS, RANKS, has=on_disk.__contains__)
+    plan = cache.plan_lookup(Shape(), KEYS, RANKS, tiers=on_disk.__contains__)
     assert plan.hit_chunks == 3  # rank 1's last Mamba state is missing: the hit stops a chunk short
-    assert cache.plan(Shape(), KEYS, RANKS).hit_chunks == 0  # the pool itself holds nothing
+    assert cache.plan_lookup(Shape(), KEYS, RANKS).hit_chunks == 0  # the pool itself holds nothing

@@ -365,3 +365,43 @@ def test_the_daemon_plan_sees_type_only_imports_across_the_cache_boundary(tmp_pa
     assert "daemon/cache/index.py:3 imports hkvd.daemon.engines.registry.EngineState (typing)" in bad[0]
     assert "daemon/peers/serving.py:5 imports hkvd.daemon.cache.index.Entry (typing)" in bad[1]
     assert "daemon/stray.py sits at the daemon's top level" in bad[2]
+
+
+# One place decides a hit: ``Cache.plan_lookup`` (daemon/cache/lookup_plan.py) is the only caller of the hit
+# rules. The package exports none of them, and no module outside daemon/cache/ imports one, by any path.
+HIT_RULES = frozenset({"plan_hit", "plan_ranks", "plan_keys", "required_chunks", "plan"})
+
+
+def hit_rule_breaks(sources: list[Path]) -> list[str]:
+    """Imports of the hit rules from outside daemon/cache/."""
+    bad = []
+    for path in sources:
+        rel = path.relative_to(REPO)
+        if rel.parts[:2] == ("daemon", "cache"):
+            continue
+        for target, line, where in _imports(path):
+            if target.startswith(DAEMON_CACHE + ".") and target.rsplit(".", 1)[1] in HIT_RULES:
+                bad.append(f"{rel}:{line} imports {target} ({where}): ask Cache.plan_lookup what a lookup gets")
+    return bad
+
+
+def test_only_the_cache_plans_a_hit():
+    assert hit_rule_breaks(_sources()) == []
+    import hkvd.daemon.cache as cache
+
+    assert HIT_RULES.isdisjoint(cache.__all__) and not any(hasattr(cache, name) for name in HIT_RULES)
+
+
+def test_the_hit_rule_check_sees_an_import_of_a_rule(tmp_path, monkeypatch):
+    # A router module that plans by itself, through the package or the module under it, breaks the plan.
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    for layer in LAYERS:
+        (tmp_path / layer).mkdir()
+    for pkg in ("cache", "routing"):
+        (tmp_path / "daemon" / pkg).mkdir()
+    (tmp_path / "daemon" / "cache" / "hybrid.py").write_text("from hkvd.daemon.cache.lookup_plan import plan\n")
+    (tmp_path / "daemon" / "routing" / "a.py").write_text(
+        "from hkvd.daemon.cache import Cache, plan_ranks\nfrom hkvd.daemon.cache.hybrid import required_chunks\n")
+    bad = hit_rule_breaks(_sources())
+    assert len(bad) == 2 and "routing/a.py:1 imports hkvd.daemon.cache.plan_ranks" in bad[0]
+    assert "routing/a.py:2 imports hkvd.daemon.cache.hybrid.required_chunks" in bad[1]

@@ -112,9 +112,9 @@ def test_a_hit_restarts_the_ttl(pool: HugePagePool) -> None:
     cache.pin_session(WORLD, "s1", "", ks, 60.0)
     clock.now += 50
     asked = ks[:2] + keys("new", 2)  # the next turn: a hit on the pinned prefix
-    plan = cache.plan(Shape(), asked, [FP])
+    plan = cache.plan_lookup(Shape(), asked, [FP])
     assert plan.hit_chunks == 2
-    cache.release(cache.lease(plan, asked, [FP], owner=1, ttl_s=5.0))
+    cache.release(cache.lease(plan, owner=1, ttl_s=5.0))
     clock.now += 50  # 100 s after the pin, 50 after the hit
     assert cache.expire_pins() == 0
     [row] = cache.pins.remaining(5)
@@ -183,8 +183,8 @@ def test_past_the_budget_the_oldest_pins_lapse_first(pool: HugePagePool) -> None
     cache.pin_session(WORLD, "b", "", b, 300.0)
     assert cache.pins.lapsed["budget"] == 0
     clock.now += 1
-    plan = cache.plan(Shape(), a, [FP])  # a hit on a: b is now the least recently used pin
-    cache.release(cache.lease(plan, a, [FP], owner=1, ttl_s=5.0))
+    plan = cache.plan_lookup(Shape(), a, [FP])  # a hit on a: b is now the least recently used pin
+    cache.release(cache.lease(plan, owner=1, ttl_s=5.0))
     cache.pin_session(WORLD, "c", "", c, 300.0)
     assert cache.pins.lapsed["budget"] == 1
     assert [r.session for r in cache.pins.records()] == ["a", "c"]

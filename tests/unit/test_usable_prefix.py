@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
 import msgpack
 import pytest
 
-from hkvd.daemon.cache.hybrid import GroupRule
+from hkvd.daemon.cache import MIN_SUPERBLOCK_BYTES, Cache, GroupRule, HugePagePool, make_policy
 from hkvd.daemon.http import MAX_BODY_BYTES, HTTPEndpoint, Request, Response
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import (
@@ -53,8 +54,21 @@ class FakeDisk:
         self.held[key] = SimpleNamespace(nbytes=nbytes, kind=kind)
 
 
-def service(ready: set[Any], disk: FakeDisk | None = None) -> Any:
-    return SimpleNamespace(index=SimpleNamespace(is_ready=ready.__contains__), disk=disk, cluster=None)
+class ReadySet(Cache):
+    """The real cache's lookup planning over a set of READY keys (the set may change between questions)."""
+
+    def __init__(self, ready: set[Any]) -> None:
+        pool = HugePagePool(2 * MIN_SUPERBLOCK_BYTES, "off", superblock_bytes=MIN_SUPERBLOCK_BYTES)
+        weakref.finalize(self, pool.close)
+        super().__init__(pool, make_policy("lru"))
+        self.ready = ready
+
+    def is_ready(self, key: Any) -> bool:
+        return key in self.ready
+
+
+def service(ready: set[Any], disk: FakeDisk | None = None, cluster: Any = None) -> Any:
+    return SimpleNamespace(index=ReadySet(ready), disk=disk, cluster=cluster)
 
 
 def ask(up: UsablePrefix, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -414,8 +428,7 @@ async def test_the_cluster_is_asked_once_per_batch_of_concurrent_requests_within
         held |= {(fp, g, k) for g in (0, 1) for k in keys[:i]}  # prompt i: i chunks in the cluster
     ready = {(fp, 0, _keys(tokens[4])[0]), (fp, 1, _keys(tokens[4])[0])}  # prompt 4's first chunk in the pool too
     cluster = FakeCluster(held)
-    svc = SimpleNamespace(index=SimpleNamespace(is_ready=ready.__contains__), disk=None, cluster=cluster)
-    up = UsablePrefix(svc, Metrics())
+    up = UsablePrefix(service(ready, cluster=cluster), Metrics())
     up.book.add(eng)
     pending = [up.post(Request("POST", "/v1/usable_prefix", "", {}, json.dumps(
         {"model": "tiny", "token_ids": t}).encode())) for t in tokens]
