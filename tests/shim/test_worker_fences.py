@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker-side ordering rules with a scripted daemon client (no daemon, no model).
+"""Worker-side ordering rules with the one fake daemon (no daemon, no model).
 
 The real daemon copies too fast to catch a copy in flight at a block reuse, so these tests
 script completions: fences wait for copies out of reused blocks, a fence timeout aborts and
@@ -14,81 +14,38 @@ from typing import Any
 
 import pytest
 
+from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.transport.wire.kv import Item
 
 pytestmark = pytest.mark.vllm
 
 
-class ScriptedClient:
-    def __init__(self) -> None:
-        self.next_id = 0
-        self.done: dict[int, Any] = {}  # req_id -> Completion ready for poll/wait
-        self.finish_on_wait: set[int] = set()  # complete these when someone waits for them
-        self.fail: set[int] = set()
-        self.sent: list[tuple] = []
-        self.aborted: list[int] = []
-        self.connected = True
-        self.event = b""  # the done event a retrieve's Done carries (GPU KV caches)
-        self.retrieve_s = 0.0  # the daemon's own time a retrieve's Done reports (0: an older daemon)
-
-    def _id(self, what: tuple) -> int:
-        self.next_id += 1
-        self.sent.append((self.next_id, *what))
-        return self.next_id
+class FenceDaemon(FakeDaemon):
+    """The one fake daemon (hkvd.shim.testing.fake_daemon), with the worker's ordering rules checked where
+    they are observed: host KV caches send no GPU events, and no step waits for a load."""
 
     def submit_store(self, items: Any, wait_event: bytes = b"", notes: Any = None, tenant: str = "",
                      turn_end: int = 0) -> int:
         assert wait_event == b""  # host KV caches: no GPU events
-        return self._id(("store", items))
+        return super().submit_store(items, wait_event, notes, tenant, turn_end)
 
-    def submit_retrieve(self, items: Any, lease_id: int) -> int:
-        return self._id(("retrieve", items, lease_id))
-
-    def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any, wait_event: bytes = b"",
+    def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any = (), wait_event: bytes = b"",
                           notes: Any = None, verifies: Any = (), tenants: Any = ()) -> int:
         assert wait_event == b"" and list(verifies) == []  # no sampled hits here
-        return self._id(("step", seq, step, offers, list(confirms)))
-
-    def complete(self, rid: int, ok: bool = True) -> None:
-        from hkvd.shim.results import Completion
-        from hkvd.transport.errors import NotFound
-        from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult
-
-        kind = next(s[1] for s in self.sent if s[0] == rid)
-        result = {"store": StoreResult(1, 1, 0, 0, 0), "retrieve": RetrieveResult(1, 1, self.event, self.retrieve_s),
-                  "step": StepResult(1, "in_order")}[kind]
-        self.done[rid] = Completion(rid, ok, result if ok else None, None if ok else NotFound("gone"))
-
-    def poll(self, timeout_s: float = 0.0) -> list[Any]:
-        out = list(self.done.values())
-        self.done.clear()
-        return out
+        return super().submit_step_event(seq, step, offers, confirms, wait_event, notes, verifies, tenants)
 
     def wait(self, req_ids: Any, timeout_s: float) -> dict[int, Any]:
-        from hkvd.transport.errors import KVTimeout
-
         kinds = {s[0]: s[1] for s in self.sent}
         assert all(kinds[rid] != "retrieve" for rid in req_ids), "a step waited for a load"
-        for rid in req_ids:
-            if rid in self.finish_on_wait:
-                self.complete(rid, ok=rid not in self.fail)
-        if any(rid not in self.done for rid in req_ids):
-            raise KVTimeout("scripted timeout")
-        return {rid: self.done.pop(rid) for rid in req_ids}
-
-    def abort(self, rid: int) -> None:
-        self.aborted.append(rid)
-
-    def close(self) -> None:
-        self.connected = False
+        return super().wait(req_ids, timeout_s)
 
 
-def _side() -> tuple[Any, ScriptedClient]:
+def _side() -> tuple[Any, FenceDaemon]:
     from hkvd.shim.shim_config import ShimConfig
     from hkvd.shim.worker import WorkerSide
 
     side = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent", fence_timeout_s=0.01))
-    client = ScriptedClient()
+    client = FenceDaemon()
     side.link.client = client
     side._regions = [object()]  # registered
     return side, client
@@ -130,8 +87,8 @@ def test_fence_waits_for_copy_out_of_reused_block_then_confirms() -> None:
     _run_step(side, _meta(2, fence_blocks={6, 9}))  # both blocks reused now: wait for both copies
     assert client.aborted == []
     assert side.stats["stores"] == 1
-    (last,) = [s for s in client.sent if s[1] == "step" and s[3] == 2]
-    assert last[5] == [step_id]  # seen done before the reuse: confirmed
+    (last,) = [s for s in client.sent if s[1] == "step" and s[2] == 2]
+    assert last[4] == [step_id]  # seen done before the reuse: confirmed
 
 
 def test_fence_timeout_aborts_and_never_confirms() -> None:
@@ -142,7 +99,7 @@ def test_fence_timeout_aborts_and_never_confirms() -> None:
     assert client.aborted == [step_id]
     client.complete(step_id)  # a late Done must not resurrect it
     _run_step(side, _meta(3))
-    confirms = [s[5] for s in client.sent if s[1] == "step"]
+    confirms = [s[4] for s in client.sent if s[1] == "step"]
     assert all(step_id not in c for c in confirms)
     assert side.stats["fence_timeouts"] == 1
 
@@ -250,19 +207,19 @@ def test_a_load_past_its_timeout_keeps_its_blocks_until_the_daemon_ends_the_copy
     assert failed == (set() if late_ok else {"slow"})
 
 
-def _settling_side(fraction: float, max_s: float) -> tuple[Any, ScriptedClient]:
+def _settling_side(fraction: float, max_s: float) -> tuple[Any, FenceDaemon]:
     from hkvd.shim.shim_config import ShimConfig
     from hkvd.shim.worker import WorkerSide
 
     side = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent", load_settle_fraction=fraction,
                                              load_settle_max_s=max_s))
-    client = ScriptedClient()
+    client = FenceDaemon()
     side.link.client = client
     side._regions = [object()]
     return side, client
 
 
-class ReplyAfter(ScriptedClient):
+class ReplyAfter(FenceDaemon):
     """Completes retrieve ``rid`` once a poll has waited ``after_s`` in all (the daemon's copy time)."""
 
     def __init__(self, rid: int, after_s: float) -> None:
