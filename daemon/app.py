@@ -57,6 +57,7 @@ from hkvd.daemon.engines.service_stats import ServiceStats
 from hkvd.daemon.heap import HeapPolicy
 from hkvd.daemon.http import HTTPEndpoint, Request, Response, build_registry, ipaddress_is_loopback, text
 from hkvd.daemon.integrity.checksums import Checksums
+from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import CounterStats, Metrics
 from hkvd.daemon.notify import Notifier
@@ -191,7 +192,7 @@ class Daemon:
             control.check_session(sessions[0], "session")
         except ProtocolViolation as e:
             return Response(400, "application/json", json.dumps({"error": str(e)}).encode())
-        n = self.service.index.unpin_session(sessions[0])
+        n = self.service.index.sessions.unpin(sessions[0])
         log.info("unpinned session %r over HTTP: %d pins ended", sessions[0][:40], n)
         return Response(200, "application/json", json.dumps({"session": sessions[0], "unpinned": n}).encode())
 
@@ -281,25 +282,7 @@ class Daemon:
             # Built in dependency order, each given what it uses at construction (nothing is patched in
             # later): pool -> tiers -> copy engine -> index -> registry -> KV events -> peers -> service
             # -> routing, server.
-            self.copy_engine = copy_engine = make_copy_engine(cfg.copy_engine, self.pool,
-                                                              copy_timeout_s=cfg.copy_timeout_s,
-                                                              cuda_copy_method=cfg.cuda_copy_method,
-                                                              cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
-            quotas = Tenants(self.pool.allocator.capacity, cfg.tenant_quota, dict(cfg.tenant_quotas))
-            index = Cache(self.pool, make_policy(cfg.eviction_policy), tenants=quotas,
-                          pin_fraction=cfg.pin_max_fraction)
-            # Entry checksums (docs/checksums.md): taken as entries turn READY, checked by the tiers'
-            # write-behind, peer pulls and the scrubber.
-            self.checks = Checksums(index, self.pool.buffer)
-            self.checks.start(loop)
-            for tier in (self.disk, self.cluster):
-                if tier is not None:
-                    tier.checks = self.checks
-            if self.disk is not None:  # the disk tier's cap passes over pinned chunks' files (docs/pins.md)
-                pins = index.pins
-                self.disk.held = lambda key: pins.is_pinned(key[0], key[2])
-            self.scrubber = Scrubber(index, self.checks, cfg.scrub_rate_mb)
-            self.scrubber.start(loop)
+            index, copy_engine = self._build_cache(loop, self.pool)
             registry = Registry(cfg.chunk_size, copy_engine, pool=self.pool, formats=index.formats)
             announcer = self._start_kv_events(loop, index)
             if peers_wanted(cfg):
@@ -333,6 +316,30 @@ class Daemon:
             await self._shutdown()
             for task in background:
                 task.cancel()
+
+    def _build_cache(self, loop: asyncio.AbstractEventLoop, pool: HugePagePool) -> tuple[Cache, CopyEngine]:
+        """The copy engine, the cache over ``pool`` (its quotas, pins' share and quarantine given at construction)
+        and the entry checksums and scrubber that read it."""
+        cfg = self.cfg
+        self.copy_engine = copy_engine = make_copy_engine(cfg.copy_engine, pool, copy_timeout_s=cfg.copy_timeout_s,
+                                                          cuda_copy_method=cfg.cuda_copy_method,
+                                                          cuda_pin_chunk_bytes=cfg.cuda_pin_chunk_gib << 30)
+        quotas = Tenants(pool.allocator.capacity, cfg.tenant_quota, dict(cfg.tenant_quotas))
+        # The quarantine (docs/verification.md): sampled hits' comparisons, whose pairs every plan withholds.
+        index = Cache(pool, make_policy(cfg.eviction_policy), tenants=quotas,
+                      pin_fraction=cfg.pin_max_fraction, withheld=Quarantine())
+        # Entry checksums (docs/checksums.md): taken as entries turn READY, checked by the tiers'
+        # write-behind, peer pulls and the scrubber.
+        self.checks = Checksums(index, pool.buffer)
+        self.checks.start(loop)
+        for tier in (self.disk, self.cluster):
+            if tier is not None:
+                tier.checks = self.checks
+        if self.disk is not None:  # the disk tier's cap passes over pinned chunks' files (docs/pins.md)
+            self.disk.held = index.sessions.holds
+        self.scrubber = Scrubber(index, self.checks, cfg.scrub_rate_mb)
+        self.scrubber.start(loop)
+        return index, copy_engine
 
     def _start_kv_events(self, loop: asyncio.AbstractEventLoop, index: Cache) -> Announcer:
         """KV events (docs/routing.md): kept for engines' polls always; published node-wide with
@@ -501,10 +508,9 @@ class Daemon:
         (daemon/heap.py)."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            expired = index.expire_leases()
+            expired = index.expire()  # leases, and session pins
             if expired:
                 self.metrics.inc("leases_expired", expired)
-            index.expire_pins()
             self.heap.maybe_freeze(index.writes)
 
     def reload(self) -> None:

@@ -1,12 +1,14 @@
 """The cache: the one place that decides what counts as a hit and what gets leased.
 
-``core`` is the facade (``Cache``: the hit rule over every tier and rank, leases, stores, reads,
-and ``formats``, the one record of engine formats, ``Formats``); under it, ``lookup_plan`` decides
-what a lookup gets (``Cache.plan_lookup`` its one caller), ``index`` keeps entry keys -> pool pages
-with their states and pins, ``leases`` the lookup leases, ``hybrid`` the hybrid hit rule, ``chains``
-which entries can serve no hit any more, ``eviction`` the eviction policies, and ``pool`` (with
-``backing`` and ``prefault``) the huge-page pool and its accounting. Code outside this package
-imports the names below, never the modules under it (``tests/unit/test_layers.py``).
+``core`` is the facade (``Cache``: the closed set of verbs over a private index: what a lookup gets,
+leases, stores, reads, a read-only entry view, session pins, quotas, ``formats``, the one record of
+engine formats, ``Formats``, and ``subscribe`` for the index's events, ``subscriptions``); under it,
+``lookup_plan`` decides what a lookup gets (``Cache.plan_lookup`` its one caller), ``session_pins``
+is the session pins' verbs (``Cache.sessions``), ``index`` keeps entry keys -> pool pages with their
+states and pins, ``leases`` the lookup leases, ``hybrid`` the hybrid hit rule, ``chains`` which
+entries can serve no hit any more, ``eviction`` the eviction policies, and ``pool`` (with ``backing``
+and ``prefault``) the huge-page pool and its accounting. Code outside this package imports the names
+below, never the modules under it, and uses only ``Cache``'s verbs (``tests/unit/test_layers.py``).
 """
 
 from hkvd.daemon.cache.core import Cache

@@ -27,6 +27,9 @@ from typing import Protocol
 
 from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, plan_hit
 from hkvd.daemon.cache.index import EntryKey
+from hkvd.transport.keys import ROOT_KEY
+from hkvd.transport.turn_ends import TurnEnds
+from hkvd.transport.wire.kv import MAX_ENDS
 
 #: ``has(entry_key)``: is that entry available where the plan may take it from?
 HasFn = Callable[[EntryKey], bool]
@@ -129,3 +132,15 @@ def plan(shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], has
                 return extended, covered, i + 1, first and j == len(keys)
         first = False
     return whole, keys, 0, n == len(keys) and first
+
+
+def turn_ends_past(turn_ends: TurnEnds, layout: bytes, keys: Sequence[bytes], n: int) -> list[list[int]]:
+    """``[chunk_index, offset]`` of the turn ends engines of ``layout`` stored inside chunks n .. len(keys)
+    (after the whole chunk before each), the last chunk's first: where a hit of n whole chunks may still end
+    (a turn end at a chunk past n carries its own Mamba state, which the whole chunks may lack)."""
+    out: list[list[int]] = []
+    for j in range(len(keys), n - 1, -1):
+        out.extend([j, off] for off in turn_ends.offsets(layout + (keys[j - 1] if j else ROOT_KEY)))
+        if len(out) >= MAX_ENDS:
+            break
+    return out[:MAX_ENDS]

@@ -110,8 +110,11 @@ class KVService:
         self.descriptors = DescriptorBudget.current()  # the control socket's share (daemon/server.py)
         self.traffic = EngineTraffic()  # per (model, rank): lookups, stores, retrieves
         self.latencies = Latencies()  # lookup, store, retrieve: request to reply
-        self.quarantine = Quarantine()  # sampled hits' comparisons; its pairs are withheld from every plan
-        index.withheld = self.quarantine
+        # Sampled hits' comparisons: the cache withholds its pairs from every plan (given at its construction).
+        if not isinstance(index.withheld, Quarantine):
+            raise TypeError("KVService needs a cache built with withheld=Quarantine(): the quarantine its "
+                            "verification records and every lookup plan withholds")
+        self.quarantine = index.withheld
         # copy_timeout_s is not reloadable
         self.copies = Copies(copy_engine, executor, step_executor or executor, metrics, config.current.copy_timeout_s)
         self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic)
@@ -181,7 +184,7 @@ class KVService:
             case kv.Pin():
                 self._pin(conn, msg)
             case control.Unpin():
-                n = self.index.unpin_session(msg.session)
+                n = self.index.sessions.unpin(msg.session)
                 log.info("unpinned session %r: %d pins ended", msg.session[:40], n)
                 conn.send(Unpinned(0, n).to_done(msg.req_id))
             case kv.Uncacheable():
@@ -225,8 +228,8 @@ class KVService:
             log.warning("a Pin of session %r came before its connection registered an engine; ignored (the "
                         "client sends Pin only after Register)", msg.session[:40], extra=request_log(conn, 0))
             return
-        self.index.pin_session(conn.engine.rank_fingerprints, msg.session, msg.tenant, msg.keys, msg.ttl_s,
-                               msg.partial_keys)
+        self.index.sessions.pin(conn.engine.rank_fingerprints, msg.session, msg.tenant, msg.keys, msg.ttl_s,
+                                msg.partial_keys)
 
     # ---- KV events, aborts ----------------------------------------------------------------------
     def _poll_events(self, conn: Conn, msg: events.KVEventsPoll) -> None:
@@ -278,7 +281,7 @@ class KVService:
             latency=self.latencies.statistics(),
             integrity=self.scrubber.statistics() if self.scrubber is not None else None,
             verify=self.quarantine.statistics(),
-            pins=self.index.pin_statistics(),
+            pins=self.index.sessions.statistics(),
             tenants=self.index.tenants.statistics(),
         )
 

@@ -150,18 +150,18 @@ class Stores:
         return entries, placed, skipped, dropped
 
     def _abandon_writes(self, entries: list[Entry]) -> None:
-        for e in entries:
-            self.index.abandon_write(e)
+        self.index.abandon_store(entries)
 
     def write_behind(self, entries: list[Entry]) -> None:
         """Offer READY entries to each lower tier; an entry stays pinned until each tier that took it is done.
         (Reads from the tiers: daemon/tiers/promotion.py.)"""
         for tier in self.tiers:
             for e in entries:
-                if e.state is EntryState.READY and tier.offer(
-                        e.key, e.kind, e.nbytes, e.parent, e.alloc.extents,
-                        functools.partial(self.index.unpin, e)):
-                    self.index.pin(e)
+                if e.state is not EntryState.READY:
+                    continue
+                unpin = self.index.pin_for_read([e])  # until the tier's write is done
+                if not tier.offer(e.key, e.kind, e.nbytes, e.parent, e.alloc.extents, unpin):
+                    unpin()
 
     def check_notes(self, engine: EngineState, notes: list[BlockNote], items: list[Item]) -> list[BlockNote]:
         """The message's KV-event notes, checked against the engine and its items (``OutOfRange``); none

@@ -105,7 +105,7 @@ class Checksums:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="hkvd-checksum", daemon=True)
         self._thread.start()
-        self.cache.on_checksum = self.submit
+        self._unsubscribe = self.cache.subscribe(checksum=self.submit)
 
     def submit(self, entry: Entry) -> None:
         """Queue a READY entry for its checksum (skipped and counted when the queue is full); one that
@@ -195,7 +195,7 @@ class Checksums:
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the worker (before the pool is unmapped); False if it did not end within ``timeout_s``."""
-        self.cache.on_checksum = None
+        self._unsubscribe()
         with self._cond:
             self._stopping = True
             self._queue.clear()

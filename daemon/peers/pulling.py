@@ -243,8 +243,7 @@ def begin_entries(index: Cache, base: int, fp: bytes, kinds: dict[int, str], key
             else:
                 descs.extend(pair_extents(remote, [(base + off, n) for off, n in local]))
     except BaseException:
-        for le in begun:
-            index.abandon_write(le)
+        index.abandon_store(begun)
         raise
     return begun, descs
 
@@ -529,7 +528,7 @@ class PeerClient:
         for (le, w), f in zip(jobs, found, strict=True):
             if id(le) in bad:
                 checks.note(le.key, "peer_pull", f, w)
-                self.index.abandon_write(le)
+                self.index.abandon_store([le])
             else:
                 le.checksum = w  # verified: taken here, not hashed again once READY
         if not bad:
@@ -556,8 +555,7 @@ class PeerClient:
             if not t.settled.done():
                 running.append((t, begun))
                 continue
-            for le in begun:
-                self.index.abandon_write(le)
+            self.index.abandon_store(begun)
         if not running:
             return
         entries = sum(len(begun) for _, begun in running)
@@ -568,8 +566,7 @@ class PeerClient:
 
         def release(begun: list[Entry], f: asyncio.Future[int]) -> None:
             self.quarantined -= len(begun)
-            for le in begun:
-                self.index.abandon_write(le)
+            self.index.abandon_store(begun)
             how = "failed" if f.cancelled() or f.exception() is not None else "completed late"
             log.info("an abandoned READ from %s %s; its %d entries are free again (contents discarded)",
                      running[0][0].peer, how, len(begun))

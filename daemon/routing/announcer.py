@@ -4,7 +4,7 @@ Role
     The engine's scheduler side sends a *note* with each chunk it stores (``Store.notes``,
     ``StepEvent.notes``; ``hkvd.transport.wire.block_notes``): vLLM's hashes of the chunk's
     blocks, its parent hash, tokens, extra keys and adapter. The announcer keeps a note while any
-    tier holds the chunk, follows the index (``Cache.on_ready`` / ``on_drop``) and the tiers'
+    tier holds the chunk, follows the cache (``Cache.subscribe``: ready and drop) and the tiers'
     membership changes (``tier_changed``), and publishes per group and tier (``medium``):
 
     - ``BlockStored(medium)`` when the tier starts holding the group's entry: the pool when it
@@ -143,8 +143,7 @@ class Announcer:
         self._counts: dict[str, int] = dict.fromkeys(MEDIA, 0)  # units announced, per medium
         self._cluster: collections.OrderedDict[EntryKey, None] = collections.OrderedDict()  # rank keys put
         self._opened: set[bytes] = set()
-        index.on_ready = self._on_ready
-        index.on_drop = self._on_drop
+        self._unsubscribe = index.subscribe(ready=self._on_ready, drop=self._on_drop)
 
     # ---- set-up --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,7 +163,7 @@ class Announcer:
         for topic in sorted(self._opened):
             self.events.add(b"", topic, AllBlocksCleared())
         self.events.flush()
-        self.index.on_ready = self.index.on_drop = None
+        self._unsubscribe()
         self._announced.clear()
         self._notes.clear()
         for fp0 in self._noted:

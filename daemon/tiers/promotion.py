@@ -1,9 +1,10 @@
 """Promotion: the one read-through path that lookups share, from the tiers below the pool (disk, cluster).
 
 Role
-    A lookup whose pool hit is short asks the lower tiers for the entries the hybrid hit rule
-    needs, has them read into fresh pool entries and re-plans; ``KVService`` then answers from
-    the pool alone, so a lookup never promises what a read failed to bring (a retrieve is served
+    A lookup whose pool hit is short asks the lower tiers for the entries the hit needs
+    (``Cache.plan_lookup`` over the pool and what the tiers hold), has them read into fresh pool
+    entries (``Cache.begin_store``/``complete_store``, as a store) and re-plans; ``KVService`` then
+    answers from the pool alone, so a lookup never promises what a read failed to bring (a retrieve is served
     from the pool only). ``Tier`` (``daemon/tiers/contract.py``) is what a tier offers the service:
     reads for this path (``Promoter.promote``) and write-behind (``offer``). The disk tier
     (``daemon/tiers/disk.py``) and the cluster tier (``daemon/tiers/cluster.py``) implement it.
@@ -89,7 +90,7 @@ class Promoter:
                     break
                 if pin:
                     self.index.release(pin)
-                pin = self.index.hold(plan.entries(), PROMOTION_OWNER, ttl_s)  # the READY part
+                pin = self.index.lease(plan, PROMOTION_OWNER, ttl_s)  # holds the READY part; serves nothing
                 by_tier: dict[str, list[tuple[EntryKey, bytes]]] = {}
                 for k, parent in plan.promote:
                     by_tier.setdefault(held[k].name, []).append((k, parent))
@@ -147,9 +148,8 @@ class Promoter:
                 self.metrics.inc(f"{tier.name}_read_failures", reason=src)
                 bad.add(k)
                 continue
-            try:
-                entry = self.index.begin_write(k, nbytes, group.kind, 0, src.parent)
-            except PoolFull:
+            [entry] = self.index.begin_store([(k, nbytes, group.kind, src.parent)], 0)
+            if isinstance(entry, PoolFull):
                 self.metrics.inc(f"{tier.name}_read_failures", reason="pool_full")
                 bad.add(k)
                 continue
@@ -187,8 +187,7 @@ class Promoter:
         except TimeoutError:
             # The threads still write into these pages: free them only once the reads return.
             def abandon(_: object) -> None:
-                for e, _h in jobs:
-                    self.index.abandon_write(e)
+                self.index.abandon_store(e for e, _h in jobs)
 
             reads.add_done_callback(abandon)
             self.metrics.inc(f"{tier.name}_read_failures", len(jobs), reason="timeout")
@@ -199,10 +198,10 @@ class Promoter:
         for part, errors in zip(parts, results, strict=True):
             for (e, _h), err in zip(part, errors, strict=True):
                 if err is None:
-                    self.index.finish_write(e, pending=False)
+                    self.index.complete_store([e], pending=False)
                     self.metrics.inc(f"{tier.name}_hits", kind=e.kind)
                     continue
-                self.index.abandon_write(e)
+                self.index.abandon_store([e])
                 bad.add(e.key)
                 reason = getattr(err, "reason", "io")
                 self.metrics.inc(f"{tier.name}_read_failures", reason=reason)

@@ -43,6 +43,7 @@ from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
+from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.server import Server
 from hkvd.transport.copy_engine import Attachment, CopyResult, Direction, EngineProcess, Region, Segment
@@ -96,7 +97,8 @@ def in_process_daemon(copy_timeout_s: float = 30.0,
         pool = HugePagePool(cfg.l1_size_bytes, "off")
         engine = engine_type(pool)
         executor = ThreadPoolExecutor(1)  # one copy thread: "free" means a job submitted now runs at once
-        service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(16, engine, pool=pool),
+        cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
+        service = KVService(ConfigCell(cfg), cache, Registry(16, engine, pool=pool),
                             engine, executor, Metrics())
         service.copies.timeout_s = copy_timeout_s  # the config's is at least 30 s
         try:

@@ -756,6 +756,7 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     from hkvd.daemon.engines.client_process import ClientProcess
     from hkvd.daemon.engines.registry import Registry
     from hkvd.daemon.engines.service import Conn, KVService
+    from hkvd.daemon.integrity.quarantine import Quarantine
     from hkvd.daemon.metrics import Metrics
     from hkvd.transport.keys import chunk_keys
     from hkvd.transport.layout import GroupSpec, View
@@ -768,7 +769,7 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     eng = CudaCopyEngine(pool, method="memcpy", register_pool=False)
     executor = ThreadPoolExecutor(1)
-    index = Cache(pool, make_policy("lru"))
+    index = Cache(pool, make_policy("lru"), withheld=Quarantine())
     service = KVService(ConfigCell(cfg), index, Registry(chunk, eng, pool=pool), eng, executor, Metrics())
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,

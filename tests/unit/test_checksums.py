@@ -136,7 +136,7 @@ async def test_a_pinned_or_leased_damaged_entry_is_hidden_at_once_and_dropped_wh
         a, b = store(cache, 2)
         await until(lambda: checks.taken == 2, "checksums")
         unpin = cache.pin_for_read([a])  # a retrieve's copy reads it
-        lease = cache.hold([b.key], owner=1, ttl_s=60)
+        lease = cache._index.leases.take([b.key], owner=1, ttl_s=60)
         flip(cache, a)
         flip(cache, b)
         scrub = Scrubber(cache, checks, rate_mb=0, min_pass_s=0)
@@ -144,7 +144,7 @@ async def test_a_pinned_or_leased_damaged_entry_is_hidden_at_once_and_dropped_wh
         for e in (a, b):
             assert e.state is EntryState.CORRUPT and cache.get(e.key) is e  # its pages are still in use
             assert not cache.is_ready(e.key)
-        assert not cache.check_lease(cache.hold([a.key], owner=2, ttl_s=60)).keys  # no new lease takes it
+        assert not cache.check_lease(cache._index.leases.take([a.key], owner=2, ttl_s=60)).keys  # no new lease takes it
         unpin()
         assert cache.get(a.key) is None
         cache.release(lease)
@@ -200,10 +200,10 @@ async def test_the_disk_write_refuses_bytes_damaged_since_the_checksum_and_drops
         flip(cache, bad, at=5)
         left = [2]
         for e in (good, bad):  # the service's write-behind: pinned until done
-            cache.pin(e)
+            cache._index.pin(e)
 
             def done(e: Entry = e) -> None:
-                cache.unpin(e)
+                cache._index.unpin(e)
                 left[0] -= 1
             assert tier.offer(e.key, e.kind, e.nbytes, e.parent, e.alloc.extents, done)
         await until(lambda: left[0] == 0, "both writes")
@@ -281,10 +281,10 @@ async def test_the_cluster_put_refuses_bytes_damaged_since_the_checksum_and_drop
         flip(cache, bad, at=ENTRY - 1)
         left = [2]
         for e in (good, bad):
-            cache.pin(e)
+            cache._index.pin(e)
 
             def done(e: Entry = e) -> None:
-                cache.unpin(e)
+                cache._index.unpin(e)
                 left[0] -= 1
             assert tier.offer(e.key, e.kind, e.nbytes, e.parent, e.alloc.extents, done)
         await until(lambda: left[0] == 0, "both puts")

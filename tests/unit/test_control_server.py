@@ -29,6 +29,7 @@ from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
+from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.server import FRAMES_PER_TURN, MAX_CONSECUTIVE_ERRORS, Server
 from hkvd.transport.aio import FrameStream
@@ -54,7 +55,8 @@ def unstarted_server(socket_path: str) -> Iterator[Server]:
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     copy_engine = HostCopyEngine(pool)
     executor = ThreadPoolExecutor(1)
-    service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(32, copy_engine, pool=pool),
+    cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
+    service = KVService(ConfigCell(cfg), cache, Registry(32, copy_engine, pool=pool),
                         copy_engine, executor, Metrics())
     try:
         yield Server(cfg, service)

@@ -206,7 +206,7 @@ class World:
         self.engine = EngineState(1, 1, 1, spec, CHUNK, self.fps[0], {g.group_id: g for g in groups}, [],
                                   {0: 2 * PAGE, 1: PAGE}, {0: "full", 1: "mamba"}, rank_fingerprints=self.fps)
         self.announcer.register(self.engine)
-        self.index.set_ranks(self.fps)
+        self.index._index.set_ranks(self.fps)
 
     def close(self) -> None:
         self.pool.close()
@@ -223,10 +223,10 @@ class World:
         note = self.note(c)
         self.announcer.check(self.engine, [note], [Item(group, c, note.key, [1])])
         noted = self.announcer.accept(self.engine, [note])
-        e = self.index.begin_write((self.fps[rank], group, self.key(c)), (2 if group == 0 else 1) * PAGE,
+        e = self.index._index.begin_write((self.fps[rank], group, self.key(c)), (2 if group == 0 else 1) * PAGE,
                                    "full" if group == 0 else "mamba", 1)
         assert e is not None
-        self.index.finish_write(e, pending=pending)
+        self.index._index.finish_write(e, pending=pending)
         self.announcer.settle(self.engine, noted)
         return e
 
@@ -328,9 +328,9 @@ def test_a_partial_chunk_is_announced_in_each_group_as_one_block_of_the_hash_uni
     world.announcer.check(world.engine, [note], items)
     noted = world.announcer.accept(world.engine, [note])
     for group, nbytes, kind in ((0, 2 * PAGE, "full"), (1, PAGE, "mamba")):
-        e = world.index.begin_write((world.fps[0], group, key), nbytes, kind, 1)
+        e = world.index._index.begin_write((world.fps[0], group, key), nbytes, kind, 1)
         assert e is not None
-        world.index.finish_write(e, pending=False)
+        world.index._index.finish_write(e, pending=False)
     world.announcer.settle(world.engine, noted)
     ev = world.events()
     assert sorted((e.group_idx, e.block_hashes[0], e.parent_block_hash, e.block_size, tuple(e.token_ids))
@@ -342,9 +342,9 @@ def test_a_partial_chunk_is_announced_in_each_group_as_one_block_of_the_hash_uni
 
 def test_a_chunk_without_a_note_is_never_announced_and_leaves_nothing_behind(world: World) -> None:
     world.events()
-    e = world.index.begin_write((world.fps[0], 0, world.key(5)), 2 * PAGE, "full", 1)
+    e = world.index._index.begin_write((world.fps[0], 0, world.key(5)), 2 * PAGE, "full", 1)
     assert e is not None
-    world.index.finish_write(e, pending=False)
+    world.index._index.finish_write(e, pending=False)
     world.index.drop(e)
     assert world.events() == [] and world.announcer.statistics().notes == 0
 

@@ -405,3 +405,65 @@ def test_the_hit_rule_check_sees_an_import_of_a_rule(tmp_path, monkeypatch):
     bad = hit_rule_breaks(_sources())
     assert len(bad) == 2 and "routing/a.py:1 imports hkvd.daemon.cache.plan_ranks" in bad[0]
     assert "routing/a.py:2 imports hkvd.daemon.cache.hybrid.required_chunks" in bad[1]
+
+
+# The cache as a boundary: ``Cache`` composes a private index and offers a closed set of verbs. Outside
+# daemon/cache/, a cache object (by the names the daemon gives one: ``index``, ``cache``) is used only through
+# them: its public methods and the attributes its ``__init__`` sets (``pool``, ``formats``, ``tenants``,
+# ``sessions``...). The index itself is no name the package exports (the module rule above keeps
+# ``hkvd.daemon.cache.index`` out of reach).
+CACHE_HOLDERS = frozenset({"index", "cache", "_index", "_cache"})
+
+
+def cache_verbs() -> frozenset[str]:
+    """Cache's public methods and properties, and the public attributes its ``__init__`` sets."""
+    tree = ast.parse((REPO / "daemon" / "cache" / "core.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Cache"]
+    verbs = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+    [init] = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+    for node in ast.walk(init):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and isinstance(node.ctx, ast.Store) and not node.attr.startswith("_")):
+            verbs.add(node.attr)
+    return frozenset(verbs)
+
+
+def _holder(node: ast.expr) -> bool:
+    return ((isinstance(node, ast.Name) and node.id in CACHE_HOLDERS)
+            or (isinstance(node, ast.Attribute) and node.attr in CACHE_HOLDERS))
+
+
+def index_touches(sources: list[Path], verbs: frozenset[str]) -> list[str]:
+    """Outside daemon/cache/: imports of ``Index``, and names used on a cache object that are no verb of it."""
+    bad = []
+    for path in sources:
+        rel = path.relative_to(REPO)
+        if rel.parts[0] != "daemon" or rel.parts[1] == "cache":
+            continue
+        bad += [f"{rel}:{line} imports {target}: the index is the cache's own" for target, line, _ in _imports(path)
+                if target.startswith(DAEMON_CACHE + ".") and target.rsplit(".", 1)[1] == "Index"]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and _holder(node.value) and node.attr not in verbs:
+                bad.append(f"{rel}:{node.lineno} uses .{node.attr} of a cache: not one of Cache's verbs "
+                           f"({', '.join(sorted(verbs))})")
+    return bad
+
+
+def test_outside_the_cache_nothing_touches_its_index():
+    assert index_touches(_sources(), cache_verbs()) == []
+
+
+def test_the_boundary_check_sees_an_index_name_and_an_import_of_the_index(tmp_path, monkeypatch):
+    # Promotion writing through the index's own names, and a module taking Index from the package, break it.
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    for layer in LAYERS:
+        (tmp_path / layer).mkdir()
+    for pkg in ("cache", "tiers"):
+        (tmp_path / "daemon" / pkg).mkdir()
+    (tmp_path / "daemon" / "tiers" / "promotion.py").write_text(
+        "from hkvd.daemon.cache import Index\n\n\ndef read(self, k):\n"
+        "    e = self.index.begin_write(k, 1, 'full', 0)\n    self.index.complete_store([e], pending=False)\n")
+    bad = index_touches(_sources(), frozenset({"complete_store", "plan_lookup"}))
+    assert len(bad) == 2, bad
+    assert "daemon/tiers/promotion.py:1 imports hkvd.daemon.cache.Index" in bad[0]
+    assert "daemon/tiers/promotion.py:5 uses .begin_write of a cache" in bad[1]

@@ -27,6 +27,7 @@ from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.http import Request, Response
+from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import UsablePrefix
 from hkvd.daemon.tiers.disk import DiskTier
@@ -55,7 +56,7 @@ class Node:
         cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
         self.pool = HugePagePool(cfg.l1_size_bytes, "off")
         self.copy_engine = HostCopyEngine(self.pool)
-        self.cache = Cache(self.pool, make_policy("lru"))
+        self.cache = Cache(self.pool, make_policy("lru"), withheld=Quarantine())
         self.disk = DiskTier(str(root), 1 << 30, self.pool.buffer, queue_bytes=1 << 30)
         self.disk.open()
         self.disk.start(asyncio.get_running_loop())

@@ -149,11 +149,11 @@ class Side:
         return (self.engine.fingerprint, 0, KEYS[chunk])
 
     def store(self, chunk: int) -> None:
-        e = self.index.begin_write(self.key(chunk), ENTRY, "full", 0)
+        e = self.index._index.begin_write(self.key(chunk), ENTRY, "full", 0)
         assert e is not None
         (off, n), = e.alloc.extents
         self.pool.buffer[off:off + n] = bytes([chunk + 1]) * n
-        self.index.finish_write(e, pending=False)
+        self.index._index.finish_write(e, pending=False)
 
     def entry_bytes(self, chunk: int) -> bytes:
         e = self.index.get(self.key(chunk))

@@ -89,9 +89,9 @@ def test_begin_entries_maps_every_new_entry_byte_for_byte(pool, n, pages, cuts, 
     part = _remote(n, pages, cuts, contiguous)
     for i in sorted(present):
         if i < n:  # already here: skipped, not written again
-            e = index.begin_write((FP, part[i].group_id, keys[i]), part[i].nbytes, KINDS[part[i].group_id], 1)
+            e = index._index.begin_write((FP, part[i].group_id, keys[i]), part[i].nbytes, KINDS[part[i].group_id], 1)
             assert e is not None
-            index.finish_write(e, pending=False)
+            index._index.finish_write(e, pending=False)
     begun, descs = begin_entries(index, pool.base_addr, FP, KINDS, keys, part, 7)
     new = [e for i, e in enumerate(part) if i not in present]
     assert [le.key for le in begun] == [(FP, e.group_id, keys[e.chunk_index]) for e in new]
@@ -115,7 +115,7 @@ def test_begin_entries_maps_every_new_entry_byte_for_byte(pool, n, pages, cuts, 
     assert runs([(d.local_addr, d.nbytes) for d in descs]) == runs(
         [(pool.base_addr + off, ln) for le in begun for off, ln in le.alloc.extents])
     for le in begun:
-        index.abandon_write(le)
+        index._index.abandon_write(le)
     for i in sorted(present):
         if i < n:
             index.drop(index.get((FP, part[i].group_id, keys[i])))

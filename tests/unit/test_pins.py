@@ -67,8 +67,8 @@ def test_a_pinned_session_survives_a_flood_that_evicts_an_unpinned_one(pool: Hug
     pinned, loose = keys("pinned", 4), keys("loose", 4)
     store(cache, pinned)
     store(cache, loose)
-    assert cache.pin_session(WORLD, "s1", "", pinned, 300.0)
-    assert cache.pinned_bytes() == 4 * ENTRY
+    assert cache.sessions.pin(WORLD, "s1", "", pinned, 300.0)
+    assert cache._index.pinned_bytes() == 4 * ENTRY
     for i in range(5):  # 40 entries through a 16-entry pool
         assert store(cache, keys(f"flood{i}", 8)) == 8
     assert held(cache, pinned) == 4
@@ -79,9 +79,9 @@ def test_a_pinned_session_survives_a_flood_that_evicts_an_unpinned_one(pool: Hug
 def test_chunks_pinned_before_they_are_stored_are_held_once_stored(pool: HugePagePool) -> None:
     cache = make(pool, Clock())
     ks = keys("later", 3)
-    cache.pin_session(WORLD, "s1", "", ks, 300.0)
+    cache.sessions.pin(WORLD, "s1", "", ks, 300.0)
     store(cache, ks)
-    assert cache.pinned_bytes() == 3 * ENTRY
+    assert cache._index.pinned_bytes() == 3 * ENTRY
     for i in range(4):
         store(cache, keys(f"flood{i}", 8))
     assert held(cache, ks) == 3
@@ -92,13 +92,13 @@ def test_the_ttl_lapses_and_the_entries_go_back_to_eviction(pool: HugePagePool) 
     cache = make(pool, clock)
     ks = keys("s", 4)
     store(cache, ks)
-    cache.pin_session(WORLD, "s1", "", ks, 60.0)
+    cache.sessions.pin(WORLD, "s1", "", ks, 60.0)
     clock.now += 59
-    assert cache.expire_pins() == 0
+    assert cache._index.expire_pins() == 0
     clock.now += 2
-    assert cache.expire_pins() == 1
-    assert cache.pins.lapsed["ttl"] == 1
-    assert cache.pinned_bytes() == 0 and cache.pins.sessions() == 0
+    assert cache._index.expire_pins() == 1
+    assert cache._index.pins.lapsed["ttl"] == 1
+    assert cache._index.pinned_bytes() == 0 and cache._index.pins.sessions() == 0
     for i in range(3):
         store(cache, keys(f"flood{i}", 8))
     assert held(cache, ks) == 0
@@ -109,31 +109,31 @@ def test_a_hit_restarts_the_ttl(pool: HugePagePool) -> None:
     cache = make(pool, clock)
     ks = keys("s", 4)
     store(cache, ks)
-    cache.pin_session(WORLD, "s1", "", ks, 60.0)
+    cache.sessions.pin(WORLD, "s1", "", ks, 60.0)
     clock.now += 50
     asked = ks[:2] + keys("new", 2)  # the next turn: a hit on the pinned prefix
     plan = cache.plan_lookup(Shape(), asked, [FP])
     assert plan.hit_chunks == 2
     cache.release(cache.lease(plan, owner=1, ttl_s=5.0))
     clock.now += 50  # 100 s after the pin, 50 after the hit
-    assert cache.expire_pins() == 0
-    [row] = cache.pins.remaining(5)
+    assert cache._index.expire_pins() == 0
+    [row] = cache._index.pins.remaining(5)
     assert (row.session, row.tenant, row.pins, row.ttl_left_s) == ("s1", "", 1, pytest.approx(10.0))
     clock.now += 11
-    assert cache.expire_pins() == 1
+    assert cache._index.expire_pins() == 1
 
 
 def test_a_newer_turn_supersedes_the_pins_it_extends(pool: HugePagePool) -> None:
     cache = make(pool, Clock())
     turn = keys("chat", 6)
-    cache.pin_session(WORLD, "s1", "", turn[:2], 300.0)
-    cache.pin_session(WORLD, "s1", "", turn[:4], 300.0)
+    cache.sessions.pin(WORLD, "s1", "", turn[:2], 300.0)
+    cache.sessions.pin(WORLD, "s1", "", turn[:4], 300.0)
     other = keys("other", 2)
-    cache.pin_session(WORLD, "s1", "", other, 300.0)  # not an extension: kept beside
-    cache.pin_session(WORLD, "s1", "", turn, 300.0)
-    assert cache.pins.lapsed["superseded"] == 2
-    assert [r.keys for r in cache.pins.records()] == [tuple(other), tuple(turn)]
-    assert cache.pins.is_pinned(FP, turn[0]) and cache.pins.is_pinned(FP, other[1])
+    cache.sessions.pin(WORLD, "s1", "", other, 300.0)  # not an extension: kept beside
+    cache.sessions.pin(WORLD, "s1", "", turn, 300.0)
+    assert cache._index.pins.lapsed["superseded"] == 2
+    assert [r.keys for r in cache._index.pins.records()] == [tuple(other), tuple(turn)]
+    assert cache._index.pins.is_pinned(FP, turn[0]) and cache._index.pins.is_pinned(FP, other[1])
 
 
 def test_a_turns_partial_chunks_are_held_with_its_pin_and_end_with_it(pool: HugePagePool) -> None:
@@ -143,15 +143,15 @@ def test_a_turns_partial_chunks_are_held_with_its_pin_and_end_with_it(pool: Huge
     cache = make(pool, clock)
     turn, ends = keys("chat", 6), keys("end", 2)
     store(cache, turn[:4] + ends[:1])
-    cache.pin_session(WORLD, "s1", "", turn[:4], 300.0, [ends[0]])
-    assert cache.pinned_bytes() == 5 * ENTRY and cache.pins.is_pinned(FP, ends[0])
+    cache.sessions.pin(WORLD, "s1", "", turn[:4], 300.0, [ends[0]])
+    assert cache._index.pinned_bytes() == 5 * ENTRY and cache._index.pins.is_pinned(FP, ends[0])
     for i in range(4):  # 32 entries through a 16-entry pool: the turn's end stays
         store(cache, keys(f"flood{i}", 8))
     assert held(cache, turn[:4] + ends[:1]) == 5
 
-    cache.pin_session(WORLD, "s1", "", turn, 300.0, [ends[1]])  # the next turn: its own end
-    assert cache.pins.lapsed["superseded"] == 1 and len(cache.pins) == 1
-    assert not cache.pins.is_pinned(FP, ends[0]) and cache.pins.is_pinned(FP, ends[1])
+    cache.sessions.pin(WORLD, "s1", "", turn, 300.0, [ends[1]])  # the next turn: its own end
+    assert cache._index.pins.lapsed["superseded"] == 1 and len(cache._index.pins) == 1
+    assert not cache._index.pins.is_pinned(FP, ends[0]) and cache._index.pins.is_pinned(FP, ends[1])
     for i in range(4):
         store(cache, keys(f"again{i}", 8))
     assert held(cache, ends[:1]) == 0 and held(cache, turn[:4]) == 4
@@ -178,32 +178,32 @@ def test_past_the_budget_the_oldest_pins_lapse_first(pool: HugePagePool) -> None
     cache = make(pool, clock, pin_fraction=0.25)  # 4 MiB of a 16 MiB pool: 4 entries
     a, b, c = keys("a", 2), keys("b", 2), keys("c", 2)
     store(cache, a + b + c)
-    cache.pin_session(WORLD, "a", "", a, 300.0)
+    cache.sessions.pin(WORLD, "a", "", a, 300.0)
     clock.now += 1
-    cache.pin_session(WORLD, "b", "", b, 300.0)
-    assert cache.pins.lapsed["budget"] == 0
+    cache.sessions.pin(WORLD, "b", "", b, 300.0)
+    assert cache._index.pins.lapsed["budget"] == 0
     clock.now += 1
     plan = cache.plan_lookup(Shape(), a, [FP])  # a hit on a: b is now the least recently used pin
     cache.release(cache.lease(plan, owner=1, ttl_s=5.0))
-    cache.pin_session(WORLD, "c", "", c, 300.0)
-    assert cache.pins.lapsed["budget"] == 1
-    assert [r.session for r in cache.pins.records()] == ["a", "c"]
-    assert cache.pinned_bytes() == 4 * ENTRY
-    cache.pin_session(WORLD, "d", "", keys("d", 1), 300.0)  # not stored yet: holds no bytes
+    cache.sessions.pin(WORLD, "c", "", c, 300.0)
+    assert cache._index.pins.lapsed["budget"] == 1
+    assert [r.session for r in cache._index.pins.records()] == ["a", "c"]
+    assert cache._index.pinned_bytes() == 4 * ENTRY
+    cache.sessions.pin(WORLD, "d", "", keys("d", 1), 300.0)  # not stored yet: holds no bytes
     store(cache, keys("d", 1))  # now it does: a lapses
-    assert [r.session for r in cache.pins.records()] == ["c", "d"]
-    assert cache.pinned_bytes() == 3 * ENTRY <= cache.pin_budget_bytes
+    assert [r.session for r in cache._index.pins.records()] == ["c", "d"]
+    assert cache._index.pinned_bytes() == 3 * ENTRY <= cache._index.pin_budget_bytes
 
 
 def test_an_unpin_frees_the_session(pool: HugePagePool) -> None:
     cache = make(pool, Clock())
     ks = keys("s", 4)
     store(cache, ks)
-    cache.pin_session(WORLD, "s1", "", ks[:2], 300.0)
-    cache.pin_session(WORLD, "s1", "", ks[2:], 300.0)
-    assert cache.unpin_session("s1") == 2
-    assert cache.unpin_session("s1") == 0
-    assert cache.pins.lapsed["unpin"] == 2 and cache.pinned_bytes() == 0
+    cache.sessions.pin(WORLD, "s1", "", ks[:2], 300.0)
+    cache.sessions.pin(WORLD, "s1", "", ks[2:], 300.0)
+    assert cache.sessions.unpin("s1") == 2
+    assert cache.sessions.unpin("s1") == 0
+    assert cache._index.pins.lapsed["unpin"] == 2 and cache._index.pinned_bytes() == 0
     for i in range(3):
         store(cache, keys(f"flood{i}", 8))
     assert held(cache, ks) == 0
@@ -213,12 +213,12 @@ def test_a_chunk_two_sessions_pin_stays_held_until_both_let_go(pool: HugePagePoo
     cache = make(pool, Clock())
     shared = keys("system", 2)
     store(cache, shared)
-    cache.pin_session(WORLD, "s1", "", shared, 300.0)
-    cache.pin_session(WORLD, "s2", "", shared, 300.0)
-    cache.unpin_session("s1")
-    assert cache.pinned_bytes() == 2 * ENTRY
-    cache.unpin_session("s2")
-    assert cache.pinned_bytes() == 0
+    cache.sessions.pin(WORLD, "s1", "", shared, 300.0)
+    cache.sessions.pin(WORLD, "s2", "", shared, 300.0)
+    cache.sessions.unpin("s1")
+    assert cache._index.pinned_bytes() == 2 * ENTRY
+    cache.sessions.unpin("s2")
+    assert cache._index.pinned_bytes() == 0
 
 
 def test_sessions_and_records_per_session_are_bounded() -> None:

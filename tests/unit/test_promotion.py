@@ -126,11 +126,11 @@ def pool_bytes(pool: HugePagePool, index: Cache, k: EntryKey) -> bytes:
 
 
 def store(index: Cache, pool: HugePagePool, k: EntryKey, data: bytes) -> None:
-    e = index.begin_write(k, ENTRY, "full", 0)
+    e = index._index.begin_write(k, ENTRY, "full", 0)
     assert e is not None
     (off, n), = e.alloc.extents
     pool.buffer[off:off + n] = data
-    index.finish_write(e, pending=False)
+    index._index.finish_write(e, pending=False)
 
 
 async def test_a_short_lookup_reads_what_the_tier_holds_into_the_pool(pool, index, engine) -> None:
@@ -208,4 +208,4 @@ async def test_reads_never_evict_the_pool_entries_the_hit_needs(pool, index, eng
 
     assert [index.is_ready(key(engine, c)) for c in range(5)] == [True, True, True, True, False]
     assert metrics.get("fake_read_failures", reason="pool_full") == 1
-    assert len(index.leases) == 0  # the pin is gone once the lookup can plan
+    assert len(index._index.leases) == 0  # the pin is gone once the lookup can plan

@@ -26,6 +26,7 @@ from hkvd.daemon.engines.client_process import ClientProcess
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import Conn, KVService
+from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.tiers.contract import Source
 from hkvd.transport.copy_engine import Region
@@ -92,7 +93,7 @@ def _harness(make_engine: Callable[[HugePagePool], HostCopyEngine] = HostCopyEng
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
     pool = HugePagePool(cfg.l1_size_bytes, "off")
     copy_engine = make_engine(pool)
-    index = Cache(pool, make_policy("lru"))
+    index = Cache(pool, make_policy("lru"), withheld=Quarantine())
     executor = ThreadPoolExecutor(threads)
     service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
                         Metrics(), cluster=tier)
@@ -429,7 +430,8 @@ async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
     copy_engine = HostCopyEngine(pool)
     copy_engine.inline_max_bytes = 0  # every copy on a thread, as large ones are
     bulk, step = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
-    service = KVService(ConfigCell(cfg), Cache(pool, make_policy("lru")), Registry(CHUNK, copy_engine, pool=pool),
+    cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
+    service = KVService(ConfigCell(cfg), cache, Registry(CHUNK, copy_engine, pool=pool),
                         copy_engine, bulk, Metrics(), step_executor=step)
     sent: list[Message] = []
     conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,

@@ -96,7 +96,7 @@ def test_no_tenant_takes_pinned_or_protected_entries_the_store_is_dropped(pool: 
     own, protected = keys("own", 8), keys("prot", 8)
     assert all(store(cache, protected, "b"))  # b at its quota exactly
     assert all(store(cache, own, "a"))
-    cache.pin_session(WORLD, "s", "a", own, 300.0)  # a's own entries are pinned: nothing a may evict
+    cache.sessions.pin(WORLD, "s", "a", own, 300.0)  # a's own entries are pinned: nothing a may evict
     assert store(cache, keys("more", 2), "a") == [False, False]
     assert held(cache, protected) == 8 and held(cache, own) == 8
     assert cache.statistics().evictions == 0
@@ -142,7 +142,7 @@ def test_a_tenants_eviction_order_goes_with_its_last_entry(pool: HugePagePool) -
     cache = make(pool, 0.5)
     for t in ("a", "b", "c"):
         store(cache, keys(t, 2), f"salt:{t}")
-    order = cache.policy
+    order = cache._index.policy
     assert sorted(order._orders) == ["", "salt:a", "salt:b", "salt:c"]
     for k in keys("b", 2):
         entry = cache.get((FP, 0, k))
