@@ -145,8 +145,9 @@ class _Conn:
             end = buf.find(b"\r\n\r\n")
             if end >= 0:
                 head = buf[:end]
-                i = head.find(b"Content-Length: ")
-                length = int(head[i + 16:head.find(b"\r\n", i)])
+                i = head.lower().find(b"content-length: ")  # any case, and possibly the head's last field
+                j = head.find(b"\r\n", i)
+                length = int(head[i + 16:j if j >= 0 else len(head)])
                 if len(buf) >= end + 4 + length:
                     codes.append(int(head[9:12]))
                     buf = buf[end + 4 + length:]
