@@ -332,7 +332,8 @@ def flag_table(essential_only: bool) -> str:
 
 def example_toml() -> str:
     lines = ["# /etc/hkvd/hkvd.toml: keys as the `hkvd serve` flags (dashes or underscores); flags win over this file.",
-             "# `systemctl reload hkvd` (SIGHUP) re-reads it: log-level and lease-ttl-s apply at once, and with",
+             "# `systemctl reload hkvd` (SIGHUP) re-reads it: log-level, lease-ttl-s, verify-tolerance,",
+             "# verify-mamba-tolerance, quarantine-after and quarantine-window-s apply at once, and with",
              "# --cluster the fleet key files (cluster-key-file, cluster-accept-key-file) are read again (the running",
              "# keys stay if the new files fail their checks); every other key is logged as \"needs a restart\" and",
              "# takes effect on `systemctl restart hkvd`.",

@@ -80,3 +80,17 @@ def test_flags_and_toml_keys_set_the_same_fields(tmp_path):
     with pytest.raises(ConfigError, match="unknown key 'peer-token'"):  # secrets stay out of config files
         toml.write_text('peer-token = "x"\n')
         build_config(parser.parse_args(["serve", "--config", str(toml)]))
+
+
+def test_the_reload_texts_name_every_reloadable_key():
+    """docs/operating.md's Reload paragraph and the example config's header say what SIGHUP applies: each key
+    the daemon applies on reload (``RELOADABLE``) is named in both."""
+    from hkvd.daemon.app import RELOADABLE
+
+    doc = (REPO / "docs/operating.md").read_text()
+    reload_text = doc[doc.index("**Reload**"):doc.index("**Stop**")]
+    header = "\n".join(line for line in example_toml().splitlines() if line.startswith("# "))
+    for field in RELOADABLE:
+        flag = field.replace("_", "-")
+        assert f"`{flag}`" in reload_text, f"docs/operating.md's Reload paragraph does not name {flag}"
+        assert flag in header, f"the example config's header (hkvd.daemon.options.example_toml) does not name {flag}"
