@@ -468,26 +468,9 @@ class CudaCopyEngine(CopyEngine):
         st: _CudaState | None = attachment.state.get("cuda")
         if st is None:
             raise CopyFailedError("attachment was not made by the cuda copy engine")
-        desc = coalesce(
-            build_descriptors(
-                segments,
-                direction,
-                region_bases=st.bases,
-                region_sizes=st.sizes,
-                pool_base=self._pool_base,
-                pool_size=self._pool_size,
-            ),
-            direction,
-            pool_base=self._pool_base,
-            boundaries=self._boundaries,
-        )
+        desc = self._descriptors(st, segments, direction)
         deadline = time.monotonic() + self.copy_timeout_s
-        with st.lock:
-            if st.abandoned:
-                raise CopyFailedError(f"engine pid {attachment.pid} is gone; its copies are abandoned")
-            if st.detaching:
-                raise CopyFailedError(f"engine pid {attachment.pid} was detached")
-            st.inflight += 1
+        self._take_user(st, attachment.pid)
         try:
             wait_ptr = st.events.get(wait_event) if wait_event else 0
             lane = self._lane(st, direction)
@@ -520,6 +503,31 @@ class CudaCopyEngine(CopyEngine):
             if exc is not None:
                 raise exc
         return ticket
+
+    def _descriptors(self, st: _CudaState, segments: list[Segment], direction: Direction) -> np.ndarray:
+        """The copy's descriptor rows, checked against the engine's regions and the pool, coalesced."""
+        return coalesce(
+            build_descriptors(
+                segments,
+                direction,
+                region_bases=st.bases,
+                region_sizes=st.sizes,
+                pool_base=self._pool_base,
+                pool_size=self._pool_size,
+            ),
+            direction,
+            pool_base=self._pool_base,
+            boundaries=self._boundaries,
+        )
+
+    def _take_user(self, st: _CudaState, pid: int) -> None:
+        """Count one more user of the mappings; refused once the engine was abandoned or detached."""
+        with st.lock:
+            if st.abandoned:
+                raise CopyFailedError(f"engine pid {pid} is gone; its copies are abandoned")
+            if st.detaching:
+                raise CopyFailedError(f"engine pid {pid} was detached")
+            st.inflight += 1
 
     def _gate(self, st: _CudaState, direction: Direction, lane: _Lane, ticket: CopyTicket, wait_ptr: int) -> None:
         """Gate ``ticket`` on the engine's event: the lane's gate stream waits on it, then a host function
