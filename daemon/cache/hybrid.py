@@ -138,6 +138,38 @@ def plan_hit(
     an swa window jumps it straight to the hole (every ``n`` above the hole still needs
     it), and swa chunks already seen present are not probed again.
     """
+    _check_plan_args(rules, num_chunks, chunk_size)
+    limit = num_chunks if max_chunks is None else max(0, min(num_chunks, max_chunks))
+    limit = _full_limit(rules, limit, present)
+
+    # Downward search over swa and mamba groups. For each swa group the interval [lo, hi)
+    # already verified present is kept; because candidates only decrease and the window's
+    # start is monotone in n, a chunk is probed at most once.
+    others = [r for r in rules if r.kind != "full"]
+    verified: dict[int, tuple[int, int]] = {r.group_id: (limit, limit) for r in others if r.kind == "swa"}
+    n = limit
+    while n > 0:
+        candidate = n
+        for rule in others:
+            if rule.kind == "mamba":
+                if not present(rule.group_id, n - 1):
+                    candidate = n - 1
+                    break
+                continue
+            hole = _swa_hole(rule, n, chunk_size, present, verified)
+            if hole >= 0:
+                candidate = hole
+                break
+        if candidate == n:
+            break
+        n = candidate
+
+    needed = {r.group_id: list(required_chunks(r, n, chunk_size)) for r in rules}
+    return HitPlan(n, needed)
+
+
+def _check_plan_args(rules: Sequence[GroupRule], num_chunks: int, chunk_size: int) -> None:
+    """Reject the arguments :func:`plan_hit` cannot plan for."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     if num_chunks < 0:
@@ -150,9 +182,9 @@ def plan_hit(
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate group ids in {ids}")
 
-    limit = num_chunks if max_chunks is None else max(0, min(num_chunks, max_chunks))
 
-    # 1. Full groups: the hit can never pass the first hole of any of them.
+def _full_limit(rules: Sequence[GroupRule], limit: int, present: PresentFn) -> int:
+    """``limit`` cut to the leading run of every full group: a hit never passes a full group's first hole."""
     for rule in rules:
         if rule.kind != "full":
             continue
@@ -162,43 +194,33 @@ def plan_hit(
         limit = run
         if limit == 0:
             break
+    return limit
 
-    # 2. Downward search over swa and mamba groups. For each swa group we remember the
-    #    interval [lo, hi) already verified present; because candidates only decrease and
-    #    the window's start is monotone in n, a chunk is probed at most once.
-    others = [r for r in rules if r.kind != "full"]
-    verified: dict[int, tuple[int, int]] = {r.group_id: (limit, limit) for r in others if r.kind == "swa"}
-    n = limit
-    while n > 0:
-        candidate = n
-        for rule in others:
-            if rule.kind == "mamba":
-                if not present(rule.group_id, n - 1):
-                    candidate = n - 1
-                    break
-                continue
-            lo, hi = verified[rule.group_id]
-            if hi > n:
-                # The window for n ends at n; chunks >= n are irrelevant from now on.
-                hi = n
-                lo = min(lo, n)
-            first = required_chunks(rule, n, chunk_size).start
-            hole = -1
-            while lo > first:
-                if present(rule.group_id, lo - 1):
-                    lo -= 1
-                else:
-                    hole = lo - 1
-                    break
-            if hole >= 0:
-                # Every n' in (hole, n] needs chunk `hole`; the best remaining is n' = hole.
-                verified[rule.group_id] = (hole, hole)
-                candidate = hole
-                break
-            verified[rule.group_id] = (lo, hi)
-        if candidate == n:
-            break
-        n = candidate
 
-    needed = {r.group_id: list(required_chunks(r, n, chunk_size)) for r in rules}
-    return HitPlan(n, needed)
+def _swa_hole(
+    rule: GroupRule,
+    n: int,
+    chunk_size: int,
+    present: PresentFn,
+    verified: dict[int, tuple[int, int]],
+) -> int:
+    """The highest missing chunk of ``rule``'s window for a hit of ``n`` chunks, or -1 when it is whole.
+
+    Extends ``verified[rule.group_id]`` downward, probing only chunks not yet seen present.
+    """
+    lo, hi = verified[rule.group_id]
+    if hi > n:
+        # The window for n ends at n; chunks >= n are irrelevant from now on.
+        hi = n
+        lo = min(lo, n)
+    first = required_chunks(rule, n, chunk_size).start
+    while lo > first:
+        if present(rule.group_id, lo - 1):
+            lo -= 1
+        else:
+            # Every n' in (hole, n] needs chunk `hole`; the best remaining is n' = hole.
+            hole = lo - 1
+            verified[rule.group_id] = (hole, hole)
+            return hole
+    verified[rule.group_id] = (lo, hi)
+    return -1
