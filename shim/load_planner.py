@@ -114,6 +114,7 @@ class LoadPlanner:
         if not ctx.fire(st, Event.LOAD_PLANNED):
             items, st.pull = [], None  # the worker refuses it, reports the load failed: vLLM recomputes
         self._jobs.append(LoadJob(request.request_id, st.lease_id, items, all_blocks, pull=st.pull))
+        ctx.timeline.note(request.request_id, "load_planned")
         if items and st.pull is None and st.lease_id:
             self._watch(request.request_id, st.lease_id)
         if st.pull is not None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from hkvd.shim.daemon_port import DaemonPort
 from hkvd.shim.jobs import LoadJob
 from hkvd.shim.results import Completion
+from hkvd.shim.timeline import OFF, Timeline
 from hkvd.transport.wire.replies import RetrieveResult
 
 logger = logging.getLogger("hkvd.shim")
@@ -55,8 +56,10 @@ class _Load:
 class Loads:
     """Retrieves in flight, by the client's request id. See the module docstring."""
 
-    def __init__(self, timeout_s: float, on_loaded: Callable[[RetrieveResult], None] | None = None) -> None:
+    def __init__(self, timeout_s: float, on_loaded: Callable[[RetrieveResult], None] | None = None,
+                 timeline: Timeline = OFF) -> None:
         self.timeout_s = timeout_s
+        self.timeline = timeline  # load_done / load_failed per request (hkvd.shim.timeline)
         self._on_loaded = on_loaded
         self._flying: dict[int, _Load] = {}
         self._done: set[str] = set()
@@ -108,6 +111,7 @@ class Loads:
             per_block = (loaded.seconds or took) / len(p.job.block_ids)
             self._s_per_block = per_block if self._s_per_block is None else 0.7 * self._s_per_block + 0.3 * per_block
         self._done.add(p.job.req_id)
+        self.timeline.note(p.job.req_id, "load_done")
         return True
 
     def due_within(self, horizon_s: float) -> bool:
@@ -139,6 +143,7 @@ class Loads:
         self.stats["loads_failed"] += 1
         logger.info("hkvd: load for %s failed (%s); vLLM recomputes it", job.req_id, why)
         self._failed.add(job.req_id)
+        self.timeline.note(job.req_id, "load_failed")
 
     def forget(self, why: str) -> None:
         """The daemon connection is gone: every load in flight failed."""

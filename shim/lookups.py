@@ -96,6 +96,7 @@ class Lookups:
         st.lookup_id, st.lookup_sent_at, st.lookup_gen = rid, time.monotonic(), ctx.link.generation
         st.lookup_tails = tails
         self.by_lookup[rid] = st.req_id
+        ctx.timeline.note(st.req_id, "lookup_sent")
         ctx.stats["lookups"] += 1
 
     def _port(self) -> DaemonPort | None:

@@ -25,6 +25,7 @@ from hkvd.shim.request_keys import ChunkKeys
 from hkvd.shim.request_state import Event, InvalidTransition, RequestRecord
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo
+from hkvd.shim.timeline import OFF, Timeline
 from hkvd.transport.turn_ends import TurnEnds
 
 logger = logging.getLogger("hkvd.shim")
@@ -53,6 +54,8 @@ class SchedulerContext:
         self.keys = ChunkKeys(cfg.chunk_size, cfg.store_decode, self._uncacheable)
         self.turn_ends = TurnEnds()  # where finished requests' stored states lie (turn_end_states)
         self.strict = os.environ.get(STRICT_ENV) == "1"
+        # Per-request events (timeline_path; hkvd.shim.timeline): its step is kept by the scheduler side.
+        self.timeline = Timeline(cfg.timeline_path) if cfg.timeline_path else OFF
         self._invalid_logged = False
 
     @property
@@ -77,6 +80,8 @@ class SchedulerContext:
         logged (once at ERROR) and the request fails safely: recomputed, never loaded. False then."""
         try:
             st.fire(event)
+            if event is Event.ANSWERED:  # every path to an answer (reply, probe, miss, timeout) passes here
+                self.timeline.note(st.req_id, "lookup_answered")
             return True
         except InvalidTransition as e:
             if self.strict:

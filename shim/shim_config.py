@@ -8,6 +8,7 @@ is a ``ValueError`` naming the key, raised while vLLM starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -78,6 +79,10 @@ class ShimConfig:
     # verify_seed and the request id (hkvd.shim.verify.sampled), so the same id is always treated alike.
     verify_fraction: float = 0.01
     verify_seed: int = 0
+    # Per-request timeline (hkvd.shim.timeline, docs/design.md "Timeline"): every process of the engine appends
+    # one JSON line per event of each request (arrival, lookup, scheduling, load, first forward, finish) to
+    # this file, written once per step. "" (the default): off, and free.
+    timeline_path: str = ""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimConfig:
@@ -91,6 +96,9 @@ class ShimConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default: Any = known[name].default
+            if name == "timeline_path" and not isinstance(value, str):  # str(None) would name a file "None"
+                raise ValueError(f"hkvd: kv_connector_extra_config['timeline_path']={value!r} is not a path "
+                                 "(a string; \"\" = no timeline)")
             try:
                 values[name] = _to_bool(value) if isinstance(default, bool) else type(default)(value)
             except (TypeError, ValueError):
@@ -100,6 +108,8 @@ class ShimConfig:
         cfg = cls(**values)
         if not cfg.socket_path:
             cfg = _replace(cfg, socket_path=default_socket_path())
+        if cfg.timeline_path:
+            _check_timeline_path(cfg.timeline_path)
         if cfg.chunk_size < 0:
             raise ValueError("hkvd: chunk_size must be >= 0 (0 = vLLM's block size N)")
         if cfg.load_failure_policy not in ("recompute", "fail"):
@@ -119,6 +129,18 @@ class ShimConfig:
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"hkvd: {name} must be > 0 seconds")
         return cfg
+
+
+def _check_timeline_path(path: str) -> None:
+    """A timeline file every process of the engine can append to: not a folder, in a writable folder."""
+    if os.path.isdir(path):
+        raise ValueError(f"hkvd: timeline_path {path!r} is a folder; name a file (the engine's processes append "
+                         "JSON lines to it)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"hkvd: timeline_path {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"hkvd: timeline_path {path!r} is not writable by this process")
 
 
 def _to_bool(v: object) -> bool:

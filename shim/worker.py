@@ -67,6 +67,7 @@ from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.results import Completion
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import build_engine_spec, resolved_layout, validate_vllm
+from hkvd.shim.timeline import OFF, Timeline
 from hkvd.shim.verify import VerifyTally
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
@@ -109,7 +110,9 @@ class WorkerSide:
         self._req_jobs: dict[str, set[int]] = {}
         self._finishing: set[str] = set()
         self._confirmable: list[int] = []
-        self.loads = Loads(cfg.load_timeout_s, on_loaded=self._loaded)  # every load in flight
+        # Per-request events (timeline_path; hkvd.shim.timeline) under the step of the metadata bound last.
+        self.timeline = Timeline(cfg.timeline_path) if cfg.timeline_path else OFF
+        self.loads = Loads(cfg.load_timeout_s, on_loaded=self._loaded, timeline=self.timeline)  # every load in flight
         self._pd = PullLoads(cfg.pull_timeout_s, self.loads)  # prefill/decode loads that pull first (hkvd.shim.pd)
         self._gpu: GpuOrdering | None = None  # when the KV caches are on a GPU
         self._meta: HkvdConnectorMetadata | None = None
@@ -261,9 +264,11 @@ class WorkerSide:
     def bind(self, meta: HkvdConnectorMetadata) -> None:
         self._meta = meta
         self._step_began = time.monotonic()
+        self.timeline.step = meta.step
         self._finishing.update(meta.delayed_free)
 
     def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
+        self.timeline.step = meta.step  # vLLM calls this before it binds the step's metadata
         self._pump()
         if not meta.fence_blocks or not self._jobs:
             return
@@ -318,6 +323,7 @@ class WorkerSide:
                     self.loads.fail(job, "the load plan was refused (null block in it)")
                 else:
                     self.loads.start(client, job, job.lease_id)
+                    self.timeline.note(job.req_id, "load_issued")
             except Exception as e:
                 if job.pull is None:  # PullLoads.start reports its own failure
                     self.loads.fail(job, f"could not submit it: {e}")
@@ -384,6 +390,7 @@ class WorkerSide:
             self._settle()
             self.loads.expire(self.link.client)
         recved, failed = self.loads.take()
+        self.timeline.flush()  # once per step: get_transfer_results ends every step of the worker
         return set(sending or ()), recved, failed
 
     def _settle(self) -> None:
@@ -421,5 +428,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.link.close()
+        self.timeline.close()
         if self._gpu is not None:
             self._gpu.close()

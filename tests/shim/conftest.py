@@ -73,6 +73,12 @@ def outputs():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def step_counts():  # type: ignore[no-untyped-def]
+    """The step_counts module: ``check(timeline_path, async_scheduling)``, ``FLOOR``."""
+    return _local_module("step_counts")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tiny_lib, models_root: Path) -> dict[str, Path]:  # type: ignore[no-untyped-def]
     return {k: tiny_lib.build(k, models_root) for k in ("qwen3_next", "gemma3")}
 

@@ -11,6 +11,11 @@ step).
 
 Engines run their engine core in the test's process (tests/shim/e2e_run.py, "Processes"); the start-up
 error test keeps vLLM's own process topology.
+
+Steps a hit costs (docs/design.md): the cold Qwen3-Next run (GDN + full attention, align mode: two misses,
+two hits) and the warm Gemma3 run (sliding window + full attention: two hits) write the connector's timeline,
+and every request's scheduler steps from its first scheduling to its first forward are checked against the
+docs (tests/shim/step_counts.py). Their lookup wait covers the daemon's reply, so only the load's steps count.
 """
 
 from __future__ import annotations
@@ -35,16 +40,25 @@ P3 = ALT[:900]  # long: 7 full chunks; intermediate Mamba boundaries need retent
 P4 = ALT[:300] + OTHER[:100]  # shares 2 chunks with P3: needs P3's state at 256
 
 
-def test_qwen3_next_cold_warm_restart(tiny_models, outputs, daemon_factory, engine_runner, tmp_path: Path) -> None:
+def _timed(path: Path) -> dict[str, object]:
+    """Extra config: the connector's timeline to ``path``, and a lookup wait long enough for any reply."""
+    return {"timeline_path": str(path), "lookup_wait_s": 5.0, "lookup_wait_max_s": 5.0}
+
+
+def test_qwen3_next_cold_warm_restart(tiny_models, outputs, daemon_factory, engine_runner, step_counts,
+                                      tmp_path: Path) -> None:
     d = daemon_factory(chunk_size=BLOCK)
     common = {"model": str(tiny_models["qwen3_next"]), "socket": d.socket, "max_num_batched_tokens": BLOCK,
               "retention": BLOCK}
     prompts = [P1, P2, P3, P4]
 
-    cold = engine_runner({**common, "prompts": prompts})
+    cold = engine_runner({**common, "prompts": prompts, "extra": _timed(tmp_path / "cold.jsonl")})
     # P2 already hits P1's chunks [0, 3) in the cold engine; P4 hits P3's intermediate state at
     # 256 tokens, which exists only because retention offered the boundary.
     assert outputs.hits(cold) == [0, 384, 0, 256], cold["log"][-3000:]
+    steps = step_counts.check(str(tmp_path / "cold.jsonl"), cold["async_scheduling"])
+    assert len(steps["hits"]) == 2 and steps["misses"] == [0, 0], steps
+    print("qwen3_next steps to the first forward:", steps)
 
     warm = engine_runner({**common, "prompts": prompts})
     assert outputs.hits(warm) == [512, 512, 896, 384], warm["log"][-3000:]
@@ -74,15 +88,19 @@ def test_qwen3_next_cold_warm_restart(tiny_models, outputs, daemon_factory, engi
     print("logprob deltas:", {k: round(v, 5) for k, v in deltas.items()})
 
 
-def test_gemma3_sliding_window_cold_warm(tiny_models, outputs, daemon_factory, engine_runner) -> None:
+def test_gemma3_sliding_window_cold_warm(tiny_models, outputs, daemon_factory, engine_runner, step_counts,
+                                         tmp_path: Path) -> None:
     d = daemon_factory(chunk_size=BLOCK)
     common = {"model": str(tiny_models["gemma3"]), "socket": d.socket, "max_num_batched_tokens": BLOCK}
     prompts = [P1, P3]
     cold = engine_runner({**common, "prompts": prompts, "vllm_metrics": True})
     assert outputs.hits(cold) == [0, 0], cold["log"][-3000:]
-    warm = engine_runner({**common, "prompts": prompts, "vllm_metrics": True})
+    warm = engine_runner({**common, "prompts": prompts, "vllm_metrics": True, "extra": _timed(tmp_path / "w.jsonl")})
     # Window 192 < the hit: the sliding-window group is served from the chunks in its window.
     assert outputs.hits(warm) == [512, 896], warm["log"][-3000:]
+    steps = step_counts.check(str(tmp_path / "w.jsonl"), warm["async_scheduling"])
+    assert len(steps["hits"]) == 2, steps  # both prompts load from hkvd
+    print("gemma3 steps to the first forward:", steps)
     # vLLM's own metrics show what hkvd served (the connector's get_kv_connector_stats): the cold run stored and
     # loaded nothing, the warm run loaded both prompts' hits.
     cm, wm = cold["vllm_metrics"], warm["vllm_metrics"]
