@@ -64,19 +64,16 @@ import asyncio
 import collections
 import contextlib
 import errno
-import hashlib
-import hmac
 import logging
 import os
 import secrets
 import stat
-import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hkvd.daemon.cache import Extent
@@ -85,108 +82,35 @@ from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.contract import Source, Tier
+
+# The file format (disk_format) stays importable from here: the cluster tier shares its header.
+from hkvd.daemon.tiers.disk_format import HEAD_BYTES as HEAD_BYTES
+from hkvd.daemon.tiers.disk_format import HEADER_BYTES as HEADER_BYTES
+from hkvd.daemon.tiers.disk_format import MAC_BYTES as MAC_BYTES
+from hkvd.daemon.tiers.disk_format import MAGIC as MAGIC
+from hkvd.daemon.tiers.disk_format import SHARDS, SUFFIX, TMP_SUFFIX, EntryKey
+from hkvd.daemon.tiers.disk_format import VERSION as VERSION
+from hkvd.daemon.tiers.disk_format import FormatError as FormatError
+from hkvd.daemon.tiers.disk_format import Header as Header
+from hkvd.daemon.tiers.disk_format import parse_head as parse_head
+from hkvd.daemon.tiers.disk_format import relative_path as relative_path
+from hkvd.daemon.tiers.disk_format import unpack_header as unpack_header
+from hkvd.daemon.tiers.disk_scan import DiskScan, ScanReport, Stored
 from hkvd.daemon.tiers.write_queue import WriteJob, WriteQueue
-from hkvd.transport.keys import KEY_BYTES
 from hkvd.transport.stat_fields import metric, part, status_only
 
 log = logging.getLogger("hkvd.disk")
 
-EntryKey = tuple[bytes, int, bytes]  # (fingerprint, group_id, chunk_key), as in daemon/cache/index.py
-
-MAGIC = b"HKVDL2\r\n"
-# 2: chunk keys carry the request's extra keys and fingerprints the engine identity (version-1 files
-# were written under token-only keys: skipped, counted and left in place, never served).
-# 3: the header ends in a MAC under the directory's key instead of a CRC-32.
-VERSION = 3
-KINDS = ("full", "swa", "mamba")
-_HEAD = struct.Struct("<8sHBBIQI16s16s16s")
-MAC_BYTES = 16
-HEAD_BYTES = _HEAD.size  # 76: the fields a MAC covers
-HEADER_BYTES = HEAD_BYTES + MAC_BYTES  # 92
 KEY_FILE = "hkvd.key"
 SECRET_BYTES = 32
-SUFFIX = ".hkv"
-TMP_SUFFIX = ".hkv.tmp"
-SHARDS = [f"{i:02x}" for i in range(256)]
-PROGRESS_EVERY_S = 1.0
 ERROR_LOG_EVERY_S = 60.0
-MAX_LOGGED_FILES = 10  # corrupt files named one by one at start-up; the rest are summed up
 
 
 class DiskTierError(StartupError, OSError):
     """The disk tier cannot start (directory missing, not writable); the message names the fix."""
 
 
-class FormatError(ValueError):
-    """A file is not a valid entry file; ``reason`` is the metric label."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-# ---- the file format -------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Header:
-    fingerprint: bytes
-    group_id: int
-    chunk_key: bytes
-    kind: str
-    nbytes: int
-    checksum: int
-    parent: bytes = b""
-
-    @property
-    def key(self) -> EntryKey:
-        return (self.fingerprint, self.group_id, self.chunk_key)
-
-    def pack(self, secret: bytes) -> bytes:
-        """The 92-byte header of a disk-tier file: the fields, then their MAC under the directory's key."""
-        head = self.pack_head()
-        return head + _mac(head, secret)
-
-    def pack_head(self, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
-        """The 76 bytes before the MAC (cluster values share them: ``daemon/tiers/cluster_value.py``)."""
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if len(self.fingerprint) != 16 or len(self.chunk_key) != KEY_BYTES or len(self.parent) not in (0, KEY_BYTES):
-            raise ValueError("fingerprint, chunk key and parent key are 16 bytes (parent may be empty)")
-        return _HEAD.pack(magic, version, KINDS.index(self.kind), 0, self.group_id, self.nbytes, self.checksum,
-                          self.fingerprint, self.chunk_key, self.parent or bytes(KEY_BYTES))
-
-
-def _mac(head: bytes, secret: bytes) -> bytes:
-    return hashlib.blake2b(head, digest_size=MAC_BYTES, key=secret, person=b"hkvd-l2-header").digest()
-
-
-def parse_head(raw: bytes | memoryview, magic: bytes = MAGIC, version: int = VERSION) -> Header:
-    """The fields of a header (its MAC not checked); raises ``FormatError`` (truncated, magic, version,
-    header)."""
-    if len(raw) < HEADER_BYTES:
-        raise FormatError("truncated", f"{len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    found, found_version, kind, _res, gid, nbytes, checksum, fp, key, parent = _HEAD.unpack(bytes(raw[:HEAD_BYTES]))
-    if found != magic:
-        raise FormatError("magic", f"not an hkvd {'disk-tier file' if magic == MAGIC else 'value'} (magic {found!r})")
-    if found_version != version:
-        raise FormatError("version", f"format version {found_version}; this hkvd reads version {version}")
-    if kind >= len(KINDS):
-        raise FormatError("header", f"unknown entry kind {kind}")
-    return Header(fp, gid, key, KINDS[kind], nbytes, checksum, b"" if parent == bytes(KEY_BYTES) else parent)
-
-
-def unpack_header(raw: bytes | memoryview, secret: bytes) -> Header:
-    """Parse and check a disk-tier header; raises ``FormatError`` (reason: truncated, magic, version, mac,
-    header)."""
-    header = parse_head(raw)
-    if not hmac.compare_digest(raw[HEAD_BYTES:HEADER_BYTES], _mac(bytes(raw[:HEAD_BYTES]), secret)):
-        raise FormatError("mac", "the header's MAC does not match this directory's key (a file this daemon did "
-                                 "not write, or a damaged header)")
-    return header
-
-
-def relative_path(key: EntryKey) -> str:
-    fp, gid, ck = key
-    return f"{ck[:1].hex()}/{fp.hex()}-{gid}-{ck.hex()}{SUFFIX}"
+# ---- the directory ----------------------------------------------------------------------------------
 
 
 def _check_private(path: Path) -> None:
@@ -254,29 +178,6 @@ def _read_exact(fd: int, into: memoryview) -> None:
 
 
 # ---- the tier ----------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Stored:
-    """One catalog record: where an entry's file is and what it holds."""
-
-    path: str
-    nbytes: int
-    kind: str
-    parent: bytes
-    file_bytes: int
-
-
-@dataclass(slots=True)
-class ScanReport:
-    entries: int = 0
-    bytes: int = 0
-    files_seen: int = 0
-    tmp_removed: int = 0
-    ignored: int = 0
-    evicted: int = 0
-    seconds: float = 0.0
-    corrupt: dict[str, int] = field(default_factory=dict)
-
-
 @dataclass(frozen=True, slots=True)
 class DiskScanStats:
     """What the start-up scan found (``hkvd status``: ``l2.scan``)."""
@@ -383,62 +284,9 @@ class DiskTier(Tier[DiskStats]):
 
     def _scan(self, progress: Callable[[int, float], None] | None) -> None:
         rep = self.scan
-        start = last = time.monotonic()
-        found: list[tuple[int, EntryKey, Stored]] = []
-        named = 0
-        for shard in SHARDS:
-            try:
-                it = os.scandir(self.root / shard)
-            except FileNotFoundError:
-                continue
-            with it:
-                for de in it:
-                    rep.files_seen += 1
-                    now = time.monotonic()
-                    if now - last >= PROGRESS_EVERY_S:
-                        last = now
-                        log.info("disk tier: scanning %s: %d files, %d entries (%.1f GiB) so far", self.root,
-                                 rep.files_seen, len(found), rep.bytes / (1 << 30))
-                        if progress is not None:
-                            progress(rep.files_seen, rep.bytes)
-                    if de.name.endswith(TMP_SUFFIX):
-                        self._unlink(de.path)
-                        rep.tmp_removed += 1
-                        continue
-                    if not de.name.endswith(SUFFIX) or not de.is_file(follow_symlinks=False):
-                        rep.ignored += 1
-                        continue
-                    try:
-                        st = de.stat(follow_symlinks=False)
-                        fd = os.open(de.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                        try:
-                            header = unpack_header(os.read(fd, HEADER_BYTES), self.secret)
-                        finally:
-                            os.close(fd)
-                        if f"{shard}/{de.name}" != relative_path(header.key):
-                            raise FormatError("name", "file name does not match the key in its header")
-                        if st.st_size != HEADER_BYTES + header.nbytes:
-                            raise FormatError("truncated" if st.st_size < HEADER_BYTES + header.nbytes else "size",
-                                              f"{st.st_size} bytes, header says {HEADER_BYTES + header.nbytes}")
-                    except FormatError as e:
-                        rep.corrupt[e.reason] = rep.corrupt.get(e.reason, 0) + 1
-                        self._count_corrupt(e.reason)
-                        keep = e.reason == "version"
-                        if named < MAX_LOGGED_FILES:
-                            named += 1
-                            log.warning("disk tier: skipping %s: %s (%s)", de.path, e,
-                                        "left in place" if keep else "deleted")
-                        if not keep:
-                            self._unlink(de.path)
-                        continue
-                    except OSError as e:
-                        rep.ignored += 1
-                        log.warning("disk tier: cannot read %s: %s; skipped", de.path, e)
-                        continue
-                    found.append((st.st_mtime_ns, header.key,
-                                  Stored(de.path, header.nbytes, header.kind, header.parent, st.st_size)))
-                    rep.bytes += st.st_size
-        found.sort(key=lambda t: t[0])  # oldest first: the eviction order
+        start = time.monotonic()
+        scan = DiskScan(self.root, self.secret, rep, count_corrupt=self._count_corrupt, unlink=self._unlink)
+        found = scan.run(progress)
         with self._lock:
             for _mtime, key, stored in found:
                 self._catalog[key] = stored
@@ -447,14 +295,7 @@ class DiskTier(Tier[DiskStats]):
         rep.entries = len(self._catalog)
         rep.bytes = self._catalog_bytes
         rep.seconds = time.monotonic() - start
-        bad = sum(rep.corrupt.values())
-        if named < bad:
-            log.warning("disk tier: %d more unusable files skipped (see hkvd_l2_corrupt_files_total)", bad - named)
-        log.info("disk tier: %s holds %d entries (%.2f GiB of a %.2f GiB cap), scanned %d files in %.1f s; "
-                 "skipped %d unusable (%s), removed %d unfinished writes, evicted %d over the cap, "
-                 "ignored %d other files", self.root, rep.entries, rep.bytes / (1 << 30), self.cap_bytes / (1 << 30),
-                 rep.files_seen, rep.seconds, bad, ", ".join(f"{k} {v}" for k, v in sorted(rep.corrupt.items()))
-                 or "none", rep.tmp_removed, rep.evicted, rep.ignored)
+        scan.log_summary(self.cap_bytes)
 
     def _count_corrupt(self, reason: str) -> None:
         with self._lock:
