@@ -18,12 +18,21 @@ P+s1); each is printed as the median with the spread (lowest to highest sample) 
 called met only when the highest sample meets it. The hit's first token must equal the limit's (greedy) and
 the hit must take P from hkvd: otherwise the run fails.
 
+Every millisecond of a hit and a miss: the hkvd engine writes the connector's timeline (``timeline_path``,
+docs/design.md "Timeline"), and each of its answers carries its request's events. For hits and for misses the
+bench prints the median of each segment between consecutive events, from ``generate`` being called to the
+measured first token (the last segment, "after first_forward: forward and sampling", is the step that computes
+the request and everything after it), and the scheduler steps from ``first_schedule`` to ``first_forward``;
+the JSON holds them per prompt length (``breakdown``), and with matplotlib ``long_context_<model>.png`` stacks
+them beside the limit's and recompute's totals.
+
 Engine settings: prefix caching on, ``max_num_batched_tokens`` 8,192 (vLLM's default for offline use),
 chunk and block 128, ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (the tiny models declare 2,048 positions).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -42,6 +51,8 @@ REQUEST_TIMEOUT_S = 300.0
 # Issue targets (docs/benchmarks.md): a hit within 1.10x the limit and 0.20x recompute at 16K and 32K; a miss
 # within 1.03x of vLLM without the connector.
 TARGETS = {"hit_vs_limit": 1.10, "hit_vs_recompute": 0.20, "miss_vs_recompute": 1.03}
+BEFORE = "before arrival: front end"  # generate() called -> the connector's on_new_request
+AFTER = "after first_forward: forward and sampling"  # the step that computes the request -> the first token
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -100,7 +111,51 @@ def sample(alone: Engine, hkvd: Engine, length: int, seed: int) -> dict[str, Any
     if got["hit"]["cached_tokens"] < length - BLOCK:
         raise RuntimeError(f"{length} tokens, sample {seed}: the hit took {got['hit']['cached_tokens']} tokens from "
                            f"hkvd, fewer than the {length}-token prefix it stored")
-    return {what: {"ttft_ms": r["ttft_s"] * 1e3, "cached_tokens": r["cached_tokens"]} for what, r in got.items()}
+    out = {what: {"ttft_ms": r["ttft_s"] * 1e3, "cached_tokens": r["cached_tokens"]} for what, r in got.items()}
+    for what, r in got.items():
+        if r.get("events"):
+            out[what]["events"] = r["events"]
+    return out
+
+
+def segments(events: list[list[Any]], ttft_ms: float) -> list[tuple[str, float]]:
+    """A request's time to first token cut at its timeline's events ([event, ms since generate(), step], by
+    time): before the first event, between consecutive ones up to ``first_forward``, and the remainder to
+    ``ttft_ms``. Their sum is ``ttft_ms``. Empty without a ``first_forward``."""
+    names = [e[0] for e in events]
+    if "first_forward" not in names:
+        return []
+    upto = events[:names.index("first_forward") + 1]
+    out = [(BEFORE if upto[0][0] == "arrival" else f"before {upto[0][0]}", upto[0][1])]
+    out += [(f"{a[0]} -> {b[0]}", b[1] - a[1]) for a, b in itertools.pairwise(upto)]
+    out.append((AFTER, ttft_ms - upto[-1][1]))
+    return out
+
+
+def steps_to_forward(events: list[list[Any]]) -> int | None:
+    """Scheduler steps from the first scheduling to the first forward (0: the same step)."""
+    at = {e[0]: e[2] for e in events}
+    if "first_schedule" not in at or "first_forward" not in at:
+        return None
+    return int(at["first_forward"]) - int(at["first_schedule"])
+
+
+def breakdown(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """For hits and misses: the median of each segment (in the order of their first sample; a segment some
+    samples lack is the median of those that have it), the median TTFT, and the steps to the first forward."""
+    out: dict[str, Any] = {}
+    for what in ("hit", "miss"):
+        got = [s[what] for s in samples if s[what].get("events")]
+        if not got:
+            continue
+        by_name: dict[str, list[float]] = {}
+        for s in got:
+            for name, ms in segments(s["events"], s["ttft_ms"]):
+                by_name.setdefault(name, []).append(ms)
+        steps = [n for n in (steps_to_forward(s["events"]) for s in got) if n is not None]
+        out[what] = {"segments_ms": {name: median(ms) for name, ms in by_name.items()},
+                     "ttft_ms": median([s["ttft_ms"] for s in got]), "steps_to_forward": steps}
+    return out
 
 
 def ratios(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -134,20 +189,25 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
         with Daemon("--chunk-size", str(BLOCK), pool_gb=1.0, hugepages=hugepages) as daemon:
             alone = Engine("alone", {**args, "socket": None}, Path(daemon.dir) / "alone.log")
             try:
-                hkvd = Engine("hkvd", {**args, "socket": daemon.socket_path}, Path(daemon.dir) / "hkvd.log")
+                hkvd = Engine("hkvd", {**args, "socket": daemon.socket_path,
+                                       "timeline": str(Path(daemon.dir) / "timeline.jsonl")},
+                              Path(daemon.dir) / "hkvd.log")
                 try:
                     rows = []
                     for length in lengths:
                         samples = [sample(alone, hkvd, length, seed) for seed in range(n_samples)]
                         row = {"length": length, "samples": samples, "ratios": ratios(samples),
                                "ttft_ms_p50": {what: median([s[what]["ttft_ms"] for s in samples])
-                                               for what in ("recompute", "miss", "limit", "hit")}}
+                                               for what in ("recompute", "miss", "limit", "hit")},
+                               "breakdown": breakdown(samples)}
                         rows.append(row)
                         r, t = row["ratios"], row["ttft_ms_p50"]
                         log(f"  {model} {length // 1024}K: recompute {t['recompute']:.0f} ms, limit {t['limit']:.0f},"
                             f" hit {t['hit']:.0f}, miss {t['miss']:.0f}; hit/limit {_fmt(r['hit_vs_limit'])}, "
                             f"hit/recompute {_fmt(r['hit_vs_recompute'])}, miss/recompute "
                             f"{_fmt(r['miss_vs_recompute'])}")
+                        for line in _breakdown_lines(row["breakdown"]):
+                            log(f"    {line}")
                 finally:
                     hkvd.close()
             finally:
@@ -156,6 +216,15 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
     return {"config": {"block": BLOCK, "suffix": SUFFIX, "max_num_batched_tokens": BATCHED_TOKENS,
                        "samples": n_samples, "lengths": list(lengths), "omp_bind": _omp_bind(), "targets": TARGETS},
             "models": out}
+
+
+def _breakdown_lines(b: dict[str, Any]) -> list[str]:
+    lines = []
+    for what, got in b.items():
+        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in got["segments_ms"].items())
+        lines.append(f"{what} {got['ttft_ms']:.0f} ms = {parts}; steps first_schedule -> first_forward "
+                     f"{got['steps_to_forward']}")
+    return lines
 
 
 def _fmt(r: dict[str, Any]) -> str:
@@ -198,4 +267,34 @@ def plot(plt: Any, result: dict[str, Any], out_dir: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [str(path)]
+    return [str(path), *(_plot_breakdown(plt, m, out_dir) for m in models if any(r.get("breakdown")
+                                                                                for r in m["rows"]))]
+
+
+def _plot_breakdown(plt: Any, m: dict[str, Any], out_dir: Path) -> str:
+    """One model: per prompt length, the hit's and the miss's segments stacked, beside the limit's and
+    recompute's TTFT p50."""
+    rows = m["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(7 * len(rows), 5), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        b, t = row.get("breakdown", {}), row["ttft_ms_p50"]
+        colours: dict[str, int] = {}  # one colour per segment, the same in both bars
+        for x, what in enumerate(("hit", "miss")):
+            bottom = 0.0
+            for name, ms in b.get(what, {}).get("segments_ms", {}).items():
+                first = name not in colours
+                colours.setdefault(name, len(colours))
+                ax.bar(x, max(ms, 0.0), 0.6, bottom=bottom, color=plt.cm.tab20(colours[name] % 20),
+                       label=name if first else None)
+                bottom += max(ms, 0.0)
+        ax.bar(2, t["limit"], 0.6, color="0.6")
+        ax.bar(3, t["recompute"], 0.6, color="0.3")
+        ax.set_xticks(range(4), ["hit", "miss", "limit", "recompute"])
+        ax.set_ylabel("TTFT p50, ms")
+        ax.set_title(f"{m['model']} {row['length'] // 1024}K: where the time goes")
+        ax.legend(fontsize=6)
+    path = out_dir / f"long_context_{m['model']}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

@@ -2,7 +2,8 @@
 
     python -m bench.long_context_engine '{"model": DIR, "socket": PATH | null, "block": 128,
                                           "max_model_len": 33024, "max_num_batched_tokens": 8192,
-                                          "retention": true, "warmup_prompt": [ids...]}'
+                                          "retention": true, "warmup_prompt": [ids...],
+                                          "timeline": PATH | null}'
 
 ``socket`` null runs vLLM without a KV connector; otherwise with ``HkvdConnector`` on that socket (sampled
 verification off: every hit is loaded). Once started (and one short warm-up prompt run), the engine prints
@@ -10,6 +11,11 @@ verification off: every hit is loaded). Once started (and one short warm-up prom
 request with ``max_tokens=1`` (``reset``: ``llm.reset_prefix_cache()`` first, so vLLM's own cache holds
 nothing) and prints ``HKVD_BENCH_R {"ttft_s", "cached_tokens", "token"}``: the wall-clock time of
 ``generate``, which on an idle engine is the request's time to first token. An empty line or EOF ends it.
+
+``timeline`` (with ``socket``): the connector writes its per-request timeline there (``timeline_path``,
+docs/design.md "Timeline"); each answer then also carries ``"events": [[event, ms, step], ...]``, the first
+occurrence of each event of its request, in ms since ``generate`` was called (requests run one at a time,
+so the request that arrived during the call is the one asked for).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def main() -> None:
             "kv_connector_extra_config": {"socket_path": args["socket"], "reconnect_interval_s": 0.5,
                                           "verify_fraction": 0.0},
         }
+        if args.get("timeline"):
+            kw["kv_transfer_config"]["kv_connector_extra_config"]["timeline_path"] = args["timeline"]
     if args.get("retention"):
         kw["prefix_cache_retention_interval"] = int(args["block"])
     llm = LLM(model=args["model"], enforce_eager=True, dtype="bfloat16", max_model_len=int(args["max_model_len"]),
@@ -46,6 +54,11 @@ def main() -> None:
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     reset_prefix_cache(llm)
     llm.generate([TokensPrompt(prompt_token_ids=args["warmup_prompt"])], sp, use_tqdm=False)
+    offset = 0
+    if args.get("timeline"):
+        from hkvd.shim import timeline
+
+        offset = timeline.read(args["timeline"])[1]  # the warm-up's events
     print("HKVD_BENCH_READY " + json.dumps({"startup_s": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -53,11 +66,29 @@ def main() -> None:
         req = json.loads(line)
         if req.get("reset"):
             reset_prefix_cache(llm)
+        began = time.monotonic()  # the timeline's clock
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=req["ids"])], sp, use_tqdm=False)[0]
         ttft = time.perf_counter() - t
-        print("HKVD_BENCH_R " + json.dumps({"ttft_s": ttft, "cached_tokens": int(out.num_cached_tokens or 0),
-                                            "token": int(out.outputs[0].token_ids[0])}), flush=True)
+        answer = {"ttft_s": ttft, "cached_tokens": int(out.num_cached_tokens or 0),
+                  "token": int(out.outputs[0].token_ids[0])}
+        if args.get("timeline"):
+            answer["events"], offset = _events(args["timeline"], offset, began)
+        print("HKVD_BENCH_R " + json.dumps(answer), flush=True)
+
+
+def _events(path: str, offset: int, began: float) -> tuple[list[list[object]], int]:
+    """The first occurrence of each event of the request that arrived since ``offset``, as [event, ms since
+    ``began``, step] by time, and the offset to read on from."""
+    from hkvd.shim import timeline
+
+    by_req, offset = timeline.read(path, offset)
+    arrived = [evs for evs in by_req.values() if any(e["event"] == "arrival" for e in evs)]
+    if not arrived:
+        return [], offset
+    first = timeline.firsts(arrived[-1])
+    rows = sorted(first.values(), key=lambda e: float(e["t"]))
+    return [[e["event"], (float(e["t"]) - began) * 1e3, int(e["step"])] for e in rows], offset
 
 
 if __name__ == "__main__":
