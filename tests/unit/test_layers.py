@@ -220,9 +220,9 @@ def test_the_checks_see_a_package_cycle_a_shared_name_and_skip_type_checking(tmp
 SHIM_TIERS: tuple[frozenset[str], ...] = (
     # 0. Data and leaf helpers: settings, the jobs pickled to the workers, the daemon's typed results,
     #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, connector stats, sampled verification,
-    #    session pins asked for and tenant labels.
+    #    session pins asked for, tenant labels and the per-request timeline.
     frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
-               "connector_stats", "verify", "sessions", "tenants"}),
+               "connector_stats", "verify", "sessions", "tenants", "timeline"}),
     # 1. What the shim asks of its daemon (the port the client implements and the tests' fake stands in for).
     frozenset({"daemon_port"}),
     # 2. The daemon client, the engine spec, the step metadata, a request's states.
@@ -302,7 +302,8 @@ def test_every_layer_has_sources(layer):
 # only process plumbing; everything else lives in a package (cache, engines, peers, routing, tiers).
 DAEMON_CACHE = "hkvd.daemon.cache"
 DAEMON_TOP_LEVEL = frozenset({"__init__", "__main__", "app", "cli", "config", "options", "server", "http", "metrics",
-                              "heap", "notify", "fd_budget", "secret_files", "startup_errors"})
+                              "heap", "notify", "fd_budget", "secret_files", "startup_errors", "reload",
+                              "prefault_progress"})
 
 
 def _names_a_module(package_dir: Path, target: str, package: str) -> bool:
