@@ -78,6 +78,12 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
       ``take_events`` also returns the daemon's events for this engine's layout
       (``hkvd.shim.kv_event_feed``).
 
+Timeline (``timeline_path``; ``hkvd.shim.timeline``)
+    Off by default. On, this side notes each request's arrival, lookup sent and answered, first scheduling,
+    load planned and reported, first forward (the first step whose ``num_scheduled_tokens`` names it) and finish
+    under the number of the step being scheduled, and writes them once per ``build_connector_meta`` and at each
+    request's end; the workers note their loads issued and done.
+
 Request states (``hkvd.shim.request_state``)
     Each request's record moves through named states (waiting for lookup, looked up, loading,
     loaded, running, failed, storing, finished) on the events of vLLM's hooks and the daemon's
