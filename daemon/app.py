@@ -7,7 +7,8 @@ Start-up
     The rest of the pool is faulted in behind serving by ``--prefault-threads`` threads, each
     superblock handed to the allocator once faulted (daemon/cache/prefault.py); ``STATUS=`` reports the
     faulted share every second until it is all in. Before ready, every second with progress sends
-    ``EXTEND_TIMEOUT_USEC`` so systemd's start timeout never kills a start that is progressing.
+    ``EXTEND_TIMEOUT_USEC`` so systemd's start timeout never kills a start that is progressing
+    (``daemon/prefault_progress.py``).
 
 Shutdown sequence (SIGTERM or SIGINT)
     0. tell systemd ``STOPPING=1``; ``/healthz`` turns 503;
@@ -25,7 +26,8 @@ Reload (SIGHUP)
     files are read again, even under unchanged names). Every other changed key is logged as
     "needs a restart" and ignored. A config that fails to parse or validate, or a key file that
     fails its checks, is logged and ignored. The running config is one ``ConfigCell``
-    (``daemon/config.py``), swapped whole by a reload; the service reads it at each use.
+    (``daemon/config.py``), swapped whole by a reload; the service reads it at each use. The reload
+    itself is ``daemon/reload.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from concurrent.futures import ThreadPoolExecutor
 from hkvd.daemon.cache import (
     Cache,
     HugePagePool,
-    Prefaulter,
     Tenants,
     default_threads,
     first_slice_bytes,
@@ -62,6 +63,9 @@ from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import CounterStats, Metrics
 from hkvd.daemon.notify import Notifier
 from hkvd.daemon.peers.links import PeerService, peers_wanted
+from hkvd.daemon.prefault_progress import EXTEND_TIMEOUT_S, PrefaultProgress
+from hkvd.daemon.reload import RELOADABLE as RELOADABLE  # the reloadable keys stay importable from here
+from hkvd.daemon.reload import log_fleet_keys, reload_config
 from hkvd.daemon.routing.announcer import Announcer
 from hkvd.daemon.routing.kv_events import MEDIUM_CLUSTER, MEDIUM_DISK, Batch, EventLog
 from hkvd.daemon.routing.usable_prefix import FormatBook, UsablePrefix
@@ -69,7 +73,7 @@ from hkvd.daemon.routing.zmq_publisher import ZmqPublisher
 from hkvd.daemon.server import Server, ServerStats
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.cluster import ClusterSettings, ClusterTier
-from hkvd.daemon.tiers.cluster_value import ClusterKeyError, FleetKeys
+from hkvd.daemon.tiers.cluster_value import FleetKeys
 from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.transport.copy_engine import CopyEngine
 from hkvd.transport.errors import KVError, PoolError, ProtocolViolation
@@ -80,13 +84,6 @@ log = logging.getLogger("hkvd")
 
 HOUSEKEEPING_S = 1.0
 STATUS_EVERY_S = 10.0
-PROGRESS_EVERY_S = 1.0
-# Each report of start-up progress moves systemd's start deadline to this far ahead: a start that
-# progresses is never killed, whatever the pool size; one stuck this long is (TimeoutStartSec rules).
-EXTEND_TIMEOUT_S = 60.0
-CLUSTER_KEYS = ("cluster_key_file", "cluster_accept_key_file")  # reloadable, once the files pass their checks
-RELOADABLE = ("log_level", "lease_ttl_s", "verify_tolerance", "verify_mamba_tolerance", "quarantine_after",
-              "quarantine_window_s", *CLUSTER_KEYS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,7 +271,9 @@ class Daemon:
                      "the first %d MiB", self.pool.size >> 20, self.pool.kind,
                      f" on NUMA node {cfg.numa_node}" if cfg.numa_node >= 0 else "",
                      self.pool.allocator.superblock_bytes >> 20, prefault.threads, first >> 20)
-            await self._first_slice(prefault, first)
+            progress = PrefaultProgress(self.pool, prefault, self.notifier, self.metrics, summary=self.summary,
+                                        log_every_s=STATUS_EVERY_S)
+            await progress.first_slice(first)
             if cfg.l2_path:
                 await self._open_disk(loop)
             if cfg.cluster:
@@ -304,9 +303,9 @@ class Daemon:
             log.info("hkvd ready on %s (chunk size %d tokens, eviction %s)", cfg.socket_path, cfg.chunk_size,
                      cfg.eviction_policy)
             self.notifier.ready(f"ready on {cfg.socket_path}; {self.pool.size >> 20} MiB "
-                                f"{self.pool.backing().kind} pool, {self._faulted_share(prefault)}")
+                                f"{self.pool.backing().kind} pool, {progress.share()}")
             self.heap.start(index.writes)
-            background.append(tg.create_task(self._finish_prefault(prefault)))
+            background.append(tg.create_task(progress.finish()))
             background.append(tg.create_task(self._housekeeping(index)))
             if self.notifier.enabled:
                 background.append(tg.create_task(self._report_status()))
@@ -368,57 +367,6 @@ class Daemon:
         if not self.publisher.submit(batch):
             self.metrics.inc("kv_event_batches_dropped")
 
-    @staticmethod
-    def _faulted_share(prefault: Prefaulter) -> str:
-        p = prefault.progress()
-        share = p.faulted_bytes / p.total_bytes
-        return f"{p.faulted_bytes >> 20} / {p.total_bytes >> 20} MiB pre-faulted ({share:.0%})"
-
-    async def _first_slice(self, prefault: Prefaulter, first: int) -> None:
-        """Wait until ``first`` bytes of the pool are faulted in (the rest follows while serving).
-
-        Each second with progress tells systemd STATUS= and EXTEND_TIMEOUT_USEC=, so however slow the
-        machine, a start that makes progress is never killed by TimeoutStartSec and a stuck one is,
-        EXTEND_TIMEOUT_S after its last progress. A populate error here fails the start.
-        """
-        assert self.pool is not None
-        reported = 0
-        self.notifier.extend(EXTEND_TIMEOUT_S, f"pre-faulting the first {first >> 20} MiB of the pool")
-        while True:
-            p = await asyncio.to_thread(prefault.wait_for, first, PROGRESS_EVERY_S)
-            if p.error:
-                raise PoolError(p.error)
-            if p.faulted_bytes >= first:
-                break
-            if p.faulted_bytes > reported:
-                reported = p.faulted_bytes
-                self.notifier.extend(EXTEND_TIMEOUT_S, f"pre-faulting the first {first >> 20} MiB of the pool: "
-                                     f"{self._faulted_share(prefault)}")
-        self.pool.backing(refresh=True)  # what the kernel gave the first slice: status reports it
-        log.info("pool: first %d MiB faulted in %.2f s (%s pages); serving while the rest follows",
-                 p.faulted_bytes >> 20, p.elapsed_s, self.pool.backing().kind)
-
-    async def _finish_prefault(self, prefault: Prefaulter) -> None:
-        """While serving: STATUS= pre-fault progress every second; when done, the rate and the backing."""
-        assert self.pool is not None
-        logged = time.monotonic()
-        while not (p := await asyncio.to_thread(prefault.wait_for, prefault.total_bytes, PROGRESS_EVERY_S)).done:
-            self.notifier.status(f"{self.summary()}; {self._faulted_share(prefault)}")
-            if time.monotonic() - logged >= STATUS_EVERY_S:
-                logged = time.monotonic()
-                log.info("pre-faulting pool: %s", self._faulted_share(prefault))
-        if p.error:
-            self.metrics.inc("prefault_errors")
-            log.error("%s", p.error)
-        else:
-            self.metrics.inc("prefault_gbps", p.gbps)
-        backing = self.pool.backing()  # re-read by the last pre-fault worker, before it reported done
-        log.info("pool pre-faulted: %d MiB in %.1f s (%.2f GB/s, %d threads); backed by %s pages of %d KiB "
-                 "(%d MiB huge)", p.faulted_bytes >> 20, p.elapsed_s, p.gbps, p.threads, backing.kind,
-                 backing.page_size >> 10, backing.huge_bytes >> 20)
-        self.notifier.status(f"{self.summary()}; " + (f"pool pre-fault failed at {p.faulted_bytes >> 20} MiB" if p.error
-                             else f"pool pre-faulted ({backing.kind} pages)"))
-
     async def _open_disk(self, loop: asyncio.AbstractEventLoop) -> None:
         """Scan ``--l2-path`` into the catalog (on a thread; progress in the log and STATUS=)."""
         assert self.pool is not None
@@ -443,35 +391,8 @@ class Daemon:
             cfg.cluster, cfg.cluster_segment_bytes, cfg.cluster_protocol, cfg.cluster_devices, cfg.cluster_local_host,
             cfg.cluster_replicas, cfg.cluster_lookup_timeout_ms / 1000,
             queue_bytes=max(cfg.l1_size_bytes // 8, 1 << 20)), keys, self.pool.buffer, self.pool.base_addr)
-        self._log_keys(keys)
+        log_fleet_keys(keys)
         self.cluster.start(loop)
-
-    @staticmethod
-    def _log_keys(keys: FleetKeys) -> None:
-        if keys.public:
-            log.warning("cluster tier: --cluster-insecure: values are sealed with a public key, so any host that "
-                        "reaches the Mooncake master can write values this node serves as KV; set "
-                        "--cluster-key-file (docs/cluster.md)")
-            return
-        ids = [f"{i:08x}" for i in keys.ids()]
-        log.info("cluster tier: sealing values with fleet key %s; accepting %s", ids[0], ", ".join(ids))
-
-    def _reload_cluster_keys(self, cluster: ClusterTier, cfg: DaemonConfig) -> bool:
-        """SIGHUP: read the fleet keys again (a key change, docs/cluster.md); keep the old ones on an error."""
-        if not cfg.cluster_key_file and cluster.keys.public:
-            return True  # --cluster-insecure, still without a key file: nothing to read
-        if not cfg.cluster_key_file:
-            log.error("SIGHUP: the reloaded config has no --cluster-key-file; keeping the running fleet keys "
-                      "(running without one needs a restart with --cluster-insecure)")
-            return False
-        try:
-            keys = FleetKeys.load(cfg.cluster_key_file, cfg.cluster_accept_key_file)
-        except ClusterKeyError as e:
-            log.error("SIGHUP: fleet keys not reloaded, keeping the running ones: %s", e)
-            return False
-        cluster.set_keys(keys)
-        self._log_keys(keys)
-        return True
 
     async def _flush_disk(self, deadline: float) -> None:
         disk = self.disk
@@ -514,36 +435,12 @@ class Daemon:
             self.heap.maybe_freeze(index.writes)
 
     def reload(self) -> None:
-        """SIGHUP: lift every quarantine (docs/verification.md); apply the reloadable keys of the re-read config;
-        log the rest as needing a restart."""
+        """SIGHUP: lift every quarantine (docs/verification.md), then apply the reloadable keys of the
+        re-read config and log the rest as needing a restart (``daemon/reload.py``)."""
         if self.service is not None:
             self.service.quarantine.lift_all("SIGHUP")
-        if self.reload_config is None:
-            log.info("SIGHUP: started without --config; nothing to reload")
-            return
-        self.notifier.reloading("reloading configuration")
-        try:
-            new = self.reload_config()
-        except Exception as e:  # ConfigError, OSError: keep serving with what we have
-            log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
-            self.notifier.ready(f"config reload failed: {e}; {self.summary()}")
-            return
-        names = [f.name for f in dataclasses.fields(DaemonConfig)]
-        changed = {f: (getattr(self.cfg, f), getattr(new, f)) for f in names
-                   if getattr(self.cfg, f) != getattr(new, f)}
-        # The key files are read again even under unchanged names; they apply only if they pass their checks.
-        keys_ok = self.cluster is not None and self._reload_cluster_keys(self.cluster, new)
-        applied = {f: v for f, v in changed.items() if f in RELOADABLE and (keys_ok or f not in CLUSTER_KEYS)}
-        ignored = sorted(f for f in changed if f not in RELOADABLE)
-        if applied:  # one swap: the service (and anything else holding the cell) reads the new values
-            self.config.swap(self.cfg.replace(**{f: v[1] for f, v in applied.items()}))
-            if "log_level" in applied:
-                logging.getLogger().setLevel(self.cfg.log_level.upper())
-                log.debug("SIGHUP: log level is now %s", self.cfg.log_level)
-        log.info("SIGHUP: config reloaded; applied %s; needs a restart (ignored): %s",
-                 ", ".join(f"{f} {a!r} -> {b!r}" for f, (a, b) in applied.items()) or "nothing",
-                 ", ".join(ignored) or "nothing")
-        self.notifier.ready(self.summary())
+        reload_config(self.config, self.reload_config, cluster=self.cluster, notifier=self.notifier,
+                      summary=self.summary)
 
     async def _shutdown(self) -> None:
         assert self.server is not None and self.service is not None
