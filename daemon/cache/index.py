@@ -6,7 +6,7 @@ Role
     bytes failed their checksum (``mark_corrupt``, ``docs/checksums.md``) is CORRUPT: served by
     nothing, and gone once no copy pins it and no lease holds it. Allocation evicts
     through the configured policy, passing over entries whose freeing would make no room for it
-    (another size class, in a superblock that stays in use; see ``_alloc_evicting``); an entry is
+    (another size class, in a superblock that stays in use; ``daemon/cache/evictor.py``); an entry is
     never evicted or reused while a copy pins it or a lease holds it. The lease table and its
     rules (ids, TTL, uses, owners) live in ``daemon/cache/leases.py``; the index owns one ``Leases`` and
     keeps each entry's hold count, which the eviction walk reads.
@@ -25,14 +25,17 @@ Keys
 
 from __future__ import annotations
 
-import enum
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from hkvd.daemon.cache.chains import ChainChange, ChainTracker, Groups
+from hkvd.daemon.cache.chains import ChainTracker, Groups
+from hkvd.daemon.cache.entry import Entry as Entry
+from hkvd.daemon.cache.entry import EntryKey as EntryKey
+from hkvd.daemon.cache.entry import EntryState as EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
+from hkvd.daemon.cache.evictor import Evictor
 from hkvd.daemon.cache.leases import Leases
 from hkvd.daemon.cache.pins import Pins, PinStats
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
@@ -40,33 +43,7 @@ from hkvd.daemon.cache.quotas import TenantOrder, Tenants
 from hkvd.transport.errors import PoolFull
 from hkvd.transport.stat_fields import metric, status_only
 
-EntryKey = tuple[bytes, int, bytes]
 _NO_GROUPS: Groups = (frozenset(), frozenset())
-
-
-class EntryState(enum.Enum):
-    WRITING = "writing"
-    PENDING = "pending"
-    READY = "ready"
-    CORRUPT = "corrupt"  # failed its checksum: never served, dropped once unpinned and unleased
-
-
-@dataclass(slots=True)
-class Entry:
-    key: EntryKey
-    alloc: Allocation
-    nbytes: int
-    kind: str  # group kind: full | swa | mamba
-    state: EntryState = EntryState.WRITING
-    pins: int = 0
-    leases: int = 0
-    job_id: int = 0  # the store job that wrote it (for pending confirmation)
-    parent: bytes = b""  # chunk key of the previous chunk (prefix chain), b"" if chunk 0 or unknown
-    tracked: bool = False  # READY and known to the chain tracker
-    # XXH3-64 of its bytes once taken after it turned READY (daemon/integrity/checksums.py); 0: not yet.
-    checksum: int = 0
-    tenant: str = ""  # the tenant whose store wrote it (daemon/cache/quotas.py); "" for the unsalted share
-    held: bool = False  # a session pin holds its chunk (daemon/cache/pins.py): in no eviction order
 
 
 _ENTRIES = "Index entries by state"
@@ -97,14 +74,6 @@ class IndexStats:
     checksummed: int = metric("hkvd_entries_checksummed", "READY entries whose checksum is taken", default=0)
 
 
-@dataclass(slots=True)
-class _Noted:
-    """Evictable entries seen holding slots in one superblock during one eviction walk."""
-
-    entries: dict[EntryKey, Entry]
-    slots: int = 0  # slots they hold there; may run ahead of the live ones (recounted before use)
-
-
 class Index:
     """``tenants``: the quotas (``daemon/cache/quotas.py``; default: none, tenants only counted);
     ``pin_fraction``: the share of the pool session pins may hold (``daemon/cache/pins.py``)."""
@@ -128,15 +97,14 @@ class Index:
         self._pinned_bytes = 0
         self._group_ids: dict[bytes, tuple[int, ...]] = {}  # fingerprint -> every group id of its format
         self.leases: Leases[EntryKey] = Leases(self._hold, self._unhold, clock)
-        self._evictions = 0
-        self._orphans_dropped = 0
-        self._orphans_marked = 0
         self._stores_dropped = 0
         self._corrupt: dict[str, int] = {}
         self.writes = 0  # entries begun since start (the heap policy freezes by it)
         self._groups: dict[bytes, Groups] = {}  # fingerprint -> (full-attention, Mamba) group ids
         self._siblings: dict[bytes, tuple[bytes, ...]] = {}  # fingerprint -> the other ranks' fingerprints
         self._chains = ChainTracker(lambda fp: self._groups.get(fp, _NO_GROUPS))
+        self._evictor = Evictor(pool, self._entries, self.policy, self._by_tenant, self.tenants, self.drop,
+                                groups=self._groups, siblings=self._siblings)
         # Observers (KV events, daemon/routing/announcer.py): ``on_ready`` after an entry turns READY,
         # ``on_drop`` after any entry left the index, whatever its state. They only read the index.
         self.on_ready: Callable[[Entry], None] | None = None
@@ -158,6 +126,10 @@ class Index:
     def keys(self) -> list[EntryKey]:
         """Every key in the index now, in insertion order (a copy)."""
         return list(self._entries)
+
+    def _alloc_evicting(self, nbytes: int, tenant: str = "") -> Allocation:
+        """Room for ``nbytes`` for ``tenant``, evicting as needed (``Evictor.alloc``); raises PoolFull."""
+        return self._evictor.alloc(nbytes, tenant)
 
     # ---- writes --------------------------------------------------------------------------------
     def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"",
@@ -279,7 +251,7 @@ class Index:
             self.policy.insert(entry.key)
         if self.policy.uses_orphans:
             entry.tracked = True
-            self._apply(self._chains.add(entry.key, entry.kind, entry.parent))
+            self._evictor.apply(self._chains.add(entry.key, entry.kind, entry.parent))
         if self.on_ready is not None:
             self.on_ready(entry)
         if self.on_checksum is not None:
@@ -316,17 +288,9 @@ class Index:
             self._pinned_bytes -= entry.nbytes
         if entry.tracked:
             entry.tracked = False
-            self._apply(self._chains.remove(entry.key, entry.kind))
+            self._evictor.apply(self._chains.remove(entry.key, entry.kind))
         if self.on_drop is not None:
             self.on_drop(entry)
-
-    def _apply(self, change: ChainChange) -> None:
-        for k in change.revived:
-            self.policy.unmark_orphan(k)
-        for k in change.orphans:
-            if k in self._entries:
-                self.policy.mark_orphan(k)
-                self._orphans_marked += 1
 
     # ---- reads ---------------------------------------------------------------------------------
     def pin(self, entry: Entry) -> None:
@@ -367,111 +331,6 @@ class Index:
             e.leases -= 1
             if e.state is EntryState.CORRUPT:
                 self._drop_if_corrupt(e)
-
-    # ---- eviction ------------------------------------------------------------------------------
-    def _evictable(self, e: Entry) -> bool:
-        return e.state is EntryState.READY and e.pins == 0 and e.leases == 0 and not e.held
-
-    def _alloc_evicting(self, nbytes: int, tenant: str = "") -> Allocation:
-        """Room for ``nbytes`` for ``tenant``, evicting in policy order only entries whose freeing makes room.
-
-        With tenant quotas, the candidates are those ``TenantOrder.candidates_for`` gives ``tenant``
-        (``daemon/cache/quotas.py``); entries a session pin holds are in no order.
-
-        Freeing an entry of another size class gives the pool nothing until its superblock is
-        empty, so such entries are only noted per superblock; once every live slot of a superblock
-        belongs to noted (evictable) entries, they all go and the superblock is free for any class.
-        Entries of the needed class go at once (their slots are what the allocation takes). So
-        this evicts a subset of what plain policy order would up to the same candidate, and fails
-        only where evicting every evictable entry would too (but for a pending Mamba state that
-        such a sweep would drop with its chunk: here it keeps its superblock in use).
-        """
-        pool = self.pool
-        alloc = pool.alloc(nbytes)
-        if alloc is not None:
-            return alloc
-        allocator = pool.allocator
-        slot = allocator.plan(nbytes)[0]
-        noted: dict[int, _Noted] = {}  # superblock -> evictable entries seen holding slots in it
-        by_tenant = self._by_tenant
-        candidates = self.policy.candidates() if by_tenant is None else by_tenant.candidates_for(tenant, nbytes)
-        for key in candidates:
-            e = self._entries.get(key)  # type: ignore[call-overload]  # the policy holds the index's keys
-            if e is None or not self._evictable(e):
-                continue
-            if e.alloc.slot_bytes == slot:
-                self._evict(e)
-            elif not self._evict_if_emptied(e, noted):
-                continue
-            alloc = pool.alloc(nbytes)
-            if alloc is not None:
-                return alloc
-        if by_tenant is not None:
-            raise PoolFull(f"no room for a {nbytes}-byte entry of tenant {tenant!r}: every entry it may evict is "
-                           "pinned, leased, or another tenant's within its quota (--tenant-quota), or shares its "
-                           "superblock with one; raise --l1-size-gb or that tenant's quota")
-        raise PoolFull(f"no room for a {nbytes}-byte entry: every entry is pinned or leased, or shares its "
-                       "superblock with one that is; raise --l1-size-gb or lower the number of in-flight requests")
-
-    def _evict_if_emptied(self, e: Entry, noted: dict[int, _Noted]) -> bool:
-        """Note ``e`` in its superblocks; evict the noted entries of one it would leave empty (True)."""
-        allocator = self.pool.allocator
-        for ext in e.alloc.extents:
-            sb = allocator.superblock_of(ext.pool_offset)
-            held = noted.get(sb)
-            if held is None:
-                held = noted[sb] = _Noted({})
-            held.entries[e.key] = e
-            held.slots += 1
-            if held.slots < allocator.live_slots(sb):
-                continue
-            # The count can run ahead: a noted entry evicted since (from another superblock) or
-            # dropped as an orphan frees nothing here now. Recount the live ones before evicting.
-            live = [x for x in held.entries.values() if self._entries.get(x.key) is x and self._evictable(x)]
-            held.entries = {x.key: x for x in live}
-            held.slots = sum(allocator.superblock_of(xe.pool_offset) == sb for x in live for xe in x.alloc.extents)
-            if held.slots < allocator.live_slots(sb):
-                continue
-            del noted[sb]
-            for x in live:
-                if self._entries.get(x.key) is x:  # an earlier eviction here may have dropped it as an orphan
-                    self._evict(x)
-            return True
-        return False
-
-    def _evict(self, e: Entry) -> None:
-        self.drop(e)
-        self._evictions += 1
-        self.tenants.evicted(e.tenant)
-        # A Mamba state at chunk key k needs the attention chunk with the same key (the last chunk
-        # of its prefix): once that chunk is gone the state can never be part of a hit, so it goes
-        # now. Other orphans (descendants, attention chunks left without a state) were marked by
-        # the chain tracker in ``drop`` and go first under the hybrid policy.
-        # The other tensor-parallel ranks' shards of the same chunk serve no hit without this one.
-        fp, gid, ck = e.key
-        siblings = self._siblings.get(fp, ())
-        for sib in siblings:
-            if (other := self._entries.get((sib, gid, ck))) is not None:
-                self._drop_useless(other)
-        if e.kind in ("full", "swa"):
-            for f in (fp, *siblings):
-                for other in list(self._orphan_candidates(f, ck)):
-                    self._drop_useless(other)
-
-    def _drop_useless(self, e: Entry) -> None:
-        """An entry no hit can use any more: dropped now (a pending state too: its confirmation would only
-        make it servable for no hit), or marked an orphan while it is pinned or leased."""
-        if self._evictable(e) or (e.state is EntryState.PENDING and e.pins == 0 and not e.held):
-            self.drop(e)
-            self._orphans_dropped += 1
-        else:
-            self.policy.mark_orphan(e.key)
-
-    def _orphan_candidates(self, fp: bytes, chunk_key: bytes) -> Iterable[Entry]:
-        for gid in self._groups.get(fp, _NO_GROUPS)[1]:
-            other = self._entries.get((fp, gid, chunk_key))
-            if other is not None:
-                yield other
 
     def set_groups(self, fingerprint: bytes, kinds: dict[int, str]) -> None:
         """The group kinds of a layout (from registration): orphan rules depend on them."""
@@ -553,7 +412,7 @@ class Index:
         return IndexStats(
             entries=len(self._entries), ready=states[EntryState.READY], pending=states[EntryState.PENDING],
             writing=states[EntryState.WRITING], bytes_stored=total, leases=len(self.leases),
-            pinned_entries=pinned, evictions=self._evictions, orphans_dropped=self._orphans_dropped,
-            orphans_marked=self._orphans_marked, chain_nodes=len(self._chains),
+            pinned_entries=pinned, evictions=self._evictor.evictions, orphans_dropped=self._evictor.orphans_dropped,
+            orphans_marked=self._evictor.orphans_marked, chain_nodes=len(self._chains),
             stores_dropped=self._stores_dropped, by_kind=kinds, corrupt=dict(self._corrupt), checksummed=checksummed,
         )
