@@ -9,7 +9,8 @@ Role
     (another size class, in a superblock that stays in use; ``daemon/cache/evictor.py``); an entry is
     never evicted or reused while a copy pins it or a lease holds it. The lease table and its
     rules (ids, TTL, uses, owners) live in ``daemon/cache/leases.py``; the index owns one ``Leases`` and
-    keeps each entry's hold count, which the eviction walk reads.
+    keeps each entry's hold count, which the eviction walk reads; lease and session-pin holds are
+    kept by ``Holds`` (``daemon/cache/holds.py``).
     Session pins (``daemon/cache/pins.py``) hold entries by chunk key for a TTL: a held entry is in no
     eviction order. Each entry counts against its tenant (``daemon/cache/quotas.py``); with quotas the
     eviction order is one per tenant, and an allocation walks only the orders its tenant may take from.
@@ -36,6 +37,7 @@ from hkvd.daemon.cache.entry import EntryKey as EntryKey
 from hkvd.daemon.cache.entry import EntryState as EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.evictor import Evictor
+from hkvd.daemon.cache.holds import Holds
 from hkvd.daemon.cache.leases import Leases
 from hkvd.daemon.cache.pins import Pins, PinStats
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
@@ -92,11 +94,12 @@ class Index:
             entries = self._entries
             self._by_tenant = TenantOrder(type(policy), lambda k: entries[cast(EntryKey, k)].tenant, self.tenants)
             self.policy = self._by_tenant
-        self.pins = Pins(self._pin_changed, clock)
         self.pin_budget_bytes = int(pin_fraction * capacity)
-        self._pinned_bytes = 0
         self._group_ids: dict[bytes, tuple[int, ...]] = {}  # fingerprint -> every group id of its format
-        self.leases: Leases[EntryKey] = Leases(self._hold, self._unhold, clock)
+        self._holds = Holds(self._entries, self.policy, self.drop, group_ids=self._group_ids,
+                            budget_bytes=self.pin_budget_bytes)
+        self.pins = Pins(self._holds.pin_changed, clock)
+        self.leases: Leases[EntryKey] = Leases(self._holds.hold, self._holds.unhold, clock)
         self._stores_dropped = 0
         self._corrupt: dict[str, int] = {}
         self.writes = 0  # entries begun since start (the heap policy freezes by it)
@@ -147,7 +150,7 @@ class Index:
         self.writes += 1
         entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent)
         self._add(entry, tenant)
-        self._keep_pin_budget()
+        self._holds.keep_budget(self.pins)
         return entry
 
     def _add(self, entry: Entry, tenant: str) -> None:
@@ -156,7 +159,7 @@ class Index:
         self.tenants.add(tenant, entry.nbytes)
         if self.pins.is_pinned(entry.key[0], entry.key[2]):
             entry.held = True
-            self._pinned_bytes += entry.nbytes
+            self._holds.pinned_bytes += entry.nbytes
 
     def begin_writes(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
                      tenant: str | Sequence[str] = "") -> list[Entry | PoolFull | None]:
@@ -213,7 +216,7 @@ class Index:
             for nbytes, got in bulk.items():  # repeated keys (or an error) left these unused
                 for alloc in got[used[nbytes]:]:
                     self.pool.free(alloc)
-        self._keep_pin_budget()
+        self._holds.keep_budget(self.pins)
         return out
 
     def finish_writes(self, entries: list[Entry], *, pending: bool) -> None:
@@ -265,16 +268,12 @@ class Index:
             return False
         self.note_corrupt(reason)
         entry.state = EntryState.CORRUPT
-        self._drop_if_corrupt(entry)
+        self._holds.drop_if_corrupt(entry)
         return True
 
     def note_corrupt(self, reason: str) -> None:
         """Count an entry found damaged (``mark_corrupt``'s, or one never published: a pull's)."""
         self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
-
-    def _drop_if_corrupt(self, entry: Entry) -> None:
-        if entry.state is EntryState.CORRUPT and entry.pins <= 0 and entry.leases <= 0:
-            self.drop(entry)
 
     def drop(self, entry: Entry) -> None:
         """Remove an entry now (failed copy, invalidated snapshot). Must not be pinned by a reader."""
@@ -285,7 +284,7 @@ class Index:
         self.pool.free(entry.alloc)
         self.tenants.sub(entry.tenant, entry.nbytes)
         if entry.held:
-            self._pinned_bytes -= entry.nbytes
+            self._holds.pinned_bytes -= entry.nbytes
         if entry.tracked:
             entry.tracked = False
             self._evictor.apply(self._chains.remove(entry.key, entry.kind))
@@ -300,7 +299,7 @@ class Index:
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
         if entry.state is EntryState.CORRUPT:
-            self._drop_if_corrupt(entry)
+            self._holds.drop_if_corrupt(entry)
 
     def pin_many(self, entries: list[Entry]) -> None:
         touch = self.policy.touch
@@ -313,24 +312,7 @@ class Index:
         for entry in entries:
             entry.pins -= 1
             if entry.state is corrupt:
-                self._drop_if_corrupt(entry)
-
-    # ---- leases: the table and its rules are ``self.leases`` (daemon/cache/leases.py) ------------------
-    def _hold(self, key: EntryKey) -> bool:
-        """A lease takes ``key``: held against eviction if it is READY (False if there is no such entry)."""
-        e = self._entries.get(key)
-        if e is None or e.state is not EntryState.READY:
-            return False
-        e.leases += 1
-        self.policy.touch(key)
-        return True
-
-    def _unhold(self, key: EntryKey) -> None:
-        e = self._entries.get(key)
-        if e is not None:
-            e.leases -= 1
-            if e.state is EntryState.CORRUPT:
-                self._drop_if_corrupt(e)
+                self._holds.drop_if_corrupt(entry)
 
     def set_groups(self, fingerprint: bytes, kinds: dict[int, str]) -> None:
         """The group kinds of a layout (from registration): orphan rules depend on them."""
@@ -344,7 +326,7 @@ class Index:
         """Hold ``keys`` (and ``partial_keys``) of every rank of ``world`` for ``ttl_s`` as pin ``session``
         (``Pins.pin``), then keep the pin budget. False: refused (too many sessions)."""
         ok = self.pins.pin(world, session, tenant, keys, ttl_s, partial_keys)
-        self._keep_pin_budget()
+        self._holds.keep_budget(self.pins)
         return ok
 
     def unpin_session(self, session: str) -> int:
@@ -357,32 +339,10 @@ class Index:
 
     def pinned_bytes(self) -> int:
         """Bytes of the entries session pins hold."""
-        return self._pinned_bytes
+        return self._holds.pinned_bytes
 
     def pin_statistics(self) -> PinStats:
-        return self.pins.statistics(self._pinned_bytes, self.pin_budget_bytes)
-
-    def _keep_pin_budget(self) -> None:
-        pins = self.pins
-        while self._pinned_bytes > self.pin_budget_bytes and (oldest := pins.oldest()) is not None:
-            pins.lapse(oldest, "budget")
-
-    def _pin_changed(self, fp: bytes, chunk_key: bytes, held: bool) -> None:
-        """``fp``'s entries of ``chunk_key`` became held by a pin (out of the eviction order) or free (back in
-        it, as most recently used)."""
-        entries = self._entries
-        for gid in self._group_ids.get(fp, ()):
-            e = entries.get((fp, gid, chunk_key))
-            if e is None or e.held is held:
-                continue
-            e.held = held
-            if held:
-                self._pinned_bytes += e.nbytes
-                self.policy.remove(e.key)
-            else:
-                self._pinned_bytes -= e.nbytes
-                if e.state is EntryState.READY:
-                    self.policy.insert(e.key)
+        return self.pins.statistics(self._holds.pinned_bytes, self.pin_budget_bytes)
 
     def set_ranks(self, fingerprints: tuple[bytes, ...]) -> None:
         """The fingerprints of one engine world's ranks (from registration): an evicted entry takes the
