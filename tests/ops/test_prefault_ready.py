@@ -58,7 +58,8 @@ async def test_serves_after_the_first_slice_and_only_from_faulted_memory(tmp_pat
             items = eng.items(0, keys, first_block=1)
             eng.fill_random(0, [b for it in items for b in it.block_ids], seed=3)
             await asyncio.to_thread(eng.store, items)
-            entries = [daemon.service.index.get(k) for k in list(daemon.service.index._entries)]
+            stored = daemon.service.index.keys()  # the cache's read-only view
+            entries = [daemon.service.index.get(k) for k in stored]
             assert 0 < len(entries) <= 8
             for e in entries:
                 assert e is not None
