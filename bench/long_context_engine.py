@@ -25,6 +25,7 @@ import os
 import sys
 import time
 
+from bench.vllm_engine import engine_kwargs
 from hkvd.shim.testing.vllm_cache import reset_prefix_cache
 
 
@@ -37,16 +38,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw: dict = {}
-    if args.get("socket"):
-        kw["kv_transfer_config"] = {
-            "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"socket_path": args["socket"], "reconnect_interval_s": 0.5,
-                                          "verify_fraction": 0.0},
-        }
-        if args.get("timeline"):
-            kw["kv_transfer_config"]["kv_connector_extra_config"]["timeline_path"] = args["timeline"]
+    kw = engine_kwargs(args)
     if args.get("retention"):
         kw["prefix_cache_retention_interval"] = int(args["block"])
     llm = LLM(model=args["model"], enforce_eager=True, dtype="bfloat16", max_model_len=int(args["max_model_len"]),

@@ -30,6 +30,19 @@ import time
 from hkvd.shim.testing.vllm_cache import reset_prefix_cache
 
 
+def engine_kwargs(args: dict) -> dict:
+    """``LLM``'s connector arguments for ``args["socket"]`` (none for a null socket): every hit loaded (the
+    benches measure loads; sampled verification would recompute a random 1 %), and the connector's timeline
+    written to ``args["timeline"]`` where given."""
+    if not args.get("socket"):
+        return {}
+    extra: dict = {"socket_path": args["socket"], "reconnect_interval_s": 0.5, "verify_fraction": 0.0}
+    if args.get("timeline"):
+        extra["timeline_path"] = args["timeline"]
+    return {"kv_transfer_config": {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
+                                   "kv_role": "kv_both", "kv_connector_extra_config": extra}}
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,15 +52,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     block = int(args["block"])
-    kw: dict = {}
-    if args.get("socket"):
-        kw["kv_transfer_config"] = {
-            "kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
-            "kv_role": "kv_both",
-            # Every hit loaded (the bench measures loads; sampled verification would recompute a random 1 %).
-            "kv_connector_extra_config": {"socket_path": args["socket"], "reconnect_interval_s": 0.5,
-                                          "verify_fraction": 0.0},
-        }
+    kw = engine_kwargs(args)
     if args.get("retention"):
         kw["prefix_cache_retention_interval"] = block
     llm = LLM(model=args["model"], enforce_eager=True, dtype="bfloat16", max_model_len=1024,
