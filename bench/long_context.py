@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +57,10 @@ AFTER = "after first_forward: forward and sampling"  # the step that computes th
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    """``n`` token ids, a different sequence per ``seed`` (ids 0..3 are the tiny models' special tokens)."""
-    mul, add = 7 + 6 * (seed % 40), 3 + seed
-    return [(i * mul + add) % 500 + 4 for i in range(n)]
+    """``n`` token ids drawn from ``seed``: sequences of different seeds share no prefix (ids 0..3 are the tiny
+    models' special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, 504) for _ in range(n)]
 
 
 class Engine:
@@ -98,8 +100,9 @@ class Engine:
 
 def sample(alone: Engine, hkvd: Engine, length: int, seed: int) -> dict[str, Any]:
     """One sample of the four requests, alone and hkvd alternating (BABA where ``seed`` is odd)."""
-    base = prompt(length, seed)
-    first, second = base + prompt(SUFFIX, 1000 + seed), base + prompt(SUFFIX, 2000 + seed)
+    # A prefix of its own per length and sample: a shorter sample's prefix must not be a hit in a longer one.
+    base = prompt(length, length * 1000 + seed)
+    first, second = base + prompt(SUFFIX, 1 + 2 * seed), base + prompt(SUFFIX, 2 + 2 * seed)
     plan = [("recompute", alone, first, True), ("miss", hkvd, first, True),
             ("limit", alone, second, False), ("hit", hkvd, second, True)]
     if seed % 2:
