@@ -30,7 +30,7 @@ Reported: medians of the repeats as GB/s, and the ratios daemon / raw, daemon / 
 daemon / memcpy, and raw / memcpy (``raw_*_vs_memcpy``: what the kernel's cross-memory copy itself
 reaches, the ceiling of daemon / memcpy); and the ratio of the best repeats (``*_best``: fastest store
 against fastest raw read), which leaves out what other tenants of a shared machine cost either side
-(on a 2-core VM the same copy ranges 15-90 ms within a minute). Target (issue 7): >= 0.9 of the raw primitive at
+(on a 2-core VM the same copy ranges 15-90 ms within a minute). Target: >= 0.9 of the raw primitive at
 pages >= 2 MiB; the summary gives it against both raw references, by medians and by best repeats.
 
 The two directions of the kernel copy differ. On the 2-vCPU development VM (Linux 6.18, 2026-12-02,

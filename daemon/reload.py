@@ -37,7 +37,7 @@ def reload_config(config: ConfigCell, read: Callable[[], DaemonConfig] | None, *
     notifier.reloading("reloading configuration")
     try:
         new = read()
-    except Exception as e:  # ConfigError, OSError: keep serving with what we have
+    except Exception as e:  # ConfigError, OSError: keep serving with the running config
         log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
         notifier.ready(f"config reload failed: {e}; {summary()}")
         return
