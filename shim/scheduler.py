@@ -157,11 +157,9 @@ class SchedulerSide:
         self.stores = StorePlanner(self.ctx, notes, self.engine_events, speculative)
         self._step = 0
         # The timeline (hkvd.shim.timeline): events carry the number of the step being scheduled (the next
-        # build_connector_meta call); the requests not yet asked about, and those with no forward yet.
+        # build_connector_meta call); first_schedule and first_forward are noted once per request.
         self.timeline = self.ctx.timeline
         self.timeline.step = 1
-        self._unscheduled: set[str] = set()
-        self._unforwarded: set[str] = set()
         self.feed = EventFeed()
         self._connect(startup=True)
 
@@ -233,8 +231,6 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         if self.timeline.on:
             self.timeline.note(request.request_id, "arrival")
-            self._unscheduled.add(request.request_id)
-            self._unforwarded.add(request.request_id)
         tokens = prompt_tokens(request)
         st = RequestRecord(request.request_id, tokens, len(tokens), request=request, tenant=tenants.tenant(request))
         st.pin, problem = sessions.parse(getattr(request, "kv_transfer_params", None))
@@ -250,9 +246,8 @@ class SchedulerSide:
             self.stores.send_pin(st, st.pin, len(tokens) // self.ctx.chunk_size)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.timeline.on and request.request_id in self._unscheduled:
-            self._unscheduled.discard(request.request_id)
-            self.timeline.note(request.request_id, "first_schedule")
+        if self.timeline.on:
+            self.timeline.note_first(request.request_id, "first_schedule")
         st = self.ctx.reqs.get(request.request_id)
         if st is None:  # a request vLLM never announced (resumed after a reset): look it up now
             self.on_new_request(request)
@@ -296,9 +291,9 @@ class SchedulerSide:
         move the timeline on to the next step."""
         tl = self.timeline
         scheduled = so.num_scheduled_tokens  # request id -> tokens computed this step (none: not scheduled)
-        for req_id in [r for r in self._unforwarded if scheduled.get(r)]:
-            self._unforwarded.discard(req_id)
-            tl.note(req_id, "first_forward")
+        for req_id, n in scheduled.items():
+            if n:
+                tl.note_first(req_id, "first_forward")
         tl.flush()
         tl.step = self._step + 1
 
@@ -315,9 +310,8 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         if self.timeline.on:
-            self._unscheduled.discard(request.request_id)
-            self._unforwarded.discard(request.request_id)
             self.timeline.note(request.request_id, "finished")
+            self.timeline.forget(request.request_id)
             self.timeline.flush()
         st = self.ctx.reqs.pop(request.request_id, None)
         if st is None:

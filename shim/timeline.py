@@ -49,12 +49,13 @@ EVENTS = ("arrival", "lookup_sent", "lookup_answered", "first_schedule", "load_p
 class Timeline:
     """Buffered JSON-lines event log of one process; ``Timeline(None)`` (or ``""``) is off and free."""
 
-    __slots__ = ("_buf", "_fd", "_pid", "on", "step")
+    __slots__ = ("_buf", "_fd", "_firsts", "_pid", "on", "step")
 
     def __init__(self, path: str | None) -> None:
         self.on = bool(path)
         self.step = 0  # the step events are noted under, kept by the owner
         self._buf: list[tuple[str, str, float, int]] = []
+        self._firsts: dict[str, set[str]] = {}  # request -> the events note_first has recorded for it
         self._pid = os.getpid()
         self._fd = -1
         if path:
@@ -65,6 +66,18 @@ class Timeline:
         """Record ``event`` of request ``req`` now, under the current step (buffered: see ``flush``)."""
         if self.on:
             self._buf.append((req, event, time.monotonic(), self.step))
+
+    def note_first(self, req: str, event: str) -> None:
+        """``note``, the first time only for this request (``first_schedule``, ``first_forward``) until ``forget``."""
+        if self.on:
+            seen = self._firsts.setdefault(req, set())
+            if event not in seen:
+                seen.add(event)
+                self._buf.append((req, event, time.monotonic(), self.step))
+
+    def forget(self, req: str) -> None:
+        """The request has finished: ``note_first`` keeps nothing of it."""
+        self._firsts.pop(req, None)
 
     def flush(self) -> None:
         """Write the buffered events in one ``os.write``."""
@@ -88,6 +101,7 @@ class Timeline:
     def _shut(self) -> None:
         self.on = False
         self._buf = []
+        self._firsts = {}
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)

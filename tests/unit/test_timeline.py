@@ -44,6 +44,23 @@ def test_events_are_written_once_per_flush_as_whole_lines(tmp_path: Path) -> Non
     assert lines[0]["t"] <= lines[1]["t"] <= lines[2]["t"]
 
 
+def test_a_first_event_is_noted_once_per_request_until_it_is_forgotten(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    tl = Timeline(str(path))
+    for step in (1, 2):
+        tl.step = step
+        tl.note_first("a", "first_forward")  # scheduled again in step 2: not a first forward
+        tl.note_first("b", "first_forward")
+    tl.forget("a")
+    tl.step = 3
+    tl.note_first("a", "first_forward")  # a finished request's id seen again: noted anew
+    tl.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(e["req"], e["step"]) for e in lines] == [("a", 1), ("b", 1), ("a", 3)]
+    OFF.note_first("a", "first_forward")
+    assert not OFF._buf and not OFF._firsts
+
+
 def test_a_failed_write_turns_the_timeline_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tl = Timeline(str(tmp_path / "t.jsonl"))
     os.close(tl._fd)  # the descriptor goes bad under it
