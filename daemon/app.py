@@ -64,7 +64,6 @@ from hkvd.daemon.metrics import CounterStats, Metrics
 from hkvd.daemon.notify import Notifier
 from hkvd.daemon.peers.links import PeerService, peers_wanted
 from hkvd.daemon.prefault_progress import EXTEND_TIMEOUT_S, PrefaultProgress
-from hkvd.daemon.reload import RELOADABLE as RELOADABLE  # the reloadable keys stay importable from here
 from hkvd.daemon.reload import log_fleet_keys, reload_config
 from hkvd.daemon.routing.announcer import Announcer
 from hkvd.daemon.routing.kv_events import MEDIUM_CLUSTER, MEDIUM_DISK, Batch, EventLog

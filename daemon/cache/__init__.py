@@ -12,10 +12,11 @@ below, never the modules under it, and uses only ``Cache``'s verbs (``tests/unit
 """
 
 from hkvd.daemon.cache.core import Cache
+from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy, make_policy
 from hkvd.daemon.cache.formats import MAX_WORLDS, Formats, WorldFormat
 from hkvd.daemon.cache.hybrid import GroupRule, mamba_checkpoint_keep
-from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, IndexStats
+from hkvd.daemon.cache.index import IndexStats
 from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource
 from hkvd.daemon.cache.pins import PinStats
 from hkvd.daemon.cache.pool import (

@@ -33,10 +33,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.formats import Formats
 from hkvd.daemon.cache.hybrid import required_chunks
-from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, Index, IndexStats
+from hkvd.daemon.cache.index import Index, IndexStats
 from hkvd.daemon.cache.leases import Lease
 from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource, plan, turn_ends_past
 from hkvd.daemon.cache.pool import Allocation, HugePagePool

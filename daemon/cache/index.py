@@ -32,9 +32,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from hkvd.daemon.cache.chains import ChainTracker, Groups
-from hkvd.daemon.cache.entry import Entry as Entry
-from hkvd.daemon.cache.entry import EntryKey as EntryKey
-from hkvd.daemon.cache.entry import EntryState as EntryState
+from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.evictor import Evictor
 from hkvd.daemon.cache.holds import Holds

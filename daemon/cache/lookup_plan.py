@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hkvd.daemon.cache.entry import EntryKey
 from hkvd.daemon.cache.hybrid import GroupRule, HitPlan, plan_hit
-from hkvd.daemon.cache.index import EntryKey
 from hkvd.transport.keys import ROOT_KEY
 from hkvd.transport.turn_ends import TurnEnds
 from hkvd.transport.wire.kv import MAX_ENDS

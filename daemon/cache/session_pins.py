@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hkvd.daemon.cache.index import EntryKey, Index
+from hkvd.daemon.cache.entry import EntryKey
+from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pins import PinStats
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from hkvd.daemon.cache.index import Entry, Index
+from hkvd.daemon.cache.entry import Entry
+from hkvd.daemon.cache.index import Index
 
 #: ``ready``: after an entry turned READY; ``drop``: after any entry left the cache, whatever its state;
 #: ``checksum``: after an entry turned READY, its checksum to be taken (off the loop).

@@ -65,7 +65,7 @@ from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.cluster_value import FleetKeys, FleetKeyStats, value_key
 from hkvd.daemon.tiers.contract import Source, Tier
-from hkvd.daemon.tiers.disk import HEADER_BYTES, FormatError, Header
+from hkvd.daemon.tiers.disk_format import HEADER_BYTES, FormatError, Header
 from hkvd.daemon.tiers.write_queue import WriteJob, WriteQueue
 from hkvd.transport.stat_fields import metric, part, status_only
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from hkvd.daemon.cache import EntryKey
 from hkvd.daemon.secret_files import MIN_SECRET_BYTES, read_secret
 from hkvd.daemon.startup_errors import StartupError
-from hkvd.daemon.tiers.disk import HEAD_BYTES, HEADER_BYTES, MAC_BYTES, FormatError, Header, parse_head
+from hkvd.daemon.tiers.disk_format import HEAD_BYTES, HEADER_BYTES, MAC_BYTES, FormatError, Header, parse_head
 from hkvd.transport.stat_fields import metric, status_only
 
 MAGIC = b"HKVDCL\r\n"

@@ -82,19 +82,17 @@ from hkvd.daemon.metrics import RateWindow
 from hkvd.daemon.secret_files import not_private, private_fix
 from hkvd.daemon.startup_errors import StartupError
 from hkvd.daemon.tiers.contract import Source, Tier
-
-# The file format (disk_format) stays importable from here: the cluster tier shares its header.
-from hkvd.daemon.tiers.disk_format import HEAD_BYTES as HEAD_BYTES
-from hkvd.daemon.tiers.disk_format import HEADER_BYTES as HEADER_BYTES
-from hkvd.daemon.tiers.disk_format import MAC_BYTES as MAC_BYTES
-from hkvd.daemon.tiers.disk_format import MAGIC as MAGIC
-from hkvd.daemon.tiers.disk_format import SHARDS, SUFFIX, TMP_SUFFIX, EntryKey
-from hkvd.daemon.tiers.disk_format import VERSION as VERSION
-from hkvd.daemon.tiers.disk_format import FormatError as FormatError
-from hkvd.daemon.tiers.disk_format import Header as Header
-from hkvd.daemon.tiers.disk_format import parse_head as parse_head
-from hkvd.daemon.tiers.disk_format import relative_path as relative_path
-from hkvd.daemon.tiers.disk_format import unpack_header as unpack_header
+from hkvd.daemon.tiers.disk_format import (
+    HEADER_BYTES,
+    SHARDS,
+    SUFFIX,
+    TMP_SUFFIX,
+    EntryKey,
+    FormatError,
+    Header,
+    relative_path,
+    unpack_header,
+)
 from hkvd.daemon.tiers.disk_scan import DiskScan, ScanReport, Stored
 from hkvd.daemon.tiers.write_queue import WriteJob, WriteQueue
 from hkvd.transport.stat_fields import metric, part, status_only

@@ -130,7 +130,7 @@ class Cluster:
         self._client(
             "import os\n"
             "from hkvd.daemon.tiers.cluster_value import FleetKeys, MAGIC, VERSION\n"
-            "from hkvd.daemon.tiers.disk import HEADER_BYTES, parse_head\n"
+            "from hkvd.daemon.tiers.disk_format import HEADER_BYTES, parse_head\n"
             f"genuine = s.get({key!r})\n"
             f"payload = s.get({payload_of!r})[HEADER_BYTES:]\n"
             "assert len(genuine) > HEADER_BYTES and len(payload) == len(genuine) - HEADER_BYTES\n"

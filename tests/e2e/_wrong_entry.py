@@ -15,7 +15,8 @@ from __future__ import annotations
 import runpy
 import sys
 
-from hkvd.daemon.cache.index import Entry, EntryKey, EntryState, Index
+from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
+from hkvd.daemon.cache.index import Index
 
 _own_get = Index.get
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hkvd.daemon.tiers.disk import HEADER_BYTES, relative_path
+from hkvd.daemon.tiers.disk_format import HEADER_BYTES, relative_path
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, fetch_in_child, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire.kv import Item

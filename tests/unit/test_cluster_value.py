@@ -16,7 +16,7 @@ import pytest
 
 from hkvd.daemon.config import ConfigError, DaemonConfig
 from hkvd.daemon.tiers.cluster_value import ClusterKeyError, FleetKeys, key_id, read_key
-from hkvd.daemon.tiers.disk import HEADER_BYTES, FormatError, Header
+from hkvd.daemon.tiers.disk_format import HEADER_BYTES, FormatError, Header
 from hkvd.transport.stat_fields import status_dict
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 from hkvd.daemon.cache.pool import Extent
-from hkvd.daemon.tiers.disk import (
+from hkvd.daemon.tiers.disk import DiskTier, DiskTierError
+from hkvd.daemon.tiers.disk_format import (
     HEADER_BYTES,
     MAGIC,
     VERSION,
-    DiskTier,
-    DiskTierError,
     FormatError,
     Header,
     relative_path,

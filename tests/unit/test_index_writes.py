@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hkvd.daemon.cache.entry import Entry, EntryState
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import Entry, EntryState, Index
+from hkvd.daemon.cache.index import Index
 from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.transport.errors import PoolFull
 

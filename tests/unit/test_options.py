@@ -85,7 +85,7 @@ def test_flags_and_toml_keys_set_the_same_fields(tmp_path):
 def test_the_reload_texts_name_every_reloadable_key():
     """docs/operating.md's Reload paragraph and the example config's header say what SIGHUP applies: each key
     the daemon applies on reload (``RELOADABLE``) is named in both."""
-    from hkvd.daemon.app import RELOADABLE
+    from hkvd.daemon.reload import RELOADABLE
 
     doc = (REPO / "docs/operating.md").read_text()
     reload_text = doc[doc.index("**Reload**"):doc.index("**Stop**")]

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkvd.daemon.cache import Cache
+from hkvd.daemon.cache.entry import EntryState
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import EntryState
 from hkvd.daemon.cache.pool import PAGE, HugePagePool
 from hkvd.daemon.peers.auth import (
     PeerConfigError,

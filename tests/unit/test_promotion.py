@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hkvd.daemon.cache import Cache
+from hkvd.daemon.cache.entry import EntryKey
 from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.index import EntryKey
 from hkvd.daemon.cache.pool import Extent, HugePagePool
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import EngineState, Registry
