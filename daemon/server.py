@@ -62,7 +62,8 @@ from typing import cast
 
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
-from hkvd.daemon.engines.service import Conn, KVService, request_log
+from hkvd.daemon.engines.connection import Conn, request_log
+from hkvd.daemon.engines.service import KVService
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
 from hkvd.transport.errors import (
     FrameTooLarge,

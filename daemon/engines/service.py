@@ -62,7 +62,6 @@ if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py d
     from hkvd.daemon.routing.zmq_publisher import ZmqPublisher
     from hkvd.daemon.tiers.cluster import ClusterStats
 
-__all__ = ["Conn", "KVService", "request_log"]  # Conn, request_log: connection.py's, as daemon/server.py imports them
 
 log = logging.getLogger("hkvd.service")
 

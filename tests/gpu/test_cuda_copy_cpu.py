@@ -754,8 +754,9 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     from hkvd.daemon.cache.pool import HugePagePool
     from hkvd.daemon.config import ConfigCell, DaemonConfig
     from hkvd.daemon.engines.client_process import ClientProcess
+    from hkvd.daemon.engines.connection import Conn
     from hkvd.daemon.engines.registry import Registry
-    from hkvd.daemon.engines.service import Conn, KVService
+    from hkvd.daemon.engines.service import KVService
     from hkvd.daemon.integrity.quarantine import Quarantine
     from hkvd.daemon.metrics import Metrics
     from hkvd.transport.keys import chunk_keys

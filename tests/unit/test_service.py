@@ -23,9 +23,10 @@ from hkvd.daemon.cache.eviction import make_policy
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
+from hkvd.daemon.engines.connection import Conn
 from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import Registry
-from hkvd.daemon.engines.service import Conn, KVService
+from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.tiers.contract import Source
