@@ -55,6 +55,10 @@ class ShimConfig:
     # later than this one. False: only the workers report loads.
     early_load_reports: bool = True
     fence_timeout_s: float = 10.0  # waiting for a copy out of a block about to be reused
+    # Waiting, before a step's forward, for the Mamba/SWA state copies offered two steps earlier: the daemon
+    # drops a state whose copy has not ended when the engine reports that step (docs/design.md,
+    # "Step-ordered snapshots"). The engine stalls only while its daemon is two steps behind.
+    state_copy_wait_s: float = 2.0
     reconnect_interval_s: float = 5.0
     # vLLM's default "fail" turns a failed load into a failed request; a cache should recompute.
     load_failure_policy: Literal["recompute", "fail"] = "recompute"  # vLLM's kv_load_failure_policy values
@@ -125,7 +129,7 @@ class ShimConfig:
             if not getattr(cfg, name) >= 0:  # NaN fails too
                 raise ValueError(f"hkvd: {name} must be >= 0 seconds")
         for name in ("connect_timeout_s", "lookup_timeout_s", "load_timeout_s", "fence_timeout_s",
-                     "reconnect_interval_s"):
+                     "state_copy_wait_s", "reconnect_interval_s"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"hkvd: {name} must be > 0 seconds")
         return cfg

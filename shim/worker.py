@@ -8,7 +8,9 @@ Role
 
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
-       then aborted and treated as failed).
+       then aborted and treated as failed). So are the state copies of the step event two
+       steps back, which the daemon drops unless they end before this step is reported
+       (``state_copy_wait_s``, then left to be dropped).
     2. ``start_load_kv`` (after the forward): submit every load of the step and return
        (``hkvd.shim.loads``). The scheduler reports loads as asynchronous, so their requests
        wait (WAITING_FOR_REMOTE_KVS) while the other requests keep stepping, and no forward
@@ -72,6 +74,7 @@ from hkvd.shim.verify import VerifyTally
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
 from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.events import COPY_DEADLINE_STEPS
 from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult, VerifyResult
 
 if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only
@@ -88,6 +91,8 @@ class _Job:
     blocks: set[int]
     reqs: set[str] = field(default_factory=set)
     group_kind: str = ""  # verify: the group kind of its items
+    step: int = 0  # step: the step whose offers it copies
+    awaited: bool = False  # step: waited for once before the step that ends its copy's time (never twice)
 
 
 class WorkerSide:
@@ -120,6 +125,7 @@ class WorkerSide:
         # load_settles: steps that waited for a load about to end (_settle); _won: ones that got it.
         # stored_bytes: the bytes the daemon copied out of this worker's KV cache (stores and step-event offers).
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
+                      "state_copy_waits": 0, "state_copy_timeouts": 0,
                       "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_seconds": 0.0,
                       "boundary_verifies": 0}
         self.verify = VerifyTally()  # sampled checks' results (Verify replies), for vLLM's connector stats
@@ -270,6 +276,7 @@ class WorkerSide:
     def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
         self.timeline.step = meta.step  # vLLM calls this before it binds the step's metadata
         self._pump()
+        self._await_state_copies(meta.step)
         if not meta.fence_blocks or not self._jobs:
             return
         hit = [rid for rid, j in self._jobs.items() if j.blocks & meta.fence_blocks]
@@ -302,6 +309,30 @@ class WorkerSide:
                 except Exception as e2:
                     self._lost(e2)
                     return
+
+    def _await_state_copies(self, step: int) -> None:
+        """Wait for the offers' copies of step ``step - 2`` and earlier: the daemon drops a state whose copy
+        has not ended when the engine reports step s + 2 (``COPY_DEADLINE_STEPS``), and this step's event
+        reports ``step``. Only a daemon that falls two steps behind costs the engine this wait; a lost state
+        costs a later request its hit (the stored prefix ends at the state before it)."""
+        client = self.link.client
+        late = [rid for rid, j in self._jobs.items()
+                if j.kind == "step" and j.blocks and not j.awaited and j.step <= step - COPY_DEADLINE_STEPS]
+        if client is None or not late:
+            return
+        for rid in late:
+            self._jobs[rid].awaited = True
+        self.stats["state_copy_waits"] += 1
+        try:
+            self._absorb(client.wait(late, self.cfg.state_copy_wait_s).values())
+        except KVTimeout:
+            # Left running: the daemon drops them once this step is reported, and ignores their confirms.
+            self.stats["state_copy_timeouts"] += 1
+            logger.warning("hkvd: %d state copies still running after %.1f s, two steps after their offer; "
+                           "the daemon drops them (a later prompt hits less of that prefix)", len(late),
+                           self.cfg.state_copy_wait_s)
+        except Exception as e:
+            self._lost(e)
 
     def start_load_kv(self) -> None:
         """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``).
@@ -362,7 +393,8 @@ class WorkerSide:
                                            wait_event=event if offers or checks else b"", notes=meta.offer_notes,
                                            verifies=checks, tenants=tenants)
             self._track(rid, _Job("step", item_blocks(offers) | item_blocks(checks),
-                                  {r for r, _ in meta.offers} | {r for r, _ in meta.boundary_verifies}))
+                                  {r for r, _ in meta.offers} | {r for r, _ in meta.boundary_verifies},
+                                  step=meta.step))
             self.stats["boundary_verifies"] += len(checks)
             self.stats["step_events"] += 1
         except Exception as e:

@@ -58,13 +58,10 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from hkvd.transport.stat_fields import status_only
+from hkvd.transport.wire.events import COPY_DEADLINE_STEPS
 
 JobId = int
 
-# A copy must finish before the engine reports step s + COPY_DEADLINE_STEPS: vLLM keeps the
-# offered block for the step that computed it plus one more, and step s+2's forward may
-# overwrite it (MambaManager keeps 1 + num_speculative_blocks states live).
-COPY_DEADLINE_STEPS = 2
 # The shim confirms in the event of step s+2 at the latest (it confirms before that step's
 # forward); one more step of slack covers an event that carried no offers. Beyond that an
 # unconfirmed state is dropped, so the pending set stays bounded by ~3 steps of offers.

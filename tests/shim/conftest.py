@@ -124,8 +124,28 @@ class Daemon:
             os.unlink(self.socket)
 
     def restart(self) -> None:
+        """Stop, start, and wait until the new pool is fully pre-faulted. Its prefault threads take every
+        core of a small VM for about a second, and a Mamba state copy that cannot finish before the
+        engine's step s + 2 is dropped (docs/design.md, "Step-ordered snapshots"): a live engine stepping
+        through a prompt meanwhile would store only part of it."""
         self.stop()
         self.start()
+        self.wait_prefaulted()
+
+    def wait_prefaulted(self, timeout_s: float = 30.0) -> None:
+        """Wait until ``hkvd status`` reports the pool's prefault done; raise after ``timeout_s``."""
+        from hkvd.daemon.cli import query_status
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            prefault = query_status(self.socket, 5.0)["pool"].get("prefault") or {}
+            if prefault.get("error"):
+                raise RuntimeError(f"hkvd serve could not pre-fault its pool: {prefault['error']}")
+            if prefault.get("done", True):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hkvd serve's pool was not pre-faulted within {timeout_s:.0f} s: {prefault}")
+            time.sleep(0.05)
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 
 The real daemon copies too fast to catch a copy in flight at a block reuse, so these tests
 script completions: fences wait for copies out of reused blocks, a fence timeout aborts and
-never confirms, confirms carry only step events seen done, delayed frees wait for copies, and
+never confirms, confirms carry only step events seen done, a state copy offered two steps back is
+waited for once (the daemon drops it otherwise), delayed frees wait for copies, and
 every load is reported finished once, after the daemon's reply and never before, a failed one as a
 failed request (never as block errors), while ``start_load_kv`` never waits for a load.
 """
@@ -102,6 +103,31 @@ def test_fence_timeout_aborts_and_never_confirms() -> None:
     confirms = [s[4] for s in client.sent if s[1] == "step"]
     assert all(step_id not in c for c in confirms)
     assert side.stats["fence_timeouts"] == 1
+
+
+def test_state_copy_two_steps_back_is_waited_for_then_confirmed() -> None:
+    side, client = _side()
+    _run_step(side, _meta(1, offers=[("r1", Item(1, 0, b"k" * 16, [9]))]))
+    _run_step(side, _meta(2))  # still copying: one step late is in time
+    step_id = 1
+    assert side.stats["state_copy_waits"] == 0
+    client.finish_on_wait = {step_id}
+    _run_step(side, _meta(3))  # its copy must end before step 3 is reported: waited for before the forward
+    assert side.stats["state_copy_waits"] == 1 and side.stats["state_copy_timeouts"] == 0
+    (third,) = [s for s in client.sent if s[1] == "step" and s[2] == 3]
+    assert third[4] == [step_id]  # done before the event reporting step 3: confirmed in it
+    assert client.aborted == []
+
+
+def test_state_copy_past_its_wait_is_left_to_the_daemon_and_not_waited_for_again() -> None:
+    side, client = _side()
+    _run_step(side, _meta(1, offers=[("r1", Item(1, 0, b"k" * 16, [9]))]))
+    _run_step(side, _meta(2))
+    _run_step(side, _meta(3))  # the copy never ends in time: the daemon drops it once step 3 is reported
+    _run_step(side, _meta(4))
+    assert side.stats["state_copy_waits"] == 1 and side.stats["state_copy_timeouts"] == 1
+    assert client.aborted == []  # its block was not reused: nothing to abort, the daemon's rule ends it
+    assert all(1 not in s[4] for s in client.sent if s[1] == "step")
 
 
 def test_delayed_free_waits_for_copies() -> None:

@@ -24,6 +24,11 @@ from hkvd.transport.wire.control import check_tenant
 from hkvd.transport.wire.kv import Item, check_event
 from hkvd.transport.wire.message import MAX_ITEMS, Message, MsgType, check_u64
 
+# An offered state's copy must finish before the engine reports step s + COPY_DEADLINE_STEPS (the daemon
+# drops it otherwise): vLLM keeps the offered block for the step that computed it plus one more, and step
+# s + 2's forward may overwrite it (MambaManager keeps 1 + num_speculative_blocks states live).
+COPY_DEADLINE_STEPS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class StepEvent(Message):
