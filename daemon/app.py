@@ -299,8 +299,8 @@ class Daemon:
             self.ready.set()
             for hook in self.ready_hooks:
                 hook()
-            log.info("hkvd ready on %s (chunk size %d tokens, eviction %s)", cfg.socket_path, cfg.chunk_size,
-                     cfg.eviction_policy)
+            log.info("hkvd ready on %s (chunk size %d tokens, eviction %s, admission %s)", cfg.socket_path,
+                     cfg.chunk_size, cfg.eviction_policy, cfg.admission)
             self.notifier.ready(f"ready on {cfg.socket_path}; {self.pool.size >> 20} MiB "
                                 f"{self.pool.backing().kind} pool, {progress.share()}")
             self.heap.start(index.writes)
@@ -325,7 +325,7 @@ class Daemon:
         quotas = Tenants(pool.allocator.capacity, cfg.tenant_quota, dict(cfg.tenant_quotas))
         # The quarantine (docs/verification.md): sampled hits' comparisons, whose pairs every plan withholds.
         index = Cache(pool, make_policy(cfg.eviction_policy), tenants=quotas,
-                      pin_fraction=cfg.pin_max_fraction, withheld=Quarantine())
+                      pin_fraction=cfg.pin_max_fraction, withheld=Quarantine(), admission=cfg.admission)
         # Entry checksums (docs/checksums.md): taken as entries turn READY, checked by the tiers'
         # write-behind, peer pulls and the scrubber.
         self.checks = Checksums(index, pool.buffer)

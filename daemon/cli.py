@@ -162,6 +162,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"{_pages(pool)}",
         f"entries   {idx['ready']} ready ({kinds}), {idx['pending']} pending, {idx['writing']} writing",
         f"evicted   {idx['evictions']} entries, {idx['stores_dropped']} stores dropped (pool full)",
+        *_status_admission(idx),
         f"hit rate  {rate} of chunks ({hits} hit, {misses} missed in {int(c.get('lookups', 0))} lookups)",
         f"traffic   {_bytes(c.get('stored_bytes', 0))} stored, {_bytes(c.get('retrieved_bytes', 0))} retrieved",
         f"leases    {idx['leases']} held, {idx['pinned_entries']} entries pinned",
@@ -182,6 +183,17 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  #{e['engine_id']:<3} {e['role']:9} pid {e['pid']:<7} {e['model']} rank {e['rank']}/"
                      f"{e['world_size']} chunk {e['chunk_size']} [{groups}]")
     return "\n".join(lines)
+
+
+def _status_admission(idx: dict[str, Any]) -> list[str]:
+    """What the eviction and the admission kept out (a daemon without these fields shows nothing)."""
+    if "admission_entries" not in idx:
+        return []
+    n, b = idx["admission_entries"], idx["admission_bytes"]
+    why = ", ".join(f"{k} {v}" for k, v in sorted(idx.get("evictions_by_reason", {}).items())) or "none"
+    return [f"admitted  {n.get('admitted', 0)} entries ({_bytes(b.get('admitted', 0))}), {n.get('refused', 0)} "
+            f"refused ({_bytes(b.get('refused', 0))}) by --admission {idx.get('admission', 'none')}; "
+            f"evicted by {why}"]
 
 
 def _status_pins(s: dict[str, Any]) -> list[str]:

@@ -15,7 +15,7 @@ import grp
 from dataclasses import dataclass, field
 from typing import Any
 
-from hkvd.daemon.cache import MIN_SUPERBLOCK_BYTES
+from hkvd.daemon.cache import ADMISSIONS, MIN_SUPERBLOCK_BYTES, POLICIES
 from hkvd.daemon.heap import DEFAULT_FREEZE_EVERY
 from hkvd.daemon.peers.auth import PeerConfigError, parse_allow, split_address
 from hkvd.daemon.startup_errors import StartupError
@@ -24,7 +24,8 @@ from hkvd.transport.paths import default_socket_path
 from hkvd.transport.wire.control import check_tenant
 
 GIB = 1 << 30
-EVICTION_POLICIES = ("lru", "hybrid")
+EVICTION_POLICIES = POLICIES  # lru, hybrid, cost (daemon/cache/eviction.py)
+ADMISSION_POLICIES = ADMISSIONS  # none, tinylfu (daemon/cache/admission.py)
 HUGEPAGE_MODES = ("auto", "require", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -52,6 +53,7 @@ class DaemonConfig:
     chunk_size: int = 256  # tokens; LMCache's default, and a multiple of every common block size
     l1_size_bytes: int = 1 * GIB
     eviction_policy: str = "lru"
+    admission: str = "none"  # none (every store admitted) or tinylfu (daemon/cache/admission.py)
     pin_max_fraction: float = 0.5  # the share of the pool session pins may hold (daemon/cache/pins.py)
     tenant_quota: float = 1.0  # each tenant's share of the pool; 1.0: no quotas (daemon/cache/quotas.py)
     tenant_quotas: tuple[tuple[str, float], ...] = ()  # (label, fraction) overrides of tenant_quota
@@ -142,7 +144,14 @@ class DaemonConfig:
         if self.numa_node < -1:
             raise ConfigError(f"--numa-node {self.numa_node}: a node number (0, 1, ...); leave it unset for no binding")
         if self.eviction_policy not in EVICTION_POLICIES:
-            raise ConfigError(f"--eviction-policy {self.eviction_policy!r}: choose one of {EVICTION_POLICIES}")
+            raise ConfigError(f"--eviction-policy {self.eviction_policy!r}: choose one of "
+                              f"{', '.join(EVICTION_POLICIES)} (lru: least recently used; hybrid: orphans first, "
+                              "then lru; cost: orphans first, then the least recompute cost per byte and use; "
+                              "docs/design.md \"What is kept\")")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ConfigError(f"--admission {self.admission!r}: choose one of {', '.join(ADMISSION_POLICIES)} (none: "
+                              "every store may evict; tinylfu: a store may not evict an entry asked for more often; "
+                              "docs/design.md \"What is kept\")")
         if self.hugepages not in HUGEPAGE_MODES:
             raise ConfigError(f"--hugepages {self.hugepages!r}: choose one of {HUGEPAGE_MODES}")
         if self.log_level not in LOG_LEVELS:

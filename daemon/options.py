@@ -123,7 +123,12 @@ OPTIONS: tuple[Option, ...] = (
            "superblock (1/64 of the pool, 2-32 MiB) per size; an engine whose one chunk does not fit is "
            "refused at registration with the smallest size that does", "X", "1", essential=True),
     Option("--eviction-policy", "eviction_policy", _lower, "lru",
-           "lru, or hybrid: orphan-aware LRU (docs/hybrid.md)", example='"lru"'),
+           "lru; hybrid: orphan-aware LRU (docs/hybrid.md); or cost: orphans first, then the entry of least "
+           "recompute cost per byte and use (docs/design.md, What is kept)", example='"lru"'),
+    Option("--admission", "admission", _lower, "none",
+           "none (every store may evict), or tinylfu: a store that must evict is refused where the entry it would "
+           "evict was asked for more often (counted, never an error to the engine; docs/design.md, What is kept)",
+           example='"none"'),
     Option("--pin-max-fraction", "pin_max_fraction", float, "0.5",
            "the share of the pool session pins may hold (docs/pins.md); past it the oldest pins lapse first", "X"),
     Option("--tenant-quota", "tenant_quota", float, "1.0",

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from hkvd.daemon.cache.admission import make_admission
 from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
 from hkvd.daemon.cache.formats import Formats
@@ -42,6 +43,7 @@ from hkvd.daemon.cache.leases import Lease
 from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource, plan, turn_ends_past
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.daemon.cache.quotas import Tenants
+from hkvd.daemon.cache.recompute_cost import RecomputeCost
 from hkvd.daemon.cache.session_pins import Sessions
 from hkvd.daemon.cache.subscriptions import Callback, EventKind, Subscriptions
 from hkvd.transport.errors import PoolFull
@@ -72,10 +74,13 @@ class Cache:
 
     def __init__(self, pool: HugePagePool, policy: EvictionPolicy, clock: Callable[[], float] = time.monotonic,
                  formats: Formats | None = None, *, tenants: Tenants | None = None, pin_fraction: float = 0.5,
-                 withheld: Withheld = (), turn_ends: TurnEnds | None = None) -> None:
-        self._index = index = Index(pool, policy, clock, tenants=tenants, pin_fraction=pin_fraction)
-        self.pool = pool
+                 withheld: Withheld = (), turn_ends: TurnEnds | None = None, admission: str = "none") -> None:
         self.formats = formats if formats is not None else Formats()
+        # --admission (daemon/cache/admission.py): the sketch ages by the entries held now.
+        adm = make_admission(admission, pool.allocator.capacity, lambda: len(self._index))
+        self._index = index = Index(pool, policy, clock, tenants=tenants, pin_fraction=pin_fraction, admission=adm,
+                                    cost=RecomputeCost(self.formats))
+        self.pool = pool
         self.tenants = index.tenants  # the quotas (daemon/cache/quotas.py)
         self.sessions = Sessions(index)  # session pins (daemon/cache/pins.py)
         self._subscriptions = Subscriptions(index)
@@ -89,7 +94,7 @@ class Cache:
     def plan_lookup(self, shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], *,
                     tails: Sequence[Tail] | TailSource = (), tiers: HasFn | None = None, pool: bool = True,
                     max_chunks: int | None = None, ends_of: bytes | None = None,
-                    count_missing: bool = False) -> LookupPlan:
+                    count_missing: bool = False, seen: bool = False) -> LookupPlan:
         """What a lookup of ``keys`` gets, served to every rank of ``fingerprints`` (``daemon/cache/lookup_plan.py``).
 
         Entries count where they are READY in the pool (``pool``) or where ``tiers`` says a lower tier holds
@@ -97,7 +102,10 @@ class Cache:
         of the whole chunks' hit giving them); ``max_chunks`` caps the whole chunks. ``ends_of``: the layout
         whose turn ends inside the chunks past the hit to name (when no tail ends it). With ``tiers`` and the
         pool, ``promote`` names the entries to read into the pool first. ``count_missing``: count the entries
-        found absent by kind."""
+        found absent by kind. ``seen``: an engine asks for ``keys`` (once per request): the admission counts
+        them (``daemon/cache/admission.py``)."""
+        if seen:
+            self._index.admission.seen(keys)
         present = _presence(self.is_ready, pool, tiers)
         withheld = 0
         if self.withheld:
@@ -175,11 +183,14 @@ class Cache:
 
     # ---- stores --------------------------------------------------------------------------------
     def begin_store(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
-                    tenant: str | Sequence[str] = "") -> list[Entry | PoolFull | None]:
+                    tenant: str | Sequence[str] = "", *, chunks: Sequence[int] | None = None, offered: bool = False,
+                    exempt: bool = False) -> list[Entry | PoolFull | None]:
         """WRITING entries (pinned, never served) of ``tenant`` (one for all, or one per want) for ``(key, nbytes,
         kind, parent)`` each: per want the entry, None when the key exists, or the PoolFull met (evicting as
-        needed first; ``Index.begin_writes``)."""
-        return self._index.begin_writes(wants, job_id, tenant)
+        needed first; ``Index.begin_writes``). ``chunks``: each want's chunk index (the ``cost`` policy weighs
+        it). ``offered``: an engine's store, put to the admission (``NotAdmitted``, a PoolFull, where refused)
+        unless ``exempt`` (a turn end)."""
+        return self._index.begin_writes(wants, job_id, tenant, chunks=chunks, offered=offered, exempt=exempt)
 
     def complete_store(self, entries: list[Entry], *, pending: bool) -> None:
         """The copies into ``entries`` completed: READY (or PENDING, awaiting their engine's confirmation)."""

@@ -33,3 +33,4 @@ class Entry:
     checksum: int = 0
     tenant: str = ""  # the tenant whose store wrote it (daemon/cache/quotas.py); "" for the unsalted share
     held: bool = False  # a session pin holds its chunk (daemon/cache/pins.py): in no eviction order
+    chunk: int = -1  # its chunk index in the prompt (position / chunk size); -1: not known (recompute_cost.py)

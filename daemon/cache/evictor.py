@@ -5,7 +5,9 @@ Role
     (another size class frees nothing until its superblock is empty); ``apply`` marks and unmarks
     the orphans the chain tracker reports. After an eviction, the other ranks' shards of the chunk
     and the Mamba states that needed it are dropped, or marked orphans while something holds them.
-    Counts evictions and orphans for ``IndexStats``.
+    With an admission test (``admits``: ``daemon/cache/admission.py``), each victim is put to it before it
+    goes; the first it keeps ends the allocation with ``NotAdmitted``. Counts evictions (by reason:
+    policy, orphan, quota) and orphans for ``IndexStats``.
 
 Threading
     Event-loop only, as the index that owns it (``daemon/cache/index.py``). It reads the index's
@@ -15,8 +17,9 @@ Threading
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hkvd.daemon.cache.admission import NotAdmitted
 from hkvd.daemon.cache.chains import ChainChange, Groups
 from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
@@ -26,6 +29,9 @@ from hkvd.transport.errors import PoolFull
 
 _NO_GROUPS: Groups = (frozenset(), frozenset())
 
+#: ``admits(victim)``: whether the entry being placed may evict ``victim``.
+AdmitFn = Callable[[Entry], bool]
+
 
 @dataclass(slots=True)
 class _Noted:
@@ -33,6 +39,7 @@ class _Noted:
 
     entries: dict[EntryKey, Entry]
     slots: int = 0  # slots they hold there; may run ahead of the live ones (recounted before use)
+    reasons: dict[EntryKey, str] = field(default_factory=dict)  # why each was a candidate when noted
 
 
 def evictable(e: Entry) -> bool:
@@ -56,10 +63,11 @@ class Evictor:
         self._groups = groups
         self._siblings = siblings
         self.evictions = 0
+        self.by_reason: dict[str, int] = {}  # evictions by why their entry was a candidate
         self.orphans_dropped = 0
         self.orphans_marked = 0
 
-    def alloc(self, nbytes: int, tenant: str = "") -> Allocation:
+    def alloc(self, nbytes: int, tenant: str = "", admits: AdmitFn | None = None) -> Allocation:
         """Room for ``nbytes`` for ``tenant``, evicting in policy order only entries whose freeing makes room.
 
         With tenant quotas, the candidates are those ``TenantOrder.candidates_for`` gives ``tenant``
@@ -72,6 +80,9 @@ class Evictor:
         this evicts a subset of what plain policy order would up to the same candidate, and fails
         only where evicting every evictable entry would too (but for a pending Mamba state that
         such a sweep would drop with its chunk: here it keeps its superblock in use).
+
+        ``admits``: each victim is put to it just before it would go; the first it keeps raises
+        ``NotAdmitted`` (what was evicted before stays evicted: its room is free).
         """
         pool = self.pool
         alloc = pool.alloc(nbytes)
@@ -81,14 +92,17 @@ class Evictor:
         slot = allocator.plan(nbytes)[0]
         noted: dict[int, _Noted] = {}  # superblock -> evictable entries seen holding slots in it
         by_tenant = self._by_tenant
-        candidates = self.policy.candidates() if by_tenant is None else by_tenant.candidates_for(tenant, nbytes)
+        policy = self.policy
+        candidates = policy.candidates() if by_tenant is None else by_tenant.candidates_for(tenant, nbytes)
         for key in candidates:
             e = self._entries.get(key)  # type: ignore[call-overload]  # the policy holds the index's keys
             if e is None or not evictable(e):
                 continue
             if e.alloc.slot_bytes == slot:
-                self.evict(e)
-            elif not self._evict_if_emptied(e, noted):
+                if admits is not None and not admits(e):
+                    raise NotAdmitted(f"a {nbytes}-byte entry not admitted: its victim was asked for more often")
+                self.evict(e, policy.reason(key))
+            elif not self._evict_if_emptied(e, noted, policy.reason(key), admits):
                 continue
             alloc = pool.alloc(nbytes)
             if alloc is not None:
@@ -100,8 +114,9 @@ class Evictor:
         raise PoolFull(f"no room for a {nbytes}-byte entry: every entry is pinned or leased, or shares its "
                        "superblock with one that is; raise --l1-size-gb or lower the number of in-flight requests")
 
-    def _evict_if_emptied(self, e: Entry, noted: dict[int, _Noted]) -> bool:
-        """Note ``e`` in its superblocks; evict the noted entries of one it would leave empty (True)."""
+    def _evict_if_emptied(self, e: Entry, noted: dict[int, _Noted], reason: str, admits: AdmitFn | None) -> bool:
+        """Note ``e`` (a candidate for ``reason``) in its superblocks; evict the noted entries of one it would
+        leave empty (True), each put to ``admits`` first."""
         allocator = self.pool.allocator
         for ext in e.alloc.extents:
             sb = allocator.superblock_of(ext.pool_offset)
@@ -109,6 +124,7 @@ class Evictor:
             if held is None:
                 held = noted[sb] = _Noted({})
             held.entries[e.key] = e
+            held.reasons[e.key] = reason
             held.slots += 1
             if held.slots < allocator.live_slots(sb):
                 continue
@@ -119,16 +135,21 @@ class Evictor:
             held.slots = sum(allocator.superblock_of(xe.pool_offset) == sb for x in live for xe in x.alloc.extents)
             if held.slots < allocator.live_slots(sb):
                 continue
+            if admits is not None and not all(admits(x) for x in live):
+                raise NotAdmitted("an entry not admitted: a victim sharing its superblock was asked for more often")
             del noted[sb]
             for x in live:
                 if self._entries.get(x.key) is x:  # an earlier eviction here may have dropped it as an orphan
-                    self.evict(x)
+                    self.evict(x, held.reasons.get(x.key, "policy"))
             return True
         return False
 
-    def evict(self, e: Entry) -> None:
+    def evict(self, e: Entry, reason: str = "policy") -> None:
+        """Evict ``e``, a candidate for ``reason`` (policy, orphan, quota), and what it leaves useless."""
+        self.policy.evicted(e.key)
         self._drop(e)
         self.evictions += 1
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
         self.tenants.evicted(e.tenant)
         # A Mamba state at chunk key k needs the attention chunk with the same key (the last chunk
         # of its prefix): once that chunk is gone the state can never be part of a hit, so it goes

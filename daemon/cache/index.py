@@ -14,6 +14,10 @@ Role
     Session pins (``daemon/cache/pins.py``) hold entries by chunk key for a TTL: a held entry is in no
     eviction order. Each entry counts against its tenant (``daemon/cache/quotas.py``); with quotas the
     eviction order is one per tenant, and an allocation walks only the orders its tenant may take from.
+    An engine's store (``begin_writes`` with ``offered``) is put to the admission (``daemon/cache/admission.py``)
+    where it must evict: the victim it would take first may keep its place, and the entry is refused
+    (``NotAdmitted``). Each entry knows its chunk index, from the store or its parent entry, which the
+    ``cost`` policy weighs through the recompute-cost model given (``daemon/cache/recompute_cost.py``).
 
 Threading
     Event-loop only. Copies run on threads but only touch pool bytes; every state change comes
@@ -26,11 +30,13 @@ Keys
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from hkvd.daemon.cache.admission import Admission, NotAdmitted
 from hkvd.daemon.cache.chains import ChainTracker, Groups
 from hkvd.daemon.cache.entry import Entry, EntryKey, EntryState
 from hkvd.daemon.cache.eviction import EvictionPolicy
@@ -40,6 +46,7 @@ from hkvd.daemon.cache.leases import Leases
 from hkvd.daemon.cache.pins import Pins, PinStats
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.daemon.cache.quotas import TenantOrder, Tenants
+from hkvd.daemon.cache.recompute_cost import DEFAULT_CHUNK, entry_cost
 from hkvd.transport.errors import PoolFull
 from hkvd.transport.stat_fields import metric, status_only
 
@@ -72,6 +79,18 @@ class IndexStats:
                                      "their bytes no longer hash to their checksum)", "counter", key="reason",
                                      default_factory=dict)
     checksummed: int = metric("hkvd_entries_checksummed", "READY entries whose checksum is taken", default=0)
+    evictions_by_reason: dict[str, int] = metric(
+        "hkvd_evictions_by_reason", "Entries evicted, by why they were the candidate (policy: the eviction order; "
+        "orphan: they could serve no hit; quota: their tenant was over its quota)", "counter", key="reason",
+        default_factory=dict)
+    admission: str = status_only(default="none")  # --admission
+    admission_entries: dict[str, int] = metric(
+        "hkvd_admission_entries", "Entries of engines' stores by admission outcome (admitted: placed; refused: the "
+        "entry they would evict was asked for more often, --admission tinylfu)", "counter", key="outcome",
+        default_factory=dict)
+    admission_bytes: dict[str, int] = metric(
+        "hkvd_admission_bytes", "Bytes of engines' stores by admission outcome (admitted, refused)", "counter",
+        key="outcome", default_factory=dict)
 
 
 class Index:
@@ -80,17 +99,25 @@ class Index:
 
     def __init__(self, pool: HugePagePool, policy: EvictionPolicy,
                  clock: Callable[[], float] = time.monotonic, *, tenants: Tenants | None = None,
-                 pin_fraction: float = 0.5) -> None:
+                 pin_fraction: float = 0.5, admission: Admission | None = None,
+                 cost: Callable[[Entry], float] | None = None) -> None:
         self.pool = pool
         self.clock = clock
         self._entries: dict[EntryKey, Entry] = {}
         capacity = pool.allocator.capacity
         self.tenants = tenants if tenants is not None else Tenants(capacity)
+        # Admission of engines' stores (daemon/cache/admission.py) and the recompute cost the ``cost`` policy
+        # weighs (daemon/cache/recompute_cost.py; by default with hkvd serve's default chunk size).
+        self.admission = admission if admission is not None else Admission()
+        self._cost = cost if cost is not None else _default_cost
+        self._admitted = [0, 0]  # entries, bytes
+        self._refused = [0, 0]
+        policy.bind(self._weigh)
         self.policy: EvictionPolicy = policy
         self._by_tenant: TenantOrder | None = None
         if self.tenants.active:
             entries = self._entries
-            self._by_tenant = TenantOrder(type(policy), lambda k: entries[cast(EntryKey, k)].tenant, self.tenants)
+            self._by_tenant = TenantOrder(policy.spawn, lambda k: entries[cast(EntryKey, k)].tenant, self.tenants)
             self.policy = self._by_tenant
         self.pin_budget_bytes = int(pin_fraction * capacity)
         self._group_ids: dict[bytes, tuple[int, ...]] = {}  # fingerprint -> every group id of its format
@@ -128,13 +155,31 @@ class Index:
         """Every key in the index now, in insertion order (a copy)."""
         return list(self._entries)
 
-    def _alloc_evicting(self, nbytes: int, tenant: str = "") -> Allocation:
-        """Room for ``nbytes`` for ``tenant``, evicting as needed (``Evictor.alloc``); raises PoolFull."""
-        return self._evictor.alloc(nbytes, tenant)
+    def _alloc_evicting(self, nbytes: int, tenant: str = "", admits: Callable[[Entry], bool] | None = None,
+                        ) -> Allocation:
+        """Room for ``nbytes`` for ``tenant``, evicting as needed (``Evictor.alloc``, each victim put to ``admits``
+        where given); raises PoolFull (``NotAdmitted`` where ``admits`` kept a victim)."""
+        return self._evictor.alloc(nbytes, tenant, admits)
+
+    def _weigh(self, key: object) -> float:
+        """The entry's recompute cost per byte (the ``cost`` policy's value)."""
+        e = self._entries[cast(EntryKey, key)]
+        return self._cost(e) / max(e.nbytes, 1)
+
+    def _chunk_after(self, fp: bytes, parent: bytes) -> int:
+        """The chunk index after ``parent``'s, where an entry of ``parent`` (of layout ``fp``) knows it; else -1."""
+        if not parent:
+            return -1
+        entries = self._entries
+        for gid in self._group_ids.get(fp, (0,)):
+            e = entries.get((fp, gid, parent))
+            if e is not None and e.chunk >= 0:
+                return e.chunk + 1
+        return -1
 
     # ---- writes --------------------------------------------------------------------------------
     def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"",
-                    tenant: str = "") -> Entry | None:
+                    tenant: str = "", chunk: int = -1) -> Entry | None:
         """Allocate a WRITING entry (pinned), evicting as needed. None if the key already exists.
 
         ``parent`` is the previous chunk's key when the client sent it: it places the entry in its
@@ -146,7 +191,8 @@ class Index:
             return None
         alloc = self._alloc_evicting(nbytes, tenant)
         self.writes += 1
-        entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent)
+        entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent,
+                      chunk=chunk if chunk >= 0 else self._chunk_after(key[0], parent))
         self._add(entry, tenant)
         self._holds.keep_budget(self.pins)
         return entry
@@ -160,7 +206,8 @@ class Index:
             self._holds.pinned_bytes += entry.nbytes
 
     def begin_writes(self, wants: list[tuple[EntryKey, int, str, bytes]], job_id: int,
-                     tenant: str | Sequence[str] = "") -> list[Entry | PoolFull | None]:
+                     tenant: str | Sequence[str] = "", *, chunks: Sequence[int] | None = None,
+                     offered: bool = False, exempt: bool = False) -> list[Entry | PoolFull | None]:
         """``begin_write`` for many ``(key, nbytes, kind, parent)`` of ``tenant`` (one for all, or one per want)
         at once, in order.
 
@@ -169,8 +216,19 @@ class Index:
         taken per entry size in one ``alloc_many`` first; only what that could not place evicts.
         Once a size found no room, later entries of that size are refused without evicting
         again (nothing was freed in between).
+
+        ``chunks``: each want's chunk index (else taken from its parent entry where the pool holds it).
+        ``offered``: the wants are an engine's store, counted by outcome and, unless ``exempt`` (a turn end),
+        put to the admission where they must evict: a refused want answers ``NotAdmitted``, and so does
+        every later want of the same store at that chunk index or past it that must evict (a prefix with a
+        hole serves nothing past it). Chunks a session pin holds are always admitted.
         """
         entries = self._entries
+        admission = self.admission
+        judged = offered and not exempt and admission.name != "none"
+        if offered:
+            admission.offered(k[2] for k, _, _, _ in wants)
+        refused_from = -1  # the lowest chunk index refused in this store (-1: none)
         need: dict[int, int] = {}
         # A repeated key takes room once: bulk room left unused (given back only at the end) would
         # hold superblocks that eviction for the later sizes cannot free.
@@ -185,12 +243,15 @@ class Index:
         tenants = [tenant] * len(wants) if isinstance(tenant, str) else tenant
         if len(tenants) != len(wants):
             raise ValueError(f"begin_writes: {len(tenants)} tenants for {len(wants)} entries")
+        if chunks is not None and len(chunks) != len(wants):
+            raise ValueError(f"begin_writes: {len(chunks)} chunk indexes for {len(wants)} entries")
         out: list[Entry | PoolFull | None] = []
         try:
-            for (key, nbytes, kind, parent), owner in zip(wants, tenants, strict=True):
+            for n, ((key, nbytes, kind, parent), owner) in enumerate(zip(wants, tenants, strict=True)):
                 if key in entries:
                     out.append(None)
                     continue
+                chunk = chunks[n] if chunks is not None else self._chunk_after(key[0], parent)
                 i = used.get(nbytes, 0)
                 got = bulk.get(nbytes, ())  # none when the key existed at the count, and was evicted since
                 if i < len(got):
@@ -200,22 +261,45 @@ class Index:
                     out.append(full[(nbytes, owner)])
                     continue
                 else:
+                    admits: Callable[[Entry], bool] | None = None
+                    if judged and not self.pins.is_pinned(key[0], key[2]):
+                        if 0 <= refused_from <= chunk:
+                            out.append(self._refuse(NotAdmitted(f"chunk {chunk}: an earlier chunk of this store "
+                                                                "was not admitted"), nbytes))
+                            continue
+                        admits = functools.partial(self._admits, key[2])
                     try:
-                        alloc = self._alloc_evicting(nbytes, owner)
+                        alloc = self._alloc_evicting(nbytes, owner, admits)
+                    except NotAdmitted as e:
+                        out.append(self._refuse(e, nbytes))
+                        if chunk >= 0 and (refused_from < 0 or chunk < refused_from):
+                            refused_from = chunk
+                        continue
                     except PoolFull as e:
                         full[(nbytes, owner)] = e
                         out.append(e)
                         continue
-                entry = Entry(key, alloc, nbytes, kind, EntryState.WRITING, 1, 0, job_id, parent)
+                entry = Entry(key, alloc, nbytes, kind, EntryState.WRITING, 1, 0, job_id, parent, chunk=chunk)
                 self._add(entry, owner)
                 out.append(entry)
                 self.writes += 1
+                if offered:
+                    self._admitted[0] += 1
+                    self._admitted[1] += nbytes
         finally:
             for nbytes, got in bulk.items():  # repeated keys (or an error) left these unused
                 for alloc in got[used[nbytes]:]:
                     self.pool.free(alloc)
         self._holds.keep_budget(self.pins)
         return out
+
+    def _admits(self, candidate: bytes, victim: Entry) -> bool:
+        return self.admission.admits(candidate, victim.key[2])
+
+    def _refuse(self, e: NotAdmitted, nbytes: int) -> NotAdmitted:
+        self._refused[0] += 1
+        self._refused[1] += nbytes
+        return e
 
     def finish_writes(self, entries: list[Entry], *, pending: bool) -> None:
         """``finish_write`` for each of ``entries``."""
@@ -373,4 +457,12 @@ class Index:
             pinned_entries=pinned, evictions=self._evictor.evictions, orphans_dropped=self._evictor.orphans_dropped,
             orphans_marked=self._evictor.orphans_marked, chain_nodes=len(self._chains),
             stores_dropped=self._stores_dropped, by_kind=kinds, corrupt=dict(self._corrupt), checksummed=checksummed,
+            evictions_by_reason=dict(self._evictor.by_reason), admission=self.admission.name,
+            admission_entries={"admitted": self._admitted[0], "refused": self._refused[0]},
+            admission_bytes={"admitted": self._admitted[1], "refused": self._refused[1]},
         )
+
+
+def _default_cost(e: Entry) -> float:
+    """The recompute cost of ``e`` where no engine format is known: chunks of hkvd serve's default size."""
+    return entry_cost(e.kind, e.chunk, DEFAULT_CHUNK)

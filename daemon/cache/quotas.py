@@ -110,6 +110,7 @@ class TenantOrder(EvictionPolicy):
         self._orders: dict[str, EvictionPolicy] = {"": inner}
         self._tenant: dict[Hashable, str] = {}  # key -> its tenant, for the keys in an order
         self._count: dict[str, int] = {}  # tenant -> keys in its order
+        self._over_quota = False  # ``candidates_for`` is yielding entries of tenants over their quotas
 
     def _order(self, tenant: str) -> EvictionPolicy:
         order = self._orders.get(tenant)
@@ -152,7 +153,20 @@ class TenantOrder(EvictionPolicy):
         if tenant is not None:
             self._orders[tenant].unmark_orphan(key)
 
+    def evicted(self, key: Hashable) -> None:
+        tenant = self._tenant.get(key)
+        if tenant is not None:
+            self._orders[tenant].evicted(key)
+
+    def reason(self, key: Hashable) -> str:
+        """"quota" while the walk takes entries of tenants over their quotas, else the tenant's order's reason."""
+        if self._over_quota:
+            return "quota"
+        tenant = self._tenant.get(key)
+        return self._orders[tenant].reason(key) if tenant is not None else "policy"
+
     def candidates(self) -> Iterator[Hashable]:
+        self._over_quota = False
         for order in list(self._orders.values()):
             yield from order.candidates()
 
@@ -162,6 +176,7 @@ class TenantOrder(EvictionPolicy):
         own = self._orders.get(tenant)
         if own is None:  # no entries of this tenant yet: nothing of its own to evict
             own = self._make()
+        self._over_quota = True
         if tenants.over(tenant, nbytes):
             for key in own.candidates():
                 if not tenants.over(tenant, nbytes):
@@ -174,4 +189,5 @@ class TenantOrder(EvictionPolicy):
                 if not tenants.over(other):
                     break
                 yield key
+        self._over_quota = False
         yield from own.candidates()

@@ -44,7 +44,7 @@ class LookupReplies:
         cluster) what the hit needs."""
         engine = registered_engine(conn, copy=False)
         tails = [(t[0], t[1]) for t in msg.tails]
-        plan = self._plan(engine, msg, tails)
+        plan = self._plan(engine, msg, tails, seen=True)  # the admission counts each request's keys once
         if not plan.complete and self.promoter.usable():
             return self._via_tiers(conn, engine, msg, tails)
         self._answer(conn, engine, msg, plan)
@@ -54,11 +54,11 @@ class LookupReplies:
         await self.promoter.promote(engine, msg.keys, request_log(conn, msg.req_id), tails)
         self._answer(conn, engine, msg, self._plan(engine, msg, tails))  # again: the pool may have changed meanwhile
 
-    def _plan(self, engine: EngineState, msg: kv.Lookup, tails: list[Tail]) -> LookupPlan:
+    def _plan(self, engine: EngineState, msg: kv.Lookup, tails: list[Tail], seen: bool = False) -> LookupPlan:
         """The best hit the pool can serve to every rank, with the entries it lacks by kind."""
         layout = engine.world_fingerprints[0]  # engines of one layout share entries, and turn ends
         return self.index.plan_lookup(engine, msg.keys, engine.rank_fingerprints, tails=tails,
-                                      ends_of=layout if msg.ends else None, count_missing=True)
+                                      ends_of=layout if msg.ends else None, count_missing=True, seen=seen)
 
     def _answer(self, conn: Conn, engine: EngineState, msg: kv.Lookup, plan: LookupPlan) -> None:
         """Reply with ``plan``, leased when asked."""

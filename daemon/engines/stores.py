@@ -17,7 +17,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hkvd.daemon.cache import Cache, Entry, EntryState, Extent, mamba_checkpoint_keep
+from hkvd.daemon.cache import Cache, Entry, EntryState, Extent, NotAdmitted, mamba_checkpoint_keep
 from hkvd.daemon.engines.connection import registered_engine
 from hkvd.transport import layout
 from hkvd.transport.copy_engine import Direction
@@ -69,23 +69,26 @@ class Stores:
         notes = self.check_notes(engine, msg.parsed_notes(), items)
         parent = self._turn_end_parent(engine, msg) if msg.turn_end else None
         stored, _ = await self.write_items(conn, engine, items, job_id=msg.req_id, pending=False,
-                                           wait_event=msg.wait_event, notes=notes, tenant=msg.tenant)
+                                           wait_event=msg.wait_event, notes=notes, tenant=msg.tenant,
+                                           exempt=bool(msg.turn_end))
         if parent is not None:
             self.index.add_turn_end(engine.world_fingerprints[0], parent, msg.turn_end)
         conn.send(stored.to_done(msg.req_id))
 
     async def write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                           pending: bool, wait_event: bytes = b"", notes: list[BlockNote] | None = None,
-                          tenant: str | Sequence[str] = "") -> tuple[StoreResult, list[Entry]]:
+                          tenant: str | Sequence[str] = "", exempt: bool = False,
+                          ) -> tuple[StoreResult, list[Entry]]:
         """Copy ``items`` into new pool entries of ``tenant`` (one for all, or one per item); their counts for the
         reply, and the entries written.
 
-        ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``)."""
+        ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``). ``exempt``:
+        always admitted (a turn end; ``--admission``)."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         announcer = self.announcer if notes else None
         tenants = [tenant] * len(items) if isinstance(tenant, str) else list(tenant)
         keep, kept_tenants, thinned = self._thin(engine, items, groups, tenants)
-        entries, placed, skipped, dropped = self._begin(engine, keep, kept_tenants, job_id)
+        entries, placed, skipped, dropped = self._begin(engine, keep, kept_tenants, job_id, exempt)
         nbytes = 0
         try:  # from here on, any failure gives back every entry begun above
             segments = layout.segments_for_entries(placed)
@@ -128,18 +131,22 @@ class Stores:
         return keep, kept_tenants, thinned
 
     def _begin(self, engine: EngineState, keep: list[tuple[Item, GroupSpec]], tenants: list[str], job_id: int,
+               exempt: bool = False,
                ) -> tuple[list[Entry], list[tuple[GroupSpec, list[int], tuple[Extent, ...]]], int, int]:
         """Begin an entry for each of ``keep``: (the entries begun, where each one's blocks go, how many
-        were held already (skipped), how many the pool had no room for (dropped))."""
+        were held already (skipped), how many the pool had no room for or the admission refused (dropped))."""
         fp, sizes = engine.fingerprint, engine.entry_bytes
         begun = self.index.begin_store([((fp, g.group_id, it.key), sizes[g.group_id], g.kind, it.parent)
-                                        for it, g in keep], job_id, tenants)
+                                        for it, g in keep], job_id, tenants,
+                                       chunks=[it.chunk_index for it, _ in keep], offered=True, exempt=exempt)
         entries: list[Entry] = []
         placed: list[tuple[GroupSpec, list[int], tuple[Extent, ...]]] = []
         skipped = dropped = 0
         for (it, g), got in zip(keep, begun, strict=True):
             if got is None:
                 skipped += 1
+            elif isinstance(got, NotAdmitted):  # counted by the cache (admission_entries)
+                dropped += 1
             elif isinstance(got, PoolFull):
                 dropped += 1
                 self.index.note_store_dropped()

@@ -174,6 +174,12 @@ PUBLISHED = {
     "hkvd_entries": ("gauge", "state", "Index entries by state"),
     "hkvd_entries_by_kind": ("gauge", "kind", "Index entries by group kind"),
     "hkvd_evictions": ("counter", "", "Entries evicted"),
+    "hkvd_evictions_by_reason": ("counter", "reason", "Entries evicted, by why they were the candidate (policy: the "
+        "eviction order; orphan: they could serve no hit; quota: their tenant was over its quota)"),
+    "hkvd_admission_entries": ("counter", "outcome", "Entries of engines' stores by admission outcome (admitted: "
+        "placed; refused: the entry they would evict was asked for more often, --admission tinylfu)"),
+    "hkvd_admission_bytes": ("counter", "outcome",
+        "Bytes of engines' stores by admission outcome (admitted, refused)"),
     "hkvd_index_stores_dropped": ("counter", "", "Stores the index dropped (pool full)"),
     "hkvd_inflight_copies": ("gauge", "", "Copies running now"),
     "hkvd_l2_bytes": ("gauge", "", "Bytes of the disk tier's files"),
@@ -332,7 +338,7 @@ STATUS_KEYS = {
     "pool.prefault": ["threads", "done", "error", "seconds", "gbps"],
     "index": ["entries", "ready", "pending", "writing", "bytes_stored", "leases", "pinned_entries", "evictions",
               "orphans_dropped", "orphans_marked", "chain_nodes", "stores_dropped", "by_kind", "corrupt",
-              "checksummed"],
+              "checksummed", "evictions_by_reason", "admission", "admission_entries", "admission_bytes"],
     "rates": ["copy_gbps"],
     "l2": ["path", "cap_bytes", "entries", "bytes", "queued", "queued_bytes", "writes", "write_bytes", "write_errors",
            "queue_drops", "evictions", "reads", "read_bytes", "read_errors", "corrupt", "write_gbps", "read_gbps",
