@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from hkvd.cuda._cupy import unshadow_nvidia_cuda
 from hkvd.daemon import fd_budget
@@ -32,7 +32,6 @@ from hkvd.transport.codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_b
 from hkvd.transport.errors import DaemonUnavailable, KVError, KVTimeout, error_from_wire
 from hkvd.transport.paths import default_socket_path
 from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
-from hkvd.transport.wire.replies import QuarantineLifted, Unpinned
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,28 +46,26 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
 
 def query_status(socket_path: str, timeout_s: float) -> dict[str, Any]:
     """Hello, then Status, on one blocking connection: what ``hkvd status`` shows. Raises ``KVError``."""
-    reply = _ask(socket_path, timeout_s, control.Status(1), "hkvd-status")
-    assert isinstance(reply, control.StatusReply)
-    return reply.status
+    return _ask(socket_path, timeout_s, control.Status(1), control.StatusReply, "hkvd-status").status
 
 
 def lift_quarantine(socket_path: str, timeout_s: float, fingerprint: str) -> list[str]:
     """``hkvd quarantine --clear``: the (fingerprint/group) pairs the daemon serves again. Raises ``KVError``."""
-    reply = _ask(socket_path, timeout_s, control.LiftQuarantine(1, fingerprint), "hkvd-quarantine")
-    assert isinstance(reply, kv.Done)
-    lifted = QuarantineLifted.from_done(reply.nbytes, reply.info).lifted
+    lifted = _ask(socket_path, timeout_s, control.LiftQuarantine(1, fingerprint), control.QuarantineLifted,
+                  "hkvd-quarantine").lifted
     return lifted.split(",") if lifted else []
 
 
 def unpin_session(socket_path: str, timeout_s: float, session: str) -> int:
     """``hkvd unpin SESSION``: the number of the session's pins the daemon ended. Raises ``KVError``."""
-    reply = _ask(socket_path, timeout_s, control.Unpin(1, session), "hkvd-unpin")
-    assert isinstance(reply, kv.Done)
-    return Unpinned.from_done(reply.nbytes, reply.info).unpinned
+    return _ask(socket_path, timeout_s, control.Unpin(1, session), control.Unpinned, "hkvd-unpin").unpinned
 
 
-def _ask(socket_path: str, timeout_s: float, request: Message, name: str) -> Message:
-    """Hello, then ``request`` (req_id 1), on one blocking connection; its answer. Raises ``KVError``."""
+R = TypeVar("R", bound=Message)
+
+
+def _ask(socket_path: str, timeout_s: float, request: Message, reply: type[R], name: str) -> R:
+    """Hello, then ``request`` (req_id 1), on one blocking connection; its ``reply``. Raises ``KVError``."""
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
@@ -87,11 +84,11 @@ def _ask(socket_path: str, timeout_s: float, request: Message, name: str) -> Mes
             if not data:
                 raise DaemonUnavailable(f"hkvd at {socket_path} closed the connection before answering")
             for body in decoder.feed(data):
-                match decode_body(body):
-                    case control.StatusReply() | kv.Done() as answer:
-                        return answer
-                    case kv.Error(code=code, message=message):
-                        raise error_from_wire(code, message)
+                msg = decode_body(body)
+                if isinstance(msg, reply):
+                    return msg
+                if isinstance(msg, kv.Error):
+                    raise error_from_wire(msg.code, msg.message)
     raise KVTimeout(f"hkvd at {socket_path} did not answer within {timeout_s:g} s; raise --timeout-s")
 
 

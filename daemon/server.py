@@ -385,8 +385,9 @@ class _Link(asyncio.Protocol):
             if not isinstance(msg, control.Hello):
                 raise ProtocolViolation(f"the first message must be Hello, got {type(msg).__name__}")
             if msg.version != PROTOCOL_VERSION:
-                raise UnsupportedVersion(f"client speaks protocol {msg.version}, this daemon speaks "
-                                         f"{PROTOCOL_VERSION}; upgrade the older side")
+                raise UnsupportedVersion(f"client speaks protocol {msg.version}, this daemon speaks protocol "
+                                         f"{PROTOCOL_VERSION}; run the shim and hkvd serve from the same hkvd "
+                                         "version (upgrade the older side)")
         except KVError as e:
             self._send(kv.Error(0, e.code, e.message))
             self.close()

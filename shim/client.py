@@ -16,6 +16,12 @@ Failure model
     If the daemon goes away, every outstanding request completes with ``DaemonUnavailable`` and
     later submits raise it at once; the caller decides when to ``connect`` again. A reply of
     ``Error`` becomes a completion whose ``error`` is the typed ``KVError`` registered for its code.
+    A daemon of another protocol version refuses our ``Hello`` with an ``Error`` that names both
+    versions (``UnsupportedVersion``, raised by ``connect``).
+
+Replies
+    Every request is answered by its own message type (``hkvd.transport.wire.replies.REPLIES``); the
+    completion's result is that message as sent. Another type in reply to it is a ``ProtocolViolation``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from hkvd.transport.errors import (
     KVError,
     KVTimeout,
     ProtocolViolation,
+    UnsupportedVersion,
     error_from_wire,
 )
 from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
@@ -44,10 +51,10 @@ from hkvd.transport.wire import peer as peer_wire
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
-from hkvd.transport.wire.replies import ANSWERS, REPLIES, Acknowledged
+from hkvd.transport.wire.replies import REPLIES
 
 READ_BYTES = 1 << 16
-_ANSWER_TYPES = frozenset(ANSWERS.values())
+_REPLY_TYPES = frozenset(REPLIES.values())
 M = TypeVar("M", bound=Message)
 
 
@@ -94,6 +101,11 @@ class DaemonClient(DaemonPort):
             with contextlib.suppress(OSError):
                 self._send_bytes(encode(control.Hello(PROTOCOL_VERSION, self.client_name, self.role)))
             ack = self._wait_message(control.HelloAck, self.timeout_s)
+            if ack.version != PROTOCOL_VERSION:  # a daemon refuses a client of another version before its ack
+                self._lost("protocol version mismatch")
+                raise UnsupportedVersion(f"hkvd at {self.socket_path} speaks protocol {ack.version}, this shim "
+                                         f"{PROTOCOL_VERSION}; run the shim and hkvd serve from the same hkvd "
+                                         "version")
             self.daemon_pid = ack.daemon_pid
             self.server_id = ack.server_id
 
@@ -176,7 +188,7 @@ class DaemonClient(DaemonPort):
         return self._submit(lambda r: peer_wire.Pull(r, peer, list(keys), max_chunks, release_lease))
 
     def submit_watch(self, lease_id: int) -> int:
-        """Done once every rank's retrieve under ``lease_id`` wrote its blocks; Error once the lease ended
+        """LeaseWritten once every rank's retrieve under ``lease_id`` wrote its blocks; Error once the lease ended
         otherwise. Only to a daemon whose RegisterAck says ``lease_watch``."""
         return self._submit(lambda r: kv.WatchLease(r, lease_id))
 
@@ -203,7 +215,7 @@ class DaemonClient(DaemonPort):
             self._send(kv.Uncacheable(reason))
 
     def abort(self, req_id: int) -> None:
-        """Ask the daemon to drop job ``req_id``; its completion (Done or Error) still arrives."""
+        """Ask the daemon to drop job ``req_id``; its completion (its reply or Error) still arrives."""
         with self._lock:
             self._require()
             self._send(kv.Abort(req_id))
@@ -344,23 +356,13 @@ class DaemonClient(DaemonPort):
         if self._outstanding.pop(req_id, None) is not None:
             self._done[req_id] = Completion(req_id, error is None, result, error)
 
-    def _done_result(self, msg: kv.Done) -> None:
-        request = self._outstanding.get(msg.req_id)
-        if request is None:  # not ours (or already failed): nothing to complete
-            return
-        reply = REPLIES.get(request, Acknowledged)  # which typed reply this request's Done carries
-        try:
-            self._complete(msg.req_id, reply.from_done(msg.nbytes, msg.info))
-        except ProtocolViolation as e:
-            self._complete(msg.req_id, None, e)
-
-    def _answer(self, msg: Message) -> None:
-        req_id: int = msg.req_id  # type: ignore[attr-defined]  # every answer message has one (ANSWERS)
+    def _reply(self, msg: Message) -> None:
+        req_id: int = msg.req_id  # type: ignore[attr-defined]  # every reply message has one (REPLIES)
         request = self._outstanding.get(req_id)
         if request is None:  # not ours (or already failed): nothing to complete
             return
-        if ANSWERS.get(request) is type(msg):
-            self._complete(req_id, msg)  # the answer message is the result (hkvd.shim.results)
+        if REPLIES.get(request) is type(msg):
+            self._complete(req_id, msg)  # the reply message is the result (hkvd.shim.results)
         else:
             self._complete(req_id, None, ProtocolViolation(
                 f"hkvd answered a {request.__name__} with a {type(msg).__name__}; run hkvd serve and the shim "
@@ -368,10 +370,8 @@ class DaemonClient(DaemonPort):
 
     def _on_message(self, msg: Message) -> None:
         match msg:
-            case kv.Done():
-                self._done_result(msg)
-            case _ if type(msg) in _ANSWER_TYPES:
-                self._answer(msg)
+            case _ if type(msg) in _REPLY_TYPES:
+                self._reply(msg)
             case kv.Error() if msg.req_id in self._outstanding:
                 self._complete(msg.req_id, None, error_from_wire(msg.code, msg.message))
             case kv.Error():

@@ -15,15 +15,15 @@ Threading model
     from the worker's polls of the daemon client.
 
 Contracts
-    - A load is reported once, and only after the daemon's reply for it (Done or Error) or the loss
+    - A load is reported once, and only after the daemon's reply for it (RetrieveResult or Error) or the loss
       of the connection. Until then the daemon may be writing into the request's blocks, and vLLM
       keeps them: the request is not scheduled, and one aborted meanwhile is freed only when the
       load is reported (vLLM 0.32 ``Scheduler.finish_requests`` delays the free of a request in
       WAITING_FOR_REMOTE_KVS; the scheduler side then asks for no free of its own).
     - A load past its deadline (``load_timeout_s``, or what is left of ``pull_timeout_s`` after a
-      pull) is aborted once and still waits for the reply. A Done after the abort means every byte
+      pull) is aborted once and still waits for the reply. A RetrieveResult after the abort means every byte
       arrived (a daemon job completes whole or fails whole), so it counts as loaded.
-    - GPU KV caches: a Done carrying the daemon's done event goes through ``on_loaded`` (the engine's
+    - GPU KV caches: a RetrieveResult carrying the daemon's done event goes through ``on_loaded`` (the engine's
       stream waits on the event) before the load counts as done, so the forward that reads the
       blocks, in a later step, is ordered after the daemon's copy.
 """
@@ -39,7 +39,7 @@ from hkvd.shim.daemon_port import DaemonPort
 from hkvd.shim.jobs import LoadJob
 from hkvd.shim.results import Completion
 from hkvd.shim.timeline import OFF, Timeline
-from hkvd.transport.wire.replies import RetrieveResult
+from hkvd.transport.wire.kv import RetrieveResult
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -70,7 +70,7 @@ class Loads:
         # the next poll, a step later for a load not waited for), and one high figure would keep the
         # worker from ever waiting for a short load again.
         self._s_per_block: float | None = None
-        # load_seconds: submission to the daemon's Done being read, summed over the loads that succeeded.
+        # load_seconds: submission to the daemon's RetrieveResult being read, summed over the loads that succeeded.
         self.stats = {"loads_started": 0, "loads_ok": 0, "loads_failed": 0, "loaded_bytes": 0, "load_timeouts": 0,
                       "load_seconds": 0.0}
 

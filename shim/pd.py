@@ -37,7 +37,7 @@ from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
 from hkvd.shim.results import Completion
 from hkvd.transport.wire.kv import LookupReply
-from hkvd.transport.wire.replies import PullResult
+from hkvd.transport.wire.peer import PullResult
 
 logger = logging.getLogger("hkvd.shim")
 

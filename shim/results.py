@@ -2,12 +2,11 @@
 
 Role
     ``DaemonClient`` completes each request it sent with a ``Completion`` holding that request's
-    result, which is the reply type the daemon sends, declared once in ``hkvd.transport.wire``
-    (``hkvd.transport.wire.replies`` tells which): a ``Done``'s typed reply (``StoreResult``,
-    ``RetrieveResult``, ``StepResult``, ``PullResult``, ``Acknowledged``) or the reply message itself
-    (``LookupReply``, ``RegisterAck``, ``KVEvents``, ``StatusReply``, ``Pong``). Only
-    ``Completion`` is the shim's own. A caller reads ``result.hit_chunks``: a misspelt or missing field
-    is an error, never a 0.
+    result, which is the reply message the daemon sent, declared once in ``hkvd.transport.wire``
+    (``hkvd.transport.wire.replies.REPLIES`` tells which: ``StoreResult``, ``RetrieveResult``,
+    ``StepResult``, ``PullResult``, ``VerifyResult``, ``LookupReply``, ``RegisterAck``, ``KVEvents``, ...).
+    Only ``Completion`` is the shim's own. A caller reads ``result.hit_chunks``: a misspelt or missing
+    field is an error, never a 0.
 
 Contracts
     - ``Completion.get(cls)`` returns the result if it is a ``cls``, else raises ``TypeError``: the
@@ -20,10 +19,8 @@ from typing import NamedTuple, TypeAlias, TypeVar
 
 from hkvd.transport.errors import KVError
 from hkvd.transport.wire.message import Message
-from hkvd.transport.wire.replies import Reply
 
-# Reply: a Done's (hkvd.transport.wire.replies.REPLIES); Message: an answer message (replies.ANSWERS).
-Result: TypeAlias = Reply | Message
+Result: TypeAlias = Message  # the reply message of the request (hkvd.transport.wire.replies.REPLIES)
 R = TypeVar("R")
 
 

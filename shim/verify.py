@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from hkvd.transport.wire.replies import VerifyResult
+from hkvd.transport.wire.kv import VerifyResult
 
 logger = logging.getLogger("hkvd.shim")
 

@@ -29,7 +29,7 @@ Role
        request's tenant, ``hkvd.shim.tenants``, to a daemon that keeps tenant quotas), the
        ``Verify`` of each sampled hit's recomputed chunks (``hkvd.shim.verify``), and one
        ``StepEvent`` carrying this step's Mamba offers (and a sampled hit's recomputed states, as
-       its verifies) and the confirms of earlier step events whose Done arrived before any block
+       its verifies) and the confirms of earlier step events whose StepResult arrived before any block
        they read was reused. A Verify that fails is counted and logged; nothing waits on it but
        the free of its request's blocks, as for a store.
     4. ``get_finished``: report requests whose free was delayed once their copies are done.
@@ -45,7 +45,7 @@ Failure handling
     Daemon down: loads fail (recompute), stores and offers are skipped, delayed frees are
     released at once; the link reconnects and re-registers every ``reconnect_interval_s``
     (new engine id, step-event seq restarts). Never serve garbage: a load counts as done
-    only on the daemon's Done for it.
+    only on the daemon's RetrieveResult for it.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ from hkvd.shim.verify import VerifyTally
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.events import COPY_DEADLINE_STEPS
-from hkvd.transport.wire.replies import RetrieveResult, StepResult, StoreResult, VerifyResult
+from hkvd.transport.wire.events import COPY_DEADLINE_STEPS, StepResult
+from hkvd.transport.wire.kv import RetrieveResult, StoreResult, VerifyResult
 
 if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only
     import torch

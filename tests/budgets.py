@@ -62,8 +62,6 @@ EXCEPTIONS: dict[str, tuple[float, str]] = {
     "tests/unit/test_peer_units.py": (5.0, "property tests: extents and entries of random layouts, byte by byte "
                                       "(1.15 and 1.7 s measured on a busy machine)"),
     "tests/unit/test_index_writes.py": (3.0, "property test: batched writes against one-by-one writes"),
-    "tests/unit/test_replies.py": (3.0, "declares reply classes and round-trips them through the codec (0.98 s "
-                                   "measured beside vLLM's install)"),
     "tests/unit/test_checksums.py::test_the_scrub_thread_catches_damage_on_its_own": (3.0, "waits for a pass of "
                                                                                         "the scrub thread"),
     "tests/unit/test_layers.py": (4.0, "parses every module of the product (the first test to run pays the parse)"),

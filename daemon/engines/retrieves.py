@@ -25,7 +25,6 @@ from hkvd.transport import layout
 from hkvd.transport.copy_engine import CopyResult, Direction
 from hkvd.transport.errors import ErrorCode, NotFound, OutOfRange
 from hkvd.transport.wire import kv
-from hkvd.transport.wire.replies import Acknowledged, RetrieveResult
 
 if TYPE_CHECKING:
     import asyncio
@@ -76,8 +75,8 @@ class Retrieves:
             settled.add_done_callback(functools.partial(self._settled, unpin))
         self.traffic.retrieved(engine.spec.model, engine.spec.rank,
                                count_bytes(self.metrics, "retrieved_bytes", entries))
-        conn.send(RetrieveResult(result.nbytes, len(entries), result.done_event,
-                                 time.perf_counter() - t0).to_done(msg.req_id))
+        conn.send(kv.RetrieveResult(msg.req_id, result.nbytes, len(entries), result.done_event,
+                                    time.perf_counter() - t0))
         if msg.lease_id:
             # Every byte is in the engine's blocks, unless the engine's stream must still wait for
             # the copy (a GPU done event): only the worker can report that load.
@@ -120,13 +119,13 @@ class Retrieves:
         self.copies.release_after(exc, unpin)
 
     def watch_lease(self, conn: Conn, msg: kv.WatchLease) -> None:
-        """Answer once every retrieve under the lease wrote its bytes (Done) or the lease ended
+        """Answer once every retrieve under the lease wrote its bytes (LeaseWritten) or the lease ended
         otherwise (Error): the scheduler side reports a load a step before a worker could."""
         registered_engine(conn, copy=False)
 
         def notify(written: bool) -> None:
             if written:
-                conn.send(Acknowledged().to_done(msg.req_id))
+                conn.send(kv.LeaseWritten(msg.req_id))
             else:
                 conn.send(kv.Error(msg.req_id, int(ErrorCode.LEASE_EXPIRED),
                                    f"lease {msg.lease_id} ended before every rank's retrieve wrote its blocks"))

@@ -16,8 +16,9 @@ Threading
 
 Errors
     Anything the client got wrong raises a ``KVError`` that the adapter sends back as
-    ``Error(req_id, code, message)``; the connection keeps serving. A job either completes whole
-    (``Done``) or fails whole (``Error``) -- a retrieve never reports success for part of its items.
+    ``Error(req_id, code, message)``; the connection keeps serving. A job either completes whole (its
+    reply message: ``StoreResult``, ``RetrieveResult``, ...) or fails whole (``Error``) -- a retrieve never
+    reports success for part of its items.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from hkvd.transport.copy_engine import CopyEngine, Direction
 from hkvd.transport.errors import NotFound, PermissionDenied, ProtocolViolation, ShuttingDown
 from hkvd.transport.stat_fields import status_dict
 from hkvd.transport.wire import Message, control, events, kv, peer
-from hkvd.transport.wire.replies import Acknowledged, QuarantineLifted, Unpinned
 
 if TYPE_CHECKING:  # types only: the service never builds these (daemon/app.py does), and they import NIXL's host, zmq
     from hkvd.daemon.peers.links import PeerService
@@ -185,7 +185,7 @@ class KVService:
             case control.Unpin():
                 n = self.index.sessions.unpin(msg.session)
                 log.info("unpinned session %r: %d pins ended", msg.session[:40], n)
-                conn.send(Unpinned(0, n).to_done(msg.req_id))
+                conn.send(control.Unpinned(msg.req_id, n))
             case kv.Uncacheable():
                 registered_engine(conn, copy=False)
                 self.metrics.inc("uncacheable_requests", reason=msg.reason)
@@ -198,13 +198,13 @@ class KVService:
                 self.registrations.register(conn, msg)
             case control.Unregister():
                 self.disconnect(conn)
-                conn.send(Acknowledged().to_done(msg.req_id))
+                conn.send(control.Unregistered(msg.req_id))
             case control.Status():
                 conn.send(control.StatusReply(msg.req_id, self.status()))
             case control.LiftQuarantine():
                 lifted = (self.quarantine.lift_all("hkvd quarantine --clear all") if msg.fingerprint == "all"
                           else self.quarantine.lift(msg.fingerprint))
-                conn.send(QuarantineLifted(0, ",".join(f"{fp.hex()}/{g}" for fp, g in lifted)).to_done(msg.req_id))
+                conn.send(control.QuarantineLifted(msg.req_id, ",".join(f"{fp.hex()}/{g}" for fp, g in lifted)))
             case control.Hello() | control.Bye():
                 pass  # handled by the adapter
             case _:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from hkvd.daemon.engines.connection import registered_engine
 from hkvd.daemon.engines.snapshots import StepOutcome
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire.replies import StepResult
+from hkvd.transport.wire.events import StepResult
 
 if TYPE_CHECKING:
     from hkvd.daemon.cache import Cache
@@ -55,7 +55,7 @@ class StepEvents:
                                                 list(msg.confirms))
         self._settle(conn, engine, decision)
         if not decision.start_copies:
-            conn.send(StepResult(0, decision.outcome.value).to_done(msg.req_id))
+            conn.send(StepResult(msg.req_id, 0, decision.outcome.value))
             return
         try:
             copied, written = await self.stores.write_items(conn, engine, offers, job_id=msg.req_id,
@@ -79,7 +79,7 @@ class StepEvents:
             for e in written:
                 self.index.drop(e)
             self.verification.free_scratch(scratch)
-        conn.send(StepResult.after_copy(decision.outcome.value, copied).to_done(msg.req_id))
+        conn.send(StepResult.after_copy(decision.outcome.value, copied))
 
     def _settle(self, conn: Conn, engine: EngineState, decision: StepDecision) -> None:
         """Confirm the jobs ``decision`` made visible (entries READY and offered to the tiers, scratch

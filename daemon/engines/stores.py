@@ -23,7 +23,7 @@ from hkvd.transport import layout
 from hkvd.transport.copy_engine import Direction
 from hkvd.transport.errors import Aborted, OutOfRange, PoolFull
 from hkvd.transport.keys import ROOT_KEY
-from hkvd.transport.wire.replies import StoreResult
+from hkvd.transport.wire.kv import StoreResult
 
 if TYPE_CHECKING:
     from hkvd.daemon.config import ConfigCell
@@ -73,14 +73,14 @@ class Stores:
                                            exempt=bool(msg.turn_end))
         if parent is not None:
             self.index.add_turn_end(engine.world_fingerprints[0], parent, msg.turn_end)
-        conn.send(stored.to_done(msg.req_id))
+        conn.send(stored)
 
     async def write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                           pending: bool, wait_event: bytes = b"", notes: list[BlockNote] | None = None,
                           tenant: str | Sequence[str] = "", exempt: bool = False,
                           ) -> tuple[StoreResult, list[Entry]]:
-        """Copy ``items`` into new pool entries of ``tenant`` (one for all, or one per item); their counts for the
-        reply, and the entries written.
+        """Copy ``items`` into new pool entries of ``tenant`` (one for all, or one per item); the reply to job
+        ``job_id`` with their counts, and the entries written.
 
         ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``). ``exempt``:
         always admitted (a turn end; ``--admission``)."""
@@ -110,7 +110,7 @@ class Stores:
         if not pending:
             self.write_behind(entries)
         self.traffic.stored(engine.spec.model, engine.spec.rank, count_bytes(self.metrics, "stored_bytes", entries))
-        return StoreResult(nbytes, len(entries), skipped, dropped, thinned), entries
+        return StoreResult(job_id, nbytes, len(entries), skipped, dropped, thinned), entries
 
     def _thin(self, engine: EngineState, items: list[Item], groups: list[GroupSpec],
               tenants: list[str]) -> tuple[list[tuple[Item, GroupSpec]], list[str], int]:

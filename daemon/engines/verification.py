@@ -25,8 +25,7 @@ from hkvd.transport import layout
 from hkvd.transport.copy_engine import Direction
 from hkvd.transport.errors import Aborted
 from hkvd.transport.layout import GroupSpec
-from hkvd.transport.wire.kv import Item
-from hkvd.transport.wire.replies import VerifyResult
+from hkvd.transport.wire.kv import Item, VerifyResult
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -85,10 +84,10 @@ class Verification:
                 self.free_scratch(scratch)
                 conn.aborted.discard(msg.req_id)
                 raise Aborted(f"job {msg.req_id} was aborted by the client; nothing was compared")
-            result = await self.check(engine, scratch, absent)
+            result = await self.check(engine, scratch, absent, msg.req_id)
         finally:
             unpin()
-        conn.send(result.to_done(msg.req_id))
+        conn.send(result)
 
     async def copy_scratch(self, conn: Conn, engine: EngineState, items: list[Item], wait_event: bytes, *,
                            urgent: bool) -> list[Scratch]:
@@ -123,9 +122,10 @@ class Verification:
             log.error("comparing a sampled hit's boundary states failed: %r", exc)
 
     async def check(self, engine: EngineState, scratch: list[Scratch],
-                    absent: list[tuple[Item, GroupSpec]]) -> VerifyResult:
+                    absent: list[tuple[Item, GroupSpec]], req_id: int = 0) -> VerifyResult:
         """Compare each scratch copy with the entry under its key (absent now: missing); free the scratch;
-        count per (fingerprint, group) and quarantine past the threshold."""
+        count per (fingerprint, group) and quarantine past the threshold. The result answers ``req_id``'s
+        ``Verify`` (0: a step event's boundary states, whose result nobody reads)."""
         fp, cfg, pool = engine.fingerprint, self.config.current, self.index.pool
         try:
             pairs: list[tuple[Scratch, Entry]] = []
@@ -158,7 +158,7 @@ class Verification:
             worst = max(worst, worst_g)
             quarantined |= held
         nbytes = sum(s.alloc.nbytes for s in scratch)
-        return VerifyResult(nbytes, len(pairs), diverged_total, len(absent), worst, quarantined)
+        return VerifyResult(req_id, nbytes, len(pairs), diverged_total, len(absent), worst, quarantined)
 
     def _record(self, cfg: DaemonConfig, fp: bytes, gid: int, g: GroupSpec, seen: list[tuple[Item, float]],
                 n_missing: int) -> tuple[int, float, bool]:

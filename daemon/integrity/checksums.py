@@ -4,7 +4,7 @@ Role
     ``checksum`` hashes an entry's bytes (its pool extents in entry order). ``Checksums`` takes every
     entry's checksum after it turns READY (stored, promoted from a lower tier, pulled from a peer, a
     Mamba state once confirmed): the index calls ``submit`` (``Index.on_checksum``), a worker thread
-    hashes, and the loop writes ``Entry.checksum``. A store's Done never waits for it; an entry whose
+    hashes, and the loop writes ``Entry.checksum``. A store's StoreResult never waits for it; an entry whose
     checksum is not taken yet is served as is. The tiers ask ``expected`` for the checksum of an entry
     they move and ``report`` a mismatch; ``mark`` (on the loop) drops the entry (``Index.mark_corrupt``)
     and logs it. The scrubber (``daemon/integrity/scrub.py``) re-checks READY entries at a bounded

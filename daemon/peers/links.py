@@ -199,7 +199,7 @@ class PeerService:
                 self._tg = None
 
     def submit_pull(self, engine: EngineState | None, msg: Pull, conn: ReplySink) -> None:
-        """Start a pull for ``engine`` (``conn``'s); the reply (Done or Error) goes to ``conn`` when it ends."""
+        """Start a pull for ``engine`` (``conn``'s); the reply (PullResult or Error) goes to ``conn`` when it ends."""
         if engine is None:
             raise NotRegistered("register the engine (Register) before a Pull: the pull needs its layout")
         if self._tg is None or self.client is None:
@@ -228,7 +228,7 @@ class PeerService:
             conn.send(kv.Error(msg.req_id, int(InternalError.code), f"internal error: {e!r}"))
         else:
             self.metrics.inc("peer_pulls", outcome="ok")
-            conn.send(result.to_done(msg.req_id))
+            conn.send(result)
         finally:
             conn.inflight -= 1
 

@@ -83,9 +83,9 @@ from hkvd.transport.wire.peer import (
     PeerRelease,
     PeerWelcome,
     Pull,
+    PullResult,
     RemoteEntry,
 )
-from hkvd.transport.wire.replies import PullResult
 
 M = TypeVar("M", bound=Message)
 
@@ -394,7 +394,7 @@ class PeerClient:
         fp = engine.fingerprint
         local = self._plan_local(engine, keys, want)
         if local.hit_chunks >= want:  # nothing to move
-            return self._answer(engine, local, owner, nbytes=0, pulled=0, started=started)
+            return self._answer(msg, engine, local, owner, nbytes=0, pulled=0, started=started)
         for attempt in (0, 1):
             reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
             reused = link.requests > 1
@@ -411,7 +411,7 @@ class PeerClient:
                 raise
             break
         plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
-        out = self._answer(engine, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
+        out = self._answer(msg, engine, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
         return dataclasses.replace(out, lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6),
                                    descs=read.descs)
 
@@ -606,7 +606,7 @@ class PeerClient:
                 return plan
             await asyncio.sleep(SETTLE_POLL_S)
 
-    def _answer(self, engine: EngineState, plan: LookupPlan, owner: int, *, nbytes: int,
+    def _answer(self, msg: Pull, engine: EngineState, plan: LookupPlan, owner: int, *, nbytes: int,
                 pulled: int, started: float) -> PullResult:
         lease_id = 0
         if plan.hit_chunks:
@@ -614,6 +614,6 @@ class PeerClient:
         needed = sum(len(c) for c in plan.needed.values())
         elapsed = time.monotonic() - started
         self.metrics.inc("peer_pull_chunks", plan.hit_chunks)
-        return PullResult(nbytes, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, pulled, needed - pulled,
-                          round(elapsed, 6))
+        return PullResult(msg.req_id, nbytes, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, pulled,
+                          needed - pulled, round(elapsed, 6))
 

@@ -10,8 +10,9 @@ Role
       ``ends`` asked and no tail won, the reply names those turn ends (``Lookup.ends``). With
       ``hold_lookups`` the replies wait for ``answer()`` (a busy daemon).
     - every other submit (retrieve, store, step, verify, pull, watch, events poll) waits for
-      ``complete(rid, ok)`` (or ``fail(rid)``), whose result is the reply of its kind; ids in
-      ``finish_on_wait`` complete when someone ``wait``s for them.
+      ``complete(rid, ok)`` (or ``fail(rid)``), whose result is the reply message of its kind (a test may
+      give its own; ``reply`` builds the default); ids in ``finish_on_wait`` complete when someone
+      ``wait``s for them.
     - ``release``, ``pin``, ``uncacheable`` and ``abort`` send no reply: they are recorded (``released``,
       ``aborted``, a ``pin`` row in ``sent``, ``uncacheable``).
 
@@ -33,8 +34,9 @@ from typing import Any
 from hkvd.shim.results import Completion, Result
 from hkvd.transport.errors import KVTimeout, NotFound
 from hkvd.transport.wire.block_notes import BlockNote
-from hkvd.transport.wire.kv import Item, LookupReply
-from hkvd.transport.wire.replies import Acknowledged, RetrieveResult, StepResult, StoreResult
+from hkvd.transport.wire.events import KVEvents, StepResult
+from hkvd.transport.wire.kv import Item, LeaseWritten, LookupReply, RetrieveResult, StoreResult, VerifyResult
+from hkvd.transport.wire.peer import PullResult
 
 
 class FakeDaemon:
@@ -61,8 +63,8 @@ class FakeDaemon:
         self.aborted: list[int] = []
         self.uncacheable_reasons: list[str] = []
         self.statuses = 0
-        self.event = b""  # the done event a retrieve's Done carries (GPU KV caches)
-        self.retrieve_s = 0.0  # the daemon's own time a retrieve's Done reports (0: an older daemon)
+        self.event = b""  # the done event a RetrieveResult carries (GPU KV caches)
+        self.retrieve_s = 0.0  # the daemon's own time a RetrieveResult reports (0: not measured)
         self._next = first_id - 1
 
     # ---- what the test reads and drives -------------------------------------------------------
@@ -74,12 +76,28 @@ class FakeDaemon:
         if not ok:
             self.done[rid] = Completion(rid, False, None, NotFound("scripted failure"))
             return
-        kind = next(s[1] for s in self.sent if s[0] == rid)
-        if result is None:
-            replies: dict[str, Result] = {"store": StoreResult(1, 1, 0, 0, 0), "step": StepResult(1, "in_order"),
-                                          "retrieve": RetrieveResult(1, 1, self.event, self.retrieve_s)}
-            result = replies.get(kind, Acknowledged())
-        self.done[rid] = Completion(rid, True, result, None)
+        self.done[rid] = Completion(rid, True, self.reply(rid) if result is None else result, None)
+
+    def reply(self, rid: int) -> Result:
+        """The daemon's reply to request ``rid`` by its kind: one entry copied, one step in order, nothing
+        compared, every key pulled under ``lease_id``, no events, the lease written."""
+        row = next(s for s in self.sent if s[0] == rid)
+        match row[1]:
+            case "store":
+                return StoreResult(rid, 1, 1, 0, 0, 0)
+            case "step":
+                return StepResult(rid, 1, "in_order")
+            case "retrieve":
+                return RetrieveResult(rid, 1, 1, self.event, self.retrieve_s)
+            case "verify":
+                return VerifyResult(rid, 0, 0, 0, 0, 0.0, False)
+            case "pull":
+                return PullResult(rid, 0, row[3], self.lease_id, 30.0, row[3], 0, 0.0)
+            case "events":
+                return KVEvents(rid, row[2], 0, [])
+            case "watch":
+                return LeaseWritten(rid)
+        raise ValueError(f"request {rid} ({row[1]}) gets no reply")
 
     def fail(self, rid: int) -> None:
         self.complete(rid, ok=False)

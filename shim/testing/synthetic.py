@@ -32,8 +32,7 @@ from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.kv import Item, LookupReply
-from hkvd.transport.wire.replies import StoreResult
+from hkvd.transport.wire.kv import Item, LookupReply, StoreResult
 
 if TYPE_CHECKING:
     import multiprocessing.queues

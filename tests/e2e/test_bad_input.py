@@ -87,6 +87,8 @@ def test_wrong_protocol_version_is_refused(daemon):
     s.sendall(encode(control.Hello(PROTOCOL_VERSION + 41, "future", "tool")))
     (err,) = read_msgs(s, 1)
     assert err.code == ErrorCode.UNSUPPORTED_VERSION
+    assert (f"client speaks protocol {PROTOCOL_VERSION + 41}, this daemon speaks protocol {PROTOCOL_VERSION}; run the "
+            "shim and hkvd serve from the same hkvd version") in err.message, err.message
 
 
 def test_first_message_must_be_hello(daemon):

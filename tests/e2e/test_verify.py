@@ -7,6 +7,7 @@ ordering. The last test runs the daemon under the wrong-entry hook (tests/e2e/_w
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import signal
 import socket
@@ -26,8 +27,8 @@ from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_toke
 from hkvd.transport.errors import NotFound, OutOfRange, ProtocolViolation
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.wire import events, kv
-from hkvd.transport.wire.kv import Item
-from hkvd.transport.wire.replies import StepResult, VerifyResult
+from hkvd.transport.wire.events import StepResult
+from hkvd.transport.wire.kv import Item, VerifyResult
 
 CHUNK = 32
 PAGE = 1024  # 512 bfloat16 values a layer page
@@ -60,8 +61,11 @@ def fill(eng: SyntheticEngine, gid: int, blocks: list[int], seed: int, scale: fl
 
 
 def verify(eng: SyntheticEngine, items: list[Item]) -> VerifyResult:
+    """The daemon's reply to a Verify of ``items``, with req_id 0 (the one the expected results carry)."""
     rid = eng.client._submit(lambda r: kv.Verify(r, items))
-    return eng.client.wait([rid], 10.0)[rid].get(VerifyResult)
+    result = eng.client.wait([rid], 10.0)[rid].get(VerifyResult)
+    assert result.req_id == rid
+    return dataclasses.replace(result, req_id=0)
 
 
 def step_event(eng: SyntheticEngine, seq: int, step: int, *, offers: list[Item] = (),  # type: ignore[assignment]
@@ -106,7 +110,7 @@ def test_verify_counts_quarantines_and_lifts(daemon_factory: Any) -> None:
                        "--metrics-port", str(port))
     eng, keys, g0, g1 = attention_engine(d.socket_path, "verify-a")
     fp = eng.fingerprint
-    assert verify(eng, g0 + g1) == VerifyResult(6 * 2 * 2 * PAGE, 6, 0, 0, 0.0, False)
+    assert verify(eng, g0 + g1) == VerifyResult(0, 6 * 2 * 2 * PAGE, 6, 0, 0, 0.0, False)
 
     fill(eng, 0, list(range(1, 7)), seed=10, scale=1.01)  # another chunking's rounding: within tolerance
     r = verify(eng, g0)
@@ -166,7 +170,7 @@ def test_bad_verifies_are_refused_whole_and_lose_nothing(daemon: Any) -> None:
     assert eng.lookup(keys, lease=False)[0] == 3
     # A key the daemon does not hold (evicted, or never stored) is missing: neither copied nor compared.
     gone = chunk_keys(prompt_tokens(CHUNK, seed=2), CHUNK)
-    assert verify(eng, [Item(0, 0, gone[0], [1, 2]), *g1]) == VerifyResult(3 * 2 * 2 * PAGE, 3, 0, 1, 0.0, False)
+    assert verify(eng, [Item(0, 0, gone[0], [1, 2]), *g1]) == VerifyResult(0, 3 * 2 * 2 * PAGE, 3, 0, 1, 0.0, False)
     assert group_row(daemon.socket_path, eng.fingerprint, 0)["missing"] == 1
 
 

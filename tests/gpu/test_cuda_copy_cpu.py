@@ -796,14 +796,14 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
         while not store.done():  # the GPU runs what the copy thread enqueued
             gpu.run()
             await asyncio.sleep(0.002)
-        assert isinstance(store.result(), kv.Done)
+        assert isinstance(store.result(), kv.StoreResult)
         before, first = device_mem.copy(), len(sent)
         jobs = [service.handle(conn, kv.Retrieve(10 + c, 0, [kv.Item(0, c, keys[c], [20 + c])])) for c in range(4)]
         await asyncio.wait_for(asyncio.gather(*(j for j in jobs if j is not None)), 5.0)
         replies = sent[first:]
         assert sorted(r.req_id for r in replies) == [10, 11, 12, 13]
         # Answered with a done event, the GPU has run none of them, and their pages are pinned.
-        assert all(isinstance(r, kv.Done) and r.info.get("event") for r in replies), replies
+        assert all(isinstance(r, kv.RetrieveResult) and r.event for r in replies), replies
         assert np.array_equal(device_mem, before)
         assert index.statistics().pinned_entries == 4
         gpu.run()

@@ -450,7 +450,7 @@ def test_a_lookup_waits_on_past_other_replies_that_come_first(qwen_dir, daemon_f
     # The scheduler's connection also carries lease watches: a watch's reply read first must not make
     # the scheduler pass the request over for a step (lookups_deferred) while its lookup's reply is due.
     from hkvd.shim.results import Completion
-    from hkvd.transport.wire.replies import Acknowledged
+    from hkvd.transport.wire.kv import LeaseWritten
 
     d = daemon_factory(chunk_size=BLOCK)
     vcfg, kvc, sched = _make(qwen_dir, d.socket)
@@ -469,7 +469,7 @@ def test_a_lookup_waits_on_past_other_replies_that_come_first(qwen_dir, daemon_f
             if self.first and side.lookups.by_lookup:
                 self.first = False
                 side.loads.watches[999_999] = ("gone", 1)  # a watch whose request finished meanwhile
-                return [Completion(999_999, True, Acknowledged(), None)]
+                return [Completion(999_999, True, LeaseWritten(999_999), None)]
             return list(real.poll(timeout_s))
 
     side.link.client = WatchReplyFirst()

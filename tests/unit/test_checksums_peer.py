@@ -15,9 +15,7 @@ import pytest
 
 from hkvd.daemon.integrity.checksums import Checksums
 from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire import kv
-from hkvd.transport.wire.peer import PeerLookupReply, Pull, pack_checksums, pack_table
-from hkvd.transport.wire.replies import PullResult
+from hkvd.transport.wire.peer import PeerLookupReply, Pull, PullResult, pack_checksums, pack_table
 
 
 def _load_links() -> Any:
@@ -63,8 +61,8 @@ async def _pull(p: Any, req_id: int, chunks: int) -> PullResult:
     conn = L.sink()
     p.peers.submit_pull(p.pulling.engine, Pull(req_id, p.address, L.KEYS[:chunks], 0, 0), conn)
     done = await conn.reply()
-    assert isinstance(done, kv.Done), done
-    return PullResult.from_done(done.nbytes, done.info)
+    assert isinstance(done, PullResult) and done.req_id == req_id, done
+    return done
 
 
 async def test_bytes_damaged_in_the_serving_pool_are_never_published_by_the_puller(pair) -> None:

@@ -465,7 +465,7 @@ def test_a_load_planned_in_an_invalid_state_reaches_the_worker_empty_and_fails(s
 def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_be_stored() -> None:
     """verify_fraction 1: the hit of chunks 0-1 is reported as no external tokens, its lease released; the
     step that computes the prompt sends chunks 0-1 as one Verify (the request's own blocks) and stores chunk 2."""
-    from hkvd.transport.wire.replies import StoreResult
+    from hkvd.transport.wire.kv import StoreResult
 
     sched = SchedulerSide(vllm_config(), kv_cache_config(), ShimConfig(socket_path="/nonexistent/hkvd.sock",
                                                                        chunk_size=CHUNK, verify_fraction=1.0))
@@ -494,7 +494,8 @@ def test_a_sampled_hit_is_computed_and_its_chunks_are_verified_where_they_would_
     w.bind(HkvdConnectorMetadata(step=2, delayed_free=["r1"]))
     [(vid, _, items)] = wclient.kinds("verify")
     assert items == check.items
-    wclient.complete(wclient.kinds("store")[0][0], result=StoreResult(4096, 1, 0, 0, 0))
+    store_id = wclient.kinds("store")[0][0]
+    wclient.complete(store_id, result=StoreResult(store_id, 4096, 1, 0, 0, 0))
     assert w.get_finished(set()) == (None, None)  # the daemon still reads its blocks for the comparison
     wclient.fail(vid)  # a daemon without verification answers an error: counted, the request unaffected
     assert w.get_finished(set()) == ({"r1"}, None)

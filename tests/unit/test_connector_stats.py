@@ -18,11 +18,11 @@ from hkvd.shim.jobs import LoadJob
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.shim.worker import WorkerSide
-from hkvd.transport.wire.replies import RetrieveResult
+from hkvd.transport.wire.kv import RetrieveResult
 
 
 def _done(rid: int, nbytes: int) -> Any:
-    return SimpleNamespace(req_id=rid, ok=True, get=lambda _cls: RetrieveResult(nbytes, 1))
+    return SimpleNamespace(req_id=rid, ok=True, get=lambda _cls: RetrieveResult(rid, nbytes, 1))
 
 
 def _failed(rid: int) -> Any:
@@ -106,15 +106,15 @@ def test_prometheus_counters_add_each_interval() -> None:
 
 
 def test_sampled_checks_count_entries_and_keep_the_largest_error() -> None:
-    from hkvd.transport.wire.replies import VerifyResult
+    from hkvd.transport.wire.kv import VerifyResult
 
     w1 = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock"))
     w2 = WorkerSide(None, None, ShimConfig(socket_path="/nonexistent/hkvd.sock"))
     r1, r2 = StatsReporter(), StatsReporter()
-    w1.verify.result("a", VerifyResult(4096, checked=8, diverged=0, missing=1, max_error=0.0078, quarantined=False),
+    w1.verify.result("a", VerifyResult(0, 4096, checked=8, diverged=0, missing=1, max_error=0.0078, quarantined=False),
                      "full")
     w1.verify.failed("b", "unknown message type")  # a daemon without verification: counted, nothing compared
-    w2.verify.result("c", VerifyResult(4096, checked=4, diverged=1, missing=0, max_error=0.5, quarantined=True),
+    w2.verify.result("c", VerifyResult(0, 4096, checked=4, diverged=1, missing=0, max_error=0.5, quarantined=True),
                      "swa")
     s1, s2 = r1.take(w1.transfer_totals()), r2.take(w2.transfer_totals())
     assert s1 is not None and s2 is not None
@@ -127,7 +127,7 @@ def test_sampled_checks_count_entries_and_keep_the_largest_error() -> None:
         "verifies_failed": 1, "verify_max_error": 0.5}  # the maximum across workers, never their sum
     assert (line["verify_max_error_full"], line["verify_max_error_swa"]) == (0.0078, 0.5)  # per group kind
     # A later interval with a smaller error: the running maximum stays, the counts are the new ones.
-    w1.verify.result("d", VerifyResult(512, checked=2, diverged=0, missing=0, max_error=0.001, quarantined=False))
+    w1.verify.result("d", VerifyResult(0, 512, checked=2, diverged=0, missing=0, max_error=0.001, quarantined=False))
     later = r1.take(w1.transfer_totals())
     assert later is not None and later.data["verify_checks"] == 2 and later.data["verify_max_error"] == 0.0078
     assert r1.take(w1.transfer_totals()) is None  # nothing new: a maximum alone is no interval's news

@@ -2,7 +2,8 @@
 
 The server, the service behind it and the clients share this test's event loop: frames go through
 the kernel's socket, replies are read back with the daemon's own frame reader. Covered: the Hello
-gate, frames in and replies out, a bad frame (answered, then the link keeps serving), a first
+gate (a client of another protocol version refused, naming both versions and the fix, on either side),
+frames in and replies out, a bad frame (answered, then the link keeps serving), a first
 frame that is not Hello and an oversized length (answered and closed), the close after
 ``MAX_CONSECUTIVE_ERRORS`` bad frames in a row, and one client's burst not holding back another.
 """
@@ -12,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import socket
 import struct
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +38,7 @@ from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.server import FRAMES_PER_TURN, MAX_CONSECUTIVE_ERRORS, Server
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.codec import encode
-from hkvd.transport.errors import ErrorCode
+from hkvd.transport.errors import ErrorCode, UnsupportedVersion
 from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, kv
 
 MAX_FRAME = 1 << 20
@@ -124,6 +128,59 @@ async def test_a_first_frame_other_than_hello_is_a_protocol_violation_and_closes
     err = await s.recv(BUDGET_S)
     assert isinstance(err, kv.Error) and err.code == ErrorCode.PROTOCOL_VIOLATION, err
     assert await closed_by_server(s)
+
+
+OLDER = PROTOCOL_VERSION - 1  # protocol 2: replies in Done(req_id, nbytes, info)
+VERSIONS_AND_FIX = (rf"protocol {OLDER}, this daemon speaks protocol {PROTOCOL_VERSION}; run the shim and hkvd "
+                    r"serve from the same hkvd version")
+
+
+async def test_a_client_of_an_older_protocol_is_refused_naming_both_versions_and_the_fix(
+        server: Server, socket_path: str) -> None:
+    s = await connect(socket_path)
+    await s.send(control.Hello(OLDER, "old-shim", "worker"), BUDGET_S)
+    err = await s.recv(BUDGET_S)
+    assert isinstance(err, kv.Error) and err.req_id == 0 and err.code == ErrorCode.UNSUPPORTED_VERSION, err
+    assert re.search(f"client speaks {VERSIONS_AND_FIX}", err.message), err.message
+    assert await closed_by_server(s)
+
+
+async def test_the_shims_client_raises_the_refusal_of_a_daemon_of_another_version(
+        server: Server, socket_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hkvd.shim.client import DaemonClient
+
+    monkeypatch.setattr(server_mod, "PROTOCOL_VERSION", OLDER)  # a daemon of protocol 2 ...
+    client = DaemonClient(socket_path, client_name="t", role="tool", timeout_s=BUDGET_S)
+    with pytest.raises(UnsupportedVersion) as refused:
+        await asyncio.to_thread(client.connect)
+    assert not client.connected
+    # ... says which version the client speaks and which it does (its own words were "upgrade the older side")
+    assert f"client speaks protocol {PROTOCOL_VERSION}, this daemon speaks protocol {OLDER}" in refused.value.message
+
+
+def test_the_shims_client_refuses_a_hello_ack_of_another_version(socket_path: str) -> None:
+    """A daemon refuses a client of another version before its HelloAck; the client checks the ack anyway."""
+    from hkvd.shim.client import DaemonClient
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(socket_path)
+        listener.listen(1)
+
+        def acked_as_older() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1 << 16)  # the Hello
+                conn.sendall(encode(control.HelloAck(OLDER, 1, MAX_FRAME, "old")))
+                conn.recv(1)  # until the client hangs up
+
+        peer = threading.Thread(target=acked_as_older, daemon=True)
+        peer.start()
+        client = DaemonClient(socket_path, client_name="t", role="tool", timeout_s=BUDGET_S)
+        with pytest.raises(UnsupportedVersion, match=rf"speaks protocol {OLDER}, this shim {PROTOCOL_VERSION}; "
+                                                     r"run the shim and hkvd serve from the same hkvd version"):
+            client.connect()
+        assert not client.connected
+        peer.join(BUDGET_S)
 
 
 async def test_a_bad_frame_is_answered_and_the_link_keeps_serving(server: Server, socket_path: str) -> None:

@@ -20,7 +20,8 @@ from hkvd.shim.results import Completion
 from hkvd.shim.testing.fake_daemon import FakeDaemon
 from hkvd.transport.errors import Aborted, DaemonUnavailable
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire.replies import PullResult, RetrieveResult
+from hkvd.transport.wire.kv import RetrieveResult
+from hkvd.transport.wire.peer import PullResult
 
 KEYS = chunk_keys(list(range(1000)), 128)  # 7 full chunks
 
@@ -95,17 +96,17 @@ def test_pull_then_load_then_done() -> None:
     c = w.client
     w.pulls.start(c, _job())
     assert [s[1:] for s in c.sent] == [("pull", "p:1", 4, 4, 9)]
-    assert w.feed(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.1), None))
+    assert w.feed(Completion(101, True, PullResult(101, 0, 4, 55, 30.0, 4, 0, 0.1), None))
     assert (c.sent[-1][1], c.sent[-1][3]) == ("retrieve", 55)  # the load uses the pull's local lease
     assert w.loads.take() == (set(), set())  # pulled, not loaded yet: nothing to report
-    assert not w.feed(Completion(7, True, RetrieveResult(0, 0), None))  # not ours
-    assert w.feed(Completion(102, True, RetrieveResult(10, 4), None))
+    assert not w.feed(Completion(7, True, RetrieveResult(7, 0, 0), None))  # not ours
+    assert w.feed(Completion(102, True, RetrieveResult(102, 10, 4), None))
     assert w.loads.take() == ({"r1"}, set()) and w.in_flight == 0
 
 
 @pytest.mark.parametrize("completion", [
     Completion(101, False, None, DaemonUnavailable("peer down")),
-    Completion(101, True, PullResult(0, 3, 55, 30.0, 3, 0, 0.0), None),  # partial: never loaded
+    Completion(101, True, PullResult(101, 0, 3, 55, 30.0, 3, 0, 0.0), None),  # partial: never loaded
 ])
 def test_failed_or_partial_pull_fails_the_load(completion: Completion) -> None:
     w = Worker()
@@ -122,7 +123,7 @@ def test_a_load_past_the_pull_deadline_ends_only_with_the_daemons_reply() -> Non
     w.pulls.start(c, _job())
     for p in w.pulls._pulls.values():
         p.deadline = time.monotonic() + 60.0
-    w.feed(Completion(101, True, PullResult(0, 4, 55, 30.0, 4, 0, 0.0), None))
+    w.feed(Completion(101, True, PullResult(101, 0, 4, 55, 30.0, 4, 0, 0.0), None))
     for p in w.loads._flying.values():
         assert p.budget == "pull_timeout_s"  # the load inherits what is left of the pull's budget
         p.deadline = time.monotonic() - 0.1  # forged: past the deadline
@@ -141,7 +142,7 @@ def test_timeout_fails_and_a_late_reply_gives_its_lease_back() -> None:
     w.pulls.start(c, _job())
     w.pulls.expire(c)
     assert w.loads.take() == ({"r1"}, {"r1"}) and c.aborted == [101] and w.in_flight == 0
-    assert w.feed(Completion(101, True, PullResult(0, 4, 77, 30.0, 4, 0, 0.0), None))
+    assert w.feed(Completion(101, True, PullResult(101, 0, 4, 77, 30.0, 4, 0, 0.0), None))
     assert c.released == [77] and [s[1] for s in c.sent] == ["pull"]
 
 
@@ -149,7 +150,7 @@ def test_lost_connection_fails_everything_in_flight() -> None:
     w = Worker()
     w.pulls.start(w.client, _job("a"))
     w.pulls.start(w.client, _job("b"))
-    w.feed(Completion(101, True, PullResult(0, 4, 5, 30.0, 4, 0, 0.0), None))
+    w.feed(Completion(101, True, PullResult(101, 0, 4, 5, 30.0, 4, 0, 0.0), None))
     w.pulls.forget("gone")
     w.loads.forget("gone")
     assert w.loads.take() == ({"a", "b"}, {"a", "b"}) and w.in_flight == 0

@@ -28,6 +28,7 @@ from hkvd.daemon.engines.host_engine import HostCopyEngine
 from hkvd.daemon.engines.registry import EngineState, Registry
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers import links
+from hkvd.daemon.peers import pulling as pulling_mod
 from hkvd.daemon.peers.auth import parse_allow
 from hkvd.daemon.peers.layout_book import LayoutBook
 from hkvd.daemon.peers.links import PeerService, ReplySink
@@ -38,7 +39,7 @@ from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire import Message, kv
 from hkvd.transport.wire.control import EngineSpec
-from hkvd.transport.wire.peer import Pull
+from hkvd.transport.wire.peer import PEER_VERSION, Pull, PullResult
 
 PAGE = 4096
 CHUNK = 32  # tokens: two blocks of 16, one entry = 2 pages
@@ -235,7 +236,8 @@ async def test_a_pull_reads_the_peers_entries_into_this_pool_and_answers_done(pa
     assert conn.inflight == 1  # shutdown drains it
 
     done = await conn.reply()
-    assert isinstance(done, kv.Done) and done.req_id == 5, done
+    assert isinstance(done, PullResult) and done.req_id == 5, done
+    assert (done.hit_chunks, done.pulled, done.local, done.nbytes) == (3, 3, 0, 3 * ENTRY), done
     assert conn.inflight == 0
     for c in range(3):
         assert pair.pulling.index.is_ready(pair.pulling.key(c))
@@ -262,8 +264,20 @@ async def test_a_peer_without_the_entries_answers_a_miss(pair: Pair) -> None:
     conn = sink()
     pair.peers.submit_pull(pair.pulling.engine, Pull(7, pair.address, KEYS[:2], 0, 0), conn)
     done = await conn.reply()
-    assert isinstance(done, kv.Done) and done.req_id == 7, done
+    assert isinstance(done, PullResult) and done.req_id == 7 and done.hit_chunks == 0, done
     assert len(pair.pulling.index) == 0 and pair.transport.statistics().reads == 0
+
+
+async def test_a_peer_of_another_peer_protocol_is_refused_naming_both_versions_and_the_fix(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    older = PEER_VERSION - 1
+    monkeypatch.setattr(pulling_mod, "PEER_VERSION", older)  # the pulling daemon is of an older hkvd
+    conn = sink()
+    pair.peers.submit_pull(pair.pulling.engine, Pull(8, pair.address, KEYS[:1], 0, 0), conn)
+    err = await conn.reply()
+    assert isinstance(err, kv.Error) and err.req_id == 8 and err.code == ErrorCode.UNSUPPORTED_VERSION, err
+    assert (f"the peer speaks peer protocol {older}, this daemon {PEER_VERSION}; run the same hkvd version on both "
+            "nodes") in err.message, err.message
 
 
 async def test_a_pull_needs_a_registered_engine_and_a_running_service(pair: Pair) -> None:

@@ -1,266 +1,216 @@
-"""Done replies: the daemon's typed replies put the same bytes on the wire as the dicts it filled by hand
-before (protocol 2), every reply survives a Done frame, and the reader rejects a missing or mistyped field."""
+"""Replies: one form on the wire. Every request's reply is a message of its own whose fields travel as an array
+(pinned here, type numbers included), in its request's family; the reader rejects a missing, mistyped or extra
+field with a ``ProtocolViolation`` naming the message and the field; the shim's client completes each request
+with the very message the daemon sent."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
+import typing
 from typing import Any
 
 import msgpack
 import pytest
 
 from hkvd.transport.codec import FrameDecoder, decode_body, encode
-from hkvd.transport.errors import ProtocolViolation
-from hkvd.transport.wire import control, events, kv, peer
-from hkvd.transport.wire.replies import (
-    ANSWERS,
-    REPLIES,
-    Acknowledged,
-    PullResult,
-    QuarantineLifted,
-    Reply,
-    RetrieveResult,
-    StepResult,
-    StoreResult,
-    Unpinned,
-    VerifyResult,
-)
+from hkvd.transport.errors import ProtocolViolation, UnknownMessage
+from hkvd.transport.wire import MESSAGE_CLASSES, PROTOCOL_VERSION, Message, control, events, kv, peer
+from hkvd.transport.wire.message import message_from_wire
+from hkvd.transport.wire.replies import REPLIES
 
 EVENT = b"e" * 64  # a CUDA IPC event handle's size
 
-
-# ---- the info dicts exactly as the daemon built them before the typed replies (git show 1863f33) --------------
-def _old_store(stored: int, skipped: int, dropped: int, thinned: int) -> dict[str, Any]:
-    return {"stored": stored, "skipped": skipped, "dropped": dropped, "thinned": thinned}  # service._write_items
-
-
-def _old_retrieve(entries: int, done_event: bytes) -> dict[str, Any]:
-    info: dict[str, Any] = {"entries": entries}  # service._retrieve
-    if done_event:
-        info["event"] = done_event
-    return info
-
-
-def _old_step(outcome: str, counts: tuple[int, int, int, int] | None) -> dict[str, Any]:
-    if counts is None:  # service._step_event: no copy started
-        return {"outcome": outcome}
-    info = _old_store(*counts)
-    info["outcome"] = outcome
-    return info
-
-
-def _old_pull(nbytes: int, hit: int, lease: int, ttl: float, pulled: int, local: int, seconds: float,
-              timings: tuple[float, float, int] | None) -> tuple[int, dict[str, Any]]:
-    result = {"nbytes": nbytes, "hit_chunks": hit, "lease_id": lease, "lease_ttl_s": ttl, "pulled": pulled,
-              "local": local, "seconds": seconds}  # peer_client._answer
-    if timings is not None:  # peer_client.pull: the pull read from the peer
-        result.update(lookup_s=timings[0], read_s=timings[1], descs=timings[2])
-    return result.pop("nbytes"), result  # peers._pull
-
-
-# (new reply, (nbytes, info) as before): every shape the daemon sends, optional groups present and absent.
-CASES: list[tuple[Reply, tuple[int, dict[str, Any]]]] = [
-    (StoreResult(4096, 3, 1, 0, 2), (4096, _old_store(3, 1, 0, 2))),
-    (StoreResult(0, 0, 0, 5, 0), (0, _old_store(0, 0, 5, 0))),
-    (RetrieveResult(8192, 2), (8192, _old_retrieve(2, b""))),
-    (RetrieveResult(8192, 2, EVENT), (8192, _old_retrieve(2, EVENT))),
-    (RetrieveResult(8192, 2, b"", 0.0015), (8192, {**_old_retrieve(2, b""), "seconds": 0.0015})),
-    (StepResult(0, "gap"), (0, _old_step("gap", None))),
-    (StepResult(512, "accept", 1, 0, 0, 0), (512, _old_step("accept", (1, 0, 0, 0)))),
-    (StepResult.after_copy("late", StoreResult(0, 0, 2, 0, 1)), (0, _old_step("late", (0, 2, 0, 1)))),
-    (PullResult(0, 4, 17, 30.0, 0, 4, 0.000123), _old_pull(0, 4, 17, 30.0, 0, 4, 0.000123, None)),
-    (PullResult(1 << 20, 4, 18, 30.0, 3, 1, 0.25, 0.001, 0.2, 7),
-     _old_pull(1 << 20, 4, 18, 30.0, 3, 1, 0.25, (0.001, 0.2, 7))),
-    (VerifyResult(1 << 20, 4, 1, 0, 0.5, True),
-     (1 << 20, {"checked": 4, "diverged": 1, "missing": 0, "max_error": 0.5, "quarantined": True})),
-    (QuarantineLifted(0, "00ff/1,00ff/2"), (0, {"lifted": "00ff/1,00ff/2"})),
-    (Unpinned(0, 2), (0, {"unpinned": 2})),
-    (Acknowledged(), (0, {})),  # service: Unregister
+# (reply, its array on the wire): every shape the daemon sends, optional trailing fields present and absent.
+CASES: list[tuple[Message, list[Any]]] = [
+    (control.Unregistered(9), [13, 9]),
+    (control.QuarantineLifted(9, "00ff/1,00ff/2"), [14, 9, "00ff/1,00ff/2"]),
+    (control.Unpinned(9, 2), [15, 9, 2]),
+    (kv.StoreResult(9, 4096, 3, 1, 0, 2), [33, 9, 4096, 3, 1, 0, 2]),
+    (kv.StoreResult(9, 0, 0, 0, 5, 0), [33, 9, 0, 0, 0, 5, 0]),  # required fields are sent at 0 too
+    (kv.RetrieveResult(9, 8192, 2), [34, 9, 8192, 2]),  # a host engine's, not timed
+    (kv.RetrieveResult(9, 8192, 2, EVENT), [34, 9, 8192, 2, EVENT]),
+    (kv.RetrieveResult(9, 8192, 2, b"", 0.0015), [34, 9, 8192, 2, b"", 0.0015]),
+    (kv.VerifyResult(9, 1 << 20, 4, 1, 0, 0.5, True), [35, 9, 1 << 20, 4, 1, 0, 0.5, True]),
+    (kv.LeaseWritten(9), [36, 9]),
+    (events.StepResult(9, 0, "gap"), [43, 9, 0, "gap"]),  # no copy ran: no counts
+    (events.StepResult(9, 512, "accept", 1, 0, 0, 0), [43, 9, 512, "accept", 1]),
+    (events.StepResult.after_copy("late", kv.StoreResult(9, 0, 0, 2, 0, 1)), [43, 9, 0, "late", 0, 2, 0, 1]),
+    (peer.PullResult(9, 0, 4, 17, 30.0, 0, 4, 0.000123), [71, 9, 0, 4, 17, 30.0, 0, 4, 0.000123]),  # all local
+    (peer.PullResult(9, 1 << 20, 4, 18, 30.0, 3, 1, 0.25, 0.001, 0.2, 7),
+     [71, 9, 1 << 20, 4, 18, 30.0, 3, 1, 0.25, 0.001, 0.2, 7]),
 ]
 IDS = [f"{type(r).__name__}-{i}" for i, (r, _) in enumerate(CASES)]
+# The replies that are their request's own message since protocol 1, in the same form.
+OLDER = [kv.LookupReply(9, 3, 4, 30.0), control.RegisterAck(9, 2, b"f" * 16, 256, 1, True),
+         events.KVEvents(9, 5, 0, [b"\x90"]), control.StatusReply(9, {"pool": {}}), control.Pong(9)]
+# Every field of each reply at a value other than its default (each one's strictness is checked).
+FULL = [CASES[0][0], CASES[1][0], CASES[2][0], CASES[3][0], kv.RetrieveResult(9, 8192, 2, EVENT, 0.25), CASES[8][0],
+        CASES[9][0], events.StepResult(9, 512, "accept", 1, 2, 3, 4), CASES[14][0]]
 
 
-def _through_the_wire(done: kv.Done) -> kv.Done:
-    frames = FrameDecoder().feed(encode(done))
-    got = decode_body(frames[0])
-    assert isinstance(got, kv.Done)
-    return got
+def _through_a_frame(msg: Message) -> Message:
+    (body,) = FrameDecoder().feed(encode(msg))
+    return decode_body(body)
 
 
-def test_every_reply_type_has_a_case_and_answers_its_request():
-    assert {type(r) for r, _ in CASES} == set(REPLIES.values())
-    assert {c.__name__ for c in Reply.__subclasses__()} == {c.__name__ for c in REPLIES.values()}
-    answers = {kv.Store: StoreResult, kv.Retrieve: RetrieveResult, events.StepEvent: StepResult,
-               peer.Pull: PullResult, kv.Verify: VerifyResult, control.LiftQuarantine: QuarantineLifted,
-               control.Unregister: Acknowledged, control.Unpin: Unpinned}
-    assert answers == REPLIES
+# ---- the form: one array per reply, one reply type per request, in its request's family ----------------------
+def test_every_reply_has_a_case_and_answers_exactly_one_request():
+    assert {type(r) for r, _ in CASES} | {type(r) for r in OLDER} == set(REPLIES.values())
+    assert {type(r) for r in FULL} == {type(r) for r, _ in CASES}
+    assert len(set(REPLIES.values())) == len(REPLIES)  # the type alone says which request a reply answers
+    pairs = {
+        control.Register: control.RegisterAck, control.Unregister: control.Unregistered,
+        control.Status: control.StatusReply, control.Ping: control.Pong,
+        control.LiftQuarantine: control.QuarantineLifted, control.Unpin: control.Unpinned,
+        kv.Lookup: kv.LookupReply, kv.Store: kv.StoreResult, kv.Retrieve: kv.RetrieveResult,
+        kv.Verify: kv.VerifyResult, kv.WatchLease: kv.LeaseWritten,
+        events.StepEvent: events.StepResult, events.KVEventsPoll: events.KVEvents, peer.Pull: peer.PullResult,
+    }
+    assert pairs == REPLIES
 
 
-@pytest.mark.parametrize(("reply", "old"), CASES, ids=IDS)
-def test_the_wire_bytes_are_those_of_the_hand_filled_dicts(reply, old):
-    nbytes, info = old
-    new = reply.to_done(9)
-    assert new == kv.Done(9, nbytes, info)
-    # The same keys in the same order (a msgpack map keeps it) with the same types: the same bytes.
-    assert [(k, type(v)) for k, v in new.info.items()] == [(k, type(v)) for k, v in info.items()]
-    assert encode(new) == encode(kv.Done(9, nbytes, info))
+def _family(msg_type: int) -> str:
+    """docs/design.md, "Wire": message types are append-only integers by family."""
+    for name, (lo, hi) in {"control": (1, 19), "kv": (20, 39), "events": (40, 49), "peer": (60, 79)}.items():
+        if lo <= msg_type <= hi:
+            return name
+    raise AssertionError(f"message type {msg_type} is in no family")
 
 
-@pytest.mark.parametrize(("reply", "old"), CASES, ids=IDS)
-def test_every_reply_round_trips_through_a_done_frame(reply, old):
-    done = _through_the_wire(reply.to_done(5))
-    assert done.req_id == 5
-    assert type(reply).from_done(done.nbytes, done.info) == reply
+def test_each_reply_is_numbered_in_its_requests_family():
+    for request, reply in REPLIES.items():
+        assert _family(reply.TYPE) == _family(request.TYPE), (request.__name__, reply.__name__)
 
 
-# The fields a reader must find, per reply: the rest have defaults (module docstring of replies.py).
-REQUIRED = {
-    StoreResult: ("stored", "skipped", "dropped", "thinned"),
-    RetrieveResult: ("entries",),
-    StepResult: ("outcome",),
-    PullResult: ("hit_chunks", "lease_id", "lease_ttl_s", "pulled", "local", "seconds"),
-    VerifyResult: ("checked", "diverged", "missing", "max_error", "quarantined"),
-    QuarantineLifted: ("lifted",),
-    Unpinned: ("unpinned",),
-    Acknowledged: (),
-}
-FULL = [CASES[0][0], CASES[3][0], CASES[5][0], CASES[8][0]]  # every optional group present
+# Messages that are neither a request of REPLIES nor a reply: the handshakes, one-way messages, Abort (its AbortAck
+# acknowledges only the abort) and Error (any request's failure).
+UNPAIRED = {control.Hello, control.HelloAck, control.Bye, kv.Release, kv.Pin, kv.Uncacheable, kv.Abort, kv.AbortAck,
+            kv.Error, peer.PeerHello, peer.PeerChallenge, peer.PeerAuth, peer.PeerWelcome, peer.PeerLookup,
+            peer.PeerLookupReply, peer.PeerRelease}
 
 
-def _frame_with(reply: Reply, change: Any) -> kv.Done:
-    """``reply``'s Done frame, its info changed by ``change`` after msgpack encoding and decoding: as a
-    daemon of another version would send it."""
-    wire = msgpack.unpackb(msgpack.packb(reply.to_done(3).to_wire(), use_bin_type=True), raw=False)
-    change(wire[3])
-    return _through_the_wire(kv.Done(*wire[1:]))
+def test_every_message_type_is_a_request_its_reply_or_one_of_the_unpaired():
+    paired = set(REPLIES) | set(REPLIES.values())
+    assert not paired & UNPAIRED
+    assert paired | UNPAIRED == set(MESSAGE_CLASSES.values())
+
+
+def test_dones_number_is_retired_with_protocol_2():
+    assert PROTOCOL_VERSION == 3
+    assert 24 not in MESSAGE_CLASSES
+    with pytest.raises(UnknownMessage, match="unknown message type 24"):
+        message_from_wire([24, 1, 0, {"stored": 1}])  # a Done of protocol 2
+
+
+@pytest.mark.parametrize(("reply", "wire"), CASES, ids=IDS)
+def test_each_reply_is_an_array_of_its_fields(reply, wire):
+    assert reply.to_wire() == wire
+    assert encode(reply)[4:] == msgpack.packb(wire, use_bin_type=True)
+    assert _through_a_frame(reply) == reply
+
+
+def test_a_store_result_is_fourteen_bytes_where_its_done_with_an_info_map_was_forty_six():
+    assert encode(kv.StoreResult(9, 4096, 3, 1, 0, 2)) == bytes.fromhex("0000000a" "97" "21" "09" "cd1000" "03010002")
+
+
+@pytest.mark.parametrize("reply", OLDER, ids=lambda r: type(r).__name__)
+def test_the_older_reply_messages_round_trip_as_before(reply):
+    assert _through_a_frame(reply) == reply
+
+
+# ---- strict reading: a missing, mistyped or extra field is a ProtocolViolation naming the message and field ----
+def _fields(cls: type[Message]) -> list[tuple[str, Any, bool]]:
+    """(name, type, required) of each field, in wire order."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name], f.default is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("reply", FULL, ids=lambda r: type(r).__name__)
-def test_a_missing_field_is_a_protocol_violation_naming_the_request_and_field(reply):
-    cls = type(reply)
-    assert set(REQUIRED[cls]) <= set(reply.to_info())
-    for key in REQUIRED[cls]:
-        done = _frame_with(reply, lambda info, key=key: info.pop(key))
-        with pytest.raises(ProtocolViolation, match=f"reply to a {cls.what} lacks '{key}'"):
-            cls.from_done(done.nbytes, done.info)
-    for key in set(reply.to_info()) - set(REQUIRED[cls]):  # an optional field left out takes its default
-        done = _frame_with(reply, lambda info, key=key: info.pop(key))
-        default = {f.name: f.default for f in dataclasses.fields(cls)}[key]
-        assert getattr(cls.from_done(done.nbytes, done.info), key) == default
+def test_a_missing_field_is_a_protocol_violation_naming_the_message_and_field(reply):
+    cls, wire = type(reply), reply.to_wire()
+    for i, (name, _, required) in enumerate(_fields(cls)):
+        cut = wire[:1 + i]  # the type, then the fields before ``name``
+        if required:
+            with pytest.raises(ProtocolViolation, match=rf"^{cls.__name__}: expected .* fields, got {i} "
+                                                        rf"\(lacks '{name}'\)"):
+                message_from_wire(cut)
+        else:  # an optional field left out, and every one after it, takes its default
+            got = message_from_wire(cut)
+            assert getattr(got, name) == dataclasses.fields(cls)[i].default  # type: ignore[arg-type]
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    return type(value) is hint or (hint is float and type(value) is int)
 
 
 @pytest.mark.parametrize("reply", FULL, ids=lambda r: type(r).__name__)
-@pytest.mark.parametrize("wrong", ["7", True, None, [1]], ids=["str", "bool", "nil", "array"])
-def test_a_mistyped_field_is_a_protocol_violation_naming_the_request_and_field(reply, wrong):
-    cls = type(reply)
-    for key, value in reply.to_info().items():
-        if isinstance(value, str) and isinstance(wrong, str):
-            continue  # a string is a StepResult.outcome
-        done = _frame_with(reply, lambda info, key=key: info.__setitem__(key, wrong))
-        with pytest.raises(ProtocolViolation, match=f"reply to a {cls.what}: '{key}' is {type(wrong).__name__}"):
-            cls.from_done(done.nbytes, done.info)
+@pytest.mark.parametrize("wrong", ["7", True, None, [1], 1.5, b"x" * 64, {"a": 1}],
+                         ids=["str", "bool", "nil", "array", "float", "bin", "map"])
+def test_a_mistyped_field_is_a_protocol_violation_naming_the_message_and_field(reply, wrong):
+    cls, wire = type(reply), reply.to_wire()
+    for i, (name, hint, _) in enumerate(_fields(cls)):
+        if _fits(wrong, hint):
+            continue
+        bad = [*wire[:1 + i], wrong, *wire[2 + i:]]
+        with pytest.raises(ProtocolViolation, match=rf"^{cls.__name__}\.{name}: expected "):
+            message_from_wire(msgpack.unpackb(msgpack.packb(bad, use_bin_type=True), raw=False))
 
 
-def test_extra_keys_are_ignored_and_an_int_is_taken_as_a_float():
-    assert StoreResult.from_done(10, {"stored": 2, "skipped": 1, "dropped": 0, "thinned": 3, "new": 1}) == \
-        StoreResult(10, 2, 1, 0, 3)  # a key a newer daemon adds is ignored
-    assert RetrieveResult.from_done(5, {"entries": 2}) == RetrieveResult(5, 2, b"")
-    assert StepResult.from_done(0, {"outcome": "gap"}) == StepResult(0, "gap")
-    pulled = PullResult.from_done(7, {"hit_chunks": 3, "lease_id": 9, "lease_ttl_s": 30, "pulled": 2, "local": 1,
-                                      "seconds": 0.5})
-    assert pulled.lease_ttl_s == 30.0 and isinstance(pulled.lease_ttl_s, float)
-    assert Acknowledged.from_done(0, {"anything": 1}) == Acknowledged()
+@pytest.mark.parametrize("reply", FULL, ids=lambda r: type(r).__name__)
+def test_a_field_past_the_last_is_a_protocol_violation(reply):
+    cls, n = type(reply), len(_fields(type(reply)))
+    with pytest.raises(ProtocolViolation, match=rf"^{cls.__name__}: expected .*{n} fields, got {n + 1}$"):
+        message_from_wire([*reply.to_wire(), 0])
 
 
-@pytest.mark.parametrize(("cls", "info", "match"), [
-    (StoreResult, {"stored": 1, "skipped": 0, "dropped": 0}, "lacks 'thinned'"),
-    (RetrieveResult, {"entries": "2"}, "'entries' is str, not int"),
-    (StepResult, {"outcome": "gap", "stored": True}, "'stored' is bool"),
-    (PullResult, {}, "reply to a pull lacks 'hit_chunks'"),
-])
-def test_a_reply_missing_or_mistyping_a_field_is_a_protocol_violation(cls, info, match):
-    with pytest.raises(ProtocolViolation, match=match):
-        cls.from_done(0, info)
+def test_an_integer_is_taken_as_a_float_and_a_bad_event_handle_is_refused():
+    pulled = message_from_wire([71, 9, 0, 4, 17, 30, 0, 4, 1])
+    assert isinstance(pulled, peer.PullResult) and pulled == peer.PullResult(9, 0, 4, 17, 30.0, 0, 4, 1.0)
+    assert type(pulled.lease_ttl_s) is float and type(pulled.seconds) is float
+    with pytest.raises(ProtocolViolation, match=r"RetrieveResult\.event: a CUDA IPC event handle is 64 bytes"):
+        message_from_wire([34, 9, 8192, 2, b"short"])
 
 
-# ---- the one codec: a reply declared with its fields needs no code of its own -----------------------------------
-@pytest.fixture
-def forget_probes():
-    """The test's Reply subclasses gone once it ends (Reply.__subclasses__ must list only the real ones)."""
-    yield
-    gc.collect()
-
-
-def test_a_reply_declared_by_its_fields_alone_round_trips_with_its_groups(forget_probes):
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class Probe(Reply):
-        what = "probe"
-        WIRE = (("b", "c"), ("a",))
-        nbytes: int
-        a: str
-        b: int = 0
-        c: float = 0.0
-
-    assert Probe(1, "x").to_done(2) == kv.Done(2, 1, {"a": "x"})  # the group at its defaults is left out whole
-    assert list(Probe(1, "x", 0, 0.5).to_info().items()) == [("b", 0), ("c", 0.5), ("a", "x")]  # WIRE's order
-    for reply in (Probe(1, "x"), Probe(3, "y", 4, 0.25)):
-        done = _through_the_wire(reply.to_done(6))
-        assert Probe.from_done(done.nbytes, done.info) == reply
-    with pytest.raises(ProtocolViolation, match="reply to a probe: 'b' is str, not int"):
-        Probe.from_done(0, {"a": "x", "b": "1"})
-    with pytest.raises(ProtocolViolation, match="reply to a probe lacks 'a'"):
-        Probe.from_done(0, {"b": 1})
-
-
-def test_a_reply_declared_with_a_field_the_codec_cannot_carry_is_refused(forget_probes):
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class Listy(Reply):
-        what = "listy"
-        nbytes: int
-        keys: list[bytes]
-
-    with pytest.raises(TypeError, match=r"Listy\.keys: a reply field is one of"):
-        Listy(0, []).to_info()
-
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class Unnamed(Reply):
-        what = "unnamed"
-        WIRE = (("a",),)
-        nbytes: int
-        a: int
-        b: int = 0
-
-    with pytest.raises(TypeError, match=r"Unnamed\.WIRE must name each field but nbytes once"):
-        Unnamed.from_done(0, {"a": 1})
-
-
-# ---- answer messages: the client's result is the message the daemon sent, checked against the request ----------
-ANSWER_SAMPLES = [kv.LookupReply(1, 3, 4, 30.0), control.RegisterAck(1, 2, b"f" * 16, 256, 1, True),
-                  events.KVEvents(1, 5, 0, [b"\x90"]), control.StatusReply(1, {"pool": {}}), control.Pong(1)]
-
-
-def _client_answered(request: type, answer: Any) -> Any:
+# ---- the shim's client: the result is the message the daemon sent, checked against the request ----------------
+def _client_answered(request: type, reply: Any) -> Any:
     from hkvd.shim.client import DaemonClient
 
     client = DaemonClient("/nonexistent", client_name="t", role="tool")
     client._outstanding[1] = request  # as _submit records a request it sent
-    client._on_message(answer)
+    client._on_message(reply)
     (done,) = client.poll()
     assert done.req_id == 1 and client.outstanding == 0
     return done
 
 
-def test_every_answer_message_is_the_result_of_its_request():
-    assert {type(a) for a in ANSWER_SAMPLES} == set(ANSWERS.values())
-    for request, answer_type in ANSWERS.items():
-        (answer,) = [a for a in ANSWER_SAMPLES if type(a) is answer_type]
-        done = _client_answered(request, decode_body(FrameDecoder().feed(encode(answer))[0]))
-        assert done.ok and done.get(answer_type) == answer
+def _as_request_1(reply: Message) -> Message:
+    return dataclasses.replace(reply, req_id=1)  # type: ignore[type-var]
 
 
-def test_an_answer_to_another_request_is_a_protocol_violation():
-    done = _client_answered(kv.Lookup, control.Pong(1))
+@pytest.mark.parametrize("reply", [r for r, _ in CASES] + OLDER, ids=lambda r: type(r).__name__)
+def test_every_reply_is_the_result_of_its_request(reply):
+    (request,) = [q for q, a in REPLIES.items() if a is type(reply)]
+    sent = _as_request_1(reply)
+    done = _client_answered(request, _through_a_frame(sent))
+    assert done.ok and done.get(type(reply)) == sent
+
+
+@pytest.mark.parametrize(("asked", "reply", "names"), [
+    (kv.Lookup, control.Pong(1), "a Lookup with a Pong"),
+    (kv.Store, kv.RetrieveResult(1, 0, 0), "a Store with a RetrieveResult"),
+    (kv.WatchLease, kv.StoreResult(1, 0, 0, 0, 0, 0), "a WatchLease with a StoreResult"),
+])
+def test_a_reply_to_another_request_is_a_protocol_violation(asked, reply, names):
+    done = _client_answered(asked, reply)
     assert not done.ok
-    with pytest.raises(ProtocolViolation, match="answered a Lookup with a Pong"):
-        done.get(kv.LookupReply)
+    with pytest.raises(ProtocolViolation, match=f"answered {names}; run hkvd serve and the shim"):
+        done.get(REPLIES[asked])
+
+
+def test_a_reply_to_no_request_of_the_clients_is_ignored():
+    from hkvd.shim.client import DaemonClient
+
+    client = DaemonClient("/nonexistent", client_name="t", role="tool")
+    client._on_message(kv.StoreResult(5, 0, 0, 0, 0, 0))  # never sent, or already failed
+    assert client.poll() == [] and client.outstanding == 0

@@ -1,4 +1,4 @@
-"""Each request's reply becomes its own typed result (the Done replies' own checks: test_replies.py)."""
+"""Each request's reply becomes its own typed result (the reply messages' own checks: test_replies.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 
 from hkvd.shim.results import Completion
 from hkvd.transport.errors import NotFound
-from hkvd.transport.wire.kv import LookupReply
-from hkvd.transport.wire.replies import RetrieveResult, StoreResult
+from hkvd.transport.wire.kv import LookupReply, RetrieveResult, StoreResult
 
 
 def test_completion_get_checks_the_kind_and_raises_the_error():

@@ -34,7 +34,7 @@ from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse, ProtocolViolation
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
-from hkvd.transport.wire import Message, control, events, kv
+from hkvd.transport.wire import Message, MsgType, control, events, kv
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.message import message_from_wire
 
@@ -128,15 +128,15 @@ async def test_store_lookup_retrieve_round_trip(h: Harness) -> None:
     for b in src:
         h.engine.block(0, b)[:] = np.random.default_rng(b).integers(0, 256, PAGE, dtype=np.uint8)
     done = await h.call(kv.Store(2, _full(range(3), 1)))
-    assert isinstance(done, kv.Done) and done.nbytes == 6 * PAGE
-    assert list(done.info.items()) == [("stored", 3), ("skipped", 0), ("dropped", 0), ("thinned", 0)]
+    assert done == kv.StoreResult(2, 6 * PAGE, 3, 0, 0, 0)
     reply = await h.call(kv.Lookup(3, KEYS, True))
     assert isinstance(reply, kv.LookupReply) and reply.hit_chunks == 3 and reply.lease_id
     dst = _full(range(3), 11)
     done = await h.call(kv.Retrieve(4, reply.lease_id, dst))
     # No CUDA event from a host engine; the daemon's own time for the retrieve paces the worker's waits.
-    assert isinstance(done, kv.Done) and set(done.info) == {"entries", "seconds"} and done.info["entries"] == 3
-    assert 0 < done.info["seconds"] < 60
+    assert isinstance(done, kv.RetrieveResult) and (done.req_id, done.entries, done.event) == (4, 3, b"")
+    assert 0 < done.seconds < 60
+    assert len(done.to_wire()) == 1 + 5  # the type, then req_id, nbytes, entries, event (empty) and seconds
     for s, d in zip(src, [b for it in dst for b in it[3]], strict=True):
         assert bytes(h.engine.block(0, d)) == bytes(h.engine.block(0, s))
 
@@ -152,7 +152,7 @@ async def test_a_lease_watch_hears_every_retrieve_written_or_the_lease_end(h: Ha
     assert job is not None and len(h.sent) == before  # nothing is answered before the copy is over
     await job
     # The retrieve's own reply first, then the watch's: every byte is in the engine's blocks.
-    assert [(type(m).__name__, m.req_id) for m in h.sent[before:]] == [("Done", 4), ("Done", 5)]
+    assert [(type(m).__name__, m.req_id) for m in h.sent[before:]] == [("RetrieveResult", 4), ("LeaseWritten", 5)]
     again = await h.call(kv.Lookup(6, KEYS, True))
     assert isinstance(again, kv.LookupReply)
     other = Conn(conn_id=2, pid=os.getpid(), uid=os.getuid(), send=h.sent.append,
@@ -173,13 +173,12 @@ async def test_a_mamba_state_counts_only_once_its_engine_confirms_it(h: Harness)
     await h.call(kv.Store(2, _full(range(2), 1)))
     offer = [kv.Item(1, 1, KEYS[1], [5])]  # the state after chunk 1
     done = await h.call(events.StepEvent(3, 0, 1, offer, []))
-    assert isinstance(done, kv.Done)
-    assert list(done.info.items()) == [("stored", 1), ("skipped", 0), ("dropped", 0), ("thinned", 0),
-                                       ("outcome", "accept")]
+    assert done == events.StepResult(3, PAGE, "accept", 1, 0, 0, 0)
     miss = await h.call(kv.Lookup(4, KEYS[:2], False))
     assert isinstance(miss, kv.LookupReply) and miss.hit_chunks == 0  # unconfirmed: not servable
     confirm = await h.call(events.StepEvent(5, 1, 2, [], [3]))  # the next step confirms job 3
-    assert isinstance(confirm, kv.Done) and confirm.info == {"outcome": "accept"}  # no offers: no counts
+    assert confirm == events.StepResult(5, 0, "accept")
+    assert confirm.to_wire() == [int(MsgType.STEP_RESULT), 5, 0, "accept"]  # no offers: no counts
     hit = await h.call(kv.Lookup(6, KEYS[:2], False))
     assert isinstance(hit, kv.LookupReply) and hit.hit_chunks == 2
 
@@ -206,7 +205,7 @@ async def test_a_lookups_tails_extend_its_whole_chunk_hit_by_the_first_partial_c
         if reply.tail:  # the lease serves the tail's entries under its own key
             dst = [*_full(range(2), 21), kv.Item(0, 2, tail, [25, 26], KEYS[1]), kv.Item(1, 2, tail, [27])]
             done = await h.call(kv.Retrieve(8, reply.lease_id, dst))
-            assert isinstance(done, kv.Done), done
+            assert isinstance(done, kv.RetrieveResult), done
             assert bytes(h.engine.block(0, 25)) == bytes(h.engine.block(0, 5))
             assert bytes(h.engine.block(1, 27)) == bytes(h.engine.block(1, 10))
         elif reply.lease_id:
@@ -237,7 +236,7 @@ async def test_a_turn_end_one_engine_stored_is_named_in_another_lookups_reply(h:
     await h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [9])], []))
     await h.call(events.StepEvent(4, 1, 2, [], [3]))
     end = [kv.Item(0, 2, tail, [5, 6], KEYS[1]), kv.Item(1, 2, tail, [10], KEYS[1])]
-    assert isinstance(await h.call(kv.Store(5, end, turn_end=7)), kv.Done)
+    assert isinstance(await h.call(kv.Store(5, end, turn_end=7)), kv.StoreResult)
     await h.call(kv.Store(6, [kv.Item(0, 0, b"\x08" * 16, [11, 12])], turn_end=3))  # one inside chunk 0
     reply = await h.call(kv.Lookup(7, KEYS[:2], False, [], True))
     assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail, reply.ends) == (2, 0, [[2, 7]])
@@ -314,7 +313,7 @@ async def test_a_lookups_tail_only_a_lower_tier_holds_is_read_into_the_pool_and_
         reply = await h.call(kv.Lookup(5, KEYS[:2], True, [[2, b"\x08" * 16], [2, tail]]))
         assert isinstance(reply, kv.LookupReply) and (reply.hit_chunks, reply.tail) == (3, 2), reply
         dst = [*_full(range(2), 21), kv.Item(0, 2, tail, [25, 26], KEYS[1]), kv.Item(1, 2, tail, [27])]
-        assert isinstance(await h.call(kv.Retrieve(6, reply.lease_id, dst)), kv.Done)
+        assert isinstance(await h.call(kv.Retrieve(6, reply.lease_id, dst)), kv.RetrieveResult)
         assert bytes(h.engine.block(0, 25)) == b"\x05" * PAGE and bytes(h.engine.block(1, 27)) == b"\x06" * PAGE
         tier.executor.shutdown()
 
@@ -337,10 +336,10 @@ async def test_a_step_events_states_count_against_each_offers_tenant(h: Harness)
     assert ack.step_tenants
     offers = [kv.Item(1, 1, KEYS[1], [5]), kv.Item(1, 2, KEYS[2], [6])]
     done = await h.call(events.StepEvent(3, 0, 1, offers, [], tenants=["salt:ab", "salt:cd"]))
-    assert isinstance(done, kv.Done) and done.info["stored"] == 2
+    assert isinstance(done, events.StepResult) and done.stored == 2
     assert h.service.status()["tenants"]["bytes"] == {"salt:ab": PAGE, "salt:cd": PAGE}
     done = await h.call(events.StepEvent(4, 1, 2, [kv.Item(1, 3, KEYS[3], [7])], [3]))
-    assert isinstance(done, kv.Done) and done.info["stored"] == 1
+    assert isinstance(done, events.StepResult) and done.stored == 1
     assert h.service.status()["tenants"]["bytes"] == {"salt:ab": PAGE, "salt:cd": PAGE, "": PAGE}
 
 
@@ -443,7 +442,7 @@ async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
     try:
         await h.register(mamba=True)
         done = await asyncio.wait_for(h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [5])], [])), 5.0)
-        assert isinstance(done, kv.Done) and done.nbytes == PAGE
+        assert isinstance(done, events.StepResult) and done.nbytes == PAGE
         assert not busy.done()  # answered while the bulk thread was still held
     finally:
         release.set()
@@ -507,14 +506,14 @@ async def test_pins_unpins_and_tenants_through_the_service(h: Harness, caplog: p
     assert "before its connection registered" in caplog.text and not h.sent
     assert (await h.register()).pins
     done = await h.call(kv.Store(2, _full(range(3), 1), tenant="salt:ab"))
-    assert isinstance(done, kv.Done) and done.info["stored"] == 3
+    assert isinstance(done, kv.StoreResult) and done.stored == 3
     assert h.service.handle(h.conn, kv.Pin("s1", "salt:ab", 60.0, KEYS[:3])) is None
     st = h.service.status()
     assert st["pins"]["pinned_bytes"] == 3 * 2 * PAGE and st["pins"]["sessions"] == 1
     assert st["pins"]["longest"][0]["session"] == "s1" and st["pins"]["longest"][0]["tenant"] == "salt:ab"
     assert st["tenants"]["bytes"] == {"salt:ab": 3 * 2 * PAGE}
     done = await h.call(control.Unpin(3, "s1"))
-    assert isinstance(done, kv.Done) and done.info == {"unpinned": 1}
+    assert done == control.Unpinned(3, 1)
     assert h.service.status()["pins"]["lapsed"]["unpin"] == 1
     h.service.shutting_down = True  # a Pin while shutting down is ignored, not an error for the connection
     assert h.service.handle(h.conn, kv.Pin("late", "", 60.0, KEYS[:1])) is None

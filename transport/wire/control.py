@@ -1,4 +1,5 @@
-"""Control messages: hello, registration, status, ping, bye.
+"""Control messages: hello, registration, status, ping, bye, quarantine lifts and unpins, each request's
+reply declared beside it (``hkvd.transport.wire.replies`` pairs them).
 
 ``Register`` carries an ``EngineSpec``: the engine's identity, its backing regions and, per
 KV-cache group, a table of per-layer views. The spec travels as a msgpack map with explicit keys
@@ -274,7 +275,16 @@ class RegisterAck(Message):
 
 @dataclass(frozen=True, slots=True)
 class Unregister(Message):
+    """End the connection's engine registration; its leases and pending work are released. Answered
+    ``Unregistered``."""
+
     TYPE = MsgType.UNREGISTER
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unregistered(Message):
+    TYPE = MsgType.UNREGISTERED
     req_id: int
 
 
@@ -304,7 +314,7 @@ _HEX = frozenset("0123456789abcdef")
 class LiftQuarantine(Message):
     """Serve again the entries of every quarantined group of the layout fingerprints that start with
     ``fingerprint`` (at least 8 hex digits; ``all``: every quarantine). ``hkvd quarantine --clear``
-    sends it; answered ``Done`` with a ``QuarantineLifted``."""
+    sends it; answered ``QuarantineLifted``."""
 
     TYPE = MsgType.LIFT_QUARANTINE
     req_id: int
@@ -319,10 +329,16 @@ class LiftQuarantine(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantineLifted(Message):
+    TYPE = MsgType.QUARANTINE_LIFTED
+    req_id: int
+    lifted: str  # the pairs lifted, "fingerprint/group" comma-separated; empty: none matched
+
+
+@dataclass(frozen=True, slots=True)
 class Unpin(Message):
     """End every pin of ``session`` (``hkvd unpin SESSION``, or a router that knows a session ended); its
-    entries go back to plain eviction order. Answered ``Done`` with ``info["unpinned"]``, the number of
-    the session's pins ended (0 for a session the daemon does not know: not an error)."""
+    entries go back to plain eviction order. Answered ``Unpinned``."""
 
     TYPE = MsgType.UNPIN
     req_id: int
@@ -331,6 +347,13 @@ class Unpin(Message):
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_session(self.session, "Unpin.session")
+
+
+@dataclass(frozen=True, slots=True)
+class Unpinned(Message):
+    TYPE = MsgType.UNPINNED
+    req_id: int
+    unpinned: int  # the session's pins ended (0 for a session the daemon does not know: not an error)
 
 
 MAX_SESSION = 128

@@ -2,9 +2,12 @@
 
 ``StepEvent(req_id, seq, step, offers, confirms)``: ``seq`` increases by one per event on a
 connection (a gap means an event was lost); ``offers`` are the boundary states this step computed,
-as store items (one block each); ``confirms`` are req_ids of earlier step events whose ``Done`` the
+as store items (one block each); ``confirms`` are req_ids of earlier step events whose ``StepResult`` the
 engine saw before it let the offered blocks be reused. Only confirmed states become visible.
 Its optional ``notes`` name the offered chunks as vLLM does (``hkvd.transport.wire.block_notes``).
+The daemon answers ``StepResult(req_id, nbytes, outcome[, stored, skipped, dropped, thinned])`` once the
+offered copies finish; the counts are trailing optional fields, all four left out when no copy ran (a copy
+counts each offer once, so a step that copied never has all four at 0).
 
 KV events, the connector's path (docs/routing.md): a scheduler-side connection asks
 ``KVEventsPoll(req_id, since)`` for the event batches of its engine's layout with sequence numbers
@@ -16,12 +19,12 @@ batches between ``since`` and the oldest one the daemon still keeps (the poller 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
 from hkvd.transport.wire.control import check_tenant
-from hkvd.transport.wire.kv import Item, check_event
+from hkvd.transport.wire.kv import Item, StoreResult, check_event
 from hkvd.transport.wire.message import MAX_ITEMS, Message, MsgType, check_u64
 
 # An offered state's copy must finish before the engine reports step s + COPY_DEADLINE_STEPS (the daemon
@@ -67,6 +70,24 @@ class StepEvent(Message):
 
     def parsed_notes(self) -> list[BlockNote]:
         return checked_notes(self.notes)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult(Message):
+    TYPE = MsgType.STEP_RESULT
+    req_id: int
+    nbytes: int  # bytes the offers' copy read (0: none ran)
+    outcome: str  # hkvd.daemon.engines.snapshots.StepOutcome's value
+    stored: int = 0  # the counts of the offers' copy, as in StoreResult; all 0 (and left out) when none ran
+    skipped: int = 0
+    dropped: int = 0
+    thinned: int = 0
+
+    @classmethod
+    def after_copy(cls, outcome: str, copied: StoreResult) -> Self:
+        """A step event whose offers were copied (the job ``copied`` answers), with that copy's bytes and counts."""
+        return cls(copied.req_id, copied.nbytes, outcome, copied.stored, copied.skipped, copied.dropped,
+                   copied.thinned)
 
 
 # Batches one KVEvents reply carries at most; the poller asks again for the rest.

@@ -1,9 +1,11 @@
-"""KV messages: lookup, store, retrieve, completion, abort, errors, lease release.
+"""KV messages: lookup, store, retrieve, verify, lease watch, abort, errors, lease release, and their replies.
 
 An *item* (``Item``) names one pool entry and the engine blocks it maps to; on the wire
 ``[group_id, chunk_index, key, block_ids]``, optionally followed by ``parent``, the key of chunk
 ``chunk_index - 1`` (the daemon uses it to find entries no hit can reach; see docs/design.md).
-Stores and retrieves are jobs: the daemon answers ``Done(req_id)`` or ``Error(req_id)`` when the copies are over.
+Stores, retrieves and verifies are jobs: the daemon answers with the job's result (``StoreResult``,
+``RetrieveResult``, ``VerifyResult``) or ``Error(req_id)`` when the copies are over. Each reply is declared
+beside its request; ``hkvd.transport.wire.replies`` pairs them.
 """
 
 from __future__ import annotations
@@ -176,6 +178,17 @@ class Store(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class StoreResult(Message):
+    TYPE = MsgType.STORE_RESULT
+    req_id: int
+    nbytes: int  # bytes copied from the engine's blocks
+    stored: int  # entries written
+    skipped: int  # entries already cached
+    dropped: int  # entries that found no room, counted by the daemon
+    thinned: int  # Mamba states left out by --mamba-checkpoint-interval
+
+
+@dataclass(frozen=True, slots=True)
 class Retrieve(Message):
     TYPE = MsgType.RETRIEVE
     req_id: int
@@ -188,12 +201,27 @@ class Retrieve(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class RetrieveResult(Message):
+    TYPE = MsgType.RETRIEVE_RESULT
+    req_id: int
+    nbytes: int  # bytes copied into the engine's blocks
+    entries: int
+    # GPU engines: IPC handle of the CUDA event recorded after the copy (the engine's stream waits on it before
+    # a forward reads the blocks); b"": the blocks are written already (host engines).
+    event: bytes = b""
+    seconds: float = 0.0  # the daemon's time from taking the Retrieve to its reply (0: not measured)
+
+    def validate(self) -> None:
+        check_event(self.event, "RetrieveResult.event")
+
+
+@dataclass(frozen=True, slots=True)
 class Verify(Message):
     """A sampled hit, recomputed: the engine computed these chunks instead of loading them, and its blocks
     named by ``items`` now hold them (after ``wait_event`` on GPU engines, as for a ``Store``). The daemon
     reads those blocks through its copy path, compares them with the entries it holds under the same keys
-    (per group kind, within a tolerance), and answers ``Done`` with a ``VerifyResult``. Nothing is stored;
-    an entry the daemon no longer holds is counted as missing, not compared."""
+    (per group kind, within a tolerance), and answers a ``VerifyResult``. Nothing is stored; an entry the
+    daemon no longer holds is counted as missing, not compared."""
 
     TYPE = MsgType.VERIFY
     req_id: int
@@ -203,6 +231,18 @@ class Verify(Message):
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_event(self.wait_event, "Verify.wait_event")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult(Message):
+    TYPE = MsgType.VERIFY_RESULT
+    req_id: int
+    nbytes: int  # bytes read from the engine's blocks and compared
+    checked: int  # entries compared
+    diverged: int  # entries past their group kind's tolerance
+    missing: int  # entries the daemon no longer held (evicted meanwhile): not compared
+    max_error: float  # the largest difference seen, in the tolerance's units (0.0: every byte equal)
+    quarantined: bool  # this check put (or kept) the engine's fingerprint and a group in quarantine
 
 
 MAX_PIN_S = 86400.0
@@ -247,15 +287,10 @@ class Pin(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Done(Message):
-    TYPE = MsgType.DONE
-    req_id: int
-    nbytes: int
-    info: dict[str, Any]  # per request: a typed reply's to_info() (hkvd.transport.wire.replies)
-
-
-@dataclass(frozen=True, slots=True)
 class Abort(Message):
+    """Drop job ``req_id`` (a store, retrieve, verify, step event or pull of this connection). Answered
+    ``AbortAck(req_id)`` at once; the job still ends with its own reply or ``Error`` (``ABORTED``)."""
+
     TYPE = MsgType.ABORT
     req_id: int
 
@@ -282,10 +317,11 @@ class Release(Message):
 
 @dataclass(frozen=True, slots=True)
 class WatchLease(Message):
-    """Answered ``Done(req_id)`` once every rank's Retrieve under ``lease_id`` has written all its bytes into the
-    engine's blocks, ``Error(req_id)`` once the lease ends otherwise (a failed or refused retrieve, a release,
-    its time to live). Only the connection that took the lease may watch it. A retrieve whose copy the engine's
-    stream must still wait for (GPU KV caches: its Done carries an event) never counts as written."""
+    """Answered ``LeaseWritten(req_id)`` once every rank's Retrieve under ``lease_id`` has written all its bytes
+    into the engine's blocks, ``Error(req_id)`` once the lease ends otherwise (a failed or refused retrieve, a
+    release, its time to live). Only the connection that took the lease may watch it. A retrieve whose copy the
+    engine's stream must still wait for (GPU KV caches: its ``RetrieveResult`` carries an event) never counts
+    as written."""
 
     TYPE = MsgType.WATCH_LEASE
     req_id: int
@@ -294,6 +330,12 @@ class WatchLease(Message):
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         check_u64(self.lease_id, "lease_id")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseWritten(Message):
+    TYPE = MsgType.LEASE_WRITTEN
+    req_id: int
 
 
 UNCACHEABLE_REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")

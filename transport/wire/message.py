@@ -4,7 +4,9 @@ A frame is a 4-byte big-endian length followed by ``msgpack.packb([msg_type, *fi
 types are explicit, append-only integers grouped by family (control 1-19, kv 20-39, events 40-49,
 peer 60-79): a number, once shipped, never changes meaning. Messages are frozen slotted dataclasses;
 ``from_wire`` type-checks every field (bad input gets ``ProtocolViolation``, never a crash) and
-``validate`` checks the values. A list field of records (``list[Item]``) is decoded once, by the record
+``validate`` checks the values. Trailing fields with defaults may be left out (``to_wire`` leaves out those at
+their default), so a field added later with a default does not change the protocol version. A float field
+takes an integer and holds it as a float. A list field of records (``list[Item]``) is decoded once, by the record
 type's ``decode_list`` (validated: a ``ProtocolViolation`` names the first bad record), and encoded by its
 ``encode_list``: the message holds typed records, never raw arrays.
 
@@ -24,7 +26,9 @@ from hkvd.transport.errors import ProtocolViolation, UnknownMessage
 from hkvd.transport.keys import KEY_BYTES
 
 # 2: EngineSpec.identity, Uncacheable, chunk keys with extra keys (LoRA, images, cache_salt).
-PROTOCOL_VERSION = 2
+# 3: every reply is a message of its own (StoreResult, RetrieveResult, StepResult, PullResult, ...) in place of
+#    Done(req_id, nbytes, info) and its info map; Done's number (24) is retired.
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 # Bounds on list fields: far above real use (a 1M-token prompt in 256-token chunks is 4096 keys),
 # low enough that one frame cannot make the daemon do unbounded work.
@@ -46,12 +50,15 @@ class MsgType(enum.IntEnum):
     PONG = 10
     LIFT_QUARANTINE = 11
     UNPIN = 12
+    UNREGISTERED = 13
+    QUARANTINE_LIFTED = 14
+    UNPINNED = 15
     # kv
     LOOKUP = 20
     LOOKUP_REPLY = 21
     STORE = 22
     RETRIEVE = 23
-    DONE = 24
+    # 24: Done (protocol 2), retired: never reused
     ABORT = 25
     ABORT_ACK = 26
     ERROR = 27
@@ -60,10 +67,15 @@ class MsgType(enum.IntEnum):
     WATCH_LEASE = 30
     VERIFY = 31
     PIN = 32
+    STORE_RESULT = 33
+    RETRIEVE_RESULT = 34
+    VERIFY_RESULT = 35
+    LEASE_WRITTEN = 36
     # events
     STEP_EVENT = 40
     KV_EVENTS_POLL = 41
     KV_EVENTS = 42
+    STEP_RESULT = 43
     # peer (transport/wire/peer.py): daemon <-> daemon, and the engine's Pull
     PEER_HELLO = 60
     PEER_CHALLENGE = 61
@@ -73,6 +85,7 @@ class MsgType(enum.IntEnum):
     PEER_LOOKUP_REPLY = 65
     PEER_RELEASE = 66
     PULL = 70
+    PULL_RESULT = 71
 
 
 MESSAGE_CLASSES: dict[int, type[Message]] = {}
@@ -176,13 +189,16 @@ class Message:
         hints, required, _ = cls._layout()
         if not required <= len(fields) <= len(hints):
             want = str(len(hints)) if required == len(hints) else f"{required} to {len(hints)}"
-            raise ProtocolViolation(f"{cls.__name__}: expected {want} fields, got {len(fields)}")
+            lacks = f" (lacks {hints[len(fields)][0]!r})" if len(fields) < required else ""
+            raise ProtocolViolation(f"{cls.__name__}: expected {want} fields, got {len(fields)}{lacks}")
         values = list(fields)
         for i, (name, hint, records) in enumerate(hints[:len(fields)]):
             if records is None:
                 if type(values[i]) is hint:  # a scalar of exactly its type: the common case, nothing more to check
                     continue
                 _check(values[i], hint, f"{cls.__name__}.{name}")
+                if hint is float:
+                    values[i] = float(typing.cast(int, values[i]))  # an integer (checked: never a bool)
             else:
                 values[i] = records.decode_list(values[i], f"{cls.__name__}.{name}")
         msg = cls(*values)

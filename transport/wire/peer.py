@@ -35,11 +35,11 @@ Requests (after the handshake; ``req_id`` chosen by the client, echoed in the re
     Leases expire on their own after ``lease_ttl_s``; a pulling daemon finishes its READs before
     that or discards what it read.
 
-Engine -> its own daemon
-    ``Pull(req_id, peer, keys, max_chunks, release_lease)`` -> ``Done(req_id, nbytes, info)`` carrying
-    a ``hkvd.transport.wire.replies.PullResult`` (hit_chunks, lease_id, lease_ttl_s, pulled, local, ...;
-    the lease is on the pulling daemon's entries, for the engine's Retrieve), or ``Error(req_id, ...)``:
-    then nothing pulled is visible.
+Engine -> its own daemon (on the control socket, under ``PROTOCOL_VERSION``, not ``PEER_VERSION``)
+    ``Pull(req_id, peer, keys, max_chunks, release_lease)`` -> ``PullResult(req_id, nbytes, hit_chunks,
+    lease_id, lease_ttl_s, pulled, local, seconds[, lookup_s, read_s, descs])`` (the lease is on the pulling
+    daemon's entries, for the engine's Retrieve; the READ's timings only when the pull read from the peer),
+    or ``Error(req_id, ...)``: then nothing pulled is visible.
 """
 
 from __future__ import annotations
@@ -311,3 +311,19 @@ class Pull(Message):
         if self.max_chunks < 0:
             raise ProtocolViolation("Pull.max_chunks must be >= 0 (0 = every key)")
         check_u64(self.release_lease, "release_lease")
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult(Message):
+    TYPE = MsgType.PULL_RESULT
+    req_id: int
+    nbytes: int  # bytes READ from the peer
+    hit_chunks: int
+    lease_id: int
+    lease_ttl_s: float
+    pulled: int  # entries read from the peer
+    local: int  # entries this daemon already held
+    seconds: float
+    lookup_s: float = 0.0  # of ``seconds``: the peer's lookup; 0 (and left out) when nothing had to be read
+    read_s: float = 0.0  # of ``seconds``: the transport's READ
+    descs: int = 0  # transfer descriptors the READ took
