@@ -11,7 +11,9 @@ one after another); ``serving --quick`` runs it on the tiny model with a smaller
 (sampled verification's cost: three vLLM + hkvd servers per round) also runs only when named, and takes
 ``--serving-model`` and ``--serving-rounds`` too. ``agents`` (agent sessions pausing between turns: vLLM
 alone, hkvd with LRU only, hkvd with session pins) runs only when named, and so does ``long_context`` (a hit's
-TTFT on prompts of 8K-32K tokens against vLLM's own hit and against recompute).
+TTFT on prompts of 8K-32K tokens against vLLM's own hit and against recompute). ``eviction`` (in-process: each
+eviction policy and admission on a mixed trace of agent sessions and one-shot prompts, the recompute each saves
+against lru's at the same pool size) takes about a minute and a half, a few seconds with ``--quick``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bench import report
 from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
-        "load_overlap", "usable_prefix", "serving", "verify_cost", "agents", "long_context")
+        "load_overlap", "usable_prefix", "serving", "verify_cost", "agents", "long_context", "eviction")
 # Not in `all --quick`: too slow for the 2-minute smoke.
 QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
 # Not in `all`: vLLM servers one after another (serving, agents: four, verify_cost: three), tens of minutes on

@@ -103,9 +103,7 @@ class Cache:
         whose turn ends inside the chunks past the hit to name (when no tail ends it). With ``tiers`` and the
         pool, ``promote`` names the entries to read into the pool first. ``count_missing``: count the entries
         found absent by kind. ``seen``: an engine asks for ``keys`` (once per request): the admission counts
-        them (``daemon/cache/admission.py``)."""
-        if seen:
-            self._index.admission.seen(keys)
+        them, and the state where the whole chunks' hit ends (``daemon/cache/admission.py``)."""
         present = _presence(self.is_ready, pool, tiers)
         withheld = 0
         if self.withheld:
@@ -123,6 +121,8 @@ class Cache:
                                             missing=missing if count_missing else None)
         out = LookupPlan(hit.hit_chunks, hit.needed, covered, tuple(fingerprints), tail, withheld=withheld,
                          missing=missing, complete=complete)
+        if seen:
+            self._index.admission.seen(keys, covered[hit.hit_chunks - 1] if hit.hit_chunks else None)
         if ends_of is not None and not tail:
             out.ends.extend(turn_ends_past(self.turn_ends, ends_of, keys, hit.hit_chunks))
         if tiers is not None and pool:

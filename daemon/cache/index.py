@@ -227,7 +227,7 @@ class Index:
         admission = self.admission
         judged = offered and not exempt and admission.name != "none"
         if offered:
-            admission.offered(k[2] for k, _, _, _ in wants)
+            admission.offered((k[2], kind) for k, _, kind, _ in wants)
         refused_from = -1  # the lowest chunk index refused in this store (-1: none)
         need: dict[int, int] = {}
         # A repeated key takes room once: bulk room left unused (given back only at the end) would
@@ -267,7 +267,7 @@ class Index:
                             out.append(self._refuse(NotAdmitted(f"chunk {chunk}: an earlier chunk of this store "
                                                                 "was not admitted"), nbytes))
                             continue
-                        admits = functools.partial(self._admits, key[2])
+                        admits = functools.partial(self._admits, (key[2], kind))
                     try:
                         alloc = self._alloc_evicting(nbytes, owner, admits)
                     except NotAdmitted as e:
@@ -293,8 +293,8 @@ class Index:
         self._holds.keep_budget(self.pins)
         return out
 
-    def _admits(self, candidate: bytes, victim: Entry) -> bool:
-        return self.admission.admits(candidate, victim.key[2])
+    def _admits(self, candidate: tuple[bytes, str], victim: Entry) -> bool:
+        return self.admission.admits(candidate, (victim.key[2], victim.kind))
 
     def _refuse(self, e: NotAdmitted, nbytes: int) -> NotAdmitted:
         self._refused[0] += 1

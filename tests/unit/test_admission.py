@@ -108,6 +108,40 @@ def test_free_room_turn_ends_and_pinned_sessions_are_always_admitted(pool: HugeP
     assert isinstance(got[0], NotAdmitted)
 
 
+def test_the_states_a_conversation_passes_over_are_not_as_frequent_as_its_chunks(pool: HugePagePool) -> None:
+    # A hybrid format: a state at every chunk boundary. A turn's hit uses its chunks and the state where it ends;
+    # the states inside its prefix are counted apart, so they do not refuse newcomers as its chunks do.
+    fp, world = b"h" * 16, (b"h" * 16,)
+    cache = Cache(pool, make_policy("lru"), admission="tinylfu")
+    kinds = {0: "full", 1: "mamba"}
+    cache.formats.add(world, 0, model="m", chunk_size=CHUNK, rules=[GroupRule(0, "full"), GroupRule(1, "mamba")],
+                      kinds=kinds, entry_bytes=dict.fromkeys(kinds, ENTRY))
+    cache.add_format(world, kinds)
+    shape = cache.formats.world(fp)
+    assert shape is not None
+
+    def turn(ks: list[bytes]) -> list[object]:
+        plan = cache.plan_lookup(shape, ks, world, seen=True)
+        if plan.hit_chunks:
+            cache.release(cache.lease(plan, 1, 30.0))
+        n = plan.hit_chunks
+        wants = [((fp, g, ks[i]), ENTRY, kinds[g], ks[i - 1] if i else b"") for i in range(n, len(ks)) for g in kinds]
+        got = cache.begin_store(wants, 1, chunks=[i for i in range(n, len(ks)) for _ in kinds], offered=True)
+        cache.complete_store([e for e in got if e is not None and not isinstance(e, PoolFull)], pending=False)
+        return list(got)
+
+    conv = keys("conv", 4)
+    turn(conv)  # 8 entries
+    turn(conv)  # a hit of 4: chunks 0-3 and the state at 3 leased; the states at 0-2 are the oldest now
+    turn(keys("a", 4))  # the pool is full
+    got = turn(keys("b", 1))  # its two entries may evict the states at 0 and 1: each seen once, as they are
+    assert not any(isinstance(g, PoolFull) for g in got)
+    assert not cache.is_ready((fp, 1, conv[0])) and cache.is_ready((fp, 1, conv[3]))
+    got = turn(keys("c", 1))  # next in line: the state at 2, then chunk 0 of the conversation, seen twice
+    assert isinstance(got[1], NotAdmitted)
+    assert cache.plan_lookup(shape, conv, world).hit_chunks == 4
+
+
 def test_other_writers_are_not_put_to_the_admission(pool: HugePagePool) -> None:
     # Promotion from the lower tiers and peer pulls begin entries without ``offered``: wanted now.
     cache = make(pool, "tinylfu")
