@@ -190,3 +190,17 @@ def test_options_name_the_fix() -> None:
     cfg = build_config(parser.parse_args(["serve", "--admission", "TinyLFU", "--eviction-policy", "cost"]))
     assert (cfg.admission, cfg.eviction_policy) == ("tinylfu", "cost")
     assert DaemonConfig().admission == "none"  # today's behaviour stays the default
+
+
+def test_status_shows_admitted_refused_and_evictions_by_reason(pool: HugePagePool) -> None:
+    from hkvd.daemon.cli import _status_admission
+    from hkvd.transport.stat_fields import status_dict
+
+    cache = make(pool, "tinylfu")
+    hot = keys("hot", 16)
+    request(cache, hot)
+    request(cache, hot)
+    request(cache, keys("cold", 2))
+    (line,) = _status_admission(status_dict(cache.statistics()))
+    assert line == "admitted  16 entries (16.0 MiB), 2 refused (2.0 MiB) by --admission tinylfu; evicted by none"
+    assert _status_admission({"evictions": 0}) == []  # a daemon without these fields

@@ -1,6 +1,7 @@
 """The ``cost`` eviction policy (daemon/cache/eviction.py, over daemon/cache/recompute_cost.py): with the pool full,
 a deep attention chunk or a Mamba state outlives a shallow chunk of the same age; an entry never used again still
-ages out; orphans go first; evictions are counted by reason."""
+ages out; orphans go first; evictions are counted by reason, quota's apart, with each tenant's order weighing
+its entries."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from hkvd.daemon.cache import Cache, HugePagePool, make_policy
 from hkvd.daemon.cache.eviction import CostPolicy
 from hkvd.daemon.cache.hybrid import GroupRule
+from hkvd.daemon.cache.quotas import Tenants
 from hkvd.daemon.cache.recompute_cost import LINEAR_TOKENS, attention_cost, entry_cost, state_cost
 from hkvd.transport.errors import PoolFull
 
@@ -130,3 +132,26 @@ def test_the_heap_walk_skips_stale_items_and_keeps_skipped_keys() -> None:
     policy.remove("b")  # evicted
     assert list(walk) == ["c", "a"]
     assert list(policy.candidates()) == ["c", "a"]  # a walk that only passed keys over leaves them in place
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_quota_evictions_are_counted_apart_and_each_tenant_order_weighs(pool: HugePagePool, policy: str) -> None:
+    cache = Cache(pool, make_policy(policy), tenants=Tenants(pool.allocator.capacity, 0.5))
+    rules = [GroupRule(FULL, "full")]
+    cache.formats.add(WORLD, 0, model="m", chunk_size=CHUNK, rules=rules, kinds={FULL: "full"},
+                      entry_bytes={FULL: ENTRY})
+    cache.add_format(WORLD, {FULL: "full"})
+
+    def put(tag: str, chunk: int, tenant: str) -> None:
+        got = cache.begin_store([((FP, FULL, key(tag)), ENTRY, "full", b"")], 1, tenant, chunks=[chunk], offered=True)
+        cache.complete_store([e for e in got if e is not None and not isinstance(e, PoolFull)], pending=False)
+
+    put("deep", 40, "salt:a")
+    for i in range(11):
+        put(f"a{i}", 0, "salt:a")  # 12 of a's: over its quota of 8
+    for i in range(4):
+        put(f"b{i}", 0, "salt:b")  # the pool is full
+    put("b4", 0, "salt:b")  # b is within its quota: it takes from a, over its own
+    assert cache.statistics().evictions_by_reason == {"quota": 1}
+    assert here(cache, "deep") is (policy == "cost")  # a's own order weighs its entries: the shallow one went
+
