@@ -204,3 +204,33 @@ def test_status_shows_admitted_refused_and_evictions_by_reason(pool: HugePagePoo
     (line,) = _status_admission(status_dict(cache.statistics()))
     assert line == "admitted  16 entries (16.0 MiB), 2 refused (2.0 MiB) by --admission tinylfu; evicted by none"
     assert _status_admission({"evictions": 0}) == []  # a daemon without these fields
+
+
+def test_an_engine_store_reports_refused_items_as_dropped_not_as_a_full_pool(pool: HugePagePool) -> None:
+    # The store path (daemon/engines/stores.py): a refused item counts in the reply's ``dropped``, as a full
+    # pool's does, but not in the pool-full counters (the cache counts it under admission_entries).
+    from types import SimpleNamespace
+
+    from hkvd.daemon.engines.stores import Stores
+    from hkvd.daemon.metrics import Metrics
+    from hkvd.transport.wire.kv import Item
+
+    cache = make(pool, "tinylfu")
+    hot = keys("hot", 16)
+    request(cache, hot)
+    request(cache, hot)
+    metrics = Metrics()
+    stores = Stores(None, cache, None, metrics, None, [], None)  # type: ignore[arg-type]  # _begin needs none
+    engine = SimpleNamespace(fingerprint=FP, entry_bytes={0: ENTRY})
+    group = SimpleNamespace(group_id=0, kind="full")
+    cold = keys("cold", 2)
+    items = [(Item(0, i, k, [1], cold[i - 1] if i else b""), group) for i, k in enumerate(cold)]
+    cache.plan_lookup(cache.formats.world(FP), cold, WORLD, seen=True)  # type: ignore[arg-type]
+    entries, _, skipped, dropped = stores._begin(engine, items, ["", ""], 1)  # type: ignore[arg-type]
+    assert (entries, skipped, dropped) == ([], 0, 2)
+    assert cache.statistics().stores_dropped == 0 and metrics.get("stores_dropped", kind="full") == 0
+    assert cache.statistics().admission_entries["refused"] == 2
+    # A turn end's items are exempt: placed, evicting.
+    entries, _, _, dropped = stores._begin(engine, items, ["", ""], 2, exempt=True)  # type: ignore[arg-type]
+    assert len(entries) == 2 and dropped == 0
+    cache.abandon_store(entries)
