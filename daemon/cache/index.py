@@ -47,6 +47,7 @@ from hkvd.daemon.cache.pins import Pins, PinStats
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.daemon.cache.quotas import TenantOrder, Tenants
 from hkvd.daemon.cache.recompute_cost import DEFAULT_CHUNK, entry_cost
+from hkvd.daemon.cache.store_room import AdmissionCounts, BulkRoom, StoreGate
 from hkvd.transport.errors import PoolFull
 from hkvd.transport.stat_fields import metric, status_only
 
@@ -110,9 +111,8 @@ class Index:
         # weighs (daemon/cache/recompute_cost.py; by default with hkvd serve's default chunk size).
         self.admission = admission if admission is not None else Admission()
         self._cost = cost if cost is not None else _default_cost
-        self._admitted = [0, 0]  # entries, bytes
-        self._refused = [0, 0]
-        policy.bind(self._weigh)
+        self._admission_counts = AdmissionCounts()
+        policy.bind(lambda key: _cost_per_byte(self._cost, self._entries[cast(EntryKey, key)]))
         self.policy: EvictionPolicy = policy
         self._by_tenant: TenantOrder | None = None
         if self.tenants.active:
@@ -161,22 +161,6 @@ class Index:
         where given); raises PoolFull (``NotAdmitted`` where ``admits`` kept a victim)."""
         return self._evictor.alloc(nbytes, tenant, admits)
 
-    def _weigh(self, key: object) -> float:
-        """The entry's recompute cost per byte (the ``cost`` policy's value)."""
-        e = self._entries[cast(EntryKey, key)]
-        return self._cost(e) / max(e.nbytes, 1)
-
-    def _chunk_after(self, fp: bytes, parent: bytes) -> int:
-        """The chunk index after ``parent``'s, where an entry of ``parent`` (of layout ``fp``) knows it; else -1."""
-        if not parent:
-            return -1
-        entries = self._entries
-        for gid in self._group_ids.get(fp, (0,)):
-            e = entries.get((fp, gid, parent))
-            if e is not None and e.chunk >= 0:
-                return e.chunk + 1
-        return -1
-
     # ---- writes --------------------------------------------------------------------------------
     def begin_write(self, key: EntryKey, nbytes: int, kind: str, job_id: int, parent: bytes = b"",
                     tenant: str = "", chunk: int = -1) -> Entry | None:
@@ -192,7 +176,7 @@ class Index:
         alloc = self._alloc_evicting(nbytes, tenant)
         self.writes += 1
         entry = Entry(key=key, alloc=alloc, nbytes=nbytes, kind=kind, pins=1, job_id=job_id, parent=parent,
-                      chunk=chunk if chunk >= 0 else self._chunk_after(key[0], parent))
+                      chunk=chunk if chunk >= 0 else chunk_after(self._entries, self._group_ids, key[0], parent))
         self._add(entry, tenant)
         self._holds.keep_budget(self.pins)
         return entry
@@ -213,93 +197,48 @@ class Index:
 
         Each answer is the new WRITING entry, ``None`` when the key already exists (or repeats
         in ``wants``), or the ``PoolFull`` that ``begin_write`` would have raised for it. Room is
-        taken per entry size in one ``alloc_many`` first; only what that could not place evicts.
-        Once a size found no room, later entries of that size are refused without evicting
-        again (nothing was freed in between).
+        taken as ``BulkRoom`` says (``daemon/cache/store_room.py``).
 
         ``chunks``: each want's chunk index (else taken from its parent entry where the pool holds it).
         ``offered``: the wants are an engine's store, counted by outcome and, unless ``exempt`` (a turn end),
-        put to the admission where they must evict: a refused want answers ``NotAdmitted``, and so does
-        every later want of the same store at that chunk index or past it that must evict (a prefix with a
-        hole serves nothing past it). Chunks a session pin holds are always admitted.
+        put to the admission where they must evict (``StoreGate``): a refused want answers ``NotAdmitted``.
+        Chunks a session pin holds are always admitted.
         """
         entries = self._entries
-        admission = self.admission
-        judged = offered and not exempt and admission.name != "none"
-        if offered:
-            admission.offered((k[2], kind) for k, _, kind, _ in wants)
-        refused_from = -1  # the lowest chunk index refused in this store (-1: none)
-        need: dict[int, int] = {}
-        # A repeated key takes room once: bulk room left unused (given back only at the end) would
-        # hold superblocks that eviction for the later sizes cannot free.
-        counted: set[EntryKey] = set()
-        for key, nbytes, _kind, _parent in wants:
-            if key not in entries and key not in counted:
-                counted.add(key)
-                need[nbytes] = need.get(nbytes, 0) + 1
-        bulk = {nbytes: self.pool.alloc_many(nbytes, n) for nbytes, n in need.items()}
-        used = dict.fromkeys(bulk, 0)
-        full: dict[tuple[int, str], PoolFull] = {}  # per size and tenant: what a tenant may evict differs
         tenants = [tenant] * len(wants) if isinstance(tenant, str) else tenant
         if len(tenants) != len(wants):
             raise ValueError(f"begin_writes: {len(tenants)} tenants for {len(wants)} entries")
         if chunks is not None and len(chunks) != len(wants):
             raise ValueError(f"begin_writes: {len(chunks)} chunk indexes for {len(wants)} entries")
+        if offered:
+            self.admission.offered((k[2], kind) for k, _, kind, _ in wants)
+        gate = StoreGate(self.admission, self._admission_counts, counted=offered, pinned=self.pins.is_pinned,
+                         judged=offered and not exempt and self.admission.name != "none")
+        room = BulkRoom(self.pool, entries, [(k, nbytes) for k, nbytes, _, _ in wants], self._alloc_evicting)
         out: list[Entry | PoolFull | None] = []
         try:
             for n, ((key, nbytes, kind, parent), owner) in enumerate(zip(wants, tenants, strict=True)):
                 if key in entries:
                     out.append(None)
                     continue
-                chunk = chunks[n] if chunks is not None else self._chunk_after(key[0], parent)
-                i = used.get(nbytes, 0)
-                got = bulk.get(nbytes, ())  # none when the key existed at the count, and was evicted since
-                if i < len(got):
-                    alloc = got[i]
-                    used[nbytes] = i + 1
-                elif (nbytes, owner) in full:
-                    out.append(full[(nbytes, owner)])
+                chunk = chunks[n] if chunks is not None else chunk_after(entries, self._group_ids, key[0], parent)
+                try:
+                    alloc = room.take(nbytes, owner, functools.partial(gate.admits, key, kind, chunk, nbytes))
+                except NotAdmitted as e:
+                    out.append(gate.refused(e, nbytes, chunk))
                     continue
-                else:
-                    admits: Callable[[Entry], bool] | None = None
-                    if judged and not self.pins.is_pinned(key[0], key[2]):
-                        if 0 <= refused_from <= chunk:
-                            out.append(self._refuse(NotAdmitted(f"chunk {chunk}: an earlier chunk of this store "
-                                                                "was not admitted"), nbytes))
-                            continue
-                        admits = functools.partial(self._admits, (key[2], kind))
-                    try:
-                        alloc = self._alloc_evicting(nbytes, owner, admits)
-                    except NotAdmitted as e:
-                        out.append(self._refuse(e, nbytes))
-                        if chunk >= 0 and (refused_from < 0 or chunk < refused_from):
-                            refused_from = chunk
-                        continue
-                    except PoolFull as e:
-                        full[(nbytes, owner)] = e
-                        out.append(e)
-                        continue
+                if isinstance(alloc, PoolFull):
+                    out.append(alloc)
+                    continue
                 entry = Entry(key, alloc, nbytes, kind, EntryState.WRITING, 1, 0, job_id, parent, chunk=chunk)
                 self._add(entry, owner)
                 out.append(entry)
                 self.writes += 1
-                if offered:
-                    self._admitted[0] += 1
-                    self._admitted[1] += nbytes
+                gate.admitted(nbytes)
         finally:
-            for nbytes, got in bulk.items():  # repeated keys (or an error) left these unused
-                for alloc in got[used[nbytes]:]:
-                    self.pool.free(alloc)
+            room.release_unused()
         self._holds.keep_budget(self.pins)
         return out
-
-    def _admits(self, candidate: tuple[bytes, str], victim: Entry) -> bool:
-        return self.admission.admits(candidate, (victim.key[2], victim.kind))
-
-    def _refuse(self, e: NotAdmitted, nbytes: int) -> NotAdmitted:
-        self._refused[0] += 1
-        self._refused[1] += nbytes
-        return e
 
     def finish_writes(self, entries: list[Entry], *, pending: bool) -> None:
         """``finish_write`` for each of ``entries``."""
@@ -445,6 +384,7 @@ class Index:
         pinned = 0
         total = 0
         checksummed = 0
+        counts = self._admission_counts
         for e in self._entries.values():
             checksummed += e.checksum != 0
             states[e.state] += 1
@@ -458,11 +398,28 @@ class Index:
             orphans_marked=self._evictor.orphans_marked, chain_nodes=len(self._chains),
             stores_dropped=self._stores_dropped, by_kind=kinds, corrupt=dict(self._corrupt), checksummed=checksummed,
             evictions_by_reason=dict(self._evictor.by_reason), admission=self.admission.name,
-            admission_entries={"admitted": self._admitted[0], "refused": self._refused[0]},
-            admission_bytes={"admitted": self._admitted[1], "refused": self._refused[1]},
+            admission_entries={"admitted": counts.admitted, "refused": counts.refused},
+            admission_bytes={"admitted": counts.admitted_bytes, "refused": counts.refused_bytes},
         )
 
 
 def _default_cost(e: Entry) -> float:
     """The recompute cost of ``e`` where no engine format is known: chunks of hkvd serve's default size."""
     return entry_cost(e.kind, e.chunk, DEFAULT_CHUNK)
+
+
+def _cost_per_byte(cost: Callable[[Entry], float], e: Entry) -> float:
+    """The entry's recompute cost per byte (the ``cost`` policy's value)."""
+    return cost(e) / max(e.nbytes, 1)
+
+
+def chunk_after(entries: dict[EntryKey, Entry], group_ids: dict[bytes, tuple[int, ...]], fp: bytes,
+                parent: bytes) -> int:
+    """The chunk index after ``parent``'s, where an entry of ``parent`` (of layout ``fp``) knows it; else -1."""
+    if not parent:
+        return -1
+    for gid in group_ids.get(fp, (0,)):
+        e = entries.get((fp, gid, parent))
+        if e is not None and e.chunk >= 0:
+            return e.chunk + 1
+    return -1
