@@ -11,7 +11,7 @@ case), and a spawned "bare" process. Cases: 64 MiB and 256 MiB in 512 KiB entrie
 the pull's per-entry work shows) and 256 MiB in 4 MiB entries. For each repetition, on a fresh key
 set:
 
-- **pull**: the decode-side engine sends ``Pull`` to its daemon and waits for ``Done``: lookup +
+- **pull**: the decode-side engine sends ``Pull`` to its daemon and waits for its ``PullResult``: lookup +
   lease on the serving daemon, local allocation, one NIXL READ into the pool, publish, release.
   Timed end to end at the engine (what a decode request waits for).
 - **bare**: the bare process authenticates like a peer, looks up the same keys (untimed) for the

@@ -6,7 +6,7 @@ engine (one full-attention group, one layer, one block per chunk, so one entry =
 ``page`` bytes) registered with it; a helper child (``bench.cma_helper``) that owns a pool of
 the daemon's kind. For every (page size, batch size) and every repeat, interleaved so drift hits all of them alike:
 
-- **store**: one Store descriptor of ``batch`` fresh chunks, submit to Done (the daemon reads the
+- **store**: one Store descriptor of ``batch`` fresh chunks, submit to its StoreResult (the daemon reads the
   engine pages into its pool with process_vm_readv);
 - **raw read**: the helper's bare process_vm_readv of the same engine pages into its pool, one
   syscall thread (the primitive); each repeat into the next unused stretch of its pool, as each
@@ -20,7 +20,7 @@ the daemon's kind. For every (page size, batch size) and every repeat, interleav
 - and the same three the other way (retrieve / raw process_vm_writev / memcpy back), the raw
   write reading the stretch the last raw read filled, as each retrieve reads the last store's entries;
 - **checksums**: after each store, untimed, the wait until the daemon has taken its entries'
-  checksums, so that hashing, which the daemon runs after the Done on a thread of its own, does not
+  checksums, so that hashing, which the daemon runs after the StoreResult on a thread of its own, does not
   slow the references that follow (measured before the wait: 64 x 2 MiB stores at 1.09-1.30 of the
   raw read that followed them, the daemon's hashing slowing the raw read);
 - **ping**: the engine's descriptor round trip with no work (median of 50), which every store and
@@ -123,7 +123,7 @@ def _thp_fraction(addr: int, nbytes: int, smaps: str = "/proc/self/smaps") -> fl
 def _await_checksums(eng: SyntheticEngine, want: int, poll_s: float = 0.002) -> int:
     """Wait until the daemon has taken ``want`` entry checksums in all (at once for 0); the count then.
 
-    The daemon hashes a store's entries on a thread of its own after the store's Done: on a 2-CPU
+    The daemon hashes a store's entries on a thread of its own after the store's reply: on a 2-CPU
     machine that work lands on whatever runs next. Waiting for it after each store keeps it out of the
     raw and memcpy references (a status round trip takes ~5 ms here, too coarse to time the hashing)."""
     deadline = time.monotonic() + TIMEOUT_S
