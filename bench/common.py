@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkvd.shim.testing.launcher import DaemonProcess, stop_process
+from hkvd.shim.testing.launcher import DaemonProcess, prefault_over, stop_process
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -104,7 +104,7 @@ class Daemon(DaemonProcess):
         self.start(60.0)
         try:
             if self.wait_prefault:
-                self.wait_status(_prefault_over, PREFAULT_TIMEOUT_S, poll_s=0.05)
+                self.wait_status(prefault_over, PREFAULT_TIMEOUT_S, poll_s=0.05)
         except BaseException:
             self.__exit__()
             raise
@@ -118,13 +118,6 @@ class Daemon(DaemonProcess):
 # The benches' pools are at most 3.2 GiB (store_retrieve's 4 MiB pages): ~3 s at the 1.1 GB/s two pre-fault
 # threads reached on the 2-vCPU VM; the rest is room for a loaded machine.
 PREFAULT_TIMEOUT_S = 120.0
-
-
-def _prefault_over(status: dict[str, Any]) -> bool:
-    """The pool's pre-fault has ended (done or failed), or the daemon reports none."""
-    pool = status.get("pool")
-    prefault = pool.get("prefault") if isinstance(pool, dict) else None
-    return not isinstance(prefault, dict) or bool(prefault.get("done")) or bool(prefault.get("error"))
 
 
 def tree_cpu_s(pids: Sequence[int]) -> float:

@@ -2,6 +2,8 @@
 
 ``DaemonProcess.start`` returns once the daemon answers a ping on its socket (bounded by
 ``timeout_s``); ``stop`` sends SIGTERM and waits, killing the process if it outlives the deadline.
+``wait_status`` polls any daemon's status until a condition holds (``prefault_over``: its pool's pre-fault
+has ended), bounded by its timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +31,33 @@ def stop_process(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout_
             proc.wait()
             raise
     return proc.returncode
+
+
+def daemon_status(socket_path: str) -> dict[str, Any]:
+    """What ``hkvd status`` shows, from the daemon on ``socket_path``."""
+    with DaemonClient(socket_path, client_name="probe", role="tool", timeout_s=5.0) as c:
+        return c.status()
+
+
+def wait_status(socket_path: str, pred: Callable[[dict[str, Any]], bool], timeout_s: float,
+                poll_s: float = 0.02) -> dict[str, Any]:
+    """The first status of the daemon on ``socket_path`` for which ``pred`` holds; ``AssertionError`` with the
+    last one after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = daemon_status(socket_path)
+        if pred(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s; last status: {status}")
+        time.sleep(poll_s)
+
+
+def prefault_over(status: dict[str, Any]) -> bool:
+    """The pool's pre-fault has ended (done or failed), or the daemon reports none."""
+    pool = status.get("pool")
+    prefault = pool.get("prefault") if isinstance(pool, dict) else None
+    return not isinstance(prefault, dict) or bool(prefault.get("done")) or bool(prefault.get("error"))
 
 
 class DaemonProcess:
@@ -69,20 +98,12 @@ class DaemonProcess:
         raise RuntimeError(f"hkvd did not become ready in {timeout_s} s:\n{self.log()}")
 
     def status(self) -> dict[str, Any]:
-        with DaemonClient(self.socket_path, client_name="probe", role="tool", timeout_s=5.0) as c:
-            return c.status()
+        return daemon_status(self.socket_path)
 
     def wait_status(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float,
                     poll_s: float = 0.02) -> dict[str, Any]:
         """The first status for which ``pred`` holds; ``AssertionError`` with the last one after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if pred(status):
-                return status
-            if time.monotonic() > deadline:
-                raise AssertionError(f"condition not reached within {timeout_s} s; last status: {status}")
-            time.sleep(poll_s)
+        return wait_status(self.socket_path, pred, timeout_s, poll_s)
 
     def stop(self, timeout_s: float = 20.0) -> int:
         assert self.proc is not None

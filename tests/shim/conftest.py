@@ -133,19 +133,12 @@ class Daemon:
         self.wait_prefaulted()
 
     def wait_prefaulted(self, timeout_s: float = 30.0) -> None:
-        """Wait until ``hkvd status`` reports the pool's prefault done; raise after ``timeout_s``."""
-        from hkvd.daemon.cli import query_status
+        """Wait until ``hkvd status`` reports the pool's prefault over; raise if it failed or after ``timeout_s``."""
+        from hkvd.shim.testing.launcher import prefault_over, wait_status
 
-        deadline = time.monotonic() + timeout_s
-        while True:
-            prefault = query_status(self.socket, 5.0)["pool"].get("prefault") or {}
-            if prefault.get("error"):
-                raise RuntimeError(f"hkvd serve could not pre-fault its pool: {prefault['error']}")
-            if prefault.get("done", True):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"hkvd serve's pool was not pre-faulted within {timeout_s:.0f} s: {prefault}")
-            time.sleep(0.05)
+        prefault = wait_status(self.socket, prefault_over, timeout_s, poll_s=0.05)["pool"].get("prefault") or {}
+        if prefault.get("error"):
+            raise RuntimeError(f"hkvd serve could not pre-fault its pool: {prefault['error']}")
 
 
 @pytest.fixture
