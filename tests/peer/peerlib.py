@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import signal
 import socket
 from pathlib import Path
@@ -36,9 +37,18 @@ def nixl_missing() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now on 127.0.0.1, below the kernel's ephemeral range: a port the kernel hands out (a bind to
+    port 0, as UCX's listeners do in the daemons being started) could be taken again before the daemon that
+    is given it binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(low - 12_000, 1024), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 below the ephemeral range (from {low}) in 200 tries")
 
 
 def write_token(path: Path, value: str = TOKEN) -> Path:
