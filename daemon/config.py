@@ -69,6 +69,9 @@ class DaemonConfig:
     cuda_copy_method: str = "auto"  # auto, memcpy (DMA copy engines) or kernel (SMs); hkvd.cuda.copy
     cuda_pin_chunk_gib: int = 512  # the pool's pinned registrations, at most this many GiB each (hkvd.cuda.hostreg)
     event_loop: str = "uvloop"  # uvloop (a dependency) or asyncio (the standard library's loop)
+    # In-step loads (docs/security.md): host engines may map the pool read-only (HelloAck.pool) and copy leased
+    # hits themselves (LookupReply.places); off: every hit is a Retrieve. Read at start-up (not reloadable).
+    in_step_loads: bool = True
     mamba_checkpoint_interval: int = 1
     # Sampled hits recomputed and compared (daemon/integrity/compare.py, quarantine.py; docs/verification.md)
     verify_tolerance: float = 0.25  # full and swa entries: ||fresh - stored|| / ||stored|| (integrity/compare.py)

@@ -56,6 +56,8 @@ class CounterStats:
         "hkvd_lookup_miss_entries", "Entries whose absence cut a lookup's hit short, by group kind")
     lookup_turn_ends_named: Series = counter_series(
         "hkvd_lookup_turn_ends_named", "Turn-end positions named in lookup replies (stored by any engine)")
+    lookup_places: Series = counter_series(
+        "hkvd_lookup_places", "Leased lookups answered with their entries' pool extents (in-step loads)")
     uncacheable_requests: Series = counter_series(
         "hkvd_uncacheable_requests", "Requests the shim could not key safely, never cached, by reason")
     connections_refused: Series = counter_series(

@@ -59,6 +59,20 @@ def _bool(v: object) -> bool:
     raise ConfigError(f"{v!r}: expected true or false")
 
 
+def _on_off(flag: str) -> Callable[[Any], bool]:
+    """A switch written on or off (a TOML boolean also reads)."""
+
+    def convert(v: Any) -> bool:
+        if isinstance(v, bool):
+            return v
+        text = str(v).strip().lower()
+        if text not in ("on", "off"):
+            raise ConfigError(f"{flag} {v!r}: expected on or off")
+        return text == "on"
+
+    return convert
+
+
 def _octal(v: object) -> int:
     return int(str(v), 8)
 
@@ -169,6 +183,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cuda-pin-chunk-gib", "cuda_pin_chunk_gib", int, "512",
            "with --copy-engine cuda: the pool is pinned (cudaHostRegister) in registrations of at most this many "
            "GiB, and no copy spans two; R580+ drivers refuse one registration above 512", "GIB"),
+    Option("--in-step-loads", "in_step_loads", _on_off("--in-step-loads"), "on",
+           "on: engines running as the daemon's user (or root) may map the pool read-only and copy leased hits "
+           "themselves in the step that plans them (docs/security.md, In-step loads); off: every hit is a "
+           "Retrieve", example='"on"'),
     Option("--event-loop", "event_loop", _lower, "uvloop", "uvloop, or asyncio (the standard library's loop)",
            example='"uvloop"'),
     Option("--mamba-checkpoint-interval", "mamba_checkpoint_interval", int, "1",

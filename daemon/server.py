@@ -2,8 +2,9 @@
 
 Lifecycle of a connection
     accept -> SO_PEERCRED (pid/uid/gid from the kernel, never from a message) -> uid allowlist ->
-    Hello within ``io_timeout_s`` (protocol version checked) -> frames until EOF -> wait for its
-    in-flight jobs (each has its own timeout) -> release everything the connection held
+    Hello within ``io_timeout_s`` (protocol version checked; the HelloAck names this daemon run and, to an
+    engine with --in-step-loads on, the pool to map read-only: ``pool_offer``) -> frames until EOF -> wait
+    for its in-flight jobs (each has its own timeout) -> release everything the connection held
     (``KVService.disconnect``).
 
 Engines that die
@@ -54,7 +55,6 @@ import os
 import socket
 import struct
 import time
-import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +88,7 @@ _LOUD_CODES = {"TIMEOUT", "COPY_FAILED", "INTERNAL", "POOL_FULL"}
 # Tool connections (hkvd status) served from the descriptor reserve at once; more are refused like engines.
 MAX_RESERVE_TOOLS = 8
 REFUSAL_LOG_EVERY_S = 60.0  # refusals for want of descriptors: one warning per minute, with the count
+ENGINE_ROLES = ("worker", "scheduler")  # offered the pool (HelloAck.pool) with --in-step-loads on
 SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108, with its NUL)
 
 
@@ -109,7 +110,7 @@ class Server:
     def __init__(self, cfg: DaemonConfig, service: KVService) -> None:
         self.cfg = cfg
         self.service = service
-        self.server_id = uuid.uuid4().hex[:12]
+        self.server_id = service.server_id
         self._server: asyncio.AbstractServer | None = None
         self._conn_ids = itertools.count(1)
         self.connections: dict[int, Conn] = {}
@@ -120,6 +121,14 @@ class Server:
         self.reserve_tools = 0  # tool connections served from the descriptor reserve now
         self._refusals_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_EVERY_S
+
+    def pool_offer(self, role: str) -> list[int]:
+        """``HelloAck.pool``: ``[fd, size]`` of the pool for an engine's connection (a worker or scheduler)
+        where --in-step-loads is on; [] for tools and peers, or with the option off."""
+        if role not in ENGINE_ROLES or not self.cfg.in_step_loads:
+            return []
+        pool = self.service.index.pool
+        return [pool.fd, pool.size]
 
     async def start(self) -> None:
         path = Path(self.cfg.socket_path)
@@ -405,7 +414,7 @@ class _Link(asyncio.Protocol):
         self._cancel_timer()
         conn.role = msg.role
         self._send(control.HelloAck(PROTOCOL_VERSION, os.getpid(), self.cfg.max_frame_bytes,
-                                    self.server.server_id))
+                                    self.server.server_id, self.server.pool_offer(msg.role)))
 
     def _dispatch(self, body: bytes) -> bool:
         """Serve one frame; False when it earned an error reply (counted towards the close)."""

@@ -7,7 +7,9 @@ Role
     short, or a longer tail offered than the one it serves) first has the tiers read what the plan over the
     pool and the tiers needs (``daemon/tiers/promotion.py``, each tier's budget), then is planned over the
     pool again; ``lookup`` returns that part as a coroutine, so the connection's later requests are not held
-    behind it. The cache decides every hit; this module only counts and replies.
+    behind it. A leased hit whose lookup asked for places (``Lookup.places``) is answered with the pool
+    extents of its entries where the engine world mapped the pool (``daemon/engines/places.py``). The cache
+    decides every hit; this module only counts and replies.
 """
 
 from __future__ import annotations
@@ -23,21 +25,24 @@ if TYPE_CHECKING:
     from hkvd.daemon.config import ConfigCell
     from hkvd.daemon.engines.connection import Conn
     from hkvd.daemon.engines.engine_traffic import EngineTraffic
+    from hkvd.daemon.engines.places import Places
     from hkvd.daemon.engines.registry import EngineState
     from hkvd.daemon.metrics import Metrics
     from hkvd.daemon.tiers.promotion import Promoter
 
 
 class LookupReplies:
-    """Answers lookups. ``promoter`` reads what the hit needs from the lower tiers when it can."""
+    """Answers lookups. ``promoter`` reads what the hit needs from the lower tiers when it can; ``places``
+    names where a leased hit lies in the pool (None: --in-step-loads off, no lookup gets places)."""
 
     def __init__(self, config: ConfigCell, index: Cache, promoter: Promoter, metrics: Metrics,
-                 traffic: EngineTraffic) -> None:
+                 traffic: EngineTraffic, places: Places | None = None) -> None:
         self.config = config
         self.index = index
         self.promoter = promoter
         self.metrics = metrics
         self.traffic = traffic
+        self.places = places
 
     def lookup(self, conn: Conn, msg: kv.Lookup) -> Coroutine[Any, Any, None] | None:
         """Answer from the pool now, or return the coroutine that first reads from the lower tiers (disk,
@@ -80,4 +85,8 @@ class LookupReplies:
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
         if plan.ends:
             self.metrics.inc("lookup_turn_ends_named", len(plan.ends))
-        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, cfg.lease_ttl_s, plan.tail, plan.ends))
+        places = self.places.of(plan) if msg.places and lease_id and self.places is not None else []
+        if places:
+            self.metrics.inc("lookup_places")
+        conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, cfg.lease_ttl_s, plan.tail, plan.ends,
+                                 places))

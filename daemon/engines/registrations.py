@@ -1,9 +1,10 @@
 """Registrations: an engine rank registered on a connection, and what the connection held released at its end.
 
 Role
-    Serves ``Register`` (the engine's spec into the registry, its format into the cache, its step
-    ordering, its KV events) and ends a connection's hold on the daemon (``disconnect``: leases,
-    unconfirmed boundary states, the registration, the pinned process). ``engine_gone`` has the copy
+    Serves ``Register`` (the engine's spec into the registry, with the pool its process mapped for in-step
+    loads, ``Register.mapped_pool``; its format into the cache, its step ordering, its KV events) and ends a
+    connection's hold on the daemon (``disconnect``: leases, unconfirmed boundary states, the registration,
+    the pinned process). ``engine_gone`` has the copy
     engine abandon the copies that wait on an engine process that exited, so ``disconnect`` follows.
 
 Threading
@@ -36,7 +37,8 @@ class Registrations:
     """Engines in and out. ``announcer``, ``publisher``: KV events (``daemon/routing``), or None."""
 
     def __init__(self, index: Cache, registry: Registry, copy_engine: CopyEngine, step_events: StepEvents,
-                 metrics: Metrics, announcer: Announcer | None, publisher: ZmqPublisher | None) -> None:
+                 metrics: Metrics, announcer: Announcer | None, publisher: ZmqPublisher | None,
+                 in_step: bool = False) -> None:
         self.index = index
         self.registry = registry
         self.copy_engine = copy_engine
@@ -44,6 +46,7 @@ class Registrations:
         self.metrics = metrics
         self.announcer = announcer
         self.publisher = publisher
+        self.in_step = in_step  # whether lookups may be answered with places (--in-step-loads; RegisterAck.in_step)
 
     def register(self, conn: Conn, msg: control.Register) -> None:
         """Register the engine rank ``msg`` names on ``conn`` (once per connection) and acknowledge it."""
@@ -55,7 +58,7 @@ class Registrations:
         spec = msg.engine_spec()
         if spec.regions and conn.role == "scheduler":
             raise RegistrationError("a scheduler connection registers without regions (lookup only)")
-        state = self.registry.register(spec, conn.process or conn.pid, conn.conn_id)
+        state = self.registry.register(spec, conn.process or conn.pid, conn.conn_id, msg.mapped_pool)
         conn.engine = state
         conn.snapshots = SnapshotOrdering(state.engine_id)
         if self.announcer is not None:
@@ -68,7 +71,7 @@ class Registrations:
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
                                       self._kv_events_mode(), lease_watch=True, verify=True, pins=True,
                                       pin_partials=True, step_tenants=True, lookup_tails=True,
-                                      partial_notes=True, turn_ends=True))
+                                      partial_notes=True, turn_ends=True, in_step=self.in_step))
 
     def _kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""

@@ -119,6 +119,9 @@ class EngineState:
     rank_fingerprints: tuple[bytes, ...] = ()
     attachment: Attachment | None = None
     stats: dict[str, int] = field(default_factory=dict)
+    # The server id of the daemon whose pool this engine's process mapped read-only (Register.mapped_pool):
+    # this daemon's when its lookups may name pool extents for this rank (daemon/engines/places.py); "": none.
+    mapped_pool: str = ""
 
     @property
     def can_copy(self) -> bool:
@@ -168,7 +171,8 @@ class Registry:
         self._engines: dict[int, EngineState] = {}
         self._ids = itertools.count(1)
 
-    def register(self, spec: EngineSpec, process: ClientProcess | int, conn_id: int) -> EngineState:
+    def register(self, spec: EngineSpec, process: ClientProcess | int, conn_id: int,
+                 mapped_pool: str = "") -> EngineState:
         pid = process if isinstance(process, int) else process.pid
         chunk_size = spec.chunk_size or self.default_chunk_size
         # Every group's format first (a scheduler's registration has no regions to check it against).
@@ -199,7 +203,7 @@ class Registry:
             entry_bytes={g.group_id: layout.entry_bytes(g, chunk_size) for g in spec.groups},
             kinds={g.group_id: g.kind for g in spec.groups},
             rank_fingerprints=rank_fps,
-            attachment=attachment,
+            attachment=attachment, mapped_pool=mapped_pool,
         )
         self._engines[state.engine_id] = state
         self.formats.add(rank_fps, spec.rank, model=spec.model, chunk_size=chunk_size, rules=state.rules,

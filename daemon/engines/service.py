@@ -3,7 +3,8 @@
 Role
     Dispatches validated messages from one connection to the part that serves their family, and sends
     replies through ``Conn.send``. It owns no sockets; ``daemon/server.py`` moves frames. The parts:
-    ``lookup_replies`` (Lookup), ``stores`` (Store), ``retrieves`` (Retrieve, WatchLease),
+    ``lookup_replies`` (Lookup; ``places`` under it: where a leased hit lies in the pool, for engines that
+    copy it themselves), ``stores`` (Store), ``retrieves`` (Retrieve, WatchLease),
     ``step_events`` (StepEvent), ``verification`` (Verify, sampled hits' comparisons),
     ``registrations`` (Register, a connection's end), and ``copies`` under them (every copy between an
     engine and the pool). Pins, aborts, KV-event polls and status stay here.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Coroutine
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
@@ -36,6 +38,7 @@ from hkvd.daemon.engines.copies import Copies
 from hkvd.daemon.engines.engine_traffic import EngineTraffic
 from hkvd.daemon.engines.latency import Latencies
 from hkvd.daemon.engines.lookup_replies import LookupReplies
+from hkvd.daemon.engines.places import Places
 from hkvd.daemon.engines.registrations import Registrations
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.retrieves import Retrieves
@@ -116,13 +119,18 @@ class KVService:
         self.quarantine = index.withheld
         # copy_timeout_s is not reloadable
         self.copies = Copies(copy_engine, executor, step_executor or executor, metrics, config.current.copy_timeout_s)
-        self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic)
+        # This daemon run's identity (HelloAck.server_id): also the pool's, which an engine that mapped it names
+        # in Register.mapped_pool.
+        self.server_id = uuid.uuid4().hex[:12]
+        in_step = config.current.in_step_loads  # not reloadable
+        places = Places(index, registry, self.server_id) if in_step else None
+        self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic, places)
         self.stores = Stores(config, index, self.copies, metrics, self.traffic, tiers, announcer)
         self.retrieves = Retrieves(index, self.copies, metrics, self.traffic, self.quarantine)
         self.verification = Verification(config, index, self.copies, executor, self.quarantine)
         self.step_events = StepEvents(index, self.stores, self.verification, metrics)
         self.registrations = Registrations(index, registry, copy_engine, self.step_events, metrics, announcer,
-                                           publisher)
+                                           publisher, in_step=in_step)
 
     # ---- dispatch ------------------------------------------------------------------------------
     def handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:

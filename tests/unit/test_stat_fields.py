@@ -283,6 +283,7 @@ PUBLISHED_COUNTERS = {
     "hkvd_lookup_miss_chunks": "Chunks that lookups did not find",
     "hkvd_lookup_miss_entries": "Entries whose absence cut a lookup's hit short, by group kind",
     "hkvd_lookup_turn_ends_named": "Turn-end positions named in lookup replies (stored by any engine)",
+    "hkvd_lookup_places": "Leased lookups answered with their entries' pool extents (in-step loads)",
     "hkvd_lookups": "Lookup requests served",
     "hkvd_retrieve_misses": "Retrieves of entries no longer in the pool",
     "hkvd_retrieved_bytes": "Bytes retrieved from the pool, by group kind",

@@ -19,7 +19,7 @@ from hkvd.transport.errors import (
     error_from_wire,
 )
 from hkvd.transport.keys import chunk_keys
-from hkvd.transport.wire import MESSAGE_CLASSES, MsgType, control, events, kv, peer
+from hkvd.transport.wire import MESSAGE_CLASSES, Message, MsgType, control, events, kv, peer
 
 KEY = b"k" * 16
 SAMPLES = [
@@ -263,3 +263,34 @@ def test_pin_and_unpin_refuse_bad_values() -> None:
         kv.Pin("s", "", 10.0, []).validate()
     with pytest.raises(ProtocolViolation, match="tenant label"):
         kv.Store(1, [], b"", None, "t" * 65).validate()
+
+
+def test_in_step_fields_ride_on_as_optional_trailing_fields() -> None:
+    """HelloAck.pool, Register.mapped_pool, RegisterAck.in_step, Lookup.places, LookupReply.places: each
+    round-trips, and left at its default it is not sent (an older peer parses the frame)."""
+    places = [[[0, 0, [4096, 8192]], [1, 2, [0, 4096, 65536, 4096]]], [[0, 0, [12288, 8192]]]]
+    for msg in (control.HelloAck(1, 2, 3, "s", [7, 1 << 30]), control.Register(1, {"a": 1}, "0123abcd4567"),
+                control.RegisterAck(1, 2, b"f" * 16, 256, in_step=True), kv.Lookup(1, [KEY], True, places=True),
+                kv.LookupReply(1, 3, 4, 30.0, 0, [], places)):
+        assert decode_body(FrameDecoder().feed(encode(msg))[0]) == msg
+    assert control.HelloAck(1, 2, 3, "s").to_wire() == [int(MsgType.HELLO_ACK), 1, 2, 3, "s"]
+    assert control.Register(1, {}).to_wire() == [int(MsgType.REGISTER), 1, {}]
+    assert kv.Lookup(1, [KEY], True).to_wire() == [int(MsgType.LOOKUP), 1, [KEY], True]
+    assert kv.LookupReply(1, 3, 4, 30.0).to_wire() == [int(MsgType.LOOKUP_REPLY), 1, 3, 4, 30.0]
+
+
+@pytest.mark.parametrize("msg", [
+    control.HelloAck(1, 2, 3, "s", [7]), control.HelloAck(1, 2, 3, "s", [7, 0]),
+    control.HelloAck(1, 2, 3, "s", [True, 4096]), control.Register(1, {}, "x" * 65),
+    control.Register(1, {}, 5),  # type: ignore[arg-type]
+    control.RegisterAck(1, 2, b"f" * 16, 256, in_step=1),  # type: ignore[arg-type]
+    kv.Lookup(1, [KEY], True, places=1),  # type: ignore[arg-type]
+    kv.LookupReply(1, 3, 4, 30.0, 0, [], [[[0, 0, []]]]), kv.LookupReply(1, 3, 4, 30.0, 0, [], [[[0, 0, [1]]]]),
+    kv.LookupReply(1, 3, 4, 30.0, 0, [], [[[0, -1, [0, 1]]]]), kv.LookupReply(1, 3, 4, 30.0, 0, [], [[0, 0, [0, 1]]]),
+    kv.LookupReply(1, 3, 4, 30.0, 0, [], [[[0, 0, [0, -1]]]]),
+], ids=str)
+def test_bad_in_step_fields_are_refused(msg: Message) -> None:
+    with pytest.raises(ProtocolViolation):
+        msg.validate()
+    with pytest.raises(ProtocolViolation):  # as a frame too: decoded, then checked
+        decode_body(FrameDecoder().feed(encode(msg))[0])

@@ -30,6 +30,7 @@ MAX_TOTAL_PIECES = 65536
 MAX_IDENTITY = 256
 MAX_WORLD_SIZE = 256
 MAX_EVENT_KIND = 64
+MAX_SERVER_ID = 64  # Register.mapped_pool: a daemon's server id (HelloAck.server_id, 12 hex digits today)
 
 # RegisterAck.kv_events: what the daemon does with KV-event notes (docs/routing.md). An older daemon
 # sends nothing (0): a client then sends no notes, which that daemon would refuse.
@@ -225,6 +226,17 @@ class HelloAck(Message):
     daemon_pid: int
     max_frame_bytes: int
     server_id: str
+    # To an engine (a worker or scheduler connection) of a daemon that offers in-step loads
+    # (--in-step-loads): ``[fd, size]``, the pool memfd's number in the daemon process and the pool's mapped
+    # size in bytes. The engine may open ``/proc/<daemon_pid>/fd/<fd>`` read-only, map ``size`` bytes, and
+    # then name ``server_id`` in ``Register.mapped_pool``. Empty: not offered (an older daemon sends nothing).
+    pool: list[Any] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if type(self.pool) is not list or (self.pool and (
+                len(self.pool) != 2 or not all(type(x) is int for x in self.pool)
+                or self.pool[0] < 0 or self.pool[1] <= 0)):
+            raise ProtocolViolation("HelloAck.pool: [fd >= 0, size > 0] of the daemon's pool, or empty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +244,16 @@ class Register(Message):
     TYPE = MsgType.REGISTER
     req_id: int
     spec: dict[str, Any]
+    # The server id (HelloAck.server_id) of the daemon whose pool this engine process mapped read-only
+    # (HelloAck.pool): that daemon's lookups with ``places`` may then name pool extents for this engine's
+    # rank. "": none mapped. Sent only to a daemon that offered its pool.
+    mapped_pool: str = ""
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
+        if type(self.mapped_pool) is not str or len(self.mapped_pool) > MAX_SERVER_ID:
+            raise ProtocolViolation(f"Register.mapped_pool: a server id of at most {MAX_SERVER_ID} characters, "
+                                    "or empty")
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec.from_wire(self.spec)
@@ -271,6 +290,13 @@ class RegisterAck(Message):
     # Whether it takes Store.turn_end and Lookup.ends (turn ends other engines stored); an older daemon sends
     # nothing: False, and a client finds only the turn ends it remembers itself.
     turn_ends: bool = False
+    # Whether it answers Lookup.places (in-step loads: --in-step-loads on); an older daemon, or one with the
+    # option off, sends nothing: False, and a client asks for no places (every hit is a Retrieve).
+    in_step: bool = False
+
+    def validate(self) -> None:
+        if type(self.in_step) is not bool:
+            raise ProtocolViolation("RegisterAck.in_step must be a boolean")
 
 
 @dataclass(frozen=True, slots=True)

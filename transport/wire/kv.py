@@ -3,6 +3,8 @@
 An *item* (``Item``) names one pool entry and the engine blocks it maps to; on the wire
 ``[group_id, chunk_index, key, block_ids]``, optionally followed by ``parent``, the key of chunk
 ``chunk_index - 1`` (the daemon uses it to find entries no hit can reach; see docs/design.md).
+A leased lookup may also be answered with where its entries lie in the daemon's pool (``LookupReply.places``),
+for an engine that mapped the pool and copies them itself (in-step loads).
 Stores, retrieves and verifies are jobs: the daemon answers with the job's result (``StoreResult``,
 ``RetrieveResult``, ``VerifyResult``) or ``Error(req_id)`` when the copies are over. Each reply is declared
 beside its request; ``hkvd.transport.wire.replies`` pairs them.
@@ -15,7 +17,7 @@ from typing import Any, NamedTuple
 
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
-from hkvd.transport.wire.control import check_session, check_tenant
+from hkvd.transport.wire.control import MAX_WORLD_SIZE, check_session, check_tenant
 from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
 MAX_BLOCKS_PER_ITEM = 4096
@@ -102,11 +104,17 @@ class Lookup(Message):
     # Whether the reply names the turn ends the daemon knows where the hit may end (``LookupReply.ends``).
     # Sent only to a daemon whose RegisterAck.turn_ends says so.
     ends: bool = False
+    # Whether a leased hit's reply names the pool extents of every entry it loads (``LookupReply.places``), for
+    # an engine world whose ranks mapped the daemon's pool (``Register.mapped_pool``). Sent only to a daemon
+    # whose RegisterAck.in_step says so.
+    places: bool = False
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
         if type(self.ends) is not bool:
             raise ProtocolViolation("Lookup.ends must be a boolean")
+        if type(self.places) is not bool:
+            raise ProtocolViolation("Lookup.places must be a boolean")
         if len(self.keys) > MAX_KEYS:
             raise ProtocolViolation(f"Lookup: at most {MAX_KEYS} keys, got {len(self.keys)}")
         if any(len(k) != KEY_BYTES for k in self.keys):
@@ -134,9 +142,17 @@ class LookupReply(Message):
     # chunk_index - 1 of the keys sent; newest first, at most MAX_ENDS. A position only: the client's
     # partial key over its own tokens decides whether it is the same prefix.
     ends: list[Any] = field(default_factory=list)
+    # With Lookup.places, a lease, and every rank of the engine's world registered with host memory and the
+    # daemon's pool mapped (``Register.mapped_pool``): one list per rank, in rank order, of
+    # ``[group_id, chunk_index, extents]`` for each entry the hit loads (chunk_index as in a Retrieve's items:
+    # the tail's chunk is the last), ``extents`` the flat ``[offset, length, ...]`` of the entry's bytes in the
+    # pool, in order. The lease keeps them from being evicted or rewritten until it is used, released or
+    # expires. Empty: load the hit with a Retrieve.
+    places: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
+        check_places(self.places)
         if type(self.ends) is not list or len(self.ends) > MAX_ENDS:
             raise ProtocolViolation(f"LookupReply: at most {MAX_ENDS} ends, got {len(self.ends)}")
         for i, e in enumerate(self.ends):
@@ -144,6 +160,21 @@ class LookupReply(Message):
                     or not 0 <= e[0] <= MAX_KEYS or not 0 < e[1] < MAX_TURN_END):
                 raise ProtocolViolation(f"LookupReply.ends[{i}]: an end is [chunk_index, offset], 0 <= chunk_index "
                                         f"<= {MAX_KEYS}, 0 < offset < {MAX_TURN_END}")
+
+
+def check_places(places: object) -> None:
+    """``LookupReply.places``: per rank, ``[group_id, chunk_index, [offset, length, ...]]`` items."""
+    if type(places) is not list or len(places) > MAX_WORLD_SIZE:
+        raise ProtocolViolation(f"LookupReply.places: a list of at most {MAX_WORLD_SIZE} ranks' places")
+    for r, rank in enumerate(places):
+        if type(rank) is not list or len(rank) > MAX_ITEMS:
+            raise ProtocolViolation(f"LookupReply.places[{r}]: a list of at most {MAX_ITEMS} entries' places")
+        for i, p in enumerate(rank):
+            if (type(p) is not list or len(p) != 3 or type(p[0]) is not int or type(p[1]) is not int
+                    or p[1] < 0 or type(p[2]) is not list or not p[2] or len(p[2]) % 2
+                    or not all(type(x) is int and x >= 0 for x in p[2])):
+                raise ProtocolViolation(f"LookupReply.places[{r}][{i}]: a place is [group_id, chunk_index, "
+                                        "[offset, length, ...]] with at least one extent")
 
 
 @dataclass(frozen=True, slots=True)
