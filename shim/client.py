@@ -6,11 +6,9 @@ Threading model
     write one frame and return its ``req_id``. Completions are collected by ``poll`` (non-blocking
     by default) or ``wait`` (bounded by ``timeout_s``). Every wait has a timeout.
 
-Cost per round trip
-    The socket is non-blocking after connect and timeouts are kept here, with one ``poll`` object
-    per connection: a request and its reply take three system calls (send, poll, recv). A socket
-    timeout would make CPython poll before every send and recv, and each call costs a few
-    microseconds, more on a VM: at ~100 us round trips the client's share is what shows.
+Transport
+    Connecting, framing, the non-blocking socket and its timeouts are ``hkvd.shim.client_socket.FrameSocket``'s
+    (a round trip is three system calls: send, poll, recv); this module is the requests and their completions.
 
 Failure model
     If the daemon goes away, every outstanding request completes with ``DaemonUnavailable`` and
@@ -28,16 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
+from hkvd.shim.client_socket import FrameSocket
 from hkvd.shim.daemon_port import DaemonPort
 from hkvd.shim.results import Completion, Result
-from hkvd.transport.codec import FrameDecoder, decode_body, encode
+from hkvd.transport.codec import encode
 from hkvd.transport.errors import (
     DaemonUnavailable,
     KVError,
@@ -46,16 +43,14 @@ from hkvd.transport.errors import (
     UnsupportedVersion,
     error_from_wire,
 )
-from hkvd.transport.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, control, events, kv
+from hkvd.transport.wire import PROTOCOL_VERSION, Message, control, events, kv
 from hkvd.transport.wire import peer as peer_wire
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 from hkvd.transport.wire.replies import REPLIES
 
-READ_BYTES = 1 << 16
 _REPLY_TYPES = frozenset(REPLIES.values())
-M = TypeVar("M", bound=Message)
 
 
 class DaemonClient(DaemonPort):
@@ -68,41 +63,27 @@ class DaemonClient(DaemonPort):
         self.timeout_s = timeout_s
         self.daemon_pid = 0
         self.server_id = ""
-        self._sock: socket.socket | None = None
-        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
+        self._conn = FrameSocket(socket_path, timeout_s, self._fail_outstanding)
         self._ids = itertools.count(1)
         self._outstanding: dict[int, type] = {}  # req_id -> the request's message type
         self._done: dict[int, Completion] = {}
         self._lock = threading.RLock()
-        self._poller = select.poll()
 
     # ---- connection ----------------------------------------------------------------------------
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        return self._conn.is_open
 
     def connect(self) -> None:
         with self._lock:
             self.close()
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
-            try:
-                sock.connect(self.socket_path)
-            except OSError as e:
-                sock.close()
-                raise DaemonUnavailable(f"cannot reach hkvd at {self.socket_path}: {e.strerror or e}; is "
-                                        "`hkvd serve` running with the same --socket?") from None
-            sock.setblocking(False)  # timeouts are ours from here on (see the module docstring)
-            self._sock = sock
-            self._poller = select.poll()
-            self._poller.register(sock, select.POLLIN)
-            self._decoder = FrameDecoder(DEFAULT_MAX_FRAME_BYTES)
+            self._conn.open()
             # If the daemon refused us and closed already, its reason is still in the socket.
             with contextlib.suppress(OSError):
-                self._send_bytes(encode(control.Hello(PROTOCOL_VERSION, self.client_name, self.role)))
-            ack = self._wait_message(control.HelloAck, self.timeout_s)
+                self._conn.send_bytes(encode(control.Hello(PROTOCOL_VERSION, self.client_name, self.role)))
+            ack = self._conn.wait_message(control.HelloAck, self.timeout_s)
             if ack.version != PROTOCOL_VERSION:  # a daemon refuses a client of another version before its ack
-                self._lost("protocol version mismatch")
+                self._conn.lost("protocol version mismatch")
                 raise UnsupportedVersion(f"hkvd at {self.socket_path} speaks protocol {ack.version}, this shim "
                                          f"{PROTOCOL_VERSION}; run the shim and hkvd serve from the same hkvd "
                                          "version")
@@ -111,11 +92,7 @@ class DaemonClient(DaemonPort):
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                try:
-                    self._sock.close()
-                finally:
-                    self._sock = None
+            self._conn.close()
             self._fail_outstanding("connection closed")
 
     def __enter__(self) -> DaemonClient:
@@ -194,8 +171,8 @@ class DaemonClient(DaemonPort):
 
     def release(self, lease_id: int) -> None:
         with self._lock:
-            self._require()
-            self._send(kv.Release(lease_id))
+            self._conn.require()
+            self._conn.send(kv.Release(lease_id))
 
     def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes],
             partial_keys: Sequence[bytes] = ()) -> None:
@@ -205,27 +182,27 @@ class DaemonClient(DaemonPort):
         msg = kv.Pin(session, tenant, float(ttl_s), list(keys), list(partial_keys))
         msg.validate()  # a bad pin is the caller's bug: raised here, never a connection the daemon drops
         with self._lock:
-            self._require()
-            self._send(msg)
+            self._conn.require()
+            self._conn.send(msg)
 
     def uncacheable(self, reason: str) -> None:
         """Tell the daemon a request was not cached because it could not be keyed (counted by reason)."""
         with self._lock:
-            self._require()
-            self._send(kv.Uncacheable(reason))
+            self._conn.require()
+            self._conn.send(kv.Uncacheable(reason))
 
     def abort(self, req_id: int) -> None:
         """Ask the daemon to drop job ``req_id``; its completion (its reply or Error) still arrives."""
         with self._lock:
-            self._require()
-            self._send(kv.Abort(req_id))
+            self._conn.require()
+            self._conn.send(kv.Abort(req_id))
 
     # ---- completions ---------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
         """Return the completions that arrived (waiting up to ``timeout_s`` for the first)."""
         with self._lock:
-            if not self._done and self._sock is not None:
-                self._read(timeout_s)
+            if not self._done and self._conn.is_open:
+                self._conn.read(timeout_s, self._on_message)
             out = list(self._done.values())
             self._done.clear()
             return out
@@ -248,109 +225,25 @@ class DaemonClient(DaemonPort):
                     for rid, c in got.items():  # keep what arrived for a later poll
                         self._done[rid] = c
                     raise KVTimeout(f"no reply from hkvd within {timeout_s:.1f} s for requests {sorted(want)}")
-                if self._sock is None:
+                if not self._conn.is_open:
                     for rid in want:  # already failed by _fail_outstanding, or never sent
                         got[rid] = Completion(rid, False, None, DaemonUnavailable("not connected to hkvd"))
                     return got
-                self._read(left)
+                self._conn.read(left, self._on_message)
 
     @property
     def outstanding(self) -> int:
         return len(self._outstanding)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _require(self) -> None:
-        if self._sock is None:
-            raise DaemonUnavailable(f"not connected to hkvd at {self.socket_path}")
-
     def _submit(self, make: Callable[[int], Message]) -> int:
         with self._lock:
-            self._require()
+            self._conn.require()
             req_id = next(self._ids)
             msg = make(req_id)
             self._outstanding[req_id] = type(msg)
-            self._send(msg)
+            self._conn.send(msg)
             return req_id
-
-    def _send(self, msg: Message) -> None:
-        try:
-            self._send_bytes(encode(msg))
-        except OSError as e:
-            self._lost(f"send failed: {e}")
-            raise DaemonUnavailable(f"lost the connection to hkvd: {e}") from None
-
-    def _send_bytes(self, data: bytes) -> None:
-        """Write all of ``data`` on the non-blocking socket; fail once the daemon has taken none of it for
-        ``timeout_s`` (a daemon that keeps reading a large frame, however slowly, is not cut off)."""
-        sock = self._sock
-        assert sock is not None
-        view = memoryview(data)
-        deadline = 0.0  # set when the socket is full, cleared by any progress
-        while view:
-            try:
-                view = view[sock.send(view):]
-                deadline = 0.0
-                continue
-            except BlockingIOError:
-                pass
-            now = time.monotonic()
-            deadline = deadline or now + self.timeout_s
-            writable = select.poll()  # never select(): vLLM's descriptors may number past 1023
-            writable.register(sock, select.POLLOUT)
-            if now >= deadline or not writable.poll((deadline - now) * 1000.0):
-                raise TimeoutError(f"hkvd read none of our bytes for {self.timeout_s:.1f} s")
-
-    def _read(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for bytes, then take every byte there is and dispatch its frames."""
-        sock = self._sock
-        assert sock is not None
-        try:
-            if not self._poller.poll(max(timeout_s, 0.0) * 1000.0):
-                return
-            while True:
-                try:
-                    data = sock.recv(READ_BYTES)
-                except BlockingIOError:
-                    return
-                if not data:
-                    self._lost("the daemon closed the connection")
-                    return
-                for body in self._decoder.feed(data):
-                    self._on_message(decode_body(body))
-                if self._sock is None:  # a connection-level Error made _on_message drop the link
-                    return
-                if len(data) < READ_BYTES:
-                    return  # the socket had no more: the next recv would only fail
-        except (OSError, KVError) as e:
-            self._lost(f"read failed: {e}")
-
-    def _wait_message(self, cls: type[M], timeout_s: float) -> M:
-        assert self._sock is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._lost("handshake timed out")
-                raise DaemonUnavailable(f"hkvd at {self.socket_path} did not answer Hello within {timeout_s} s")
-            if not self._poller.poll(left * 1000.0):
-                continue
-            try:
-                data = self._sock.recv(READ_BYTES)
-            except OSError as e:
-                self._lost(str(e))
-                raise DaemonUnavailable(f"hkvd closed the connection during the handshake: {e}") from None
-            if not data:
-                self._lost("closed during handshake")
-                raise DaemonUnavailable("hkvd closed the connection during the handshake")
-            for body in self._decoder.feed(data):
-                msg = decode_body(body)
-                if isinstance(msg, kv.Error):
-                    err = error_from_wire(msg.code, msg.message)
-                    self._lost(err.message)
-                    raise err
-                if isinstance(msg, cls):
-                    return msg
-                raise ProtocolViolation(f"expected {cls.__name__}, got {type(msg).__name__}")
 
     def _complete(self, req_id: int, result: Result | None, error: KVError | None = None) -> None:
         if self._outstanding.pop(req_id, None) is not None:
@@ -376,19 +269,11 @@ class DaemonClient(DaemonPort):
                 self._complete(msg.req_id, None, error_from_wire(msg.code, msg.message))
             case kv.Error():
                 # Not tied to a request of ours: a connection-level fault. Fail everything.
-                self._lost(f"hkvd reported: {error_from_wire(msg.code, msg.message)}")
+                self._conn.lost(f"hkvd reported: {error_from_wire(msg.code, msg.message)}")
             case kv.AbortAck():
                 pass
             case _:
                 pass
-
-    def _lost(self, why: str) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
-        self._fail_outstanding(why)
 
     def _fail_outstanding(self, why: str) -> None:
         for rid in list(self._outstanding):

@@ -161,7 +161,7 @@ def test_uncacheable_requests_are_counted_by_reason_and_bad_reasons_refused(daem
 def test_abort_after_unregister_is_answered_not_an_internal_error(daemon):
     eng = SyntheticEngine(daemon.socket_path, [GroupShape("full", 1, 4096)])
     with eng.client._lock:  # a frame the client API never sends on its own: Unregister, then an Abort
-        eng.client._send_bytes(encode(control.Unregister(91)))
+        eng.client._conn.send_bytes(encode(control.Unregister(91)))
     eng.client.abort(92)  # the snapshot ordering of the engine is gone; the abort is still answered
     st = eng.client.status()  # the connection keeps serving
     assert st["counters"].get("internal_errors", 0) == 0

@@ -187,8 +187,8 @@ def test_a_client_that_half_closes_still_gets_its_replies(daemon):
     items = eng.items(0, keys, first_block=1)
     eng.fill_random(0, [b for it in items for b in it.block_ids], seed=2)
     req = eng.client.submit_store(items)
-    assert eng.client._sock is not None
-    eng.client._sock.shutdown(socket.SHUT_WR)
+    assert eng.client._conn.sock is not None
+    eng.client._conn.sock.shutdown(socket.SHUT_WR)
     done = eng.client.wait([req], 30.0)[req]
     assert done.ok and done.result.stored == len(items)
     deadline = time.monotonic() + 10.0

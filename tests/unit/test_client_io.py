@@ -9,7 +9,6 @@ import contextlib
 import fcntl
 import os
 import resource
-import select
 import socket
 import threading
 import time
@@ -26,10 +25,7 @@ from hkvd.transport.wire import control
 def _client_on(sock: socket.socket, timeout_s: float = 5.0) -> DaemonClient:
     """A client wired to one end of a socketpair, as ``connect`` leaves it (non-blocking, polled)."""
     c = DaemonClient("/nonexistent", client_name="t", role="worker", timeout_s=timeout_s)
-    sock.setblocking(False)
-    c._sock = sock
-    c._poller = select.poll()
-    c._poller.register(sock, select.POLLIN)
+    c._conn.adopt(sock)
     return c
 
 
@@ -76,7 +72,7 @@ def _write_whole(a: socket.socket, b: socket.socket) -> None:
     t = threading.Thread(target=reader, daemon=True)
     t.start()
     try:
-        client._send_bytes(frame)
+        client._conn.send_bytes(frame)
         t.join(10)
     finally:
         a.close()  # a failed send still ends the reader (EOF)
@@ -90,7 +86,7 @@ def test_a_peer_that_never_reads_times_the_send_out() -> None:
     client = _client_on(a, timeout_s=0.3)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="read none of our bytes"):
-        client._send_bytes(os.urandom(16 << 20))  # fills both socket buffers, then waits 0.3 s for room
+        client._conn.send_bytes(os.urandom(16 << 20))  # fills both socket buffers, then waits 0.3 s for room
     assert time.monotonic() - t0 < 5
     a.close()
     b.close()

@@ -223,8 +223,9 @@ SHIM_TIERS: tuple[frozenset[str], ...] = (
     #    session pins asked for, tenant labels and the per-request timeline.
     frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
                "connector_stats", "verify", "sessions", "tenants", "timeline"}),
-    # 1. What the shim asks of its daemon (the port the client implements and the tests' fake stands in for).
-    frozenset({"daemon_port"}),
+    # 1. What the shim asks of its daemon (the port the client implements and the tests' fake stands in for);
+    #    the client's framed socket.
+    frozenset({"daemon_port", "client_socket"}),
     # 2. The daemon client, the engine spec, the step metadata, a request's states.
     frozenset({"client", "spec", "metadata", "request_state"}),
     # 3. What drives the client (the link, the worker's loads, the KV event feed); block tables into items;
