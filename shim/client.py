@@ -63,6 +63,8 @@ class DaemonClient(DaemonPort):
         self.timeout_s = timeout_s
         self.daemon_pid = 0
         self.server_id = ""
+        self.pool: list[int] = []  # HelloAck.pool: the daemon's pool offered for in-step loads ([fd, size])
+        self.mapped_pool = ""  # set before register(): the daemon whose pool this process mapped (hkvd.shim.pool_reads)
         self._conn = FrameSocket(socket_path, timeout_s, self._fail_outstanding)
         self._ids = itertools.count(1)
         self._outstanding: dict[int, type] = {}  # req_id -> the request's message type
@@ -89,6 +91,7 @@ class DaemonClient(DaemonPort):
                                          "version")
             self.daemon_pid = ack.daemon_pid
             self.server_id = ack.server_id
+            self.pool = list(ack.pool)
 
     def close(self) -> None:
         with self._lock:
@@ -104,7 +107,7 @@ class DaemonClient(DaemonPort):
 
     # ---- blocking control calls (registration time, tools) -------------------------------------
     def register(self, spec: EngineSpec) -> control.RegisterAck:
-        req = self._submit(lambda r: control.Register(r, spec.to_wire()))
+        req = self._submit(lambda r: control.Register(r, spec.to_wire(), self.mapped_pool))
         c = self.wait([req], self.timeout_s)[req]
         if c.error is not None:
             raise c.error
@@ -124,11 +127,12 @@ class DaemonClient(DaemonPort):
 
     # ---- non-blocking submits ------------------------------------------------------------------
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True,
-                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False) -> int:
+                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False, places: bool = False) -> int:
         """``tails``: (chunk index, key) of partial chunks that may end the hit, longest first; only to a
         daemon whose RegisterAck says ``lookup_tails``. ``ends``: ask for the turn ends the daemon knows
-        (``LookupReply.ends``); only to a daemon whose RegisterAck says ``turn_ends``."""
-        return self._submit(lambda r: kv.Lookup(r, list(keys), lease, [[j, k] for j, k in tails], ends))
+        (``LookupReply.ends``); only to a daemon whose RegisterAck says ``turn_ends``. ``places``: ask where a
+        leased hit lies in the pool (``LookupReply.places``, in-step loads); only to one that says ``in_step``."""
+        return self._submit(lambda r: kv.Lookup(r, list(keys), lease, [[j, k] for j, k in tails], ends, places))
 
     def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"",
                      notes: Sequence[BlockNote] | None = None, tenant: str = "", turn_end: int = 0) -> int:

@@ -64,7 +64,8 @@ FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_by
           "lookups_deferred", "load_settles_won", "load_settle_seconds", "loads_reported_early",
           "verify_sampled", "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences",
           "verify_missing", "verify_boundary_states",
-          "verify_max_error", "verify_max_error_full", "verify_max_error_swa", "pins_sent", "pins_refused")
+          "verify_max_error", "verify_max_error_full", "verify_max_error_swa", "pins_sent", "pins_refused",
+          "in_step_loads")
 # Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
 MAX_FIELDS = frozenset({"verify_max_error", "verify_max_error_full", "verify_max_error_swa"})
 
@@ -96,6 +97,8 @@ class HkvdConnectorStats(KVConnectorStats):
                 "lookups_deferred": int(d.get("lookups_deferred", 0)),
                 "load_settles_won": int(d.get("load_settles_won", 0)),
                 "loads_reported_early": int(d.get("loads_reported_early", 0))}
+        if d.get("in_step_loads", 0):
+            out["in_step_loads"] = int(d["in_step_loads"])
         if d.get("verify_sampled", 0) or d.get("verifies", 0) or d.get("verifies_failed", 0):  # only when some ran
             out.update({k: int(d.get(k, 0)) for k in ("verify_sampled", "verify_checks", "verify_matches",
                                                       "verify_divergences", "verify_missing", "verifies_failed")})
@@ -133,6 +136,8 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
     "load_settle_seconds": "Seconds the worker waited at steps' ends for loads about to end",
     "loads_reported_early": "Loads the scheduler reported once hkvd said every rank's copy was in, before any "
                             "worker read its reply (early_load_reports)",
+    "in_step_loads": "Hits the engine copied from hkvd's pool before the forward of the step that planned them "
+                     "(in_step_loads; counted by every rank)",
     "verify_sampled": "Requests with an hkvd hit computed instead of loaded, to be checked (verify_fraction)",
     "verifies": "Sampled hits' Verify requests hkvd answered",
     "verifies_failed": "Sampled hits' Verify requests that got an error (nothing compared; the request is unaffected)",

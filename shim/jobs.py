@@ -16,6 +16,7 @@ block) never appears in an item.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hkvd.transport.wire.block_notes import BlockNote
 from hkvd.transport.wire.kv import Item
@@ -36,7 +37,8 @@ class PullSpec:
 
 @dataclass(slots=True)
 class LoadJob:
-    """A load, done in this step's ``start_load_kv`` while its request waits (WAITING_FOR_REMOTE_KVS)."""
+    """A load: a Retrieve in this step's ``start_load_kv`` while its request waits (WAITING_FOR_REMOTE_KVS),
+    or, with ``places``, the worker's own copy before this step's forward."""
 
     req_id: str
     lease_id: int
@@ -45,6 +47,10 @@ class LoadJob:
     block_ids: list[int]
     # Prefill/decode: pull these chunks from the prefill engine's daemon first (hkvd.shim.pd).
     pull: PullSpec | None = None
+    # An in-step load (hkvd.shim.pool_reads): per rank, ``[group_id, chunk_index, extents]`` of every entry
+    # in the pool of the daemon ``pool``; the worker copies them in handle_preemptions. None: a Retrieve.
+    places: list[Any] | None = None
+    pool: str = ""
 
 
 @dataclass(slots=True)

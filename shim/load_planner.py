@@ -3,8 +3,9 @@
 
 Role
     ``LoadPlanner`` is the one home of a hit's load on the scheduler side. Once the record is answered it
-    tells vLLM how many tokens come from outside and how (``matched``: asynchronous, so the request waits in
-    WAITING_FOR_REMOTE_KVS; nothing for a hit sampled for verification, ``hkvd.shim.verify``); once vLLM
+    tells vLLM how many tokens come from outside and how (``matched``: in the step, when the daemon placed the
+    hit in its pool for workers that map it, ``hkvd.shim.pool_reads``; else asynchronous, so the request waits
+    in WAITING_FOR_REMOTE_KVS; nothing for a hit sampled for verification, ``hkvd.shim.verify``); once vLLM
     allocated the request's blocks it turns the hit into a ``LoadJob`` for the workers (``allocated``;
     ``hkvd.shim.plans.load_items``), or releases the lease of a hit vLLM's own cache covered; it watches the
     lease a host-memory load retrieves under (``early_load_reports``) and reports the load finished to vLLM
@@ -14,6 +15,9 @@ Threading
     vLLM's scheduler thread only; watch replies are read by the scheduler side's polls.
 
 Contracts
+    - An in-step load is promised to vLLM as computed tokens: it is never reported, its lease is released
+      once the step that copies it has run, and the worker has no way to fail it (its failure is a bug: the
+      worker reports its blocks as load errors, which vLLM takes for a model of one KV-cache group only).
     - A load is reported to vLLM once (``LoadReports``); a failed one (``failed_recving``) fails the
       record: vLLM recomputes it and it is never offered an external hit again.
     - A load plan that names vLLM's null block (a window starting mid-chunk) or that the state machine
@@ -23,14 +27,16 @@ Contracts
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from hkvd.shim import plans, verify
 from hkvd.shim.jobs import LoadJob
-from hkvd.shim.request_state import Event, LoadReports, RequestRecord
+from hkvd.shim.request_state import Event, LoadReports, RequestRecord, State
 from hkvd.shim.results import Completion
 from hkvd.shim.scheduler_context import SchedulerContext
+from hkvd.transport.wire.kv import Item
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -47,11 +53,13 @@ class LoadPlanner:
         self.reports = LoadReports()  # the one source of "load finished" (workers' reports, lease watches)
         self._jobs: list[LoadJob] = []  # planned since the last step's metadata
         self._said_no_verify = False  # warned that the daemon compares no sampled hits
+        self._builds = 0  # step metadata built so far (take_jobs)
+        self._in_step_leases: deque[tuple[int, int]] = deque()  # (builds when planned, lease) of in-step loads
 
     # ---- what vLLM loads ----------------------------------------------------------------------
     def matched(self, request: Request, st: RequestRecord, num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens for an answered record beyond vLLM's own ``num_computed_tokens``, and whether they
-        load asynchronously (always: see the scheduler side's Contracts)."""
+        load asynchronously (see the scheduler side's Contracts)."""
         ctx = self.ctx
         hit_tokens = st.hit_tokens(ctx.chunk_size)
         if hit_tokens <= num_computed_tokens:
@@ -69,7 +77,15 @@ class LoadPlanner:
             st.verify_from = -(-num_computed_tokens // ctx.chunk_size)  # chunks vLLM's own cache holds whole
             return 0, False
         st.verify_from = st.verify_upto = 0
-        return hit_tokens - num_computed_tokens, True
+        st.in_step = self._in_step(st)
+        return hit_tokens - num_computed_tokens, not st.in_step
+
+    def _in_step(self, st: RequestRecord) -> bool:
+        """Whether the hit loads in the step that plans it (``hkvd.shim.pool_reads``): the daemon placed it in
+        its pool under the record's lease, and most of that lease's time is left (the lease keeps the
+        entries; the worker copies them before this step's forward)."""
+        return (st.places is not None and st.pull is None and st.state is State.LOOKED_UP
+                and st.lease_id == st.places_lease and time.monotonic() < st.lease_until)
 
     def _daemon_verifies(self) -> bool:
         """Whether the daemon compares sampled hits (``RegisterAck.verify``); an older one does not, and is told
@@ -107,6 +123,9 @@ class LoadPlanner:
         items, bad = plans.load_items(ctx.groups, keys, n, st.hit_tokens(ctx.chunk_size) - num_external_tokens,
                                       blocks.get_block_ids(), ctx.chunk_size)
         all_blocks = sorted({b for it in items for b in it.block_ids if b})
+        if st.in_step:
+            self._in_step_job(request, st, items, all_blocks, num_external_tokens)
+            return
         if bad:
             logger.warning("hkvd: load plan for %s names vLLM's null block (window starts mid-chunk?); "
                            "recomputing it", request.request_id)
@@ -125,9 +144,35 @@ class LoadPlanner:
         ctx.stats["load_jobs"] += 1
         ctx.stats["hit_tokens"] += num_external_tokens
 
+    def _in_step_job(self, request: Request, st: RequestRecord, items: list[Item], all_blocks: list[int],
+                     num_external_tokens: int) -> None:
+        """The worker copies the hit before this step's forward: vLLM counts its tokens computed already. A
+        sliding window's null blocks are skipped (``pool_reads.copy_in_step``); the lease is released once the
+        step that copies has run (``in_step_ran``)."""
+        ctx = self.ctx
+        ctx.fire(st, Event.LOADED_IN_STEP)
+        self._jobs.append(LoadJob(request.request_id, st.lease_id, items, all_blocks, places=st.places,
+                                  pool=st.places_pool))
+        self._in_step_leases.append((self._builds + 1, st.lease_id))  # in the metadata built next
+        ctx.timeline.note(request.request_id, "load_planned")
+        st.lease_used, st.places = True, None
+        st.next_store_chunk = max(st.next_store_chunk, st.held_chunks)
+        ctx.stats["load_jobs"] += 1
+        ctx.stats["in_step_loads"] += 1
+        ctx.stats["hit_tokens"] += num_external_tokens
+
+    def in_step_ran(self) -> None:
+        """A step's output came back: release the leases of in-step loads in the metadata built before the last
+        one (under async scheduling the last one may not have run yet; without it, a lease is held one step
+        longer than needed). An engine that stops stepping leaves its last leases to expire."""
+        leases = self._in_step_leases
+        while leases and leases[0][0] < self._builds:
+            self.ctx.release(leases.popleft()[1])
+
     def take_jobs(self) -> list[LoadJob]:
         """The load jobs planned since the last call, for this step's metadata."""
         jobs, self._jobs = self._jobs, []
+        self._builds += 1
         return jobs
 
     # ---- lease watches and reports -------------------------------------------------------------
@@ -187,5 +232,7 @@ class LoadPlanner:
         return self.reports.awaiting_workers
 
     def forget(self) -> None:
-        """A new connection: the old one's watches never complete (the workers report those loads)."""
+        """A new connection: the old one's watches never complete (the workers report those loads), and its
+        leases ended with it."""
         self.watches.clear()
+        self._in_step_leases.clear()

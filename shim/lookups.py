@@ -77,7 +77,8 @@ class Lookups:
             ack = ctx.link.ack
             ends = bool(ack is not None and ack.turn_ends and ctx.cfg.turn_end_states and not st.ends_retried
                         and self._tails_apply(st))
-            return port.submit_lookup(keys[:n], lease=True, tails=sent, ends=ends), tails
+            places = bool(ack is not None and ack.in_step and ctx.cfg.in_step_loads)
+            return port.submit_lookup(keys[:n], lease=True, tails=sent, ends=ends, places=places), tails
 
         try:
             rid, tails = submit(port)
@@ -194,6 +195,10 @@ class Lookups:
             self.submit(st)
             return
         st.hit_chunks, st.lease_id = found.hit_chunks, found.lease_id
+        st.places = found.places or None  # a probe's partial hit, later, has a lease of its own: then unused
+        st.places_pool = ctx.link.client.server_id if ctx.link.client is not None else ""
+        st.places_lease = found.lease_id
+        st.lease_until = st.lookup_sent_at + found.lease_ttl_s * (1.0 - ctx.cfg.in_step_lease_margin)
         if found.tail:
             ctx.answer(st, found.hit_chunks, tails[found.tail - 1])
         elif not self._probe(st, tried={pos for pos, _ in tails}):

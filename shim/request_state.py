@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hkvd.shim.jobs import PullSpec
 from hkvd.shim.sessions import PinAsk
@@ -64,6 +64,7 @@ class Event(enum.Enum):
     ASKED_AGAIN = "asked again after its lease was spent"  # get_num_new_matched_tokens after a preemption
     ALLOCATED = "allocated without a load"  # update_state_after_alloc, nothing external to load
     LOAD_PLANNED = "allocated with a load"  # update_state_after_alloc, a LoadJob planned
+    LOADED_IN_STEP = "allocated with an in-step load"  # update_state_after_alloc, copied before its forward
     LOAD_DONE = "load reported finished"  # LoadReports: the worker's report or the lease watch's
     LOAD_FAILED = "load reported failed"  # update_connector_output: failed_recving
     FINISHED = "finished"  # request_finished: nothing to wait for here
@@ -76,6 +77,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (_S.LOOKED_UP, _E.ANSWERED): _S.LOOKED_UP,  # a prefill/decode plan replaces a local lookup's answer
     (_S.LOOKED_UP, _E.ALLOCATED): _S.RUNNING,
     (_S.LOOKED_UP, _E.LOAD_PLANNED): _S.LOADING,
+    (_S.LOOKED_UP, _E.LOADED_IN_STEP): _S.RUNNING,  # the worker copies it before the step's forward
     (_S.LOADING, _E.LOAD_DONE): _S.LOADED,
     (_S.LOADING, _E.LOAD_FAILED): _S.FAILED,
     (_S.LOADED, _E.ALLOCATED): _S.RUNNING,  # vLLM schedules it once its load is reported
@@ -132,6 +134,13 @@ class RequestRecord:
     probe: Probe | None = None  # probes of positions inside the next chunk, after the whole-chunk answer
     lease_id: int = 0
     lease_used: bool = False  # the lease was spent: a load retrieves under it, or it was released
+    # In-step loads (hkvd.shim.pool_reads): the lookup reply's pool places of the leased hit, per rank, the
+    # daemon whose pool they are in, and until when (time.monotonic()) the lease surely holds. None: none.
+    places: list[Any] | None = None
+    places_pool: str = ""
+    places_lease: int = 0
+    lease_until: float = 0.0
+    in_step: bool = False  # what the last get_num_new_matched_tokens told vLLM: loaded in the step (synchronous)
     next_store_chunk: int = 0
     had_copies: bool = False  # stores or offers were planned: its free waits for the worker
     pd_checked: bool = False  # its kv_transfer_params were looked at (prefill/decode, hkvd.shim.pd)
@@ -168,10 +177,12 @@ class RequestRecord:
         self.state = to
         if to is State.LOOKUP:  # asked again: the old answer and its lease are spent
             self.hit_chunks, self.lookup_id, self.lease_id, self.lease_used = 0, None, 0, False
+            self.places = None
             self.verify_from = self.verify_upto = 0
             self.partial = None
         elif to is State.FAILED:  # recomputed from scratch: store it again (a new daemon lacks it)
             self.hit_chunks, self.lease_id, self.next_store_chunk, self.partial = 0, 0, 0, None
+            self.places = None
         return to
 
     def hit_tokens(self, chunk_size: int) -> int:

@@ -27,7 +27,10 @@ Contracts (vLLM 0.32 ``KVConnectorBase_V1``; see shared/reference/vllm-connector
     - ``get_num_new_matched_tokens`` is repeatable: it returns ``None`` while the lookup is in
       flight (at most ``lookup_timeout_s``, then a miss), afterwards the same answer. Hits are
       whole chunks (chunk_size is a multiple of vLLM's block size N, so block-aligned) and
-      never reach the last prompt token (vLLM must compute at least one token). Loads are
+      never reach the last prompt token (vLLM must compute at least one token). A hit the daemon
+      placed in its pool for workers that map it (``in_step_loads``, ``hkvd.shim.pool_reads``) is
+      synchronous (``False``): the workers copy it before the forward of the step that plans it,
+      and nothing reports it. Other loads are
       reported as asynchronous (``True``): the request waits in WAITING_FOR_REMOTE_KVS while
       the daemon loads its blocks and the other requests keep stepping (the worker's
       ``start_load_kv`` only submits), and the worker reports it finished (or failed) in
@@ -263,7 +266,7 @@ class SchedulerSide:
             self.lookups.plan_pull(request, st, self.kv_role)
         if not self.lookups.await_answer(st, self._pump):
             return None, False
-        return self.loads.matched(request, st, num_computed_tokens)  # async: see "Contracts" above
+        return self.loads.matched(request, st, num_computed_tokens)  # see "Contracts" above
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self.ctx.reqs.get(request.request_id)
@@ -299,6 +302,7 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         recving = self.loads.from_workers(output)  # vLLM must not hear a load a watch reported
+        self.loads.in_step_ran()
         self._pump()
         self.loads.report_early(recving)
         if self.timeline.on:

@@ -35,10 +35,11 @@ STRICT_ENV = "HKVD_STRICT_STATES"
 
 # The scheduler side's counters (reported through the connector's stats). lookups_deferred: passes over a
 # waiting request whose lookup's reply had not come yet. loads_reported_early: loads this side reported
-# finished before any worker did (lease watches).
+# finished before any worker did (lease watches). in_step_loads: hits the workers copy from the pool in the
+# step that plans them (hkvd.shim.pool_reads).
 STAT_NAMES = ("lookups", "lookups_deferred", "hit_tokens", "load_jobs", "store_items", "offer_items",
               "uncacheable", "notes", "loads_reported_early", "lookups_for_turn_ends", "verify_sampled",
-              "verify_items", "pins_sent", "pins_refused")
+              "verify_items", "pins_sent", "pins_refused", "in_step_loads")
 
 
 class SchedulerContext:

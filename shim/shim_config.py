@@ -54,6 +54,12 @@ class ShimConfig:
     # output is read after the next step has run, so a worker's report reaches the scheduler a step
     # later than this one. False: only the workers report loads.
     early_load_reports: bool = True
+    # In-step loads (hkvd.shim.pool_reads): a host engine that maps its daemon's pool copies a leased hit from
+    # the pool itself, before the forward of the step that plans it (vLLM's synchronous load: no step waits).
+    # Only while at least in_step_lease_margin of the lease's time is left; otherwise, and for GPU KV caches,
+    # prefill/decode pulls and hits the daemon does not place, the load is a Retrieve a step later.
+    in_step_loads: bool = False
+    in_step_lease_margin: float = 0.5
     fence_timeout_s: float = 10.0  # waiting for a copy out of a block about to be reused
     # Waiting, before a step's forward, for the Mamba/SWA state copies offered two steps earlier: the daemon
     # drops a state whose copy has not ended when the engine reports that step (docs/design.md,
@@ -123,6 +129,9 @@ class ShimConfig:
         if not 0.0 <= cfg.verify_fraction <= 1.0:  # NaN fails too
             raise ValueError(f"hkvd: verify_fraction={cfg.verify_fraction!r} must be in [0, 1] (0 = no sampled "
                              "verification, 0.01 = one hit in a hundred, 1 = every hit)")
+        if not 0.0 <= cfg.in_step_lease_margin < 1.0:
+            raise ValueError(f"hkvd: in_step_lease_margin={cfg.in_step_lease_margin!r} must be in [0, 1): the "
+                             "fraction of a lease's time that must be left to load its hit in the step (0.5)")
         if not 0.0 <= cfg.lookup_wait_fraction <= 1.0:
             raise ValueError("hkvd: lookup_wait_fraction must be in [0, 1] (0 = wait lookup_wait_s only)")
         for name in ("load_settle_max_s", "lookup_wait_s", "lookup_wait_max_s"):

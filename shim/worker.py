@@ -6,6 +6,11 @@ Role
     engine's KV memory with the daemon once (one region per distinct backing storage: host
     memory, or a CUDA IPC export through ``shim/gpu.py``; one view per layer), then per step:
 
+    0. In-step loads (``in_step_loads``, ``hkvd.shim.pool_reads``): a hit the daemon placed in its pool, which
+       this process maps read-only, is copied here, not retrieved: its Mamba/GDN states at the end of
+       ``handle_preemptions`` (align mode's ``preprocess_mamba`` copies them onward right after), its
+       attention blocks in ``start_load_kv``, which vLLM calls before the forward in a step with a synchronous
+       load (and after it zeroed the new attention blocks of a hybrid model). Nothing reports them.
     1. ``handle_preemptions`` (before vLLM zeroes this step's new blocks): fence. Copies still
        reading a block that this step allocates anew are waited for (``fence_timeout_s``,
        then aborted and treated as failed). So are the state copies of the step event two
@@ -65,6 +70,7 @@ from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.pd import PullLoads
+from hkvd.shim.pool_reads import PoolMaps, copy_in_step
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.results import Completion
 from hkvd.shim.shim_config import ShimConfig
@@ -73,6 +79,7 @@ from hkvd.shim.timeline import OFF, Timeline
 from hkvd.shim.verify import VerifyTally
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import DaemonUnavailable, KVTimeout
+from hkvd.transport.layout import GroupSpec
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.events import COPY_DEADLINE_STEPS, StepResult
 from hkvd.transport.wire.kv import RetrieveResult, StoreResult, VerifyResult
@@ -108,7 +115,11 @@ class WorkerSide:
         self._kv_cache_config = kv_cache_config
         self._regions: list[Region] = []
         self._layer_addr: dict[str, tuple[int, int, tuple[tuple[int, int], ...]]] = {}
-        self.link = DaemonLink(cfg, "worker", "vllm-worker", self._spec, on_connected=self._allow_daemon)
+        self.link = DaemonLink(cfg, "worker", "vllm-worker", self._spec, on_connected=self._connected)
+        self.pools = PoolMaps()  # the daemons' pools this process maps for in-step loads (hkvd.shim.pool_reads)
+        self._in_step_layout: tuple[dict[int, GroupSpec], dict[int, Region], int] | None = None
+        self._load_errors: set[int] = set()  # blocks of in-step loads that could not be copied (a bug)
+        self._in_step_failed: set[str] = set()  # this step's in-step loads whose first part failed
         self._gen = 0
         self._seq = 0
         self._jobs: dict[int, _Job] = {}
@@ -127,7 +138,7 @@ class WorkerSide:
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
                       "state_copy_waits": 0, "state_copy_timeouts": 0,
                       "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_seconds": 0.0,
-                      "boundary_verifies": 0}
+                      "boundary_verifies": 0, "in_step_loads": 0, "in_step_bytes": 0, "in_step_seconds": 0.0}
         self.verify = VerifyTally()  # sampled checks' results (Verify replies), for vLLM's connector stats
 
     # ---- registration --------------------------------------------------------------------------
@@ -141,10 +152,13 @@ class WorkerSide:
         return build_engine_spec(vllm_config, kv_cache_config, self.cfg, regions=self._regions,
                                  layer_addr=lambda name: self._layer_addr[name])
 
-    @staticmethod
-    def _allow_daemon(client: DaemonClient) -> None:
+    def _connected(self, client: DaemonClient) -> None:
+        """Before registering: let the daemon attach to this process, and map its pool when it offers it to a
+        host engine that asks for in-step loads (the registration then names the pool mapped)."""
         if client.daemon_pid:
             allow_ptracer(int(client.daemon_pid))
+        if self.cfg.in_step_loads and client.pool and self._regions and self._gpu is None:
+            client.mapped_pool = self.pools.map(int(client.daemon_pid), client.server_id, client.pool)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register every layer's KV memory: each tensor is checked against the place ``KVCacheConfig`` and
@@ -274,9 +288,18 @@ class WorkerSide:
         self._finishing.update(meta.delayed_free)
 
     def handle_preemptions(self, meta: HkvdConnectorMetadata) -> None:
+        """Fence the step's new blocks, then copy the Mamba/GDN states of its in-step loads into them: align
+        mode's ``preprocess_mamba`` copies a hit's state onward right after this hook. Their attention blocks
+        follow in ``start_load_kv``: in between, vLLM zeroes the attention blocks a synchronous load got
+        (hybrid models), and only an asynchronous load's are spared (``skip_zeroing_group_ids``)."""
         self.timeline.step = meta.step  # vLLM calls this before it binds the step's metadata
         self._pump()
         self._await_state_copies(meta.step)
+        self._fence(meta)
+        if any(job.places is not None for job in meta.loads):
+            self._copy_in_step(meta, states=True)
+
+    def _fence(self, meta: HkvdConnectorMetadata) -> None:
         if not meta.fence_blocks or not self._jobs:
             return
         hit = [rid for rid, j in self._jobs.items() if j.blocks & meta.fence_blocks]
@@ -334,16 +357,64 @@ class WorkerSide:
         except Exception as e:
             self._lost(e)
 
+    def _copy_in_step(self, meta: HkvdConnectorMetadata, states: bool) -> None:
+        """Copy the Mamba/GDN states (``states``) or the attention blocks of the step's in-step loads from the
+        mapped pool (``hkvd.shim.pool_reads``). Nothing can fail them but a bug (a pool no longer mapped, a place
+        out of bounds): their blocks are then reported as load errors, which vLLM recomputes for a model of one
+        KV-cache group and stops the engine for others, rather than run a forward over blocks not written."""
+        groups, regions, rank = self._layout_for_copies()
+        for job in meta.loads:
+            if job.places is None or job.req_id in self._in_step_failed:
+                continue
+            t0 = time.monotonic()
+            items = [it for it in job.items if (groups[it.group_id].kind == "mamba") is states]
+            if states:
+                self.timeline.note(job.req_id, "load_issued")
+            pool = self.pools.get(job.pool)
+            try:
+                if pool is None:
+                    raise ValueError(f"the pool of daemon {job.pool!r} is not mapped here")
+                if not 0 <= rank < len(job.places):
+                    raise ValueError(f"no places for rank {rank} ({len(job.places)} ranks placed)")
+                places = {(int(g), int(c)): ext for g, c, ext in job.places[rank]}
+                nbytes = copy_in_step(pool, items, places, groups, regions) if items else 0
+            except (ValueError, KeyError, TypeError) as e:
+                logger.error("hkvd worker: in-step load of %s could not be copied (%s); its %d blocks are reported "
+                             "as load errors", job.req_id, e, len(job.block_ids))
+                self._load_errors.update(job.block_ids)
+                self._in_step_failed.add(job.req_id)
+                self.timeline.note(job.req_id, "load_failed")
+                continue
+            self.stats["in_step_bytes"] += nbytes
+            self.stats["in_step_seconds"] += time.monotonic() - t0
+            if not states:
+                self.stats["in_step_loads"] += 1
+                self.timeline.note(job.req_id, "load_done")
+
+    def _layout_for_copies(self) -> tuple[dict[int, GroupSpec], dict[int, Region], int]:
+        if self._in_step_layout is None:
+            spec = self._spec()
+            self._in_step_layout = ({g.group_id: g for g in spec.groups},
+                                    {r.region_id: r for r in self._regions}, spec.rank)
+        return self._in_step_layout
+
     def start_load_kv(self) -> None:
         """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``).
 
         vLLM calls this after the forward for asynchronous loads. On CPU engines the forward's
-        threads hold every core, so a copy submitted before it would wait for its end anyway."""
+        threads hold every core, so a copy submitted before it would wait for its end anyway.
+        In-step loads are copied here (their attention blocks; their states went in ``handle_preemptions``):
+        vLLM calls this before the forward in a step with synchronous loads."""
         meta = self._meta
         if meta is None or not meta.loads:
             return
+        if any(job.places is not None for job in meta.loads):
+            self._copy_in_step(meta, states=False)  # before the forward: vLLM calls this first for sync loads
+            self._in_step_failed.clear()
         client = self._ensure()
         for job in meta.loads:
+            if job.places is not None:
+                continue
             if client is None:
                 self.loads.fail(job, "the daemon is unavailable")
                 continue
@@ -450,16 +521,22 @@ class WorkerSide:
         bytes stored, and the end-of-step waits for loads (``_settle``)."""
         loads = self.loads.stats
         return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
-                "loaded_bytes": loads["loaded_bytes"], "load_seconds": loads["load_seconds"],
+                "loaded_bytes": loads["loaded_bytes"] + self.stats["in_step_bytes"],
+                "load_seconds": loads["load_seconds"],
                 "stored_bytes": self.stats["stored_bytes"], "load_settles_won": self.stats["load_settles_won"],
                 "load_settle_seconds": self.stats["load_settle_seconds"],
+                "in_step_loads": self.stats["in_step_loads"],
                 "verify_boundary_states": self.stats["boundary_verifies"], **self.verify.totals}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # failed loads are reported per request (get_transfer_results)
+        """Blocks of in-step loads that could not be copied (a bug; see ``_copy_in_step``). Every other failed
+        load is reported per request (``get_transfer_results``)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def shutdown(self) -> None:
         self.link.close()
+        self.pools.close()
         self.timeline.close()
         if self._gpu is not None:
             self._gpu.close()

@@ -7,7 +7,8 @@ Role
 
     - ``lookup`` is answered at once with ``hit`` chunks (at most the keys sent) and ``lease_id``; with
       ``tail_held`` the lookup's first tail at its whole-chunk hit extends it (``Lookup.tails``); with
-      ``ends`` asked and no tail won, the reply names those turn ends (``Lookup.ends``). With
+      ``ends`` asked and no tail won, the reply names those turn ends (``Lookup.ends``); with ``places``
+      asked and set, a hit's reply carries them (``LookupReply.places``, in-step loads). With
       ``hold_lookups`` the replies wait for ``answer()`` (a busy daemon).
     - every other submit (retrieve, store, step, verify, pull, watch, events poll) waits for
       ``complete(rid, ok)`` (or ``fail(rid)``), whose result is the reply message of its kind (a test may
@@ -65,6 +66,9 @@ class FakeDaemon:
         self.statuses = 0
         self.event = b""  # the done event a RetrieveResult carries (GPU KV caches)
         self.retrieve_s = 0.0  # the daemon's own time a RetrieveResult reports (0: not measured)
+        self.places: list[Any] | None = None  # LookupReply.places for lookups that ask (in-step loads)
+        self.pool: list[int] = []  # HelloAck.pool
+        self.mapped_pool = ""
         self._next = first_id - 1
 
     # ---- what the test reads and drives -------------------------------------------------------
@@ -122,12 +126,14 @@ class FakeDaemon:
         return {"peer": {"advertise": self.advertise}}
 
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True,
-                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False) -> int:
+                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False, places: bool = False) -> int:
         rid = self._id("lookup", list(keys), list(tails), ends)
         hit = min(self.hit, len(keys))
         tail = next((i + 1 for i, (j, _) in enumerate(tails) if j == hit), 0) if self.tail_held else 0
         named = self.ends if ends and not tail else []
-        reply = Completion(rid, True, LookupReply(rid, hit + (tail > 0), self.lease_id, 30.0, tail, named), None)
+        placed = self.places if places and self.places is not None and hit else []
+        reply = Completion(rid, True, LookupReply(rid, hit + (tail > 0), self.lease_id, 30.0, tail, named,
+                                                  places=placed), None)
         if self.hold_lookups:
             self.held.append(reply)
         else:

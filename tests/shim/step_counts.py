@@ -14,7 +14,9 @@ Steps, never time: each event carries the number of the scheduler step it belong
 - so a hit takes ``FLOOR`` steps (1 plain, 2 async) when the reply is read in the step that issued the load, and
   one more per step the reply came later: never more.
 
-A request that loads nothing (a miss, or vLLM's own cache) runs its forward in its first scheduling: 0 steps.
+A request that loads nothing (a miss, or vLLM's own cache) runs its forward in its first scheduling: 0 steps; so
+does an in-step load (``in_step_loads``: planned, issued and copied in its first scheduling, never reported),
+counted under ``in_step``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def check(path: str, async_scheduling: bool) -> dict[str, Any]:
     hits: list[int] = []
     misses: list[int] = []
     late: list[int] = []
+    in_step: list[int] = []
     for req, events in by_req.items():
         first = timeline.firsts(events)
         steps = timeline.steps_to_forward(events)
@@ -48,6 +51,13 @@ def check(path: str, async_scheduling: bool) -> dict[str, Any]:
             misses.append(steps)
             continue
         assert at["load_planned"] == at["first_schedule"], f"{req}: the load was planned a step late: {at}"
+        if "load_reported" not in at and "load_done" in at and at["load_done"] == at["load_planned"]:
+            # An in-step load (in_step_loads): copied by the workers before the forward of the step that planned
+            # it, never reported: the request runs in its first scheduling, like a miss.
+            assert at.get("load_issued") == at["load_planned"], f"{req}: in-step load issued late: {at}"
+            assert steps == 0, f"{req}: an in-step load took {steps} steps to its first forward: {events}"
+            in_step.append(steps)
+            continue
         assert at.get("load_issued") == at["load_planned"], f"{req}: the worker did not issue the load in the " \
             f"step that planned it: {at}"
         read = at.get("load_done", at.get("load_failed"))
@@ -61,4 +71,4 @@ def check(path: str, async_scheduling: bool) -> dict[str, Any]:
             f"docs/design.md says {floor} (plus {slack} for a reply read that many steps late): {at}"
         hits.append(steps)
         late.append(slack)
-    return {"hits": hits, "misses": misses, "late_replies": late}
+    return {"hits": hits, "misses": misses, "late_replies": late, "in_step": in_step}

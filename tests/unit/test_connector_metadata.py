@@ -624,3 +624,67 @@ def test_a_bad_pin_runs_the_request_unpinned_with_one_warning(caplog: pytest.Log
     assert [len(s.items) for s in meta.stores] == [3]  # cached as usual
     assert sched.request_finished(req, TABLE) == (True, None)
     assert client.kinds("pin") == [] and sched.stats["pins_refused"] == 1
+
+
+def test_an_in_step_hit_is_synchronous_copied_before_the_forward_and_its_lease_released_after(tmp_path) -> None:
+    """With ``in_step_loads`` and a reply that places the hit in the daemon's pool, vLLM hears a synchronous load;
+    the worker copies the entries from its map of the pool in ``handle_preemptions``, submits no Retrieve and
+    reports nothing; the lease is released once a later step's output is in."""
+    import os
+
+    import numpy as np
+
+    from hkvd.transport import layout
+    from hkvd.transport.copy_engine import Region
+
+    cfg = ShimConfig(socket_path="/nonexistent/hkvd.sock", chunk_size=CHUNK, in_step_loads=True)
+    side = SchedulerSide(vllm_config(), kv_cache_config(), cfg)
+    page = kv_cache_config().kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    entry = 2 * page  # two blocks, one layer
+    client = FakeDaemon(hit=2, lease_id=77, server_id="daemon-1")
+    client.places = [[[0, 0, [entry, entry]], [0, 1, [0, entry]]]]  # rank 0: chunk 1 first in the pool
+    connect(side, client)
+    side.link.ack = RegisterAck(0, 1, b"f" * 16, side.chunk_size, 0, verify=True, lookup_tails=True, in_step=True)
+    req = Request("r9", list(range(100)), SamplingParams(max_tokens=4), None)
+
+    side.on_new_request(req)
+    assert client.kinds("lookup") and side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (TABLE,)), 2 * CHUNK)
+    assert side.ctx.reqs["r9"].state is State.RUNNING  # vLLM runs it in this very step
+    meta = side.build_connector_meta(scheduler_output(req, computed=2 * CHUNK, scheduled=100 - 2 * CHUNK))
+    [load] = meta.loads
+    assert (load.lease_id, load.places, load.pool, load.block_ids) == (77, client.places, "daemon-1", [1, 2, 3, 4])
+
+    fd = os.memfd_create("hkvd-test-pool", os.MFD_CLOEXEC)
+    try:
+        pool = np.random.default_rng(3).integers(0, 256, 4 * entry, dtype=np.uint8)
+        os.pwrite(fd, pool.tobytes(), 0)
+        kv = np.zeros(page * BLOCKS, dtype=np.uint8)
+        wclient = FakeDaemon(server_id="daemon-1")
+        w = worker(wclient)
+        w.pools.map(os.getpid(), "daemon-1", [fd, pool.nbytes])
+        region = Region(0, "host", kv.nbytes, int(kv.ctypes.data))
+        view = layout.View(0, 0, 1, page * BLOCKS, page, page)  # one layer, block b at b * page
+        w._in_step_layout = ({0: layout.GroupSpec(0, "full", BLOCK, 0, BLOCKS, "float16", (view,))}, {0: region}, 0)
+        shipped = pickle.loads(pickle.dumps(meta))
+        w.handle_preemptions(shipped)
+        assert not kv.any()  # attention blocks wait for start_load_kv (vLLM zeroes a sync load's blocks between)
+        w.bind(shipped)
+        w.start_load_kv()
+        # Chunk 0 (blocks 1, 2) from the pool's second entry, chunk 1 (blocks 3, 4) from its first.
+        assert np.array_equal(kv[page:3 * page], pool[entry:2 * entry])
+        assert np.array_equal(kv[3 * page:5 * page], pool[:entry])
+        assert not kv[:page].any() and not kv[5 * page:].any()
+        assert wclient.kinds("retrieve") == []
+        assert w.get_transfer_results(set())[1:] == (set(), set())
+        assert w.get_block_ids_with_load_errors() == set() and w.stats["in_step_loads"] == 1
+    finally:
+        w.pools.close()
+        os.close(fd)
+
+    output = SimpleNamespace(finished_recving=None, failed_recving=None, finished_sending=None)
+    side.update_connector_output(output)
+    assert client.released == []  # the metadata that carried it was built last: it may not have run yet
+    side.build_connector_meta(scheduler_output(req, computed=100, scheduled=1))
+    side.update_connector_output(output)
+    assert client.released == [77]

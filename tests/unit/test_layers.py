@@ -229,8 +229,9 @@ SHIM_TIERS: tuple[frozenset[str], ...] = (
     # 2. The daemon client, the engine spec, the step metadata, a request's states.
     frozenset({"client", "spec", "metadata", "request_state"}),
     # 3. What drives the client (the link, the worker's loads, the KV event feed); block tables into items;
-    #    partial chunks (keys and probes of hits inside a block); a request's chunk keys.
-    frozenset({"link", "loads", "kv_event_feed", "plans", "partial", "request_keys"}),
+    #    partial chunks (keys and probes of hits inside a block); a request's chunk keys; the worker's map of
+    #    the daemon's pool and its in-step copies.
+    frozenset({"link", "loads", "kv_event_feed", "plans", "partial", "request_keys", "pool_reads"}),
     # 4. Prefill/decode pulls (they end in loads); what the scheduler side's parts share.
     frozenset({"pd", "scheduler_context"}),
     # 5. The scheduler side's three parts: lookups, stores, loads.

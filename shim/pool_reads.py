@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""In-step loads: the engine's read-only map of its daemon's pool, and the copies it makes from it.
+
+Role
+    A daemon offers host engines its pool (``HelloAck.pool``: the memfd's number in the daemon and the
+    pool's size). ``PoolMaps.map`` opens it through ``/proc/<daemon pid>/fd/<n>`` and maps it read-only,
+    keyed by the daemon's server id; the worker then registers with ``mapped_pool`` set to that id, and the
+    daemon answers that engine world's leased lookups with the pool extents of every entry the hit loads
+    (``LookupReply.places``). ``copy_in_step`` copies a load's entries from the map into the engine's KV
+    blocks with ``memmove``, in ``handle_preemptions``: before vLLM's runner reads the blocks (the Mamba/GDN
+    state of align mode included: ``preprocess_mamba`` runs after it), in the step that planned the load.
+
+Why this cannot fail once planned
+    The daemon leased every entry named (it neither evicts nor rewrites them until the lease is used or
+    expires, and the scheduler side plans an in-step load only with most of the lease left); the map
+    stays valid when the daemon dies or stops, since the engine holds the memfd's pages itself. A map of
+    a daemon that is gone is kept until the next daemon's pool is mapped and a step no longer names it.
+
+Trust
+    Opening the memfd needs the access that reading the daemon's memory needs (the same user, or root):
+    such an engine reads every entry of the pool, not only its grants (docs/security.md, "In-step
+    loads"). Where the open fails, the worker says why once and every hit stays a ``Retrieve``.
+
+Threading
+    The worker's thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hkvd.transport import layout
+from hkvd.transport.copy_engine import Region
+from hkvd.transport.wire.kv import Item
+
+logger = logging.getLogger("hkvd.shim")
+
+KEEP_MAPS = 2  # the current daemon's pool and the one before it (loads planned just before a restart)
+
+
+@dataclass(slots=True)
+class PoolMap:
+    server_id: str
+    size: int
+    mm: mmap.mmap
+    view: Any  # a NumPy view of the map: its address; released before the map is closed
+    base: int  # the map's address in this process
+
+    def close(self) -> None:
+        self.view = None
+        self.mm.close()
+
+
+class PoolMaps:
+    """The pools this engine process mapped, newest last (at most ``KEEP_MAPS``)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, PoolMap] = {}
+        self._refused = False  # said once why the pool could not be mapped
+
+    def map(self, daemon_pid: int, server_id: str, offer: Sequence[int]) -> str:
+        """Map the pool ``offer`` (``[fd, size]`` in the daemon ``daemon_pid``) read-only: the server id to
+        register with (``Register.mapped_pool``), or "" when not offered or not mappable (said once)."""
+        if not offer or not server_id:
+            return ""
+        if server_id in self._maps:
+            return server_id
+        fd_num, size = int(offer[0]), int(offer[1])
+        path = f"/proc/{daemon_pid}/fd/{fd_num}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if not self._refused:
+                self._refused = True
+                logger.warning("hkvd worker: cannot map the daemon's pool (%s: %s): every hit loads through the "
+                               "daemon, a step later. Run the engine as the daemon's user (or root) for in-step "
+                               "loads (docs/security.md, \"In-step loads\")", path, e.strerror or e)
+            return ""
+        view = np.frombuffer(mm, dtype=np.uint8)  # ctypes' from_buffer wants a writable map
+        self._maps[server_id] = PoolMap(server_id, size, mm, view, int(view.ctypes.data))
+        while len(self._maps) > KEEP_MAPS:
+            self._maps.pop(next(iter(self._maps))).close()
+        logger.info("hkvd worker: mapped the daemon's pool read-only (%.1f GiB) for in-step loads", size / 2**30)
+        return server_id
+
+    def get(self, server_id: str) -> PoolMap | None:
+        return self._maps.get(server_id)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+
+
+def copy_in_step(pool: PoolMap, items: Iterable[Item], places: Mapping[tuple[int, int], Sequence[int]],
+                 groups: Mapping[int, layout.GroupSpec], regions: Mapping[int, Region]) -> int:
+    """Copy ``items`` from ``pool`` into the engine's blocks: bytes copied.
+
+    ``places``: (group id, chunk index) -> the entry's flat extents ``[offset, length, ...]`` in the pool
+    (this rank's, from the lookup reply). Every segment is checked against the pool's and its region's
+    bounds before any byte moves; ``ValueError`` names the first that is out of them (a daemon bug)."""
+    entries: list[tuple[layout.GroupSpec, list[int], list[tuple[int, int]]]] = []
+    for it in items:
+        flat = places.get((it.group_id, it.chunk_index))
+        if flat is None:
+            raise ValueError(f"no pool place for group {it.group_id} chunk {it.chunk_index}")
+        extents = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+        g = groups[it.group_id]
+        if 0 not in it.block_ids:
+            entries.append((g, list(it.block_ids), extents))
+            continue
+        if g.kind == "mamba":
+            raise ValueError(f"group {g.group_id}'s state block is vLLM's null block")
+        # A sliding window that starts inside the chunk: vLLM nulled the blocks below it, which no forward
+        # reads; the others get their part of the entry.
+        bb = g.block_bytes
+        entries.extend((g, [b], slice_extents(extents, k * bb, bb)) for k, b in enumerate(it.block_ids) if b)
+    segments = layout.segments_for_entries(entries)
+    for s in segments:
+        r = regions.get(s.region_id)
+        if (r is None or r.kind != "host" or s.nbytes <= 0 or s.region_offset < 0 or s.region_offset + s.nbytes > r.size
+                or s.pool_offset < 0 or s.pool_offset + s.nbytes > pool.size):
+            raise ValueError(f"hkvd: in-step copy out of bounds (region {s.region_id} +{s.region_offset}, pool "
+                             f"+{s.pool_offset}, {s.nbytes} bytes)")
+    moved = 0
+    memmove, base = ctypes.memmove, pool.base
+    for s in segments:
+        memmove(regions[s.region_id].addr + s.region_offset, base + s.pool_offset, s.nbytes)
+        moved += s.nbytes
+    return moved
+
+
+def slice_extents(extents: Sequence[tuple[int, int]], start: int, nbytes: int) -> list[tuple[int, int]]:
+    """The pool extents of logical bytes [start, start + nbytes) of an entry laid into ``extents``."""
+    out: list[tuple[int, int]] = []
+    pos, end = 0, start + nbytes
+    for off, length in extents:
+        lo, hi = max(start, pos), min(end, pos + length)
+        if lo < hi:
+            out.append((off + lo - pos, hi - lo))
+        pos += length
+        if pos >= end:
+            break
+    if sum(n for _, n in out) != nbytes:
+        raise ValueError(f"the entry's extents hold {pos} bytes, not [{start}, {end})")
+    return out
