@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tiny Gemma3, sliding windows, quick workload only)")
     ap.add_argument("--serving-rounds", type=int, default=None,
                     help="serving: rounds of runs, each run's figures pooled over them (default 3, 1 with --quick)")
+    ap.add_argument("--in-step-loads", action="store_true",
+                    help="long_context: hkvd's engine loads hits in the step that plans them (in_step_loads); "
+                         "the result is written as long_context_in_step.json")
     a = ap.parse_args(argv)
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
@@ -93,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("serving", "verify_cost"):
             kwargs["model"] = a.serving_model
             kwargs["rounds"] = a.serving_rounds
+        if name == "long_context" and a.in_step_loads:
+            kwargs["in_step_loads"] = True
         result = mod.run(**kwargs)
+        if kwargs.get("in_step_loads"):
+            name = f"{name}_in_step"
         payload = {"name": name, "quick": a.quick, "date": datetime.now(UTC).isoformat(timespec="seconds"),
                    "commit": git_commit(), "machine": machine(), "wall_s": time.perf_counter() - t0, **result}
         path = write_json(out, name, payload)

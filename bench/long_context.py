@@ -26,6 +26,9 @@ the request and everything after it), and the scheduler steps from ``first_sched
 the JSON holds them per prompt length (``breakdown``), and with matplotlib ``long_context_<model>.png`` stacks
 them beside the limit's and recompute's totals.
 
+``--in-step-loads``: the hkvd engine loads its hits in the step that plans them (``in_step_loads``; docs/design.md
+"In-step loads"), and the result goes to ``long_context_in_step.json``.
+
 Engine settings: prefix caching on, ``max_num_batched_tokens`` 8,192 (vLLM's default for offline use),
 chunk and block 128, ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (the tiny models declare 2,048 positions).
 """
@@ -173,7 +176,7 @@ def ratios(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any]:
+def run(quick: bool, hugepages: str = "auto", log: Any = print, in_step_loads: bool = False) -> dict[str, Any]:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -188,7 +191,7 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
         path = tiny.build(model, root)
         args = {"model": str(path), "block": BLOCK, "max_model_len": max(lengths) + 2 * BLOCK,
                 "max_num_batched_tokens": BATCHED_TOKENS, "retention": MODELS[model]["retention"],
-                "warmup_prompt": prompt(64, 999)}
+                "warmup_prompt": prompt(64, 999), "in_step_loads": in_step_loads}
         with Daemon("--chunk-size", str(BLOCK), pool_gb=1.0, hugepages=hugepages) as daemon:
             alone = Engine("alone", {**args, "socket": None}, Path(daemon.dir) / "alone.log")
             try:
@@ -217,6 +220,7 @@ def run(quick: bool, hugepages: str = "auto", log: Any = print) -> dict[str, Any
                 alone.close()
         out.append({"model": model, "rows": rows, "startup_s": {"alone": alone.startup_s, "hkvd": hkvd.startup_s}})
     return {"config": {"block": BLOCK, "suffix": SUFFIX, "max_num_batched_tokens": BATCHED_TOKENS,
+                       "in_step_loads": in_step_loads,
                        "samples": n_samples, "lengths": list(lengths), "omp_bind": _omp_bind(), "targets": TARGETS},
             "models": out}
 

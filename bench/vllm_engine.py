@@ -33,12 +33,15 @@ from hkvd.shim.testing.vllm_cache import reset_prefix_cache
 def engine_kwargs(args: dict) -> dict:
     """``LLM``'s connector arguments for ``args["socket"]`` (none for a null socket): every hit loaded (the
     benches measure loads; sampled verification would recompute a random 1 %), and the connector's timeline
-    written to ``args["timeline"]`` where given."""
+    written to ``args["timeline"]`` where given; hits loaded in the step that plans them with
+    ``args["in_step_loads"]`` (docs/design.md, "In-step loads")."""
     if not args.get("socket"):
         return {}
     extra: dict = {"socket_path": args["socket"], "reconnect_interval_s": 0.5, "verify_fraction": 0.0}
     if args.get("timeline"):
         extra["timeline_path"] = args["timeline"]
+    if args.get("in_step_loads"):
+        extra["in_step_loads"] = True
     return {"kv_transfer_config": {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                                    "kv_role": "kv_both", "kv_connector_extra_config": extra}}
 

@@ -6,9 +6,11 @@ Role
     pool's size). ``PoolMaps.map`` opens it through ``/proc/<daemon pid>/fd/<n>`` and maps it read-only,
     keyed by the daemon's server id; the worker then registers with ``mapped_pool`` set to that id, and the
     daemon answers that engine world's leased lookups with the pool extents of every entry the hit loads
-    (``LookupReply.places``). ``copy_in_step`` copies a load's entries from the map into the engine's KV
-    blocks with ``memmove``, in ``handle_preemptions``: before vLLM's runner reads the blocks (the Mamba/GDN
-    state of align mode included: ``preprocess_mamba`` runs after it), in the step that planned the load.
+    (``LookupReply.places``). ``InStepLoads`` runs a worker's in-step loads: ``copy_in_step`` copies a load's
+    entries from the map into the engine's KV blocks with ``memmove``, in the step that planned the load, before
+    vLLM's runner reads them: the Mamba/GDN states in ``handle_preemptions`` (align mode's ``preprocess_mamba``
+    copies them onward right after it), the attention blocks in ``start_load_kv`` (vLLM zeroes a synchronous
+    load's new attention blocks of a hybrid model in between).
 
 Why this cannot fail once planned
     The daemon leased every entry named (it neither evicts nor rewrites them until the lease is used or
@@ -31,12 +33,15 @@ import ctypes
 import logging
 import mmap
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hkvd.shim.jobs import LoadJob
+from hkvd.shim.timeline import Timeline
 from hkvd.transport import layout
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.wire.kv import Item
@@ -102,6 +107,66 @@ class PoolMaps:
         for m in self._maps.values():
             m.close()
         self._maps.clear()
+
+
+Layout = tuple[dict[int, layout.GroupSpec], dict[int, Region], int]  # groups, regions, rank
+
+
+class InStepLoads:
+    """A worker's in-step loads: its pool maps, the copies of each step's loads, and the blocks of any that could
+    not be copied. ``layout`` gives this rank's registered groups, regions and rank (asked once)."""
+
+    def __init__(self, timeline: Timeline, layout_of: Callable[[], Layout]) -> None:
+        self.maps = PoolMaps()
+        self.timeline = timeline
+        self._layout_of = layout_of
+        self._layout: Layout | None = None
+        self._errors: set[int] = set()  # blocks of loads that could not be copied (a bug)
+        self._failed: set[str] = set()  # this step's loads whose states could not be copied
+        self.stats = {"in_step_loads": 0, "in_step_bytes": 0, "in_step_seconds": 0.0}
+
+    def copy(self, loads: Iterable[LoadJob], states: bool) -> None:
+        """Copy the Mamba/GDN states (``states``: in ``handle_preemptions``) or the attention blocks (in
+        ``start_load_kv``, which ends the step's copies) of the in-step ``loads``. Nothing can fail them but a
+        bug (a pool no longer mapped, a place out of bounds): their blocks are then load errors
+        (``take_errors``), which vLLM recomputes for a model of one KV-cache group and stops the engine for
+        others, rather than run a forward over blocks not written."""
+        if self._layout is None:
+            self._layout = self._layout_of()
+        groups, regions, rank = self._layout
+        for job in loads:
+            if job.places is None or job.req_id in self._failed:
+                continue
+            t0 = time.monotonic()
+            items = [it for it in job.items if (groups[it.group_id].kind == "mamba") is states]
+            if states:
+                self.timeline.note(job.req_id, "load_issued")
+            pool = self.maps.get(job.pool)
+            try:
+                if pool is None:
+                    raise ValueError(f"the pool of daemon {job.pool!r} is not mapped here")
+                if not 0 <= rank < len(job.places):
+                    raise ValueError(f"no places for rank {rank} ({len(job.places)} ranks placed)")
+                places = {(int(g), int(c)): ext for g, c, ext in job.places[rank]}
+                nbytes = copy_in_step(pool, items, places, groups, regions) if items else 0
+            except (ValueError, KeyError, TypeError) as e:
+                logger.error("hkvd worker: in-step load of %s could not be copied (%s); its %d blocks are reported "
+                             "as load errors", job.req_id, e, len(job.block_ids))
+                self._errors.update(job.block_ids)
+                self._failed.add(job.req_id)
+                self.timeline.note(job.req_id, "load_failed")
+                continue
+            self.stats["in_step_bytes"] += nbytes
+            self.stats["in_step_seconds"] += time.monotonic() - t0
+            if not states:
+                self.stats["in_step_loads"] += 1
+                self.timeline.note(job.req_id, "load_done")
+        if not states:
+            self._failed.clear()
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
 
 
 def copy_in_step(pool: PoolMap, items: Iterable[Item], places: Mapping[tuple[int, int], Sequence[int]],

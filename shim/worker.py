@@ -70,7 +70,7 @@ from hkvd.shim.link import DaemonLink
 from hkvd.shim.loads import Loads
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.pd import PullLoads
-from hkvd.shim.pool_reads import PoolMaps, copy_in_step
+from hkvd.shim.pool_reads import InStepLoads
 from hkvd.shim.ptrace import allow_ptracer
 from hkvd.shim.results import Completion
 from hkvd.shim.shim_config import ShimConfig
@@ -116,10 +116,6 @@ class WorkerSide:
         self._regions: list[Region] = []
         self._layer_addr: dict[str, tuple[int, int, tuple[tuple[int, int], ...]]] = {}
         self.link = DaemonLink(cfg, "worker", "vllm-worker", self._spec, on_connected=self._connected)
-        self.pools = PoolMaps()  # the daemons' pools this process maps for in-step loads (hkvd.shim.pool_reads)
-        self._in_step_layout: tuple[dict[int, GroupSpec], dict[int, Region], int] | None = None
-        self._load_errors: set[int] = set()  # blocks of in-step loads that could not be copied (a bug)
-        self._in_step_failed: set[str] = set()  # this step's in-step loads whose first part failed
         self._gen = 0
         self._seq = 0
         self._jobs: dict[int, _Job] = {}
@@ -138,7 +134,9 @@ class WorkerSide:
         self.stats = {"stores": 0, "stores_failed": 0, "step_events": 0, "fence_waits": 0, "fence_timeouts": 0,
                       "state_copy_waits": 0, "state_copy_timeouts": 0,
                       "stored_bytes": 0, "load_settles": 0, "load_settles_won": 0, "load_settle_seconds": 0.0,
-                      "boundary_verifies": 0, "in_step_loads": 0, "in_step_bytes": 0, "in_step_seconds": 0.0}
+                      "boundary_verifies": 0}
+        # In-step loads: the daemons' pools this process maps, and the copies from them (hkvd.shim.pool_reads).
+        self.in_step = InStepLoads(self.timeline, self._layout_for_copies)
         self.verify = VerifyTally()  # sampled checks' results (Verify replies), for vLLM's connector stats
 
     # ---- registration --------------------------------------------------------------------------
@@ -158,7 +156,7 @@ class WorkerSide:
         if client.daemon_pid:
             allow_ptracer(int(client.daemon_pid))
         if self.cfg.in_step_loads and client.pool and self._regions and self._gpu is None:
-            client.mapped_pool = self.pools.map(int(client.daemon_pid), client.server_id, client.pool)
+            client.mapped_pool = self.in_step.maps.map(int(client.daemon_pid), client.server_id, client.pool)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register every layer's KV memory: each tensor is checked against the place ``KVCacheConfig`` and
@@ -297,7 +295,7 @@ class WorkerSide:
         self._await_state_copies(meta.step)
         self._fence(meta)
         if any(job.places is not None for job in meta.loads):
-            self._copy_in_step(meta, states=True)
+            self.in_step.copy(meta.loads, states=True)
 
     def _fence(self, meta: HkvdConnectorMetadata) -> None:
         if not meta.fence_blocks or not self._jobs:
@@ -357,46 +355,10 @@ class WorkerSide:
         except Exception as e:
             self._lost(e)
 
-    def _copy_in_step(self, meta: HkvdConnectorMetadata, states: bool) -> None:
-        """Copy the Mamba/GDN states (``states``) or the attention blocks of the step's in-step loads from the
-        mapped pool (``hkvd.shim.pool_reads``). Nothing can fail them but a bug (a pool no longer mapped, a place
-        out of bounds): their blocks are then reported as load errors, which vLLM recomputes for a model of one
-        KV-cache group and stops the engine for others, rather than run a forward over blocks not written."""
-        groups, regions, rank = self._layout_for_copies()
-        for job in meta.loads:
-            if job.places is None or job.req_id in self._in_step_failed:
-                continue
-            t0 = time.monotonic()
-            items = [it for it in job.items if (groups[it.group_id].kind == "mamba") is states]
-            if states:
-                self.timeline.note(job.req_id, "load_issued")
-            pool = self.pools.get(job.pool)
-            try:
-                if pool is None:
-                    raise ValueError(f"the pool of daemon {job.pool!r} is not mapped here")
-                if not 0 <= rank < len(job.places):
-                    raise ValueError(f"no places for rank {rank} ({len(job.places)} ranks placed)")
-                places = {(int(g), int(c)): ext for g, c, ext in job.places[rank]}
-                nbytes = copy_in_step(pool, items, places, groups, regions) if items else 0
-            except (ValueError, KeyError, TypeError) as e:
-                logger.error("hkvd worker: in-step load of %s could not be copied (%s); its %d blocks are reported "
-                             "as load errors", job.req_id, e, len(job.block_ids))
-                self._load_errors.update(job.block_ids)
-                self._in_step_failed.add(job.req_id)
-                self.timeline.note(job.req_id, "load_failed")
-                continue
-            self.stats["in_step_bytes"] += nbytes
-            self.stats["in_step_seconds"] += time.monotonic() - t0
-            if not states:
-                self.stats["in_step_loads"] += 1
-                self.timeline.note(job.req_id, "load_done")
-
     def _layout_for_copies(self) -> tuple[dict[int, GroupSpec], dict[int, Region], int]:
-        if self._in_step_layout is None:
-            spec = self._spec()
-            self._in_step_layout = ({g.group_id: g for g in spec.groups},
-                                    {r.region_id: r for r in self._regions}, spec.rank)
-        return self._in_step_layout
+        """This rank's groups, regions and rank, as registered (for in-step copies)."""
+        spec = self._spec()
+        return {g.group_id: g for g in spec.groups}, {r.region_id: r for r in self._regions}, spec.rank
 
     def start_load_kv(self) -> None:
         """Submit the step's loads and return: their replies end them (``hkvd.shim.loads``).
@@ -409,8 +371,7 @@ class WorkerSide:
         if meta is None or not meta.loads:
             return
         if any(job.places is not None for job in meta.loads):
-            self._copy_in_step(meta, states=False)  # before the forward: vLLM calls this first for sync loads
-            self._in_step_failed.clear()
+            self.in_step.copy(meta.loads, states=False)  # before the forward: vLLM calls this first for sync loads
         client = self._ensure()
         for job in meta.loads:
             if job.places is not None:
@@ -521,22 +482,21 @@ class WorkerSide:
         bytes stored, and the end-of-step waits for loads (``_settle``)."""
         loads = self.loads.stats
         return {"loads_ok": loads["loads_ok"], "loads_failed": loads["loads_failed"],
-                "loaded_bytes": loads["loaded_bytes"] + self.stats["in_step_bytes"],
+                "loaded_bytes": loads["loaded_bytes"] + self.in_step.stats["in_step_bytes"],
                 "load_seconds": loads["load_seconds"],
                 "stored_bytes": self.stats["stored_bytes"], "load_settles_won": self.stats["load_settles_won"],
                 "load_settle_seconds": self.stats["load_settle_seconds"],
-                "in_step_loads": self.stats["in_step_loads"],
+                "in_step_loads": self.in_step.stats["in_step_loads"],
                 "verify_boundary_states": self.stats["boundary_verifies"], **self.verify.totals}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of in-step loads that could not be copied (a bug; see ``_copy_in_step``). Every other failed
+        """Blocks of in-step loads that could not be copied (a bug; ``InStepLoads.copy``). Every other failed
         load is reported per request (``get_transfer_results``)."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.in_step.take_errors()
 
     def shutdown(self) -> None:
         self.link.close()
-        self.pools.close()
+        self.in_step.maps.close()
         self.timeline.close()
         if self._gpu is not None:
             self._gpu.close()

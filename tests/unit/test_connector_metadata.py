@@ -662,10 +662,10 @@ def test_an_in_step_hit_is_synchronous_copied_before_the_forward_and_its_lease_r
         kv = np.zeros(page * BLOCKS, dtype=np.uint8)
         wclient = FakeDaemon(server_id="daemon-1")
         w = worker(wclient)
-        w.pools.map(os.getpid(), "daemon-1", [fd, pool.nbytes])
+        w.in_step.maps.map(os.getpid(), "daemon-1", [fd, pool.nbytes])
         region = Region(0, "host", kv.nbytes, int(kv.ctypes.data))
         view = layout.View(0, 0, 1, page * BLOCKS, page, page)  # one layer, block b at b * page
-        w._in_step_layout = ({0: layout.GroupSpec(0, "full", BLOCK, 0, BLOCKS, "float16", (view,))}, {0: region}, 0)
+        w.in_step._layout = ({0: layout.GroupSpec(0, "full", BLOCK, 0, BLOCKS, "float16", (view,))}, {0: region}, 0)
         shipped = pickle.loads(pickle.dumps(meta))
         w.handle_preemptions(shipped)
         assert not kv.any()  # attention blocks wait for start_load_kv (vLLM zeroes a sync load's blocks between)
@@ -677,9 +677,9 @@ def test_an_in_step_hit_is_synchronous_copied_before_the_forward_and_its_lease_r
         assert not kv[:page].any() and not kv[5 * page:].any()
         assert wclient.kinds("retrieve") == []
         assert w.get_transfer_results(set())[1:] == (set(), set())
-        assert w.get_block_ids_with_load_errors() == set() and w.stats["in_step_loads"] == 1
+        assert w.get_block_ids_with_load_errors() == set() and w.in_step.stats["in_step_loads"] == 1
     finally:
-        w.pools.close()
+        w.in_step.maps.close()
         os.close(fd)
 
     output = SimpleNamespace(finished_recving=None, failed_recving=None, finished_sending=None)
