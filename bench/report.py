@@ -38,8 +38,9 @@ def body(mod: Any, result: dict[str, Any]) -> str:
 def section(payload: dict[str, Any]) -> str:
     name = payload["name"]
     kind = "quick run" if payload.get("quick") else "full run"
+    module = importlib.import_module(f"bench.{payload.get('bench', name)}")  # a variant names its bench
     return (f"### {name}\n\n{payload['date'][:10]}, {kind}, {_machine(payload.get('machine', {}))}; "
-            f"file `bench/results/{name}.json`.\n\n{body(importlib.import_module(f'bench.{name}'), payload)}")
+            f"file `bench/results/{name}.json`.\n\n{body(module, payload)}")
 
 
 def render(results: Path) -> str:
