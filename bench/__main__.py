@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         bench_name = name
         if kwargs.get("in_step_loads"):
             name = f"{name}_in_step"
-        payload = {"name": name, "bench": bench_name, "quick": a.quick, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                   "commit": git_commit(), "machine": machine(), "wall_s": time.perf_counter() - t0, **result}
+        payload = {"name": name, "bench": bench_name, "quick": a.quick,
+                   "date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": git_commit(),
+                   "machine": machine(), "wall_s": time.perf_counter() - t0, **result}
         path = write_json(out, name, payload)
         print(f"  wrote {path} ({payload['wall_s']:.1f} s)")
         if plt is not None:

@@ -34,7 +34,9 @@ compared across runs: batches follow arrival times, and a random-weight model's 
 greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
 checks hkvd's outputs token for token.
 
-``HKVD_BENCH_VERIFY_FRACTION`` sets the hkvd run's ``verify_fraction`` (default 0 here: every hit loaded; the
+``HKVD_BENCH_IN_STEP=1`` has the hkvd run load its hits in the step that plans them (``in_step_loads``,
+docs/design.md "In-step loads"; recorded in the config). ``HKVD_BENCH_VERIFY_FRACTION`` sets the hkvd run's
+``verify_fraction`` (default 0 here: every hit loaded; the
 daemon's verify counts then come with the run; recorded in the config). ``HKVD_BENCH_DAEMON_ARGS`` adds ``hkvd serve``
 arguments to the hkvd runs (recorded in the config). ``HKVD_BENCH_VLLM_ARGS`` adds
 ``vllm serve`` arguments to every run (recorded in the config). vLLM
@@ -246,7 +248,8 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
                 kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                           "require_daemon": True,
-                                                                          "verify_fraction": verify_fraction()}}
+                                                                          "verify_fraction": verify_fraction(),
+                                                                          "in_step_loads": in_step_loads()}}
                 res = serve(kv, also=[daemon.proc.pid] if daemon.proc is not None else [])
                 status = daemon.status()
                 res["daemon"] = {k: status["index"][k] for k in ("entries", "bytes_stored", "evictions",
@@ -281,6 +284,11 @@ def _block_counting(model: BenchModel) -> str:
         return (f"full attention, and as many per sliding-window group up to {model.window_cap()} per request, "
                 "no Mamba groups")
     return "attention, and 2 per Mamba group per request"
+
+
+def in_step_loads() -> bool:
+    """``HKVD_BENCH_IN_STEP=1``: the hkvd run loads its hits in the step that plans them (``in_step_loads``)."""
+    return os.environ.get("HKVD_BENCH_IN_STEP", "0") == "1"
 
 
 def verify_fraction() -> float:
@@ -371,7 +379,7 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
                          "kv_blocks": blocks, "max_model_len": max_len, "rounds": rounds,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
                          "extra_vllm_args": extra_vllm_args(), "extra_daemon_args": extra_daemon_args(),
-                         "verify_fraction": verify_fraction()},
+                         "verify_fraction": verify_fraction(), "in_step_loads": in_step_loads()},
               "runs": runs, "ratios": ratios(runs),
               # each round's runs carry their own per-turn figures
               "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}
