@@ -33,7 +33,6 @@ import ctypes
 import logging
 import mmap
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,8 @@ import numpy as np
 from hkvd.shim.jobs import LoadJob
 from hkvd.shim.timeline import Timeline
 from hkvd.transport import layout
-from hkvd.transport.copy_engine import Region
+from hkvd.transport.copy_engine import Region, host_iovecs
+from hkvd.transport.errors import CopyFailedError
 from hkvd.transport.wire.kv import Item
 
 logger = logging.getLogger("hkvd.shim")
@@ -123,7 +123,7 @@ class InStepLoads:
         self._layout: Layout | None = None
         self._errors: set[int] = set()  # blocks of loads that could not be copied (a bug)
         self._failed: set[str] = set()  # this step's loads whose states could not be copied
-        self.stats = {"in_step_loads": 0, "in_step_bytes": 0, "in_step_seconds": 0.0}
+        self.stats = {"in_step_loads": 0, "in_step_bytes": 0}
 
     def copy(self, loads: Iterable[LoadJob], states: bool) -> None:
         """Copy the Mamba/GDN states (``states``: in ``handle_preemptions``) or the attention blocks (in
@@ -137,7 +137,6 @@ class InStepLoads:
         for job in loads:
             if job.places is None or job.req_id in self._failed:
                 continue
-            t0 = time.monotonic()
             items = [it for it in job.items if (groups[it.group_id].kind == "mamba") is states]
             if states:
                 self.timeline.note(job.req_id, "load_issued")
@@ -157,7 +156,6 @@ class InStepLoads:
                 self.timeline.note(job.req_id, "load_failed")
                 continue
             self.stats["in_step_bytes"] += nbytes
-            self.stats["in_step_seconds"] += time.monotonic() - t0
             if not states:
                 self.stats["in_step_loads"] += 1
                 self.timeline.note(job.req_id, "load_done")
@@ -175,7 +173,8 @@ def copy_in_step(pool: PoolMap, items: Iterable[Item], places: Mapping[tuple[int
 
     ``places``: (group id, chunk index) -> the entry's flat extents ``[offset, length, ...]`` in the pool
     (this rank's, from the lookup reply). Every segment is checked against the pool's and its region's
-    bounds before any byte moves; ``ValueError`` names the first that is out of them (a daemon bug)."""
+    bounds before any byte moves, as the daemon's host copy engine checks them (``host_iovecs``);
+    ``ValueError`` names the first that is out of them (a daemon bug)."""
     entries: list[tuple[layout.GroupSpec, list[int], list[tuple[int, int]]]] = []
     for it in items:
         flat = places.get((it.group_id, it.chunk_index))
@@ -192,19 +191,16 @@ def copy_in_step(pool: PoolMap, items: Iterable[Item], places: Mapping[tuple[int
         # reads; the others get their part of the entry.
         bb = g.block_bytes
         entries.extend((g, [b], slice_extents(extents, k * bb, bb)) for k, b in enumerate(it.block_ids) if b)
-    segments = layout.segments_for_entries(entries)
-    for s in segments:
-        r = regions.get(s.region_id)
-        if (r is None or r.kind != "host" or s.nbytes <= 0 or s.region_offset < 0 or s.region_offset + s.nbytes > r.size
-                or s.pool_offset < 0 or s.pool_offset + s.nbytes > pool.size):
-            raise ValueError(f"hkvd: in-step copy out of bounds (region {s.region_id} +{s.region_offset}, pool "
-                             f"+{s.pool_offset}, {s.nbytes} bytes)")
-    moved = 0
-    memmove, base = ctypes.memmove, pool.base
-    for s in segments:
-        memmove(regions[s.region_id].addr + s.region_offset, base + s.pool_offset, s.nbytes)
-        moved += s.nbytes
-    return moved
+    if any(r.kind != "host" for r in regions.values()):
+        raise ValueError("in-step copy out of bounds: the engine's KV caches are not in host memory")
+    try:
+        local, remote, total = host_iovecs(layout.segments_for_entries(entries), regions, pool.base, pool.size)
+    except CopyFailedError as e:
+        raise ValueError(f"in-step copy out of bounds: {e.message}") from None
+    memmove = ctypes.memmove
+    for i in range(0, len(local), 2):
+        memmove(remote[i], local[i], local[i + 1])
+    return total
 
 
 def slice_extents(extents: Sequence[tuple[int, int]], start: int, nbytes: int) -> list[tuple[int, int]]:

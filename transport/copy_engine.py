@@ -35,11 +35,11 @@ from __future__ import annotations
 import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Self
 
-from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.errors import CopyFailedError, ProtocolViolation
 
 
 class EngineProcess(Protocol):
@@ -77,6 +77,31 @@ class Segment:
     region_offset: int
     pool_offset: int
     nbytes: int
+
+
+def host_iovecs(segments: list[Segment], regions: Mapping[int, Region], pool_base: int,
+                pool_size: int) -> tuple[list[int], list[int], int]:
+    """Check every segment against its host region and the pool, then the flat ``(pool, engine, bytes)``
+    address lists of a host copy: ``[base0, len0, base1, len1, ...]`` at ``pool_base`` in the pool, the same at
+    each region's ``addr`` in the engine. One pass; ``CopyFailedError`` before any address is used where a
+    segment names an unregistered region or leaves one, or the pool. Zero-length segments take no entry."""
+    local: list[int] = []
+    remote: list[int] = []
+    total = 0
+    for s in segments:
+        n, ro, po = s.nbytes, s.region_offset, s.pool_offset
+        region = regions.get(s.region_id)
+        if region is None:
+            raise CopyFailedError(f"segment names region {s.region_id}, which is not registered")
+        if n < 0 or ro < 0 or ro + n > region.size:
+            raise CopyFailedError(f"segment [{ro}, +{n}) leaves region {s.region_id} ({region.size} bytes)")
+        if po < 0 or po + n > pool_size:
+            raise CopyFailedError(f"segment [{po}, +{n}) leaves the pool ({pool_size} bytes)")
+        if n:
+            local += (pool_base + po, n)
+            remote += (region.addr + ro, n)
+            total += n
+    return local, remote, total
 
 
 class CopyResult(NamedTuple):

@@ -57,7 +57,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from hkvd.daemon.engines.client_process import ClientProcess, PinnedMemory
-from hkvd.transport.copy_engine import Attachment, CopyEngine, Direction, EngineProcess, Region, Segment
+from hkvd.transport.copy_engine import (
+    Attachment,
+    CopyEngine,
+    Direction,
+    EngineProcess,
+    Region,
+    Segment,
+    host_iovecs,
+)
 from hkvd.transport.errors import CopyFailedError, RegistrationError
 from hkvd.transport.libc import LIBC
 
@@ -201,37 +209,9 @@ class HostCopyEngine(CopyEngine):
         if splitter is not None:
             splitter.shutdown(wait=True)
 
-    def _iovecs(self, attachment: Attachment, segments: list[Segment]) -> tuple[list[int], list[int], int]:
-        """Check every segment, then return the flat (local, remote) iovec lists and the bytes.
-
-        ``local`` is ``[base0, len0, base1, len1, ...]`` in the pool, ``remote`` the same in the
-        engine. One pass; nothing moves until every segment passed (defence in depth: the caller
-        has already checked). Zero-length segments are no-ops and take no iovec.
-        """
-        regions = attachment.regions
-        base, pool_size = self._base, self._pool_size
-        local: list[int] = []
-        remote: list[int] = []
-        total = 0
-        for s in segments:
-            n, ro, po = s.nbytes, s.region_offset, s.pool_offset
-            region = regions.get(s.region_id)
-            if region is None:
-                raise CopyFailedError(f"segment names region {s.region_id}, which is not registered")
-            if n < 0 or ro < 0 or ro + n > region.size:
-                raise CopyFailedError(
-                    f"segment [{ro}, +{n}) leaves region {s.region_id} ({region.size} bytes)"
-                )
-            if po < 0 or po + n > pool_size:
-                raise CopyFailedError(f"segment [{po}, +{n}) leaves the pool ({pool_size} bytes)")
-            if n:
-                local += (base + po, n)
-                remote += (region.addr + ro, n)
-                total += n
-        return local, remote, total
-
     def copy(self, attachment: Attachment, segments: list[Segment], direction: Direction) -> int:
-        local, remote, total = self._iovecs(attachment, segments)
+        # Every segment checked before any byte moves (defence in depth: the caller has already checked).
+        local, remote, total = host_iovecs(segments, attachment.regions, self._base, self._pool_size)
         memory: PinnedMemory | None = attachment.state.get("memory")
         if memory is not None:  # still the program that registered? (exec and exit end its address space)
             memory.check()
