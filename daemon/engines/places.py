@@ -16,7 +16,8 @@ When a lookup gets places
 
 Why the extents stay true
     The lookup's lease (``Cache.lease``) holds every entry named: none is evicted or rewritten until the
-    lease is used, released or expires. The engine releases it with ``Release`` once it copied.
+    lease is used, released or expires. The engine's scheduler side releases it (``Release``) once the
+    step that copied has run; an engine that stops stepping leaves it to expire.
 
 Trust (docs/security.md, "In-step loads: engines read the pool")
     An engine that can open ``/proc/<daemon pid>/fd/<n>`` reads the whole pool, not only its grants; the
