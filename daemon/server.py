@@ -124,8 +124,9 @@ class Server:
 
     def pool_offer(self, role: str) -> list[int]:
         """``HelloAck.pool``: ``[fd, size]`` of the pool for an engine's connection (a worker or scheduler)
-        where --in-step-loads is on; [] for tools and peers, or with the option off."""
-        if role not in ENGINE_ROLES or not self.cfg.in_step_loads:
+        where the service answers lookups with places (--in-step-loads on); [] for tools and peers, or with the
+        option off."""
+        if role not in ENGINE_ROLES or self.service.places is None:
             return []
         pool = self.service.index.pool
         return [pool.fd, pool.size]

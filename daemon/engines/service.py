@@ -122,15 +122,17 @@ class KVService:
         # This daemon run's identity (HelloAck.server_id): also the pool's, which an engine that mapped it names
         # in Register.mapped_pool.
         self.server_id = uuid.uuid4().hex[:12]
-        in_step = config.current.in_step_loads  # not reloadable
-        places = Places(index, registry, self.server_id) if in_step else None
-        self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic, places)
+        # In-step loads (--in-step-loads, not reloadable): the one place that reads the option. Lookups answer
+        # with places, Register answers in_step, and the server offers the pool's fd, only where this is set.
+        self.places = Places(index, registry, self.server_id) if config.current.in_step_loads else None
+        self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic,
+                                     self.places)
         self.stores = Stores(config, index, self.copies, metrics, self.traffic, tiers, announcer)
         self.retrieves = Retrieves(index, self.copies, metrics, self.traffic, self.quarantine)
         self.verification = Verification(config, index, self.copies, executor, self.quarantine)
         self.step_events = StepEvents(index, self.stores, self.verification, metrics)
         self.registrations = Registrations(index, registry, copy_engine, self.step_events, metrics, announcer,
-                                           publisher, in_step=in_step)
+                                           publisher, in_step=self.places is not None)
 
     # ---- dispatch ------------------------------------------------------------------------------
     def handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
