@@ -30,22 +30,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hkvd.daemon.cache import Cache
-from hkvd.daemon.cache.eviction import make_policy
 from hkvd.daemon.cache.pool import HugePagePool
-from hkvd.daemon.config import ConfigCell, DaemonConfig
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
-from hkvd.daemon.engines.registry import Registry
-from hkvd.daemon.engines.service import KVService
-from hkvd.daemon.integrity.quarantine import Quarantine
-from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.server import Server
+from hkvd.shim.testing.in_process import in_process_service
 from hkvd.transport.copy_engine import Attachment, CopyResult, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, KVTimeout
 
@@ -94,19 +88,10 @@ def in_process_daemon(copy_timeout_s: float = 30.0,
     with tempfile.TemporaryDirectory(prefix="hkvd-gone-", dir="/tmp") as d:
         cfg = DaemonConfig(socket_path=str(Path(d) / "s.sock"), chunk_size=16, l1_size_bytes=64 << 20,
                            hugepages="off")
-        pool = HugePagePool(cfg.l1_size_bytes, "off")
-        engine = engine_type(pool)
-        executor = ThreadPoolExecutor(1)  # one copy thread: "free" means a job submitted now runs at once
-        cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
-        service = KVService(ConfigCell(cfg), cache, Registry(16, engine, pool=pool),
-                            engine, executor, Metrics())
-        service.copies.timeout_s = copy_timeout_s  # the config's is at least 30 s
-        try:
-            yield Server(cfg, service), engine, executor
-        finally:
-            executor.shutdown()
-            engine.close()
-            pool.close()
+        # One copy thread: "free" means a job submitted now runs at once.
+        with in_process_service(cfg, make_engine=engine_type, threads=1) as parts:
+            parts.service.copies.timeout_s = copy_timeout_s  # the config's is at least 30 s
+            yield Server(cfg, parts.service), parts.copy_engine, parts.executor
 
 
 async def until(pred: Callable[[], bool], timeout_s: float) -> float:

@@ -746,19 +746,10 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     """One copy thread, four retrieves in flight: each is answered with its done event before the GPU has run
     any of them (the thread is held only while it enqueues), and the pool pages stay pinned until it has."""
     import asyncio
-    import os
-    from concurrent.futures import ThreadPoolExecutor
+    import contextlib
 
-    from hkvd.daemon.cache import Cache
-    from hkvd.daemon.cache.eviction import make_policy
-    from hkvd.daemon.cache.pool import HugePagePool
-    from hkvd.daemon.config import ConfigCell, DaemonConfig
-    from hkvd.daemon.engines.client_process import ClientProcess
-    from hkvd.daemon.engines.connection import Conn
-    from hkvd.daemon.engines.registry import Registry
-    from hkvd.daemon.engines.service import KVService
-    from hkvd.daemon.integrity.quarantine import Quarantine
-    from hkvd.daemon.metrics import Metrics
+    from hkvd.daemon.config import DaemonConfig
+    from hkvd.shim.testing.in_process import in_process_service, own_conn
     from hkvd.transport.keys import chunk_keys
     from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire import Message, control, kv
@@ -767,14 +758,12 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     page, blocks, chunk = 4096, 64, 16
     keys = chunk_keys(list(range(4 * chunk)), chunk)
     cfg = DaemonConfig(chunk_size=chunk, l1_size_bytes=64 << 20, hugepages="off")
-    pool = HugePagePool(cfg.l1_size_bytes, "off")
-    eng = CudaCopyEngine(pool, method="memcpy", register_pool=False)
-    executor = ThreadPoolExecutor(1)
-    index = Cache(pool, make_policy("lru"), withheld=Quarantine())
-    service = KVService(ConfigCell(cfg), index, Registry(chunk, eng, pool=pool), eng, executor, Metrics())
+    stack = contextlib.ExitStack()
+    parts = stack.enter_context(in_process_service(
+        cfg, lambda pool: CudaCopyEngine(pool, method="memcpy", register_pool=False)))
+    service, index, eng = parts.service, parts.cache, parts.copy_engine
     sent: list[Message] = []
-    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
-                process=ClientProcess.open(os.getpid()))
+    conn = own_conn(sent)
     device_mem = np.random.default_rng(4).integers(0, 256, blocks * page, dtype=np.uint8)
     handle = b"\x07" * 64
     gpu.memory[handle] = int(device_mem.ctypes.data)
@@ -815,6 +804,4 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
             assert np.array_equal(device_mem[(20 + c) * page:(21 + c) * page], before[(1 + c) * page:(2 + c) * page])
     finally:
         service.disconnect(conn)
-        executor.shutdown()
-        eng.close()
-        pool.close()
+        stack.close()

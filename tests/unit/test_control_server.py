@@ -19,23 +19,15 @@ import struct
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
 import pytest
 
 from hkvd.daemon import server as server_mod
-from hkvd.daemon.cache import Cache
-from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.pool import HugePagePool
-from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.engines.host_engine import HostCopyEngine
-from hkvd.daemon.engines.registry import Registry
-from hkvd.daemon.engines.service import KVService
-from hkvd.daemon.integrity.quarantine import Quarantine
-from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.server import FRAMES_PER_TURN, MAX_CONSECUTIVE_ERRORS, Server
+from hkvd.shim.testing.in_process import in_process_service
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.codec import encode
 from hkvd.transport.errors import ErrorCode, UnsupportedVersion
@@ -56,18 +48,8 @@ def socket_path() -> Iterator[str]:
 def unstarted_server(socket_path: str) -> Iterator[Server]:
     cfg = DaemonConfig(socket_path=socket_path, chunk_size=32, l1_size_bytes=16 << 20, hugepages="off",
                        max_frame_bytes=MAX_FRAME)
-    pool = HugePagePool(cfg.l1_size_bytes, "off")
-    copy_engine = HostCopyEngine(pool)
-    executor = ThreadPoolExecutor(1)
-    cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
-    service = KVService(ConfigCell(cfg), cache, Registry(32, copy_engine, pool=pool),
-                        copy_engine, executor, Metrics())
-    try:
-        yield Server(cfg, service)
-    finally:
-        executor.shutdown()
-        copy_engine.close()
-        pool.close()
+    with in_process_service(cfg) as parts:
+        yield Server(cfg, parts.service)
 
 
 @pytest.fixture

@@ -14,22 +14,14 @@ import mmap
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hkvd.daemon.cache import Cache
-from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.pool import HugePagePool
-from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.engines.host_engine import HostCopyEngine
-from hkvd.daemon.engines.registry import Registry
-from hkvd.daemon.engines.service import KVService
-from hkvd.daemon.integrity.quarantine import Quarantine
-from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.server import Server
+from hkvd.shim.testing.in_process import in_process_service
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys
@@ -49,18 +41,8 @@ def daemon(in_step_loads: bool = True) -> Iterator[Server]:
     with tempfile.TemporaryDirectory(prefix="hkvd-place-", dir="/tmp") as d:
         cfg = DaemonConfig(socket_path=str(Path(d) / "s.sock"), chunk_size=CHUNK, l1_size_bytes=16 << 20,
                            hugepages="off", in_step_loads=in_step_loads)
-        pool = HugePagePool(cfg.l1_size_bytes, "off")
-        copy_engine = HostCopyEngine(pool)
-        executor = ThreadPoolExecutor(1)
-        cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
-        service = KVService(ConfigCell(cfg), cache, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
-                            Metrics())
-        try:
-            yield Server(cfg, service)
-        finally:
-            executor.shutdown()
-            copy_engine.close()
-            pool.close()
+        with in_process_service(cfg) as parts:
+            yield Server(cfg, parts.service)
 
 
 @contextlib.asynccontextmanager

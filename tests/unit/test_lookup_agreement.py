@@ -10,27 +10,22 @@ disk rather than taking the shorter one the pool holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from hkvd.daemon.cache import Cache, HugePagePool, make_policy
-from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.engines.client_process import ClientProcess
-from hkvd.daemon.engines.connection import Conn
-from hkvd.daemon.engines.host_engine import HostCopyEngine
-from hkvd.daemon.engines.registry import Registry
-from hkvd.daemon.engines.service import KVService
+from hkvd.daemon.cache import HugePagePool
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.http import Request, Response
-from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import UsablePrefix
 from hkvd.daemon.tiers.disk import DiskTier
+from hkvd.shim.testing.in_process import in_process_service, own_conn
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys, partial_key
 from hkvd.transport.layout import GroupSpec, View
@@ -54,26 +49,25 @@ class Node:
 
     def __init__(self, root: Path) -> None:
         cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
-        self.pool = HugePagePool(cfg.l1_size_bytes, "off")
-        self.copy_engine = HostCopyEngine(self.pool)
-        self.cache = Cache(self.pool, make_policy("lru"), withheld=Quarantine())
-        self.disk = DiskTier(str(root), 1 << 30, self.pool.buffer, queue_bytes=1 << 30)
-        self.disk.open()
-        self.disk.start(asyncio.get_running_loop())
-        self.executor = ThreadPoolExecutor(2)
-        self.service = KVService(ConfigCell(cfg), self.cache, Registry(CHUNK, self.copy_engine, pool=self.pool),
-                                 self.copy_engine, self.executor, Metrics(), disk=self.disk)
+        self._parts = contextlib.ExitStack()
+        parts = self._parts.enter_context(in_process_service(cfg, threads=2, tiers=self._disk_tier(root)))
+        self.pool, self.cache, self.service = parts.pool, parts.cache, parts.service
         self.sent: list[Message] = []
-        self.conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=self.sent.append,
-                         process=ClientProcess.open(os.getpid()))
+        self.conn = own_conn(self.sent)
         self.mem = np.zeros(2 * BLOCKS * PAGE, dtype=np.uint8)
+
+    def _disk_tier(self, root: Path) -> Callable[[HugePagePool], dict[str, Any]]:
+        def build(pool: HugePagePool) -> dict[str, Any]:
+            self.disk = DiskTier(str(root), 1 << 30, pool.buffer, queue_bytes=1 << 30)
+            self.disk.open()
+            self.disk.start(asyncio.get_running_loop())
+            return {"disk": self.disk}
+        return build
 
     def close(self) -> None:
         self.service.disconnect(self.conn)
         self.disk.close(5.0)
-        self.executor.shutdown()
-        self.copy_engine.close()
-        self.pool.close()
+        self._parts.close()
 
     async def call(self, msg: Message) -> Message:
         before = len(self.sent)

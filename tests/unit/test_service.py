@@ -9,7 +9,6 @@ cover the same paths through a real socket; these run in milliseconds.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkvd.daemon.cache import Cache
-from hkvd.daemon.cache.eviction import make_policy
 from hkvd.daemon.cache.pool import HugePagePool
-from hkvd.daemon.config import ConfigCell, DaemonConfig
-from hkvd.daemon.engines.client_process import ClientProcess
+from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.connection import Conn
 from hkvd.daemon.engines.host_engine import HostCopyEngine
-from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
-from hkvd.daemon.integrity.quarantine import Quarantine
-from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.tiers.contract import Source
+from hkvd.shim.testing.in_process import in_process_service, own_conn
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse, ProtocolViolation
 from hkvd.transport.keys import chunk_keys
@@ -92,24 +86,15 @@ def _harness(make_engine: Callable[[HugePagePool], HostCopyEngine] = HostCopyEng
     """A service over a 64 MiB pool, the copy engine ``make_engine`` builds, and this process as its engine;
     ``tier``: a lower tier, in the cluster tier's place."""
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
-    pool = HugePagePool(cfg.l1_size_bytes, "off")
-    copy_engine = make_engine(pool)
-    index = Cache(pool, make_policy("lru"), withheld=Quarantine())
-    executor = ThreadPoolExecutor(threads)
-    service = KVService(ConfigCell(cfg), index, Registry(CHUNK, copy_engine, pool=pool), copy_engine, executor,
-                        Metrics(), cluster=tier)
-    if tier is not None:
-        tier.pool = pool
-    sent: list[Message] = []
-    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
-                process=ClientProcess.open(os.getpid()))
-    try:
-        yield Harness(service, conn, sent)
-    finally:
-        service.disconnect(conn)
-        executor.shutdown()
-        copy_engine.close()
-        pool.close()
+    with in_process_service(cfg, make_engine, threads, cluster=tier) as parts:
+        if tier is not None:
+            tier.pool = parts.pool
+        sent: list[Message] = []
+        conn = own_conn(sent)
+        try:
+            yield Harness(parts.service, conn, sent)
+        finally:
+            parts.service.disconnect(conn)
 
 
 @pytest.fixture
@@ -155,8 +140,7 @@ async def test_a_lease_watch_hears_every_retrieve_written_or_the_lease_end(h: Ha
     assert [(type(m).__name__, m.req_id) for m in h.sent[before:]] == [("RetrieveResult", 4), ("LeaseWritten", 5)]
     again = await h.call(kv.Lookup(6, KEYS, True))
     assert isinstance(again, kv.LookupReply)
-    other = Conn(conn_id=2, pid=os.getpid(), uid=os.getuid(), send=h.sent.append,
-                 process=ClientProcess.open(os.getpid()))
+    other = own_conn(h.sent, conn_id=2)
     other.engine = h.conn.engine
     with pytest.raises(KVError) as e:
         h.service.handle(other, kv.WatchLease(7, again.lease_id))
@@ -254,8 +238,7 @@ async def test_a_turn_end_one_engine_stored_is_named_in_another_lookups_reply(h:
         assert isinstance(refused, kv.Error) and "turn_end" in refused.message, refused
     assert (await h.call(kv.Lookup(16, KEYS[:2], False, [], True))).ends == [[2, 7]]  # nothing else learnt
     # An engine of another layout (attention only) shares no entries, so it is named no turn end.
-    h.conn = Conn(conn_id=2, pid=os.getpid(), uid=os.getuid(), send=h.sent.append,
-                  process=ClientProcess.open(os.getpid()))
+    h.conn = own_conn(h.sent, conn_id=2)
     await h.register(mamba=False)
     assert (await h.call(kv.Lookup(17, KEYS[:2], False, [], True))).ends == []
     with pytest.raises(ProtocolViolation, match="turn_end"):
@@ -426,31 +409,20 @@ async def test_a_step_events_copy_never_waits_behind_bulk_copies() -> None:
     import threading
 
     cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
-    pool = HugePagePool(cfg.l1_size_bytes, "off")
-    copy_engine = HostCopyEngine(pool)
-    copy_engine.inline_max_bytes = 0  # every copy on a thread, as large ones are
-    bulk, step = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
-    cache = Cache(pool, make_policy("lru"), withheld=Quarantine())
-    service = KVService(ConfigCell(cfg), cache, Registry(CHUNK, copy_engine, pool=pool),
-                        copy_engine, bulk, Metrics(), step_executor=step)
-    sent: list[Message] = []
-    conn = Conn(conn_id=1, pid=os.getpid(), uid=os.getuid(), send=sent.append,
-                process=ClientProcess.open(os.getpid()))
-    h = Harness(service, conn, sent)
-    release = threading.Event()
-    busy = bulk.submit(release.wait, 10.0)  # a long load on the only bulk copy thread
-    try:
-        await h.register(mamba=True)
-        done = await asyncio.wait_for(h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [5])], [])), 5.0)
-        assert isinstance(done, events.StepResult) and done.nbytes == PAGE
-        assert not busy.done()  # answered while the bulk thread was still held
-    finally:
-        release.set()
-        service.disconnect(conn)
-        bulk.shutdown()
-        step.shutdown()
-        copy_engine.close()
-        pool.close()
+    with in_process_service(cfg, threads=1, step_threads=1) as parts:
+        parts.copy_engine.inline_max_bytes = 0  # every copy on a thread, as large ones are
+        sent: list[Message] = []
+        h = Harness(parts.service, own_conn(sent), sent)
+        release = threading.Event()
+        busy = parts.executor.submit(release.wait, 10.0)  # a long load on the only bulk copy thread
+        try:
+            await h.register(mamba=True)
+            done = await asyncio.wait_for(h.call(events.StepEvent(3, 0, 1, [kv.Item(1, 1, KEYS[1], [5])], [])), 5.0)
+            assert isinstance(done, events.StepResult) and done.nbytes == PAGE
+            assert not busy.done()  # answered while the bulk thread was still held
+        finally:
+            release.set()
+            parts.service.disconnect(h.conn)
 
 
 class _HeldCopies(HostCopyEngine):
