@@ -9,8 +9,9 @@ markdown table of every run last. ``--quick`` (CI smoke) takes under 2 minutes o
 full ``all`` runs them where vLLM is installed. ``serving`` runs only when named (four vLLM servers
 one after another); ``serving --quick`` runs it on the tiny model with a smaller workload. ``verify_cost``
 (sampled verification's cost: three vLLM + hkvd servers per round) also runs only when named, and takes
-``--serving-model`` and ``--serving-rounds`` too. ``agents`` (agent sessions pausing between turns: vLLM
-alone, hkvd with LRU only, hkvd with session pins) runs only when named, and so does ``long_context`` (a hit's
+``--serving-model`` and ``--rounds`` too. ``agents`` (agent sessions pausing between turns: vLLM
+alone, hkvd with LRU only, hkvd with session pins) runs only when named (``--rounds``, ``--in-step-loads``,
+``--sessions-only`` for the sessions without the one-shot stream), and so does ``long_context`` (a hit's
 TTFT on prompts of 8K-32K tokens against vLLM's own hit and against recompute). ``eviction`` (in-process: each
 eviction policy and admission on a mixed trace of agent sessions and one-shot prompts, the recompute each saves
 against lru's at the same pool size) takes about a minute and a half, a few seconds with ``--quick``.
@@ -70,11 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serving-model", choices=["qwen3_next", "qwen3_next_8l", "gemma3"], default=None,
                     help="serving's model (default qwen3_next_8l, the tiny qwen3_next with --quick; gemma3: the "
                          "tiny Gemma3, sliding windows, quick workload only)")
-    ap.add_argument("--serving-rounds", type=int, default=None,
-                    help="serving: rounds of runs, each run's figures pooled over them (default 3, 1 with --quick)")
+    ap.add_argument("--rounds", "--serving-rounds", dest="rounds", type=int, default=None,
+                    help="serving, verify_cost and agents: rounds of runs in the same order, each run's figures "
+                         "pooled over them and its ratios given round by round (default: serving 3, verify_cost 2, "
+                         "agents 1; 1 with --quick)")
     ap.add_argument("--in-step-loads", action="store_true",
-                    help="long_context: hkvd's engine loads hits in the step that plans them (in_step_loads); "
-                         "the result is written as long_context_in_step.json")
+                    help="long_context and agents: hkvd's engine loads hits in the step that plans them "
+                         "(in_step_loads); the result is written as <bench>_in_step.json")
+    ap.add_argument("--sessions-only", action="store_true",
+                    help="agents: the sessions without the one-shot stream (their TTFT without other traffic); "
+                         "the result is written as agents_sessions_only[_in_step].json")
     a = ap.parse_args(argv)
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
@@ -95,11 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["lmcache_venv"] = a.lmcache_venv or auto
         if name in ("serving", "verify_cost"):
             kwargs["model"] = a.serving_model
-            kwargs["rounds"] = a.serving_rounds
-        if name == "long_context" and a.in_step_loads:
+        if name in ("serving", "verify_cost", "agents"):
+            kwargs["rounds"] = a.rounds
+        if name in ("long_context", "agents") and a.in_step_loads:
             kwargs["in_step_loads"] = True
+        if name == "agents" and a.sessions_only:
+            kwargs["sessions_only"] = True
         result = mod.run(**kwargs)
         bench_name = name
+        if kwargs.get("sessions_only"):
+            name = f"{name}_sessions_only"
         if kwargs.get("in_step_loads"):
             name = f"{name}_in_step"
         payload = {"name": name, "bench": bench_name, "quick": a.quick,

@@ -47,6 +47,11 @@ default 2,048 batched tokens, the same OpenMP binding):
    the previous turn's end (turn-end states need no finer unit), and vLLM does not end a prefill chunk at
    each prompt's hash-aligned checkpoint, which costs a step per prompt.
 
+``rounds`` (``--rounds``, 1 by default) plays the runs that many times in the same order: each run's figures
+pool its rounds and every ratio is also given round by round; a target is met only where every round's ratio
+meets it too. ``sessions_only`` (``--sessions-only``) sends no one-shots; ``in_step_loads``
+(``--in-step-loads``) has the hkvd runs' engines load hits in the step that plans them.
+
 Reported per run and turn: hit share (prompt tokens not computed, from each reply's
 ``cached_tokens``), TTFT p50 and p99 (client side, streaming); the one-shots apart; per hkvd run
 the pool's evictions and, sampled every half second from ``hkvd status`` over the control socket,
@@ -73,7 +78,7 @@ from typing import Any
 from bench import serving
 from bench.agents_client import Agents, OneShots, between_turns, play
 from bench.common import Daemon, MiB
-from bench.serving_client import Reply, block_budget, http_get, parse_metrics
+from bench.serving_client import Reply, block_budget, http_get, parse_metrics, reply_from_json
 from bench.serving_server import HOST, MAX_NUM_BATCHED_TOKENS, MODELS, BenchModel, VllmServer, model_path
 
 BLOCK = serving.BLOCK
@@ -270,7 +275,7 @@ def _play(server: VllmServer, agents: Agents, pins: bool, log: Log, sampler: Sam
 
 
 def _one_run(name: str, model_dir: Path, max_len: int, agents: Agents, blocks: int, pool: int, hugepages: str,
-             log: Log) -> dict[str, Any]:
+             log: Log, in_step: bool = False) -> dict[str, Any]:
     """One run in fresh processes; a run that cannot start or serve returns ``{"error": ...}``."""
     base: dict[str, Any] = {"run": name, "label": RUNS[name], "kv_blocks": blocks}
     t0 = time.perf_counter()
@@ -283,7 +288,7 @@ def _one_run(name: str, model_dir: Path, max_len: int, agents: Agents, blocks: i
                     "startup_s": server.startup_s}
 
     try:
-        res = (_hkvd(serve, pool, agents.pin_max_fraction, hugepages, pins, name in UNIT_RUNS, log)
+        res = (_hkvd(serve, pool, agents.pin_max_fraction, hugepages, pins, name in UNIT_RUNS, log, in_step)
                if name.startswith("hkvd")
                else serve(None, None, None))
     except Exception as e:  # recorded: a run that does not work is a result, and the others go on
@@ -292,19 +297,55 @@ def _one_run(name: str, model_dir: Path, max_len: int, agents: Agents, blocks: i
         return {**base, "error": msg, "error_detail": str(e)[-4000:]}
     replies: list[Reply] = res.pop("replies")
     background: list[Reply] = res.pop("oneshot_replies")
-    stats = serving.turn_stats(background, 1)
-    oneshots = {"count": len(background), "exhausted": res.pop("oneshots_exhausted"),
-                "per_pause": oneshots_per_pause(replies, background),
-                **({k: stats[0][k] for k in ("ttft_ms_p50", "ttft_ms_p99", "hit_share")} if stats else {})}
+    oneshots = oneshot_summary(background, res.pop("oneshots_exhausted"), oneshots_per_pause(replies, background))
     return {**base, **res, "turns": serving.turn_stats(replies, agents.turns), "oneshots": oneshots,
             "short_of_previous": short_of_previous(replies),
-            "replies": [r.as_json() for r in replies]}
+            "replies": [r.as_json() for r in replies], "oneshot_replies": [r.as_json() for r in background]}
+
+
+def oneshot_summary(background: Sequence[Reply], exhausted: bool, per_pause: float) -> dict[str, Any]:
+    """The one-shots of a run (or of its rounds pooled): how many, whether the stream ran out, how many
+    started between a session's turns on average, and their TTFT and hit share."""
+    stats = serving.turn_stats(background, 1)
+    return {"count": len(background), "exhausted": exhausted, "per_pause": per_pause,
+            **({k: stats[0][k] for k in ("ttft_ms_p50", "ttft_ms_p99", "hit_share")} if stats else {})}
+
+
+def merge_rounds(played: Sequence[Sequence[dict[str, Any]]], agents: Agents) -> list[dict[str, Any]]:
+    """One run per name from its rounds: session and one-shot replies pooled (per-turn figures recomputed over
+    them), counters, wall time and turns short of the previous summed, the daemon's figures and pool samples
+    from the last round; ``rounds`` keeps each round's own figures. A name whose every round failed keeps its
+    first error."""
+    out: list[dict[str, Any]] = []
+    for name in RUNS:
+        tries = [r for rnd in played for r in rnd if r["run"] == name]
+        ok = [r for r in tries if "error" not in r]
+        if not ok:
+            out.extend(tries[:1])
+            continue
+        replies = [reply_from_json(j) for r in ok for j in r["replies"]]
+        background = [reply_from_json(j) for r in ok for j in r["oneshot_replies"]]
+        per_pause = [r["oneshots"]["per_pause"] for r in ok]
+        short = {k: sum(r["short_of_previous"][k] for r in ok) for k in ok[0]["short_of_previous"]}
+        merged = {**ok[-1], "wall_s": sum(r["wall_s"] for r in ok),
+                  "counters": {k: sum(r["counters"].get(k, 0.0) for r in ok) for k in ok[0]["counters"]},
+                  "errors_logged": [e for r in ok for e in r.get("errors_logged") or ()],
+                  "turns": serving.turn_stats(replies, agents.turns), "short_of_previous": short,
+                  "oneshots": oneshot_summary(background, any(r["oneshots"]["exhausted"] for r in ok),
+                                              sum(per_pause) / len(per_pause)),
+                  "replies": [r.as_json() for r in replies], "oneshot_replies": [r.as_json() for r in background]}
+        merged["rounds"] = [{k: v for k, v in r.items() if k not in ("replies", "oneshot_replies", "pool_timeline")}
+                            for r in ok]
+        out.append(merged)
+    return out
 
 
 def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None, Sampler | None], dict[str, Any]], pool: int,
-          pin_fraction: float, hugepages: str, pins: bool, with_unit: bool, log: Log) -> dict[str, Any]:
+          pin_fraction: float, hugepages: str, pins: bool, with_unit: bool, log: Log,
+          in_step: bool = False) -> dict[str, Any]:
     """An hkvd run: a fresh daemon with a ``pool``-byte pool and ``--pin-max-fraction pin_fraction``, sampled
-    while the sessions play; ``pins``: the session requests carry pins.
+    while the sessions play; ``pins``: the session requests carry pins; ``in_step``: the engine loads hits in
+    the step that plans them (``in_step_loads``).
 
     ``with_unit`` asks vLLM for ``--prefix-match-unit``; a server that does not start with it is
     started again without, and ``prefix_match_unit`` records the error.
@@ -317,7 +358,9 @@ def _hkvd(serve: Callable[[dict[str, Any] | None, list[str] | None, Sampler | No
             kv = {"kv_connector": "HkvdConnector", "kv_connector_module_path": "hkvd.shim.connector",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                       "require_daemon": True,
-                                                                      "verify_fraction": 0.0}}
+                                                                      "verify_fraction": 0.0,
+                                                                      **({"in_step_loads": True} if in_step
+                                                                         else {})}}
             try:
                 with Sampler(daemon) as sampler:
                     res = serve(kv, args, sampler)
@@ -347,12 +390,16 @@ def _later(run: dict[str, Any]) -> dict[str, Any] | None:
     return next((t for t in run.get("turns", []) if t["turn"] == "later"), None)
 
 
-def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def ratios(runs: Sequence[dict[str, Any]], rounds: Sequence[Sequence[dict[str, Any]]] = ()) -> dict[str, Any]:
     """Later-turn (2 and on) hit shares against the limit's, TTFT p50 against recompute's and the limit's; targets.
 
     ``oneshot_ttft_p50_vs_recompute``: the one-shots' TTFT p50 against recompute's run. They are the same
     requests in every run and never hit, so a ratio far from 1 is the machine's load moving between runs,
     not a cache: it bounds how far the sessions' TTFT ratios can be read.
+
+    ``rounds``: the runs of each round, where there were more than one: each target then lists its value
+    round by round (``rounds``), and is met only where the pooled value and every round's are (it clears
+    the spread).
     """
     later = {r["run"]: lt for r in runs if (lt := _later(r)) is not None}
     out: dict[str, Any] = {"hit_share": {k: v["hit_share"] for k, v in later.items()},
@@ -384,15 +431,30 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     # The setting must be one where recency alone loses: hkvd_lru's share below the same bound.
     targets["lru_below_limit"] = None if "hkvd_lru" not in hits else {
         "value": hits["hkvd_lru"], "below": bound, "met": hits["hkvd_lru"] < bound}
+    if len(rounds) > 1:
+        each = [ratios(rnd)["targets"] for rnd in rounds]
+        for key, t in targets.items():
+            if t is not None:
+                t["rounds"] = [None if e.get(key) is None else e[key]["value"] for e in each]
+                t["met"] = t["met"] and all(e.get(key) is not None and e[key]["met"] for e in each)
     out["targets"] = targets
     return out
 
 
-def run(quick: bool, hugepages: str = "auto", log: Log = print) -> dict[str, Any]:
+def run(quick: bool, hugepages: str = "auto", log: Log = print, rounds: int | None = None,
+        in_step_loads: bool = False, sessions_only: bool = False) -> dict[str, Any]:
+    """The runs (``RUNS``), ``rounds`` times in the same order (default 1: a full round takes about 70 minutes
+    on 2 cores); ``in_step_loads``: the hkvd runs' engines load hits in the step that plans them;
+    ``sessions_only``: no one-shot stream (the sessions' TTFT without other traffic)."""
     if importlib.util.find_spec("vllm") is None:
         log("  vLLM not installed: make vllm")
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"agents rounds: at least 1, got {rounds}")
+    rounds = rounds or 1
     agents = QUICK if quick else FULL
+    if sessions_only:
+        agents = dataclasses.replace(agents, oneshot_in_flight=0)
     model = MODELS[MODEL["quick" if quick else "full"]]
     if agents.max_context_tokens() > model.max_len:
         raise ValueError(f"sessions may reach {agents.max_context_tokens()} tokens, over {model.name}'s "
@@ -411,17 +473,29 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print) -> dict[str, Any
         f"MiB, pin budget {pool['pin_budget_bytes'] / MiB:.1f} MiB ({agents.pin_max_fraction}) for the sessions' "
         f"pins at their largest, {pool['all_sessions_pins_bytes'] / MiB:.1f} MiB; the pool = "
         f"{pool['oneshots_to_fill_pool']:.1f} one-shots")
-    runs = []
-    for i, name in enumerate(RUNS, 1):
-        size = blocks["ample"] if name == "limit" else blocks["small"]
-        log(f"  run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
-        runs.append(_one_run(name, model_dir, max_len, agents, size, pool["pool_bytes"], hugepages, log))
+    played: list[list[dict[str, Any]]] = []
+    failed: set[str] = set()
+    for rnd in range(1, rounds + 1):
+        played.append([])
+        for i, name in enumerate(RUNS, 1):
+            if name in failed:
+                continue
+            size = blocks["ample"] if name == "limit" else blocks["small"]
+            log(f"  round {rnd}/{rounds}, run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
+            res = _one_run(name, model_dir, max_len, agents, size, pool["pool_bytes"], hugepages, log, in_step_loads)
+            played[-1].append(res)
+            if "error" in res:
+                failed.add(name)
+    runs = merge_rounds(played, agents)
     result = {"config": {"model": model.name, "block": BLOCK, "agents": dataclasses.asdict(agents),
                          "mean_context_tokens": agents.mean_context_tokens(),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "kv_blocks": blocks, "pool": pool,
                          "max_model_len": max_len, "pin_s": PIN_S, "prefix_match_unit": PREFIX_MATCH_UNIT,
-                         "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs"},
-              "runs": runs, "ratios": ratios(runs)}
+                         "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
+                         "rounds": rounds, "in_step_loads": in_step_loads, "sessions_only": sessions_only},
+              "runs": runs, "ratios": ratios(runs, played),
+              # each round's later-turn TTFT p50 against its own limit run's
+              "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}
     for line in summary(result):
         log(f"  {line}")
     return result
@@ -460,15 +534,21 @@ def summary(result: dict[str, Any]) -> list[str]:
     for key, t in (rt.get("targets") or {}).items():
         if t is None:
             lines.append(f"target {key}: not measured (a run it needs failed)")
-        elif "at_most" in t:
-            lines.append(f"target {key}: {t['value']:.2f} (at most {t['at_most']}): {'met' if t['met'] else 'MISSED'}")
-        elif "at_least" in t:
-            lines.append(f"target {key}: {t['value']:.2f} (at least {t['at_least']}): "
-                         f"{'met' if t['met'] else 'MISSED'}")
+        elif "at_most" in t or "at_least" in t:
+            bound = f"at most {t['at_most']}" if "at_most" in t else f"at least {t['at_least']}"
+            each = ("; round by round " + ", ".join("-" if v is None else f"{v:.2f}" for v in t["rounds"])
+                    if t.get("rounds") else "")
+            lines.append(f"target {key}: {t['value']:.2f} ({bound}{each}): {'met' if t['met'] else 'MISSED'}")
         else:
             lines.append(f"{key}: hkvd_lru's later-turn hits {t['value']:.2f}x the limit's, "
                          + ("below" if t["met"] else f"NOT below {t['below']}: this setting does not show what pins "
                             "add"))
+    per_round = result.get("round_ratios") or []
+    for name in (rt.get("ttft_p50_vs_limit") or {}) if len(per_round) > 1 else ():
+        vals = [r.get(name) for r in per_round]
+        if all(v is not None for v in vals):
+            lines.append(f"{name}: later-turn TTFT p50 against the limit's, round by round: "
+                         + ", ".join(f"{v:.2f}x" for v in vals) + f" (spread {min(vals):.2f}-{max(vals):.2f})")
     fill = (cfg.get("pool") or {}).get("oneshots_to_fill_pool")
     for r in result.get("runs", []):
         if "error" in r:
@@ -477,10 +557,12 @@ def summary(result: dict[str, Any]) -> list[str]:
         b = r.get("between_turns") or {}
         o = r.get("oneshots") or {}
         text = (f"{r['run']}: {b.get('mean', float('nan')):.1f} sessions between turns on average "
-                f"(peak {b.get('max')}), {r['wall_s']:.0f} s; {o.get('count')} one-shots"
-                + (" (all the run may send: the stream ran out)" if o.get("exhausted") else "")
-                + f", TTFT p50 {o.get('ttft_ms_p50', float('nan')):.0f} ms, {o.get('per_pause', 0):.1f} "
-                "between a session's turns on average")
+                f"(peak {b.get('max')}), {r['wall_s']:.0f} s; "
+                + ("no one-shots (the sessions alone)" if not o.get("count") else
+                   f"{o.get('count')} one-shots"
+                   + (" (all the run may send: the stream ran out)" if o.get("exhausted") else "")
+                   + f", TTFT p50 {o.get('ttft_ms_p50', float('nan')):.0f} ms, {o.get('per_pause', 0):.1f} "
+                   "between a session's turns on average"))
         if r.get("daemon"):
             d = r["daemon"]
             peak_pin = _peak([s.get("pinned_bytes") for s in r.get("pool_timeline", [])])

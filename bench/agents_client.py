@@ -19,7 +19,7 @@ Role
     ``oneshot_max`` random tokens (unique prompts, seeded, so every run sends the same ones),
     ``oneshot_in_flight`` at a time from the sessions' start until ``stop``, at most
     ``oneshot_limit`` of them. They are never pinned and never hit; they are what a recency-only
-    cache keeps instead of the paused sessions.
+    cache keeps instead of the paused sessions. ``oneshot_in_flight`` 0 sends none: the sessions alone.
 
 Threading
     ``play`` runs ``send`` on its worker threads; ``on_reply`` is called under its lock, in
@@ -76,9 +76,11 @@ class Agents:
 
     def __post_init__(self) -> None:
         for name in ("sessions", "concurrency", "turns", "system_tokens", "task_tokens", "answer_tokens",
-                     "tool_min", "oneshot_min", "oneshot_answer_tokens", "oneshot_in_flight", "oneshot_limit"):
+                     "tool_min", "oneshot_min", "oneshot_answer_tokens", "oneshot_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agents {name} must be >= 1, not {getattr(self, name)}")
+        if self.oneshot_in_flight < 0:  # 0: the sessions alone
+            raise ValueError(f"agents oneshot_in_flight must be >= 0, not {self.oneshot_in_flight}")
         if self.tool_max < self.tool_min:
             raise ValueError(f"agents tool_max {self.tool_max} is below tool_min {self.tool_min}")
         if self.oneshot_max < self.oneshot_min:

@@ -275,6 +275,52 @@ def test_ratios_and_targets() -> None:
     assert ends["pins_ttft_vs_recompute"]["met"]
 
 
+def _played(name: str, ttft_s: float, hit: int) -> dict:
+    """A run as ``_one_run`` returns it: replies as JSON, one-shots, counters, turns short of the previous."""
+    run = _run(name, ttft_s, hit)
+    rs = [Reply(s, t, 1000, hit if t == 2 else 0, 2, float(t), ttft_s, ttft_s + 0.5, (7, 8))
+          for s in range(4) for t in (1, 2)]
+    shots = [Reply(9, 1, 1500, 0, 2, 0.5, 0.3, 0.4, (7, 8))]
+    return {**run, "turns": agents.serving.turn_stats(rs, 2), "replies": [r.as_json() for r in rs],
+            "oneshot_replies": [r.as_json() for r in shots],
+            "counters": {"prompt_tokens": 8000.0, "local_hits": 0.0, "external_hits": 0.0},
+            "oneshots": agents.oneshot_summary(shots, False, 1.0),
+            "short_of_previous": agents.short_of_previous(rs), "pool_timeline": [{"t_s": 0.0}]}
+
+
+def test_rounds_pool_their_replies_and_a_target_clears_every_round() -> None:
+    a = dataclasses.replace(SMALL, turns=2)
+    one = [_played("limit", 0.10, 1024), _played("recompute", 1.0, 256), _played("hkvd_pins", 0.2, 1000)]
+    two = [_played("limit", 0.10, 1024), _played("recompute", 0.3, 256), _played("hkvd_pins", 0.2, 1000)]
+    merged = agents.merge_rounds([one, two], a)
+    pins = next(r for r in merged if r["run"] == "hkvd_pins")
+    assert pins["counters"]["prompt_tokens"] == 16000.0 and pins["wall_s"] == 6.0
+    assert pins["oneshots"]["count"] == 2 and len(pins["replies"]) == 16 and len(pins["rounds"]) == 2
+    assert all("replies" not in r and "pool_timeline" not in r for r in pins["rounds"])
+    later = next(t for t in pins["turns"] if t["turn"] == "later")
+    assert later["requests"] == 8
+    # Pooled, hkvd_pins' TTFT is under half of recompute's; in round two it is not: not met.
+    t = agents.ratios(merged, [one, two])["targets"]["pins_ttft_vs_recompute"]
+    assert t["rounds"] == [pytest.approx(0.2), pytest.approx(2 / 3)] and not t["met"]
+    assert agents.ratios(merged)["targets"]["pins_ttft_vs_recompute"]["met"]  # the pooled value alone would be
+    lines = agents.summary({"runs": merged, "ratios": agents.ratios(merged, [one, two]),
+                            "round_ratios": [agents.ratios(r)["ttft_p50_vs_limit"] for r in (one, two)]})
+    assert any("round by round 0.20, 0.67" in ln and "MISSED" in ln for ln in lines), lines
+    assert any(ln.startswith("hkvd_pins: later-turn TTFT p50 against the limit's, round by round: 2.00x, 2.00x")
+               for ln in lines), lines
+    failed = {"run": "hkvd_lru", "label": agents.RUNS["hkvd_lru"], "error": "RuntimeError: x"}
+    assert agents.merge_rounds([[failed]], a) == [failed]
+
+
+def test_no_oneshots_in_flight_sends_none() -> None:
+    alone = dataclasses.replace(SMALL, oneshot_in_flight=0)
+    shots = OneShots(alone, lambda i, p: pytest.fail("sent a one-shot")).start()
+    time.sleep(0.02)
+    assert shots.stop(1.0) == [] and not shots.exhausted
+    with pytest.raises(ValueError, match="oneshot_in_flight must be >= 0"):
+        dataclasses.replace(SMALL, oneshot_in_flight=-1)
+
+
 def test_plot_draws_pinned_bytes_over_time(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
     from bench.common import try_pyplot
