@@ -56,6 +56,7 @@ from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.engines.service_stats import ServiceStats
 from hkvd.daemon.heap import HeapPolicy
+from hkvd.daemon.hints.endpoint import HintsEndpoint
 from hkvd.daemon.http import HTTPEndpoint, Request, Response, build_registry, ipaddress_is_loopback, text
 from hkvd.daemon.integrity.checksums import Checksums
 from hkvd.daemon.integrity.quarantine import Quarantine
@@ -118,6 +119,7 @@ class Daemon:
         self.reload_config = reload_config
         self.http: HTTPEndpoint | None = None  # when --metrics-port is set
         self.routing: UsablePrefix | None = None  # routers' lookups on the metrics port, once the service exists
+        self.hints: HintsEndpoint | None = None  # routers' KV hints on the metrics port (docs/hints.md), likewise
         self.peers: PeerService | None = None  # when --peer-listen or a peer token is set
         self.publisher: ZmqPublisher | None = None  # with --kv-events-endpoint
         self.announcer: Announcer | None = None
@@ -168,6 +170,9 @@ class Daemon:
         http.route("GET", "/v1/models", lambda req: self.routing.get_models(req) if self.routing is not None
                    else text(503, "starting"))
         http.route("POST", "/v1/usable_prefix", lambda req: self.routing.post(req) if self.routing is not None
+                   else text(503, "starting"))
+        # KV hints from routers and agent frameworks (docs/hints.md).
+        http.route("POST", "/v1/kv/hints", lambda req: self.hints.post(req) if self.hints is not None
                    else text(503, "starting"))
         # A router or agent framework that knows a session ended (docs/pins.md).
         http.route("POST", "/unpin", self._unpin_route)
@@ -294,6 +299,7 @@ class Daemon:
                                      announcer=announcer, publisher=self.publisher,
                                      step_executor=step_executor, scrubber=self.scrubber)
             self.routing = UsablePrefix(self.service, self.metrics, book=FormatBook(index.formats))
+            self.hints = HintsEndpoint(self.routing, self.service.hints)
             self.server = Server(cfg, self.service)
             await self.server.start()  # listening: connections are accepted from here on
             self.ready.set()

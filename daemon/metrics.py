@@ -66,6 +66,9 @@ class CounterStats:
     usable_prefix_requests: Series = counter_series(
         "hkvd_usable_prefix_requests", "Routers' usable-prefix lookups on the metrics port, by outcome (ok, "
         "bad_request, unknown_model)")
+    hints: Series = counter_series(
+        "hkvd_hints", "KV hints from routers and engines (docs/hints.md), by action (share, prefetch, demote, pin, "
+        "retain, unknown) and outcome (accepted, clipped, deferred, rejected)")
     # Only once counted (no 0 before): the tiers' and the collector's.
     l2_hits: Series = counter_series(
         "hkvd_l2_hits", "Entries read from the disk tier into the pool for a lookup, by group kind", always=False)

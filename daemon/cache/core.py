@@ -221,6 +221,28 @@ class Cache:
         self._index.pin_many(entries)
         return functools.partial(self._index.unpin_many, entries)
 
+    # ---- hints (docs/hints.md) -----------------------------------------------------------------------
+    def retain(self, keys: Iterable[EntryKey]) -> int:
+        """Move the READY entries of ``keys`` to the back of the eviction order, as a hit does; how many."""
+        retain = self._index.retain
+        return sum(retain(k) for k in keys)
+
+    def demote(self, keys: Iterable[EntryKey]) -> int:
+        """Put the READY entries of ``keys`` first in the eviction order (a hit moves one back); how many. Held
+        entries (a session pin, a lease, a copy) are in no order and stay where they are."""
+        demote = self._index.demote
+        return sum(demote(k) for k in keys)
+
+    def count_seen(self, chunk_keys: Sequence[bytes], times: int = 1) -> bool:
+        """Count ``chunk_keys`` ``times`` over as asked for, in the admission's sketch; False where admission is off
+        (``--admission none``: every store is admitted)."""
+        adm = self._index.admission
+        if adm.name == "none":
+            return False
+        for _ in range(times):
+            adm.seen(chunk_keys)
+        return True
+
     # ---- the entries, read-only ----------------------------------------------------------------
     def get(self, key: EntryKey) -> Entry | None:
         """The entry under ``key`` in any state, or None. Read it; change it only through these verbs."""

@@ -62,6 +62,11 @@ class EvictionPolicy(ABC):
         """Why ``key`` is a candidate now: "orphan" (it can serve no hit) or "policy" (its order)."""
         return "policy"
 
+    def demote(self, key: Hashable) -> bool:
+        """Put ``key`` at the front of the order (a ``demote`` hint, docs/hints.md): the first evicted, until a
+        hit moves it back; False when it is in no order."""
+        return False
+
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
@@ -82,6 +87,12 @@ class LRUPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[Hashable]:
         return _oldest_first(self._order, set())
+
+    def demote(self, key: Hashable) -> bool:
+        if key not in self._order:
+            return False
+        self._order.move_to_end(key, last=False)
+        return True
 
 
 def _oldest_first(order: OrderedDict[Hashable, None], yielded: set[Hashable]) -> Iterator[Hashable]:
@@ -203,6 +214,13 @@ class CostPolicy(EvictionPolicy):
 
     def unmark_orphan(self, key: Hashable) -> None:
         self._orphans.pop(key, None)
+
+    def demote(self, key: Hashable) -> bool:
+        # With the orphans, ahead of every priority; a hit (``touch``) takes it out again.
+        if key not in self._live:
+            return False
+        self._orphans[key] = None
+        return True
 
     def evicted(self, key: Hashable) -> None:
         live = self._live.get(key)

@@ -335,6 +335,20 @@ class Index:
             if entry.state is corrupt:
                 self._holds.drop_if_corrupt(entry)
 
+    # ---- hints (docs/hints.md) -----------------------------------------------------------------------
+    def retain(self, key: EntryKey) -> bool:
+        """Move ``key``'s READY entry to the back of the eviction order, as a hit does; False: none in the pool."""
+        e = self._entries.get(key)
+        if e is None or e.state is not EntryState.READY:
+            return False
+        self.policy.touch(key)
+        return True
+
+    def demote(self, key: EntryKey) -> bool:
+        """Put ``key``'s entry first in the eviction order; False: none, or held (a session pin, a lease)."""
+        e = self._entries.get(key)
+        return e is not None and e.state is EntryState.READY and self.policy.demote(key)
+
     def set_groups(self, fingerprint: bytes, kinds: dict[int, str]) -> None:
         """The group kinds of a layout (from registration): orphan rules depend on them."""
         self._groups[fingerprint] = (frozenset(g for g, k in kinds.items() if k == "full"),

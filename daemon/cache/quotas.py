@@ -153,6 +153,10 @@ class TenantOrder(EvictionPolicy):
         if tenant is not None:
             self._orders[tenant].unmark_orphan(key)
 
+    def demote(self, key: Hashable) -> bool:
+        tenant = self._tenant.get(key)
+        return tenant is not None and self._orders[tenant].demote(key)
+
     def evicted(self, key: Hashable) -> None:
         tenant = self._tenant.get(key)
         if tenant is not None:

@@ -48,6 +48,7 @@ from hkvd.daemon.engines.stores import Stores
 from hkvd.daemon.engines.verification import Verification
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
+from hkvd.daemon.hints.effects import Hints
 from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import Metrics
@@ -127,6 +128,8 @@ class KVService:
         self.places = Places(index, registry, self.server_id) if config.current.in_step_loads else None
         self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic,
                                      self.places)
+        # KV hints (docs/hints.md): an engine's kv.Hints here, a router's POST /v1/kv/hints (daemon/app.py).
+        self.hints = Hints(index, metrics, self.lookups.promoter, registry.engines)
         self.stores = Stores(config, index, self.copies, metrics, self.traffic, tiers, announcer)
         self.retrieves = Retrieves(index, self.copies, metrics, self.traffic, self.quarantine)
         self.verification = Verification(config, index, self.copies, executor, self.quarantine)

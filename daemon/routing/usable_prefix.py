@@ -63,7 +63,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import TYPE_CHECKING, TypedDict, cast
@@ -255,7 +255,7 @@ class Query:
     tiers: frozenset[str]
 
 
-def parse_tokens(body: dict[str, object]) -> tuple[bytes, int]:
+def parse_tokens(body: Mapping[str, object]) -> tuple[bytes, int]:
     """The prompt's token ids as little-endian uint32 bytes, and their count."""
     has_list, has_b64 = "token_ids" in body, "token_ids_b64" in body
     if has_list == has_b64:
@@ -300,7 +300,7 @@ def parse_tokens(body: dict[str, object]) -> tuple[bytes, int]:
     return data, n
 
 
-def _name(body: dict[str, object], key: str, what: str, *, required: bool = False) -> str | None:
+def _name(body: Mapping[str, object], key: str, what: str, *, required: bool = False) -> str | None:
     v = body.get(key)
     if v is None:
         if required:
@@ -313,6 +313,11 @@ def _name(body: dict[str, object], key: str, what: str, *, required: bool = Fals
 
 def parse_query(raw: bytes, book: FormatBook, content_type: str = JSON) -> Query:
     """Validate a ``POST /v1/usable_prefix`` body (docs/routing.md); ``BadRequest`` names the fix."""
+    return query_from(decode_body(raw, content_type), book)
+
+
+def decode_body(raw: bytes, content_type: str = JSON) -> dict[str, object]:
+    """A JSON or msgpack body's object; ``BadRequest`` for anything else."""
     kind = content_type.split(";", 1)[0].strip().lower() if content_type else JSON
     if kind in MSGPACK:
         try:
@@ -328,9 +333,15 @@ def parse_query(raw: bytes, book: FormatBook, content_type: str = JSON) -> Query
         raise BadRequest(f"send the body as {JSON} or {MSGPACK[0]} (got {content_type})")
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object (a msgpack map)")
-    unknown = set(body) - _FIELDS
+    return body
+
+
+def query_from(body: Mapping[str, object], book: FormatBook, others: frozenset[str] = frozenset()) -> Query:
+    """The query a decoded body names (its prefix: model, format, tokens, extras); fields in ``others`` are the
+    caller's (a hint's payload), any other unknown field is a ``BadRequest``."""
+    unknown = set(body) - _FIELDS - others
     if unknown:
-        raise BadRequest(f"unknown fields {sorted(unknown)}; known: {sorted(_FIELDS)}")
+        raise BadRequest(f"unknown fields {sorted(unknown)}; known: {sorted(_FIELDS | others)}")
     model = _name(body, "model", "the model name its engines registered (GET /v1/models)", required=True)
     assert model is not None
     fmt = book.find(model, _name(body, "format", "a format label of GET /v1/models"))
@@ -530,6 +541,15 @@ class UsablePrefix:
         return Response(e.status, JSON, _dump({"error": str(e)}))
 
     # ---- keys ----------------------------------------------------------------------------------------
+    async def chunk_keys(self, q: Query) -> list[bytes]:
+        """Every chunk key of ``q``'s whole chunks, as the shim computes them (an adapter's digest read first
+        where needed; long prompts hashed in slices). For other features that name a prefix (hints)."""
+        digest = self._digest(q)
+        if digest is None:
+            assert q.lora is not None
+            digest = await self._read_digest(q.lora[1])
+        return await self.keys_sliced(q, digest)
+
     def _digest(self, q: Query) -> str | None:
         """The adapter digest for the keys: "" without an adapter; None when it must be read first."""
         if q.lora is None:
