@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hkvd.shim.client_socket import FrameSocket
@@ -185,6 +185,17 @@ class DaemonClient(DaemonPort):
         ``pins``, and ``pin_partials`` for partial keys."""
         msg = kv.Pin(session, tenant, float(ttl_s), list(keys), list(partial_keys))
         msg.validate()  # a bad pin is the caller's bug: raised here, never a connection the daemon drops
+        with self._lock:
+            self._conn.require()
+            self._conn.send(msg)
+
+    def hints(self, tenant: str, keys: Sequence[bytes], actions: Sequence[tuple[str, float, str]],
+              counted: Mapping[str, int]) -> None:
+        """A request's KV hints about its chunks ``keys`` (``kv.Hints``: (action, ttl_s, session) each, and the
+        outcomes counted by the shim; no reply). Only to a daemon whose RegisterAck says ``hints``."""
+        msg = kv.Hints(tenant, list(keys), [a for a, _, _ in actions], [float(t) for _, t, _ in actions],
+                       [s for _, _, s in actions], dict(counted))
+        msg.validate()  # a bad message is the caller's bug: raised here, never a connection the daemon drops
         with self._lock:
             self._conn.require()
             self._conn.send(msg)

@@ -23,7 +23,7 @@ Threading
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from hkvd.shim.results import Completion
@@ -62,6 +62,9 @@ class DaemonPort(Protocol):
 
     def pin(self, session: str, tenant: str, ttl_s: float, keys: Sequence[bytes],
             partial_keys: Sequence[bytes] = ()) -> None: ...
+
+    def hints(self, tenant: str, keys: Sequence[bytes], actions: Sequence[tuple[str, float, str]],
+              counted: Mapping[str, int]) -> None: ...
 
     def uncacheable(self, reason: str) -> None: ...
 

@@ -41,6 +41,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hkvd.shim.hints import RequestHints
 from hkvd.shim.jobs import PullSpec
 from hkvd.shim.sessions import PinAsk
 
@@ -154,6 +155,7 @@ class RequestRecord:
     verify_upto: int = 0
     tenant: str = ""  # whose quota its stores count against (hkvd.shim.tenants)
     pin: PinAsk | None = None  # the session pin its kv_transfer_params asked for (hkvd.shim.sessions)
+    hints: RequestHints | None = None  # its KV hints (hkvd.shim.hints), sent when it finishes
     # The partial chunks whose blocks went out as stores or offers, in the order they did (pinned with it).
     partials_stored: dict[bytes, None] = field(default_factory=dict)
 

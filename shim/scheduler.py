@@ -106,7 +106,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from hkvd.shim import pd, sessions, tenants
+from hkvd.shim import hints, pd, sessions, tenants
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import prompt_tokens
 from hkvd.shim.kv_event_feed import EventFeed
@@ -239,6 +239,11 @@ class SchedulerSide:
         st.pin, problem = sessions.parse(getattr(request, "kv_transfer_params", None))
         if problem:
             self.ctx.stats["pins_refused"] += 1
+            logger.warning("%s (request %s)", problem, request.request_id)
+        # KV hints (docs/hints.md), the pin above counted among them; sent when the request finishes.
+        st.hints, problem = hints.parse(getattr(request, "kv_transfer_params", None),
+                                        "accepted" if st.pin is not None else "rejected" if problem else "")
+        if problem:
             logger.warning("%s (request %s)", problem, request.request_id)
         self.ctx.reqs[request.request_id] = st
         if tokens:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hkvd.shim import partial, plans, sessions
+from hkvd.shim.hints import RequestHints
 from hkvd.shim.jobs import StoreJob, VerifyJob
 from hkvd.shim.kv_event_notes import NoteMaker
 from hkvd.shim.metadata import HkvdConnectorMetadata
@@ -57,6 +58,7 @@ class StorePlanner:
         self.finish_verifies: list[VerifyJob] = []  # the same, of sampled hits (hkvd.shim.verify)
         self.delayed: list[str] = []  # requests whose free waits for their copies, for the next step
         self._said_no_pins = False  # warned that the daemon takes no session pins
+        self._said_no_hints = False  # warned that the daemon takes no KV hints
 
     def take(self) -> tuple[list[StoreJob], list[VerifyJob], list[str]]:
         """What finished requests left for the next step's metadata: stores, verifies, delayed frees."""
@@ -192,6 +194,8 @@ class StorePlanner:
             # The partial chunks it stored (vLLM's checkpoints inside blocks, its turn's end) are held with it.
             self.send_pin(st, st.pin, st.next_store_chunk,
                           [*st.partials_stored, *([turn_end] if turn_end else [])])
+        if st.hints is not None:
+            self.send_hints(st, st.hints, st.next_store_chunk)
 
     def _store_on_finish(self, request: Request, st: RequestRecord, block_ids: BlockIds) -> None:
         """Store the computed chunks not stored yet, from the blocks the finished request hands back.
@@ -280,6 +284,30 @@ class StorePlanner:
             ctx.link.lost(e)
             return
         ctx.stats["pins_sent"] += 1
+
+    def send_hints(self, st: RequestRecord, asks: RequestHints, n: int) -> None:
+        """Send the request's KV hints about its first ``n`` chunks (those it stored or found stored) and the
+        outcomes counted here (``kv.Hints``; docs/hints.md). No reply is awaited; a daemon that takes no hints
+        (an older hkvd) gets none, said once."""
+        ctx = self.ctx
+        port, ack = ctx.port, ctx.link.ack
+        if port is None or ack is None:
+            return
+        if not ack.hints:
+            if not self._said_no_hints:
+                self._said_no_hints = True
+                logger.warning("hkvd: requests carry KV hints, but the daemon at %s takes none (an older hkvd); "
+                               "they are dropped until hkvd serve on this node is upgraded", ctx.cfg.socket_path)
+            return
+        keys = ctx.keys.through(st, n)[:n][:MAX_KEYS] if asks.asks else []
+        if asks.asks and not keys:
+            asks.reject_asks()  # no whole chunk of the request is stored: nothing to hold, move or count
+        try:
+            port.hints(st.tenant, keys, [(a.action, a.ttl_s, a.session) for a in asks.asks], asks.counted)
+        except ProtocolViolation as e:  # parse checked every field: a bug here, never the connection's fault
+            logger.error("hkvd: no hints for %s: %s", st.req_id, e)
+        except Exception as e:
+            ctx.link.lost(e)
 
     # ---- KV events (docs/routing.md) ------------------------------------------------------------
     def kv_events_mode(self) -> int:

@@ -48,7 +48,7 @@ from hkvd.daemon.engines.stores import Stores
 from hkvd.daemon.engines.verification import Verification
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
-from hkvd.daemon.hints.effects import Hints
+from hkvd.daemon.hints.effects import Hints, hint_target
 from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import Metrics
@@ -58,6 +58,7 @@ from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.daemon.tiers.promotion import Promoter
 from hkvd.transport.copy_engine import CopyEngine, Direction
 from hkvd.transport.errors import NotFound, PermissionDenied, ProtocolViolation, ShuttingDown
+from hkvd.transport.hints import Action
 from hkvd.transport.stat_fields import status_dict
 from hkvd.transport.wire import Message, control, events, kv, peer
 
@@ -168,7 +169,8 @@ class KVService:
             self.latencies.observe(op, time.perf_counter() - t0)
 
     def _handle(self, conn: Conn, msg: Message) -> Coroutine[Any, Any, None] | None:
-        if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status, kv.Pin)):
+        if self.shutting_down and not isinstance(msg, (kv.Release, control.Bye, kv.Abort, control.Status, kv.Pin,
+                                                       kv.Hints)):
             raise ShuttingDown("hkvd is shutting down; the engine will recompute and reconnect later")
         match msg:
             case kv.Lookup():
@@ -195,6 +197,8 @@ class KVService:
                 self.retrieves.watch_lease(conn, msg)
             case kv.Pin():
                 self._pin(conn, msg)
+            case kv.Hints():
+                self._hints(conn, msg)
             case control.Unpin():
                 n = self.index.sessions.unpin(msg.session)
                 log.info("unpinned session %r: %d pins ended", msg.session[:40], n)
@@ -242,6 +246,26 @@ class KVService:
             return
         self.index.sessions.pin(conn.engine.rank_fingerprints, msg.session, msg.tenant, msg.keys, msg.ttl_s,
                                 msg.partial_keys)
+
+    def _hints(self, conn: Conn, msg: kv.Hints) -> None:
+        """A request's KV hints about its chunks (docs/hints.md): applied and counted. No reply, and nothing
+        fails: each hint's outcome is counted (and a rejected one logged)."""
+        if self.shutting_down:
+            return
+        if conn.engine is None:
+            log.warning("KV hints came before their connection registered an engine; ignored (the client sends "
+                        "Hints only after Register)", extra=request_log(conn, 0))
+            return
+        for label, n in msg.counted.items():
+            action, _, outcome = label.partition("/")
+            self.hints.counted(action, outcome, n)
+        if not msg.actions:
+            return
+        target = hint_target(conn.engine, msg.keys, msg.tenant)
+        for action, ttl, session in zip(msg.actions, msg.ttls_s, msg.sessions, strict=True):
+            out = self.hints.apply(Action(action, "", {}, ttl or None, session or None), target)
+            if out.outcome == "rejected":
+                log.info("a request's %s hint was rejected: %s", action, out.reason, extra=request_log(conn, 0))
 
     # ---- KV events, aborts ----------------------------------------------------------------------
     def _poll_events(self, conn: Conn, msg: events.KVEventsPoll) -> None:

@@ -71,6 +71,15 @@ class Target:
         return [(fp, g, k) for k in (self.keys if keys is None else keys) for g in self.groups for fp in self.world]
 
 
+def hint_target(engine: EngineState, keys: list[bytes], tenant: str = "") -> Target:
+    """The prefix ``keys`` as ``engine``'s world keys it (an engine's ``kv.Hints``)."""
+    world = engine.world_fingerprints
+    groups = tuple(engine.groups)
+    full = tuple(g for g in groups if engine.kinds.get(g) == "full") or groups
+    return Target(shape=engine, world=world, groups=groups, full=full,
+                  chunk_bytes=sum(engine.entry_bytes[g] for g in groups) * len(world), keys=keys, tenant=tenant)
+
+
 @dataclass(slots=True)
 class Outcome:
     """One action's answer (``as_json``: an entry of the HTTP answer's ``outcomes``)."""

@@ -29,7 +29,7 @@ Threading
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from hkvd.shim.results import Completion, Result
@@ -174,6 +174,10 @@ class FakeDaemon:
             partial_keys: Sequence[bytes] = ()) -> None:
         partial = [list(partial_keys)] if partial_keys else []  # a pin of whole chunks only: six fields
         self.sent.append((0, "pin", session, tenant, ttl_s, list(keys), *partial))
+
+    def hints(self, tenant: str, keys: Sequence[bytes], actions: Sequence[tuple[str, float, str]],
+              counted: Mapping[str, int]) -> None:
+        self.sent.append((0, "hints", tenant, list(keys), list(actions), dict(counted)))
 
     def uncacheable(self, reason: str) -> None:
         self.uncacheable_reasons.append(reason)

@@ -218,3 +218,23 @@ def test_bad_input_gets_an_outcome_and_a_reason(node: Node) -> None:
     assert ok["outcome"] == "accepted" and ok["chunks"] == CHUNKS
     [ok] = r.hints({"action_type": "share", "payload": prefix(stored)})
     assert ok["outcome"] == "accepted" and "admission is off" in ok["reason"]
+
+
+def test_an_engines_hints_over_the_wire(node: Node) -> None:
+    """What the shim sends for a request's kv_transfer_params hints: kv.Hints with the request's keys."""
+    r, eng = node.router, node.eng
+    assert eng.ack.hints
+    pinned, demoted = node.store(1), node.store(2)
+    node.drain_disk()
+    eng.client.hints("", chunk_keys(pinned, C), [("pin", 30.0, "turn-7"), ("retain", 0.0, "")],
+                     {"pin/accepted": 1, "prefetch/rejected": 2, "unknown/rejected": 1})
+    eng.client.hints("", chunk_keys(demoted, C), [("demote", 0.0, "")], {})
+    pins = eng.client.status()["pins"]  # answered after the hints (one connection, in order)
+    assert pins["sessions"] == 1 and pins["longest"][0]["session"] == "turn-7"
+    assert r.metric("hkvd_hints_total", action="pin", outcome="accepted") == 2  # the shim's and the daemon's
+    assert r.metric("hkvd_hints_total", action="retain", outcome="accepted") == 1
+    assert r.metric("hkvd_hints_total", action="demote", outcome="accepted") == 1
+    assert r.metric("hkvd_hints_total", action="prefetch", outcome="rejected") == 2
+    assert r.metric("hkvd_hints_total", action="unknown", outcome="rejected") == 1
+    node.flood(100)
+    assert r.pool_tokens(pinned)["pool"] == FULL and r.pool_tokens(demoted)["pool"] == 0

@@ -287,6 +287,8 @@ PUBLISHED_COUNTERS = {
     "hkvd_lookups": "Lookup requests served",
     "hkvd_retrieve_misses": "Retrieves of entries no longer in the pool",
     "hkvd_retrieved_bytes": "Bytes retrieved from the pool, by group kind",
+    "hkvd_hints": "KV hints from routers and engines (docs/hints.md), by action (share, prefetch, demote, pin, "
+                  "retain, unknown) and outcome (accepted, clipped, deferred, rejected)",
     "hkvd_snapshots_invalidated": "Mamba snapshot jobs invalidated",
     "hkvd_step_event_gaps": "Step-event sequence gaps (unconfirmed Mamba states invalidated)",
     "hkvd_step_events": "Step events, by outcome",

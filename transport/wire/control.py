@@ -293,10 +293,15 @@ class RegisterAck(Message):
     # Whether it answers Lookup.places (in-step loads: --in-step-loads on); an older daemon, or one with the
     # option off, sends nothing: False, and a client asks for no places (every hit is a Retrieve).
     in_step: bool = False
+    # Whether it takes kv.Hints (a request's KV hints, docs/hints.md); an older daemon sends nothing: False, and
+    # a client sends none (the hints are counted as rejected by the shim).
+    hints: bool = False
 
     def validate(self) -> None:
         if type(self.in_step) is not bool:
             raise ProtocolViolation("RegisterAck.in_step must be a boolean")
+        if type(self.hints) is not bool:
+            raise ProtocolViolation("RegisterAck.hints must be a boolean")
 
 
 @dataclass(frozen=True, slots=True)

@@ -317,6 +317,57 @@ class Pin(Message):
             raise ProtocolViolation(f"Pin: every key must be {KEY_BYTES} bytes")
 
 
+#: The actions a request's ``kv.Hints`` carries (``hkvd.transport.hints.ACTIONS`` less prefetch, which a request's
+#: own lookup does), the outcomes the shim counts, and the bounds.
+HINT_ACTIONS = ("share", "demote", "pin", "retain")
+HINT_COUNTED_ACTIONS = ("share", "prefetch", "demote", "pin", "retain", "unknown")
+HINT_OUTCOMES = ("accepted", "clipped", "deferred", "rejected")
+MAX_HINTS = 64
+MAX_HINT_TTL_S = 1e9  # asked for; the daemon clips a TTL over MAX_PIN_S (and says so)
+
+
+@dataclass(frozen=True, slots=True)
+class Hints(Message):
+    """KV hints a request's ``kv_transfer_params`` carried (docs/hints.md), about that request's chunks ``keys``
+    (its chunk keys in prompt order, as stored or found stored when it finished) of the sending engine world,
+    for ``tenant``. Action i is ``actions[i]`` with ``ttls_s[i]`` (0: none) and ``sessions[i]`` ("": none).
+    ``counted``: hints the shim decided itself, ``"<action>/<outcome>"`` -> how many (refused in parsing, a
+    prefetch, the ``pin_s``/``session`` pin sent as ``kv.Pin``), counted with the daemon's. Sent only to a
+    daemon whose ``RegisterAck.hints`` says so. No reply."""
+
+    TYPE = MsgType.HINTS
+    tenant: str
+    keys: list[bytes]
+    actions: list[str]
+    ttls_s: list[float]
+    sessions: list[str]
+    counted: dict[str, int] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        check_tenant(self.tenant, "Hints.tenant")
+        n = len(self.actions)
+        if n > MAX_HINTS or len(self.ttls_s) != n or len(self.sessions) != n:
+            raise ProtocolViolation(f"Hints: at most {MAX_HINTS} actions, each with one ttl_s and one session "
+                                    f"(got {n}, {len(self.ttls_s)}, {len(self.sessions)})")
+        if (n and not self.keys) or len(self.keys) > MAX_KEYS or any(len(k) != KEY_BYTES for k in self.keys):
+            raise ProtocolViolation(f"Hints: actions need 1 to {MAX_KEYS} keys of {KEY_BYTES} bytes")
+        for i, (a, ttl, session) in enumerate(zip(self.actions, self.ttls_s, self.sessions, strict=True)):
+            if a not in HINT_ACTIONS:
+                raise ProtocolViolation(f"Hints.actions[{i}]: {a[:20]!r} is not one of {', '.join(HINT_ACTIONS)}")
+            if not 0 <= ttl <= MAX_HINT_TTL_S:  # NaN fails too
+                raise ProtocolViolation(f"Hints.ttls_s[{i}]: 0 (none) to {MAX_HINT_TTL_S:g} s, got {ttl}")
+            if session:
+                check_session(session, f"Hints.sessions[{i}]")
+        if len(self.counted) > len(HINT_COUNTED_ACTIONS) * len(HINT_OUTCOMES):
+            raise ProtocolViolation("Hints.counted: one count per action and outcome at most")
+        for label, count in self.counted.items():
+            action, _, outcome = str(label).partition("/")
+            if action not in HINT_COUNTED_ACTIONS or outcome not in HINT_OUTCOMES:
+                raise ProtocolViolation(f"Hints.counted: {str(label)[:40]!r} is not \"<action>/<outcome>\"")
+            if type(count) is not int or not 0 < count <= MAX_KEYS:
+                raise ProtocolViolation(f"Hints.counted[{label!r}]: a count from 1 to {MAX_KEYS}")
+
+
 @dataclass(frozen=True, slots=True)
 class Abort(Message):
     """Drop job ``req_id`` (a store, retrieve, verify, step event or pull of this connection). Answered

@@ -71,6 +71,7 @@ class MsgType(enum.IntEnum):
     RETRIEVE_RESULT = 34
     VERIFY_RESULT = 35
     LEASE_WRITTEN = 36
+    HINTS = 37
     # events
     STEP_EVENT = 40
     KV_EVENTS_POLL = 41
