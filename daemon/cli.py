@@ -173,6 +173,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_verify(s),
         *_status_integrity(s),
         *_status_pins(s),
+        *_status_hints(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -191,6 +192,16 @@ def _status_admission(idx: dict[str, Any]) -> list[str]:
     return [f"admitted  {n.get('admitted', 0)} entries ({_bytes(b.get('admitted', 0))}), {n.get('refused', 0)} "
             f"refused ({_bytes(b.get('refused', 0))}) by --admission {idx.get('admission', 'none')}; "
             f"evicted by {why}"]
+
+
+def _status_hints(s: dict[str, Any]) -> list[str]:
+    """KV hints by action and outcome (docs/hints.md; absent before the first and in older daemons)."""
+    h = s.get("hints")
+    if not h:
+        return []
+    rows = [f"{action} " + ", ".join(f"{int(n)} {o}" for o, n in sorted(outcomes.items()))
+            for action, outcomes in sorted(h.items())]
+    return [f"hints     {'; '.join(rows)}"]
 
 
 def _status_pins(s: dict[str, Any]) -> list[str]:

@@ -48,7 +48,7 @@ from hkvd.daemon.engines.stores import Stores
 from hkvd.daemon.engines.verification import Verification
 from hkvd.daemon.fd_budget import DescriptorBudget
 from hkvd.daemon.heap import HeapPolicy
-from hkvd.daemon.hints.effects import Hints, hint_target
+from hkvd.daemon.hints.effects import COUNTER, Hints, hint_target
 from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.integrity.scrub import Scrubber
 from hkvd.daemon.metrics import Metrics
@@ -319,7 +319,16 @@ class KVService:
             verify=self.quarantine.statistics(),
             pins=self.index.sessions.statistics(),
             tenants=self.index.tenants.statistics(),
+            hints=self._hint_counts(),
         )
+
+    def _hint_counts(self) -> dict[str, dict[str, float]]:
+        """``hkvd_hints_total`` as action -> outcome -> total (``hkvd status``; docs/hints.md)."""
+        out: dict[str, dict[str, float]] = {}
+        for labels, v in self.metrics.counters.get(COUNTER, {}).items():
+            named = dict(labels)
+            out.setdefault(named.get("action", ""), {})[named.get("outcome", "")] = v
+        return out
 
     def _by_kind(self, name: str) -> dict[str, float]:
         return self._by_label(name, "kind")

@@ -71,3 +71,4 @@ class ServiceStats:
     integrity: IntegrityStats | None = part()  # entry checksums and the scrubber (docs/checksums.md)
     pins: PinStats = part()  # session pins (docs/pins.md)
     tenants: TenantStats = part()  # bytes, quotas and evictions per tenant (docs/pins.md)
+    hints: dict[str, dict[str, float]] = status_only(default_factory=dict)  # KV hints: action -> outcome -> total

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from hkvd.daemon.cli import format_status
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
 
@@ -236,5 +237,9 @@ def test_an_engines_hints_over_the_wire(node: Node) -> None:
     assert r.metric("hkvd_hints_total", action="demote", outcome="accepted") == 1
     assert r.metric("hkvd_hints_total", action="prefetch", outcome="rejected") == 2
     assert r.metric("hkvd_hints_total", action="unknown", outcome="rejected") == 1
+    status = eng.client.status()
+    assert status["hints"]["pin"] == {"accepted": 2} and status["hints"]["prefetch"] == {"rejected": 2}
+    assert "hints     demote 1 accepted; pin 2 accepted; prefetch 2 rejected; retain 1 accepted; unknown 1 " \
+        "rejected" in format_status(status)
     node.flood(100)
     assert r.pool_tokens(pinned)["pool"] == FULL and r.pool_tokens(demoted)["pool"] == 0

@@ -334,7 +334,7 @@ def test_undeclared_counters_export_generically(full: DaemonStats) -> None:
 STATUS_KEYS = {
     "": ["engines", "pool", "index", "counters", "by_kind", "uncacheable_requests", "rates", "l2", "cluster", "peer",
          "heap", "kv_events", "descriptors", "shutting_down", "engine_traffic", "latency", "verify",
-         "integrity", "pins", "tenants"],
+         "integrity", "pins", "tenants", "hints"],
     "engines": ["engine_id", "pid", "model", "rank", "world_size", "chunk_size", "fingerprint", "role", "groups"],
     "pool": ["total_bytes", "used_bytes", "free_bytes", "kind", "page_size", "huge_bytes", "hugepages", "mapped_kind",
              "superblock_bytes", "faulted_bytes", "prefault", "numa_node", "numa_policy", "node_bytes"],
