@@ -144,3 +144,27 @@ def test_the_wire_message_round_trips_and_checks_every_field() -> None:
             bad.validate()
     with pytest.raises(ProtocolViolation):
         message_from_wire([int(kv.Hints.TYPE), "", [KEY], ["pin"], ["1"], [""]])
+
+
+@pytest.mark.parametrize("name", ["lru", "hybrid", "cost"])
+def test_a_demoted_entry_is_evicted_first_until_a_hit_moves_it_back(name: str) -> None:
+    from hkvd.daemon.cache.eviction import make_policy
+
+    policy = make_policy(name)
+    for k in "abcd":
+        policy.insert(k)
+    assert policy.demote("c") and not policy.demote("zz")
+    assert next(iter(policy.candidates())) == "c"
+    policy.touch("c")  # a hit
+    assert next(iter(policy.candidates())) == "a"
+
+
+def test_a_tenants_order_demotes_in_its_own_order() -> None:
+    from hkvd.daemon.cache.eviction import make_policy
+    from hkvd.daemon.cache.quotas import TenantOrder, Tenants
+
+    order = TenantOrder(lambda: make_policy("lru"), lambda k: "t" if str(k).startswith("t") else "", Tenants(1 << 20))
+    for k in ("a", "b", "t1", "t2"):
+        order.insert(k)
+    assert order.demote("t2") and not order.demote("nope")
+    assert list(order.candidates_for("t", 1)).index("t2") < list(order.candidates_for("t", 1)).index("t1")
