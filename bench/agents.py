@@ -579,7 +579,9 @@ def summary(result: dict[str, Any]) -> list[str]:
                 loads = c.get("hkvd_loads", 0)
                 text += (f"; {loads:.0f} loads from hkvd, "
                          f"{c.get('hkvd_load_seconds', 0) / loads * 1e3 if loads else 0:.0f} ms each on average, "
-                         f"{c.get('hkvd_lookups_deferred', 0):.0f} lookups deferred a step")
+                         + (f"{c['hkvd_in_step_loads']:.0f} in-step loads (every rank counted), "
+                            if c.get("hkvd_in_step_loads") else "")
+                         + f"{c.get('hkvd_lookups_deferred', 0):.0f} lookups deferred a step")
             if r["run"] in PINNED:
                 text += (f"; {c.get('hkvd_pins_sent', 0):.0f} requests pinned, {c.get('hkvd_pins_refused', 0):.0f} "
                          "pin asks refused")

@@ -436,6 +436,9 @@ def summary(result: dict[str, Any]) -> list[str]:
             lines.append(f"{r['run']}: of {c['prompt_tokens']:,.0f} prompt tokens, {c['local_hits']:,.0f} hit vLLM's "
                          f"prefix cache and {c['external_hits']:,.0f} came from the KV connector; "
                          f"{c['preemptions']:.0f} preemptions")
+            if c.get("hkvd_in_step_loads"):
+                lines.append(f"{r['run']}: {c['hkvd_in_step_loads']:.0f} in-step loads (copied by the engine in the "
+                             "step that planned them; every rank counted)")
             if c.get("hkvd_loads"):
                 each_ms = c["hkvd_load_seconds"] / c["hkvd_loads"] * 1e3
                 lines.append(f"{r['run']}: {c['hkvd_loads']:.0f} loads, {each_ms:.1f} ms each on average from "

@@ -300,6 +300,8 @@ METRICS = {  # vLLM counter -> our name
     "vllm:hkvd_loads_reported_early_total": "hkvd_loads_reported_early",
     "vllm:hkvd_load_seconds_total": "hkvd_load_seconds",
     "vllm:hkvd_loads_total": "hkvd_loads",
+    # in-step loads (in_step_loads): hits copied by the engine in the step that planned them, every rank counted
+    "vllm:hkvd_in_step_loads_total": "hkvd_in_step_loads",
     # sampled verification (bench/verify_cost.py): requests with a hit computed and checked, chunks compared
     "vllm:hkvd_verify_sampled_total": "hkvd_verify_sampled",
     "vllm:hkvd_verify_checks_total": "hkvd_verify_checks",
