@@ -1,7 +1,7 @@
 """KV hints asked for in a request's ``kv_transfer_params``: parsed and checked, never fatal (docs/hints.md).
 
 Role
-    A request may carry the hint envelope of vLLM's RFC #53421 / Dynamo's ``KvHint`` (``hkvd.transport.hints``)
+    A request may carry the hint envelope of vLLM's RFC #53421 / Dynamo's ``KvHint`` (``hkvd.transport.hint_envelope``)
     under ``kv_transfer_params["kv_hints"]`` (the RFC's request field) or ``["kv_hint"]`` (Dynamo's vLLM
     bridge). Its actions are about the request's own prefix: a payload's prefix fields (``model``,
     ``token_ids``...) are not read. ``parse`` turns it into a ``RequestHints``; the scheduler side sends it as
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hkvd.transport.hints import Action, Refusal, parse_envelope
+from hkvd.transport.hint_envelope import Action, Refusal, parse_envelope
 from hkvd.transport.wire.kv import HINT_ACTIONS, MAX_HINT_TTL_S
 
 KEYS = ("kv_hints", "kv_hint")  # vLLM RFC #53421's request field; Dynamo's kv_transfer_params key
@@ -59,6 +59,15 @@ class RequestHints:
         for a in self.asks:
             self.count(a.action, "rejected")
         self.asks = []
+
+
+def pin_outcome(pinned: bool, params: object) -> str:
+    """How the request's ``{"hkvd": {"pin_s", "session"}}`` pin counts (``hkvd.shim.sessions``): "accepted" when it
+    pins, "rejected" when it asked for one (either field given) that was refused, "" when it asked none."""
+    if pinned:
+        return "accepted"
+    ours = params.get("hkvd") if isinstance(params, Mapping) else None
+    return "rejected" if isinstance(ours, Mapping) and ("pin_s" in ours or "session" in ours) else ""
 
 
 def parse(params: object, pin: str = "") -> tuple[RequestHints | None, str]:

@@ -241,8 +241,8 @@ class SchedulerSide:
             self.ctx.stats["pins_refused"] += 1
             logger.warning("%s (request %s)", problem, request.request_id)
         # KV hints (docs/hints.md), the pin above counted among them; sent when the request finishes.
-        st.hints, problem = hints.parse(getattr(request, "kv_transfer_params", None),
-                                        "accepted" if st.pin is not None else "rejected" if problem else "")
+        params = getattr(request, "kv_transfer_params", None)
+        st.hints, problem = hints.parse(params, hints.pin_outcome(st.pin is not None, params))
         if problem:
             logger.warning("%s (request %s)", problem, request.request_id)
         self.ctx.reqs[request.request_id] = st

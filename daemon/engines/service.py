@@ -58,7 +58,7 @@ from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.daemon.tiers.promotion import Promoter
 from hkvd.transport.copy_engine import CopyEngine, Direction
 from hkvd.transport.errors import NotFound, PermissionDenied, ProtocolViolation, ShuttingDown
-from hkvd.transport.hints import Action
+from hkvd.transport.hint_envelope import Action
 from hkvd.transport.stat_fields import status_dict
 from hkvd.transport.wire import Message, control, events, kv, peer
 

@@ -4,7 +4,7 @@ Role
     Both paths end here: a router's ``POST /v1/kv/hints`` (``hkvd.daemon.hints.endpoint``, the prefix named
     by token ids) and an engine's ``kv.Hints`` (a request's ``kv_transfer_params``, the prefix being that
     request's chunk keys). ``Target`` is the prefix: its engine world, groups and chunk keys. ``Hints``
-    applies one parsed action (``hkvd.transport.hints.Action``) and answers an ``Outcome``; every outcome is
+    applies one parsed action (``hkvd.transport.hint_envelope.Action``) and answers an ``Outcome``; every outcome is
     counted as ``hints{action, outcome}`` (``/metrics``: ``hkvd_hints_total``).
 
 What each action is here
@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, cast
 
 from hkvd.daemon.cache import Cache, EntryKey
 from hkvd.daemon.metrics import Metrics
-from hkvd.transport.hints import MAX_TTL_S, Action, Refusal
+from hkvd.transport.hint_envelope import MAX_TTL_S, Action, Refusal
 
 if TYPE_CHECKING:
-    from hkvd.daemon.cache.lookup_plan import Shape
+    from hkvd.daemon.cache import Shape
     from hkvd.daemon.engines.connection import RequestLog
     from hkvd.daemon.engines.registry import EngineState
     from hkvd.daemon.tiers.promotion import Promoter

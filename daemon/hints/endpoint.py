@@ -1,7 +1,7 @@
 """``POST /v1/kv/hints`` on the metrics port: routers' and agent frameworks' hints about a prefix (docs/hints.md).
 
 Role
-    The body is the hint envelope (``hkvd.transport.hints``: ``{"protocol_version": 1, "message_id",
+    The body is the hint envelope (``hkvd.transport.hint_envelope``: ``{"protocol_version": 1, "message_id",
     "actions": [{"action_id", "action_type", "action_version", "payload"}]}``). Each action's payload names its
     prefix as ``POST /v1/usable_prefix`` does (``model``, ``format``, ``token_ids`` or ``token_ids_b64``,
     ``cache_salt``, ``lora``, ``mm``: ``hkvd.daemon.routing.usable_prefix``, whose key computation is the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from hkvd.daemon.hints.effects import Hints, Outcome, Target
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.routing.usable_prefix import JSON, BadRequest, decode_body, query_from
-from hkvd.transport.hints import UNKNOWN, Action, Refusal, parse_envelope
+from hkvd.transport.hint_envelope import UNKNOWN, Action, Refusal, parse_envelope
 from hkvd.transport.wire.control import MAX_TENANT
 
 if TYPE_CHECKING:

@@ -1,6 +1,7 @@
-"""The KV hint vocabulary (docs/hints.md): the envelope's parsing (hkvd.transport.hints), a request's hints in its
-kv_transfer_params (hkvd.shim.hints: never raises, one warning naming the field, rejected hints counted), and the
-engine path's wire message (kv.Hints: every field bounded, decode checked)."""
+"""The KV hint vocabulary (docs/hints.md): the envelope's parsing (hkvd.transport.hint_envelope), a request's
+hints in its kv_transfer_params (hkvd.shim.hints: never raises, one warning naming the field, rejected hints
+counted), the engine path's wire message (kv.Hints: every field bounded, decode checked), and demotion in the
+eviction orders."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import msgpack
 import pytest
 
 from hkvd.shim import hints as shim_hints
-from hkvd.transport import hints
+from hkvd.transport import hint_envelope as hints
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire import kv, message_from_wire
 
@@ -168,3 +169,11 @@ def test_a_tenants_order_demotes_in_its_own_order() -> None:
         order.insert(k)
     assert order.demote("t2") and not order.demote("nope")
     assert list(order.candidates_for("t", 1)).index("t2") < list(order.candidates_for("t", 1)).index("t1")
+
+
+def test_the_session_pins_outcome() -> None:
+    assert shim_hints.pin_outcome(True, {"hkvd": {"pin_s": 5, "session": "s"}}) == "accepted"
+    assert shim_hints.pin_outcome(False, {"hkvd": {"pin_s": -5, "session": "s"}}) == "rejected"
+    assert shim_hints.pin_outcome(False, {"hkvd": {"session": "s"}}) == "rejected"
+    for params in (None, {}, {"hkvd": {}}, {"hkvd": {"store_decode": False}}, {"hkvd": "x"}, {"kv_hints": {}}):
+        assert shim_hints.pin_outcome(False, params) == "", params

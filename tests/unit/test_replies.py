@@ -84,8 +84,8 @@ def test_each_reply_is_numbered_in_its_requests_family():
 
 # Messages that are neither a request of REPLIES nor a reply: the handshakes, one-way messages, Abort (its AbortAck
 # acknowledges only the abort) and Error (any request's failure).
-UNPAIRED = {control.Hello, control.HelloAck, control.Bye, kv.Release, kv.Pin, kv.Uncacheable, kv.Abort, kv.AbortAck,
-            kv.Error, peer.PeerHello, peer.PeerChallenge, peer.PeerAuth, peer.PeerWelcome, peer.PeerLookup,
+UNPAIRED = {control.Hello, control.HelloAck, control.Bye, kv.Release, kv.Pin, kv.Hints, kv.Uncacheable, kv.Abort,
+            kv.AbortAck, kv.Error, peer.PeerHello, peer.PeerChallenge, peer.PeerAuth, peer.PeerWelcome, peer.PeerLookup,
             peer.PeerLookupReply, peer.PeerRelease}
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from tests.unit.test_connector_metadata import PIN, TABLE, pinned, scheduler_output
 
+pytestmark = pytest.mark.vllm  # vLLM's Request and scheduler types (through test_connector_metadata)
+
 PIN_AND_HINTS: dict[str, Any] = {**PIN, "kv_hints": {"protocol_version": 1, "message_id": "m", "actions": [
     {"action_type": "kv.pin", "payload": {"ttl_s": 60, "session": "agent-3"}},
     {"action_type": "demote"},

@@ -317,8 +317,8 @@ class Pin(Message):
             raise ProtocolViolation(f"Pin: every key must be {KEY_BYTES} bytes")
 
 
-#: The actions a request's ``kv.Hints`` carries (``hkvd.transport.hints.ACTIONS`` less prefetch, which a request's
-#: own lookup does), the outcomes the shim counts, and the bounds.
+#: The actions a request's ``kv.Hints`` carries (``hkvd.transport.hint_envelope.ACTIONS`` less prefetch, which a
+#: request's own lookup does), the outcomes the shim counts, and the bounds.
 HINT_ACTIONS = ("share", "demote", "pin", "retain")
 HINT_COUNTED_ACTIONS = ("share", "prefetch", "demote", "pin", "retain", "unknown")
 HINT_OUTCOMES = ("accepted", "clipped", "deferred", "rejected")
