@@ -24,7 +24,8 @@ What each action is here
     - ``prefetch``: the chunks a lookup of the prefix would miss in the pool and find in the disk or
       cluster tier are read into the pool now (``daemon/tiers/promotion.py``, the lookups' own path and
       budgets), so the request's lookup finds them in memory. ``wait: false``: the reads run after the
-      answer (``deferred``). A peer as the source is not supported (``rejected``).
+      answer (``deferred``). ``source`` ``disk`` or ``cluster`` reads as ``any`` does (each chunk from the first
+      tier that holds it, as for a lookup); a peer as the source is not supported (``rejected``).
 
 Threading
     Event loop only.
@@ -177,7 +178,7 @@ class Hints:
     def _demote(self, a: Action, t: Target) -> Outcome:
         ended = self.cache.sessions.unpin(a.session) if a.session else 0
         moved = self.cache.demote(t.entries())
-        held = sum(self.cache.sessions.holds(k) for k in t.entries())
+        held = sum(self.cache.sessions.holds(k) for k in t.entries() if self.cache.get(k) is not None)
         extra: dict[str, object] = {"unpinned": ended} if a.session else {}
         if not moved and not ended:
             if held:
