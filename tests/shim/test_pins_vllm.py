@@ -9,7 +9,9 @@ One engine runs four requests (vLLM's own prefix cache emptied before each, so h
 - the session's next turn (the first prompt and one chunk more, ``pin_s`` 600): it hits the four pinned
   chunks, and its pin of five chunks supersedes the first, so the daemon's status lists session agent-1
   with one pin (unsalted tenant ""), pool bytes held and more than 300 s left;
-- ``{"hkvd": {"pin_s": 0, ...}}``: one warning line names pin_s, the request completes, nothing is pinned.
+- ``{"hkvd": {"pin_s": 0, ...}}``: one warning line names pin_s, the request completes, nothing is pinned;
+- KV hints (docs/hints.md) on the salted request: a retain the daemon applies, an unknown action the shim
+  rejects with one warning; the daemon counts every hint, the pins above among them.
 
 vLLM's own counters say one request pinned and one refused. The pin and tenant checks need a daemon that
 takes pins (``RegisterAck.pins``): against one that does not, the shim says so once, and they skip.
@@ -33,6 +35,8 @@ def _seq(n: int, mul: int, add: int) -> list[int]:
 
 PINNED, SALTED, BAD = _seq(601, 7, 3), _seq(601, 13, 1), _seq(601, 11, 5)
 TURN2 = PINNED + _seq(100, 3, 2)  # five full chunks; the first four are PINNED's
+# KV hints on the salted request (docs/hints.md): a retain the daemon applies, an unknown action the shim rejects.
+HINTS = {"protocol_version": 1, "actions": [{"action_type": "kv.retain"}, {"action_type": "evict-now"}]}
 
 
 def test_a_pinned_session_its_next_turn_a_salted_request_and_a_bad_pin(tiny_lib, outputs, models_root, daemon_factory,
@@ -42,7 +46,7 @@ def test_a_pinned_session_its_next_turn_a_salted_request_and_a_bad_pin(tiny_lib,
     run = engine_runner({"model": str(model), "socket": d.socket, "max_num_batched_tokens": BLOCK,
                          "vllm_metrics": True, "prompts": [
                              {"ids": PINNED, "kv_transfer_params": {"hkvd": {"pin_s": 300, "session": "agent-1"}}},
-                             {"ids": SALTED, "salt": "tenant-a"},
+                             {"ids": SALTED, "salt": "tenant-a", "kv_transfer_params": {"kv_hints": HINTS}},
                              {"ids": TURN2, "kv_transfer_params": {"hkvd": {"pin_s": 600, "session": "agent-1"}}},
                              {"ids": BAD, "kv_transfer_params": {"hkvd": {"pin_s": 0, "session": "agent-2"}}},
                          ]})
@@ -72,3 +76,9 @@ def test_a_pinned_session_its_next_turn_a_salted_request_and_a_bad_pin(tiny_lib,
     assert tenants["bytes"].get(label, 0) > 0, tenants
     assert tenants["bytes"].get("", 0) > 0, tenants  # the other two requests: the unsalted share
     assert "tenant-a" not in str(status)  # the salt never reaches the daemon in clear
+    # The hints: the two good pins and the bad one counted as pins, the salted request's retain applied to its
+    # four stored chunks, its unknown action rejected by the shim with one warning naming the field.
+    assert status["hints"] == {"pin": {"accepted": 2, "rejected": 1}, "retain": {"accepted": 1},
+                               "unknown": {"rejected": 1}}, status["hints"]
+    hinted = [line for line in log.splitlines() if "a KV hint was rejected" in line]
+    assert len(hinted) == 1 and "kv_transfer_params['kv_hints'] actions[1]" in hinted[0], hinted
