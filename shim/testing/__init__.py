@@ -1,4 +1,1 @@
-"""Support for tests and benchmarks: a synthetic engine, a daemon launcher and the daemon's service in process.
-
-Not used in serving.
-"""
+"""Support for tests and benchmarks: a synthetic engine and a daemon launcher. Not used in serving."""

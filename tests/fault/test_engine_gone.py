@@ -38,8 +38,8 @@ import pytest
 from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.in_process import in_process_service
 from hkvd.daemon.server import Server
-from hkvd.shim.testing.in_process import in_process_service
 from hkvd.transport.copy_engine import Attachment, CopyResult, Direction, EngineProcess, Region, Segment
 from hkvd.transport.errors import CopyFailedError, KVTimeout
 

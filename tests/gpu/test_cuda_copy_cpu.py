@@ -749,7 +749,7 @@ async def test_the_service_answers_retrieves_once_enqueued_and_unpins_once_the_g
     import contextlib
 
     from hkvd.daemon.config import DaemonConfig
-    from hkvd.shim.testing.in_process import in_process_service, own_conn
+    from hkvd.daemon.engines.in_process import in_process_service, own_conn
     from hkvd.transport.keys import chunk_keys
     from hkvd.transport.layout import GroupSpec, View
     from hkvd.transport.wire import Message, control, kv

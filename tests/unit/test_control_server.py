@@ -26,8 +26,8 @@ import pytest
 
 from hkvd.daemon import server as server_mod
 from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.engines.in_process import in_process_service
 from hkvd.daemon.server import FRAMES_PER_TURN, MAX_CONSECUTIVE_ERRORS, Server
-from hkvd.shim.testing.in_process import in_process_service
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.codec import encode
 from hkvd.transport.errors import ErrorCode, UnsupportedVersion

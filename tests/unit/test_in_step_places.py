@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.engines.in_process import in_process_service
 from hkvd.daemon.server import Server
-from hkvd.shim.testing.in_process import in_process_service
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys

@@ -21,11 +21,11 @@ import pytest
 
 from hkvd.daemon.cache import HugePagePool
 from hkvd.daemon.config import DaemonConfig
+from hkvd.daemon.engines.in_process import in_process_service, own_conn
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import UsablePrefix
 from hkvd.daemon.tiers.disk import DiskTier
-from hkvd.shim.testing.in_process import in_process_service, own_conn
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys, partial_key
 from hkvd.transport.layout import GroupSpec, View

@@ -21,9 +21,9 @@ from hkvd.daemon.cache.pool import HugePagePool
 from hkvd.daemon.config import DaemonConfig
 from hkvd.daemon.engines.connection import Conn
 from hkvd.daemon.engines.host_engine import HostCopyEngine
+from hkvd.daemon.engines.in_process import in_process_service, own_conn
 from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.tiers.contract import Source
-from hkvd.shim.testing.in_process import in_process_service, own_conn
 from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import CopyFailedError, ErrorCode, KVError, PagesInUse, ProtocolViolation
 from hkvd.transport.keys import chunk_keys

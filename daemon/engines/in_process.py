@@ -1,7 +1,9 @@
 """The daemon's service in this process, over a small host pool: for tests that drive it message by message.
 
+Not used in serving.
+
 ``in_process_service`` builds what ``hkvd serve`` builds for one pool, without its socket, threads of its
-own or start-up checks: a ``HugePagePool`` (``hugepages`` from the config, ``off`` by default here), a copy
+own or start-up checks: a ``HugePagePool`` (backed as ``cfg.hugepages`` says; tests pass ``off``), a copy
 engine over it (``HostCopyEngine`` unless ``make_engine`` says otherwise), a ``Cache`` with the quarantine
 that verification needs, a ``Registry`` and a ``KVService``. It closes all of it on the way out. A test
 that wants the control socket wraps ``parts.service`` in a ``Server`` (``hkvd.daemon.server``) with
@@ -18,9 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hkvd.daemon.cache import Cache
-from hkvd.daemon.cache.eviction import make_policy
-from hkvd.daemon.cache.pool import HugePagePool
+from hkvd.daemon.cache import Cache, HugePagePool, make_policy
 from hkvd.daemon.config import ConfigCell, DaemonConfig
 from hkvd.daemon.engines.client_process import ClientProcess
 from hkvd.daemon.engines.connection import Conn
