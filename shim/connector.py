@@ -30,8 +30,9 @@ must be a multiple of N).
 
 Chunks that fill while the engine generates are stored like prompt chunks, under keys that
 continue the prompt's, so the next turn of a chat (prompt + answer + new message) hits through
-the answer; ``"store_decode": false`` in the extra config stores prompt chunks only
-(``hkvd.shim.scheduler``, docs/hybrid.md).
+the answer; ``"store_decode": false`` in the extra config stores prompt chunks only, and the default
+``"auto"`` does so when the model's chat template drops an earlier answer's thinking part
+(``hkvd.shim.decode_stores``, ``hkvd.shim.scheduler``, docs/hybrid.md).
 
 vLLM builds two instances with the final ``KVCacheConfig``: the SCHEDULER one in EngineCore
 (``hkvd.shim.scheduler.SchedulerSide``: lookups, block tables -> items) and one WORKER per rank
@@ -66,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hkvd.shim.connector_stats import HkvdConnectorStats, HkvdPromMetrics, StatsReporter
+from hkvd.shim.decode_stores import STAT_NAMES as DECODE_FIELDS
 from hkvd.shim.metadata import HkvdConnectorMetadata
 from hkvd.shim.scheduler import SchedulerSide
 from hkvd.shim.shim_config import ShimConfig
@@ -206,7 +208,8 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
             return self._stats.take(self._worker.transfer_totals())
         if self._sched is not None:
             return self._stats.take({k: self._sched.stats[k] for k in ("lookups_deferred", "loads_reported_early",
-                                                                       "verify_sampled", "pins_sent", "pins_refused")})
+                                                                       "verify_sampled", "pins_sent", "pins_refused",
+                                                                       *DECODE_FIELDS)})
         return None
 
     @classmethod

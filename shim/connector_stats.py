@@ -36,6 +36,10 @@ Fields (``FIELDS``)
     holds one kind): running maxima (``MAX_FIELDS``: sent as is, combined by max), on /metrics as the
     gauge ``vllm:hkvd_verify_max_error{kind="all"|"full"|"swa"}``.
 
+    Decode chunks not stored (scheduler side, ``hkvd.shim.decode_stores``): ``decode_chunks_not_stored_<reason>`` and
+    ``decode_bytes_not_stored_<reason>``, reason ``template``, ``request`` or ``config``; on /metrics as
+    ``vllm:hkvd_decode_chunks_not_stored_total{reason}`` and ``vllm:hkvd_decode_bytes_not_stored_total{reason}``.
+
     Session pins (scheduler side, docs/agents.md): ``pins_sent``: finished requests whose chunks were pinned (a
     ``Pin`` sent to the daemon); ``pins_refused``: requests whose ``kv_transfer_params`` asked for a pin in a shape
     the shim refused (each ran unpinned, with a warning).
@@ -56,6 +60,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from hkvd.shim.decode_stores import REASONS as DECODE_REASONS
+from hkvd.shim.decode_stores import STAT_NAMES as DECODE_FIELDS
+
 if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
@@ -65,7 +72,7 @@ FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_by
           "verify_sampled", "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences",
           "verify_missing", "verify_boundary_states",
           "verify_max_error", "verify_max_error_full", "verify_max_error_swa", "pins_sent", "pins_refused",
-          "in_step_loads")
+          "in_step_loads", *DECODE_FIELDS)
 # Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
 MAX_FIELDS = frozenset({"verify_max_error", "verify_max_error_full", "verify_max_error_swa"})
 
@@ -105,6 +112,9 @@ class HkvdConnectorStats(KVConnectorStats):
             out.update({k: float(d.get(k, 0.0)) for k in sorted(MAX_FIELDS)})
         if d.get("pins_sent", 0) or d.get("pins_refused", 0):
             out.update({k: int(d.get(k, 0)) for k in ("pins_sent", "pins_refused")})
+        not_stored = sum(int(d.get(f"decode_bytes_not_stored_{r}", 0)) for r in DECODE_REASONS)
+        if not_stored:
+            out["decode_not_stored_MiB"] = round(not_stored / 2**20, 3)
         return out
 
     def is_empty(self) -> bool:
@@ -167,11 +177,21 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
                                 "sampled check found, per group kind (hkvd's tolerance units)",
                                 labelnames=[*labelnames, "kind"])
         self._max_seen: dict[tuple[int, str], float] = {}
+        self._not_stored = {
+            what: counter(name=f"vllm:hkvd_decode_{what}_not_stored", labelnames=[*labelnames, "reason"],
+                          documentation=f"{doc} not stored by hkvd, by reason (template: the model's chat template "
+                          "drops an earlier answer's thinking part; request: its kv_transfer_params said so; config: "
+                          "store_decode false)")
+            for what, doc in (("chunks", "Chunks a request generated"),
+                              ("bytes", "Bytes of the entries of the chunks requests generated"))}
         for labels in per_engine_labelvalues.values():  # every series from 0, before the first load
             for outcome in ("ok", "failed"):
                 self._loads.labels(*labels, outcome)
             for c in self._bytes.values():
                 c.labels(*labels)
+            for c in self._not_stored.values():
+                for reason in DECODE_REASONS:
+                    c.labels(*labels, reason)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if not transfer_stats_data:
@@ -183,6 +203,10 @@ class HkvdPromMetrics(KVConnectorPromMetrics):
         for name, c in self._bytes.items():
             if v := transfer_stats_data.get(name, 0):
                 c.labels(*labels).inc(v)
+        for what, c in self._not_stored.items():
+            for reason in DECODE_REASONS:
+                if v := transfer_stats_data.get(f"decode_{what}_not_stored_{reason}", 0):
+                    c.labels(*labels, reason).inc(v)
         for name in MAX_FIELDS:
             kind = name.removeprefix("verify_max_error").lstrip("_") or "all"
             v = float(transfer_stats_data.get(name, 0.0))

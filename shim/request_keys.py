@@ -3,10 +3,11 @@
 
 Role
     ``ChunkKeys`` computes and caches ``RequestRecord.keys``: rolling chunk keys over the prompt's full
-    chunks with vLLM's extra keys mixed in (``hkvd.shim.identity``), extended with ``store_decode`` over
-    the output tokens sampled so far, so the next turn's prompt, which repeats them, computes the same
-    keys. A request that cannot be keyed is marked uncacheable once (``RequestRecord.uncacheable``),
-    counted, and reported through ``on_uncacheable``; it is never looked up or stored.
+    chunks with vLLM's extra keys mixed in (``hkvd.shim.identity``), extended with ``store_decode`` (the
+    engine's, or the request's own: ``RequestRecord.store_decode``) over the output tokens sampled so far,
+    so the next turn's prompt, which repeats them, computes the same keys. A request that cannot be keyed
+    is marked uncacheable once (``RequestRecord.uncacheable``), counted, and reported through
+    ``on_uncacheable``; it is never looked up or stored.
 
 Threading
     vLLM's scheduler thread only, like the scheduler side.
@@ -55,7 +56,7 @@ class ChunkKeys:
         """
         keys = self.prompt(st)
         C = self.chunk_size
-        if len(keys) >= n or not C or not self.store_decode or st.request is None or st.uncacheable:
+        if len(keys) >= n or not C or not self.decode(st) or st.request is None or st.uncacheable:
             return keys
         tokens = st.request.all_token_ids  # prompt + output tokens sampled so far (no placeholders)
         n = min(n, len(tokens) // C)
@@ -71,9 +72,14 @@ class ChunkKeys:
                                extras=extras))
         return keys
 
+    def decode(self, st: RequestRecord) -> bool:
+        """Whether the request's chunks past its prompt are keyed (and so stored): its own decision, else
+        ``store_decode`` (hkvd.shim.decode_stores)."""
+        return self.store_decode if st.store_decode is None else st.store_decode
+
     def known_tokens(self, st: RequestRecord) -> int:
         """Tokens a stored chunk may end at: the prompt's, and with store_decode the output tokens known."""
-        if self.store_decode and st.request is not None:
+        if self.decode(st) and st.request is not None:
             return max(st.num_tokens, int(st.request.num_tokens))
         return st.num_tokens
 

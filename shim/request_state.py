@@ -148,6 +148,10 @@ class RequestRecord:
     pull: PullSpec | None = None  # until the load job that carries it is planned
     # Chunk keys over the prompt's full chunks; with store_decode extended over known output tokens.
     keys: list[bytes] = field(default_factory=list)
+    # Whether the chunks it generates are stored (hkvd.shim.decode_stores): None, the engine's store_decode; and
+    # when they are not, why (template, request or config), for the counters.
+    store_decode: bool | None = None
+    decode_off: str = ""
     uncacheable: str = ""  # why it cannot be keyed (hkvd.shim.identity.Uncacheable): never looked up or stored
     # A sampled hit (hkvd.shim.verify): computed, not loaded; chunks [verify_from, verify_upto) that it
     # computes are compared with the daemon's entries instead of stored. verify_upto 0: not sampled.

@@ -104,9 +104,10 @@ Failure handling
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hkvd.shim import hints, pd, sessions, tenants
+from hkvd.shim import decode_stores, hints, pd, sessions, tenants
 from hkvd.shim.client import DaemonClient
 from hkvd.shim.identity import prompt_tokens
 from hkvd.shim.kv_event_feed import EventFeed
@@ -120,7 +121,8 @@ from hkvd.shim.scheduler_context import SchedulerContext
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import build_engine_spec, group_infos, validate_vllm
 from hkvd.shim.store_planner import StorePlanner
-from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED
+from hkvd.transport.layout import entry_bytes
+from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, EngineSpec
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only
     from vllm.config import VllmConfig
@@ -147,7 +149,10 @@ class SchedulerSide:
             lambda: build_engine_spec(vllm_config, kv_cache_config, cfg, regions=[], layer_addr=None),
         )
         hash_unit = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
-        self.ctx = SchedulerContext(cfg, self.link, group_infos(kv_cache_config), block_size, hash_unit)
+        self.ctx = SchedulerContext(cfg, self.link, group_infos(kv_cache_config), block_size, hash_unit,
+                                    getattr(vllm_config, "model_config", None),
+                                    _chunk_bytes(lambda: build_engine_spec(vllm_config, kv_cache_config, cfg,
+                                                                           regions=[], layer_addr=None)))
         self.kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
         self._producer = pd.ProducerSide(self.link, self.kv_role, cfg.peer_address, self._client)
         # KV events: this engine publishes (vLLM's kv_events_config), so the connector's path is on.
@@ -240,6 +245,10 @@ class SchedulerSide:
         if problem:
             self.ctx.stats["pins_refused"] += 1
             logger.warning("%s (request %s)", problem, request.request_id)
+        asked, problem = decode_stores.parse(getattr(request, "kv_transfer_params", None))
+        if problem:
+            logger.warning("%s (request %s)", problem, request.request_id)
+        st.store_decode, st.decode_off = self.ctx.decode.for_request(asked)
         # KV hints (docs/hints.md), the pin above counted among them; sent when the request finishes.
         params = getattr(request, "kv_transfer_params", None)
         st.hints, problem = hints.parse(params, hints.pin_outcome(st.pin is not None, params))
@@ -364,3 +373,24 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self.link.close()
         self.timeline.close()
+
+
+def _chunk_bytes(spec: Callable[[], EngineSpec]) -> Callable[[int], int]:
+    """Bytes of one chunk's entries at a chunk size, every group and rank, from the engine's spec (built once,
+    when first asked)."""
+    memo: dict[int, int] = {}
+    built: list[EngineSpec] = []
+
+    def of(chunk_size: int) -> int:
+        if chunk_size not in memo:
+            try:
+                if not built:
+                    built.append(spec())
+                s = built[0]
+                memo[chunk_size] = sum(entry_bytes(g, chunk_size) for g in s.groups) * int(s.world_size)
+            except Exception as e:  # only counters depend on it
+                logger.debug("hkvd: no chunk size in bytes at %d tokens: %s", chunk_size, e)
+                memo[chunk_size] = 0
+        return memo[chunk_size]
+
+    return of

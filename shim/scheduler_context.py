@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hkvd.shim import partial
 from hkvd.shim.daemon_port import DaemonPort
+from hkvd.shim.decode_stores import DecodeStores
 from hkvd.shim.identity import Uncacheable
 from hkvd.shim.link import DaemonLink
 from hkvd.shim.request_keys import ChunkKeys
@@ -27,6 +30,9 @@ from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import GroupInfo
 from hkvd.shim.timeline import OFF, Timeline
 from hkvd.transport.turn_ends import TurnEnds
+
+if TYPE_CHECKING:  # vLLM's type, for annotations only
+    from vllm.config import ModelConfig
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -44,7 +50,8 @@ STAT_NAMES = ("lookups", "lookups_deferred", "hit_tokens", "load_jobs", "store_i
 
 class SchedulerContext:
     def __init__(self, cfg: ShimConfig, link: DaemonLink, groups: list[GroupInfo], block_size: int,
-                 hash_unit: int) -> None:
+                 hash_unit: int, model_config: ModelConfig | None = None,
+                 chunk_bytes: Callable[[int], int] | None = None) -> None:
         self.cfg = cfg
         self.link = link
         self.groups = groups
@@ -52,7 +59,11 @@ class SchedulerContext:
         self.hash_unit = hash_unit  # vLLM's prefix_match_unit h (KVCacheConfig.hash_block_size); 0 if none
         self.reqs: dict[str, RequestRecord] = {}  # announced and not finished, each in its state
         self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
-        self.keys = ChunkKeys(cfg.chunk_size, cfg.store_decode, self._uncacheable)
+        # Whether decode chunks are stored (store_decode; "auto" reads the model's chat template once, here).
+        self.decode = DecodeStores(cfg.store_decode, model_config, self.stats)
+        # Bytes of one chunk's entries, every group and rank, at a chunk size (the counters of chunks not stored).
+        self.chunk_bytes = chunk_bytes or (lambda _c: 0)
+        self.keys = ChunkKeys(cfg.chunk_size, self.decode.store, self._uncacheable)
         self.turn_ends = TurnEnds()  # where finished requests' stored states lie (turn_end_states)
         self.strict = os.environ.get(STRICT_ENV) == "1"
         # Per-request events (timeline_path; hkvd.shim.timeline): its step is kept by the scheduler side.

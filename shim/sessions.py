@@ -14,7 +14,7 @@ Contracts
       runs as if it had asked for no pin.
     - Valid: ``"pin_s"`` a number with 0 < pin_s <= 86400 (``kv.MAX_PIN_S``) and ``"session"`` a
       string ``control.check_session`` accepts (1 to 128 printable ASCII characters, no spaces), both
-      given, no other key.
+      given, no other key but ``"store_decode"`` (``hkvd.shim.decode_stores``; alone, it asks for no pin).
 
 Threading
     Pure functions; no state.
@@ -32,6 +32,7 @@ from hkvd.transport.wire.kv import MAX_PIN_S
 
 KEY = "hkvd"  # the part of kv_transfer_params that is ours
 FIELDS = ("pin_s", "session")
+OTHER_FIELDS = ("store_decode",)  # under the same key, read by hkvd.shim.decode_stores
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +53,11 @@ def parse(params: object) -> tuple[PinAsk | None, str]:
                                '{"hkvd": {"pin_s": SECONDS, "session": "ID"}}')
     if not ours:
         return None, ""
-    unknown = sorted(str(k)[:40] for k in ours if k not in FIELDS)[:8]
+    unknown = sorted(str(k)[:40] for k in ours if k not in FIELDS and k not in OTHER_FIELDS)[:8]
     if unknown:
-        return None, _unpinned(f"has unknown keys {unknown}; the known keys are {list(FIELDS)}")
+        return None, _unpinned(f"has unknown keys {unknown}; the known keys are {[*FIELDS, *OTHER_FIELDS]}")
+    if not any(k in ours for k in FIELDS):  # only other fields: no pin asked
+        return None, ""
     if "pin_s" not in ours or "session" not in ours:
         missing = "session" if "pin_s" in ours else "pin_s"
         return None, _unpinned(f"lacks {missing!r}; a pin needs both pin_s (seconds) and session (an id)")

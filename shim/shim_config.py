@@ -77,7 +77,10 @@ class ShimConfig:
     # Store the chunks that fill while the engine generates (their attention KV, sliding-window
     # blocks and the Mamba states vLLM offers there), under keys that continue the prompt's, so a
     # chat's next turn (prompt + answer + new message) also hits the answer. False: prompt chunks only.
-    store_decode: bool = True
+    # "auto": stored unless the model's chat template drops an earlier answer's thinking part from the
+    # next prompt (a reasoning model's: those chunks can never hit; hkvd.shim.decode_stores). A request
+    # may decide for itself: kv_transfer_params={"hkvd": {"store_decode": false}} (or true).
+    store_decode: bool | Literal["auto"] = "auto"
     # With partial chunks (vLLM's prefix_match_unit below its block size, a Mamba model in align mode): store
     # each finished request's state after its last computed token, and probe there in later lookups, so a
     # chat's next turn resumes where the previous one ended (docs/design.md, "Hit granularity"). No effect
@@ -109,6 +112,9 @@ class ShimConfig:
             if name == "timeline_path" and not isinstance(value, str):  # str(None) would name a file "None"
                 raise ValueError(f"hkvd: kv_connector_extra_config['timeline_path']={value!r} is not a path "
                                  "(a string; \"\" = no timeline)")
+            if name == "store_decode":
+                values[name] = _store_decode(value)
+                continue
             try:
                 values[name] = _to_bool(value) if isinstance(default, bool) else type(default)(value)
             except (TypeError, ValueError):
@@ -154,6 +160,20 @@ def _check_timeline_path(path: str) -> None:
         raise ValueError(f"hkvd: timeline_path {path!r}: the folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"hkvd: timeline_path {path!r} is not writable by this process")
+
+
+def _store_decode(v: object) -> bool | Literal["auto"]:
+    """``store_decode``: a bool (or "true"/"false", "1"/"0", "yes"/"no", "on"/"off"), or "auto"."""
+    if isinstance(v, bool) or v in (0, 1):
+        return bool(v)
+    if isinstance(v, str):
+        word = v.strip().lower()
+        if word == "auto":
+            return "auto"
+        if word in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return _to_bool(word)
+    raise ValueError(f"hkvd: kv_connector_extra_config['store_decode']={v!r} is not true, false or \"auto\" (auto: "
+                     "stored unless the model's chat template drops an earlier answer's thinking part)")
 
 
 def _to_bool(v: object) -> bool:

@@ -150,6 +150,8 @@ class StorePlanner:
         j = boundary // C
         if st.request is None or st.uncacheable or ctx.keys.has_extras(st.request):
             return
+        if boundary > st.num_tokens and not ctx.keys.decode(st):  # it holds output tokens: a decode chunk's
+            return
         keys = ctx.keys.through(st, j)
         key = partial.key_at(keys, list(st.request.all_token_ids[:boundary]), boundary, C)
         table = block_state.get_block_ids(st.req_id)
@@ -207,15 +209,27 @@ class StorePlanner:
         (``had_copies``).
         """
         ctx, C = self.ctx, self.ctx.chunk_size
-        if not (ctx.cfg.store_decode and C and block_ids) or not isinstance(block_ids[0], list):
-            return
         computed = int(request.num_computed_tokens) - int(getattr(request, "num_output_placeholders", 0) or 0)
+        if not ctx.keys.decode(st):
+            self._count_not_stored(request, st, computed)
+            return
+        if not (C and block_ids) or not isinstance(block_ids[0], list):
+            return
         last = min(computed, ctx.keys.known_tokens(st)) // C
         if last <= st.next_store_chunk:
             return
         items = plans.store_items(ctx.groups, ctx.keys.through(st, last), block_ids, st.next_store_chunk, last, C)
         st.next_store_chunk = last
         self._plan_copies(st, items, self.finish_stores, self.finish_verifies)
+
+    def _count_not_stored(self, request: Request, st: RequestRecord, computed: int) -> None:
+        """Count the decode chunks a request whose decode chunks are not stored computed (``hkvd.shim.decode_stores``):
+        the whole chunks past its prompt's, up to its computed and known tokens."""
+        C = self.ctx.chunk_size
+        if not C or st.uncacheable or not st.decode_off:
+            return
+        n = min(computed, int(request.num_tokens)) // C - st.num_tokens // C
+        self.ctx.decode.not_stored(st.decode_off, n, self.ctx.chunk_bytes(C))
 
     def _turn_end_allowed(self, request: Request, st: RequestRecord, block_ids: BlockIds) -> bool:
         return not (not self.ctx.cfg.turn_end_states or not self.ctx.partial_on() or st.request is None
@@ -236,6 +250,8 @@ class StorePlanner:
         end = int(request.num_computed_tokens)
         j = end // C
         if end % C == 0 or end < st.num_tokens or end > len(request.all_token_ids) or ctx.keys.has_extras(st.request):
+            return None
+        if end > st.num_tokens and not ctx.keys.decode(st):  # past the prompt: a decode chunk's state
             return None
         keys = ctx.keys.through(st, j)
         key = partial.key_at(keys, list(request.all_token_ids[:end]), end, C)

@@ -193,6 +193,10 @@ def test_next_turn_hits_the_answer(h, tiny_models, daemon_factory, mode: str) ->
     off.add("turn1", prompt, max_tokens=40)
     off.run()
     assert _truth(off, "turn1") == answer
+    # Counted: chunks 2 and 3 (KV for positions < 79), for the engine's setting (hkvd.shim.decode_stores).
+    stats = off.sched.connector._sched.stats
+    assert stats["decode_chunks_not_stored_config"] == 2 and stats["decode_bytes_not_stored_config"] > 0, stats
+    assert stats["decode_chunks_not_stored_template"] == stats["decode_chunks_not_stored_request"] == 0
     hit, items = _served(h, off, "turn2", turn2)
     assert hit == 32
     _check_bytes(h, off, items, answer)

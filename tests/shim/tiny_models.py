@@ -18,6 +18,8 @@ Role
       size of 128, up to 8192 positions. A prefix of thousands of tokens is then a load of
       ~100 MiB and more, longer than a decode step: what the asynchronous-load tests and
       ``bench/load_overlap.py`` need.
+    - ``qwen3_next_think``: ``qwen3_next``'s weights and tokenizer with a reasoning model's chat template
+      (``THINK_TEMPLATE``: an earlier answer's ``<think>...</think>`` part is not in the next prompt).
     - ``idefics3``: a vision-language model (``Idefics3ForConditionalGeneration``) whose image
       processor needs no torchvision. Vision tower: 1 layer, hidden 128, 64x64 images in 4x4
       patches, pixel shuffle 2, so one image is ``IDEFICS3_IMAGE_SEQ_LEN`` (64) ``<image>``
@@ -53,7 +55,24 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SEED = 1234
 DEFAULT_ROOT = Path("/tmp/hkvd-models")
-KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2", "wide_kv")
+KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2", "wide_kv", "qwen3_next_think")
+
+# qwen3_next_think's chat template: ChatML turns, and an assistant message written before the last user
+# message loses everything up to its last "</think>", as a reasoning model's template does (Qwen3's drops the
+# thinking of the answers before the last user query), so the next turn's prompt never repeats it.
+THINK_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set text = m.content -%}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in text -%}"
+    "{%- set text = text.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + text + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
+)
 
 LORA_RANK = 8
 LORA_ALPHA = 16
@@ -244,6 +263,15 @@ def build(kind: str, root: Path = DEFAULT_ROOT) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if kind == "qwen3_next_think":
+        import shutil
+
+        shutil.copytree(build("qwen3_next", root), out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete"))
+        tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+        tok_cfg["chat_template"] = THINK_TEMPLATE
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        marker.write_text("ok\n")
+        return out
     out.mkdir(parents=True, exist_ok=True)
     if kind == "idefics3":
         _save_idefics3(out)
