@@ -10,7 +10,8 @@ Before every prompt the script resets vLLM's prefix cache (``reset_prefix_cache`
 steps until vLLM accepts the reset): vLLM's local cache is
 emptied, the connector's is not, so ``num_cached_tokens > 0`` can only come from hkvd.
 Output: ``HKVD_RESULT {"results": [{"tokens", "logprobs", "num_cached_tokens"}...], "block_size": N,
-"async_scheduling": bool}`` (whether vLLM schedules a step before it reads the previous one's output).
+"async_scheduling": bool, "pid": N}`` (whether vLLM schedules a step before it reads the previous one's output;
+the engine's process id, which the daemon's log names for its connections).
 
 Conversations (multi-turn chat): ``"conversations": [{"first": [ids...], "users": [[ids...], ...]}, ...]``
 instead of ``"prompts"``; a conversation may set its own ``"max_tokens"`` (a number, or one per turn) and
@@ -139,7 +140,8 @@ def main() -> None:
     # vLLM's block size N (hybrids align it to the Mamba state page): the granularity of every hit.
     block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
     out = {"results": results, "block_size": block_size,
-           "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
+           "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+           "pid": os.getpid()}
     if args.get("vllm_metrics"):
         out["vllm_metrics"] = _hkvd_metrics()
     print("HKVD_RESULT " + json.dumps(out), flush=True)
