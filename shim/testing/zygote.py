@@ -162,6 +162,7 @@ class Zygote:
 
 
 _SESSION: list[Zygote] = []
+_SESSION_LOCK = threading.Lock()  # engines started from several threads at once share one zygote
 
 
 def engine_env(base: Mapping[str, str]) -> dict[str, str]:
@@ -182,12 +183,14 @@ def fork_engine(argv: list[str], env: dict[str, str], session_env: Mapping[str, 
 
 
 def session_zygote(env: dict[str, str]) -> Zygote:
-    """This process's zygote, started with ``env`` at the first call (later calls return it as it is)."""
-    if not _SESSION:
-        import tempfile
+    """This process's zygote, started with ``env`` at the first call (later calls return it as it is; calls from
+    other threads meanwhile wait for it rather than start zygotes of their own)."""
+    with _SESSION_LOCK:
+        if not _SESSION:
+            import tempfile
 
-        _SESSION.append(Zygote(Path(tempfile.mkdtemp(prefix="hkvd-zygote-")), env).start())
-    return _SESSION[0]
+            _SESSION.append(Zygote(Path(tempfile.mkdtemp(prefix="hkvd-zygote-")), env).start())
+        return _SESSION[0]
 
 
 def stop_session_zygote() -> None:
