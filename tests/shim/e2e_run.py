@@ -20,6 +20,10 @@ stops on the token an earlier conversation's turn generated at that index (``sto
 first when its index is lower), so a turn ends on a stop token rather than its length.
 Turn 1's prompt is ``first``; turn k+1's prompt is turn k's prompt, plus the tokens the engine
 generated in turn k, plus ``users[k-1]``. The conversations take turns (A1, B1, A2, B2, ...).
+A reasoning model's chat: ``"think": {"open": [ids], "answers": [[ids], ...]}``: every turn's prompt ends with
+``open`` (the generation prompt's ``<think>``), the engine's tokens are the thinking part, and a reasoning
+template drops it (and ``open``) from the next prompt: turn k+1's prompt is turn k's without ``open``, plus
+``answers[k-1]``, plus ``users[k-1]``, plus ``open``.
 ``"phases": [{"reset": bool}, ...]`` runs them all once per phase, from an emptied vLLM cache;
 ``"reset": true`` empties it before every turn (hits come only from hkvd), ``false`` keeps it (the
 reference run of vLLM's own prefix cache).
@@ -35,7 +39,8 @@ core and worker each in a process of its own); tensor-parallel runs always have 
 takes a step only when asked, so after each request the script steps it until the request's stores and
 checks are done (``vllm_cache.settle``), as vLLM's own core loop does by itself.
 ``"vllm_metrics": true`` turns vLLM's stats on and adds ``"vllm_metrics"`` to the output: vLLM's own
-``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads) -> value, and the
+``vllm:hkvd_*`` counters (``hkvd.shim.connector_stats``), name (and ``outcome``, for the loads, or ``reason``, for
+the decode chunks not stored) -> value, and the
 sampled checks' largest error per group kind (``vllm:hkvd_verify_max_error{kind}``); in conversation mode, a list
 of them, read after each phase. Output:
 ``HKVD_RESULT {"phases": [[[{"tokens", "logprobs", "gaps", "num_cached_tokens", "prompt_len"}, ...turns],
@@ -156,7 +161,8 @@ def _hkvd_metrics():  # type: ignore[no-untyped-def]
     for fam in REGISTRY.collect():
         for s in fam.samples:
             if fam.name.startswith("vllm:hkvd_") and s.name.endswith("_total"):
-                name = fam.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
+                label = s.labels.get("outcome") or s.labels.get("reason")
+                name = fam.name + (f"{{{label}}}" if label else "")
                 got[name] = got.get(name, 0.0) + float(s.value)
             elif fam.name == "vllm:hkvd_verify_max_error":  # a gauge per group kind: the largest over engines
                 name = f"{fam.name}{{{s.labels['kind']}}}"
@@ -172,8 +178,11 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
         for i, c in enumerate(convs):
             if turn > len(c["users"]):
                 continue
+            think = c.get("think")
             if turn:
-                prompts[i] += out[i][-1]["tokens"] + list(c["users"][turn - 1])
+                said = list(think["answers"][turn - 1]) if think else out[i][-1]["tokens"]
+                prompts[i] += said + list(c["users"][turn - 1])
+            prompt = prompts[i] + list(think["open"]) if think else prompts[i]
             if reset:
                 reset_prefix_cache(llm)
             params = sp.clone()
@@ -185,14 +194,14 @@ def _chat(llm, sp, convs, reset, tokens_prompt):  # type: ignore[no-untyped-def]
                 src = c["stop_from"]
                 params.stop_token_ids = [out[src["conversation"]][src["turn"]]["tokens"][src["index"]]]
                 params.ignore_eos = False
-            res = llm.generate([tokens_prompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
+            res = llm.generate([tokens_prompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
             settle(llm)
             comp = res.outputs[0]
             steps = list(zip(comp.token_ids, comp.logprobs or [], strict=False))
             # gaps: the top-1 minus the top-2 logprob at each step (needs "logprobs": 2); a near-tie
             # there may flip between runs whose KV differs by a bf16 rounding.
             out[i].append({"tokens": list(comp.token_ids), "logprobs": [float(d[t].logprob) for t, d in steps],
-                           "gaps": [_gap(d) for _, d in steps], "prompt_len": len(prompts[i]),
+                           "gaps": [_gap(d) for _, d in steps], "prompt_len": len(prompt),
                            "num_cached_tokens": int(res.num_cached_tokens or 0),
                            "finish_reason": comp.finish_reason})
     return out
