@@ -69,7 +69,10 @@ class CounterStats:
     hints: Series = counter_series(
         "hkvd_hints", "KV hints from routers and engines (docs/hints.md), by action (share, prefetch, demote, pin, "
         "retain, unknown) and outcome (accepted, clipped, deferred, rejected)")
-    # Only once counted (no 0 before): the tiers' and the collector's.
+    # Only once counted (no 0 before): the tiers' and the collector's, and cross-TP reads.
+    tp_reshards: Series = counter_series(
+        "hkvd_tp_reshards", "Lookups (op=lookup) and retrieves (op=retrieve) served from entries another TP size "
+        "stored, re-sharded on read", always=False)
     l2_hits: Series = counter_series(
         "hkvd_l2_hits", "Entries read from the disk tier into the pool for a lookup, by group kind", always=False)
     l2_read_failures: Series = counter_series(

@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is imported where 
     from vllm.v1.request import Request
 
 __all__ = ["EXTRA_FORMAT", "KNOWN_TAGS", "SAMPLES", "SAMPLE_BYTES", "ChunkIdentity", "Uncacheable", "adapter_digest",
-           "encode_extra", "engine_identity", "files_digest", "prompt_tokens"]
+           "encode_extra", "engine_identity", "files_digest", "model_identity", "prompt_tokens"]
 
 logger = logging.getLogger("hkvd.shim")
 
@@ -120,12 +120,32 @@ def _may_have_extras(request: Request) -> bool:
 
 def engine_identity(vllm_config: VllmConfig) -> str:
     """Hex digest of what changes an engine's KV bytes beyond the registered layout (see module doc)."""
+    return _digest(_identity_facts(vllm_config))
+
+
+def model_identity(vllm_config: VllmConfig) -> str:
+    """``engine_identity`` without the tensor-parallel size and the KV-cache dtype setting: engines of one model
+    at different TP sizes share it, and the daemon may re-shard one's attention entries for the other
+    (docs/design.md, "Entries across tensor-parallel sizes"). The cache's element type stays in each group's
+    registered dtype, which the daemon compares: two worlds whose cache dtypes differ are told apart (and the
+    refusal logged) there."""
+    facts = _identity_facts(vllm_config)
+    del facts["tp"], facts["kv_cache_dtype"]
+    return _digest(facts)
+
+
+def _digest(facts: dict[str, object]) -> str:
+    blob = json.dumps(facts, sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=_DIGEST).hexdigest()
+
+
+def _identity_facts(vllm_config: VllmConfig) -> dict[str, object]:
     model_cfg = vllm_config.model_config
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     attn = getattr(vllm_config, "attention_config", None)
     model_dir = _model_dir(model_cfg)
-    facts = {
+    facts: dict[str, object] = {
         "revision": str(getattr(model_cfg, "revision", None) or ""),
         "config": _config_digest(model_cfg, model_dir),
         "weights": files_digest(str(model_dir)) if model_dir is not None else _unresolved(str(model_cfg.model)),
@@ -141,8 +161,7 @@ def engine_identity(vllm_config: VllmConfig) -> str:
         "tp": int(getattr(par, "tensor_parallel_size", 1)),
         "pp": int(getattr(par, "pipeline_parallel_size", 1)),
     }
-    blob = json.dumps(facts, sort_keys=True).encode()
-    return hashlib.blake2b(blob, digest_size=_DIGEST).hexdigest()
+    return facts
 
 
 def _platform() -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hkvd.shim.identity import engine_identity
+from hkvd.shim.identity import engine_identity, model_identity
 from hkvd.shim.kv_views import Pieces, config_place, layout_name, page_order
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.layout import GroupSpec, View
@@ -230,7 +230,30 @@ def build_engine_spec(
         groups=build_groups(kv_cache_config, layer_addr, resolved_layout(vllm_config, kv_cache_config)),
         identity=engine_identity(vllm_config),
         event_groups=event_groups(kv_cache_config),
+        model_identity=model_identity(vllm_config),
+        heads=head_splits(vllm_config, kv_cache_config),
     )
+
+
+def head_splits(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[tuple[int, int, int, int]]:
+    """Per attention group whose pages are one slot per KV head (full attention, sliding window; not MLA, not
+    packed or quantized slots): (group id, KV heads on this rank, KV heads in the model, states per page), what
+    the daemon needs to re-shard its entries for an engine of another TP size (transport/reshard.py)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    try:
+        total = int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:  # a config vLLM cannot count heads of: nothing is re-sharded
+        return []
+    out = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        s = g.kv_cache_spec
+        if (not isinstance(s, AttentionSpec) or isinstance(s, MLAAttentionSpec)
+                or getattr(s, "num_head_slots", None) is not None or getattr(s, "state_content_bytes", None) is not None
+                or not getattr(s, "has_layer_views", True)):
+            continue
+        out.append((gid, int(s.num_kv_heads), total, int(s.num_states)))
+    return out
 
 
 def event_groups(kv_cache_config: KVCacheConfig) -> list[tuple[int, str, int | None]]:

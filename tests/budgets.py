@@ -93,6 +93,9 @@ EXCEPTIONS: dict[str, tuple[float, str]] = {
     "tests/peer/test_netns.py": (45.0, "two network namespaces, NIXL agents on both sides, links cut mid-pull"),
     "tests/cluster/test_cluster.py": (30.0, "a Mooncake master and two daemons in two network namespaces"),
     # vllm tier (90 s): engines of several processes each
+    "tests/shim/test_tp_sizes_vllm.py": (240.0, "TP sizes 1 and 2 reading each other's entries: five engines (two "
+                                         "references without hkvd, three with), three of them TP=2 with two "
+                                         "worker processes each (305 s measured on a loaded 2-core machine)"),
     "tests/shim/test_tp_vllm.py": (120.0, "TP=2: a cold and a warm engine, each an engine core and two worker "
                                    "processes (54 s measured)"),
     "tests/peer/test_pd_vllm.py::test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size":

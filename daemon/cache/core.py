@@ -149,12 +149,13 @@ class Cache:
 
     # ---- leases (daemon/cache/leases.py) -------------------------------------------------------
     def lease(self, plan: LookupPlan, owner: int, ttl_s: float) -> int:
-        """A lease on every rank's entries of ``plan`` (those READY now), serving one retrieve per rank. A hit
+        """A lease on every rank's entries of ``plan`` (those READY now), serving one retrieve per rank (per
+        reader rank, ``plan.readers``, when another TP size's entries are re-sharded). A hit
         on chunks a session pin holds restarts that pin's TTL (``daemon/cache/pins.py``)."""
         index = self._index
         if plan.hit_chunks and len(index.pins):
             index.pins.refresh(plan.fingerprints[0], plan.keys[:plan.hit_chunks])
-        return index.leases.take(plan.entries(), owner, ttl_s, uses=len(plan.fingerprints))
+        return index.leases.take(plan.entries(), owner, ttl_s, uses=plan.readers or len(plan.fingerprints))
 
     def check_lease(self, lease_id: int) -> Lease[EntryKey]:
         """The live lease ``lease_id``; raises LeaseExpired when it is unknown or past its TTL."""

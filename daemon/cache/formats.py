@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hkvd.daemon.cache.hybrid import GroupRule
+from hkvd.transport.reshard import ShardShape
 
 MAX_WORLDS = 64
 
@@ -47,6 +48,10 @@ class WorldFormat:
     registered: float = 0.0  # wall-clock time of the last registration
     live: int = 0  # engines of this world registered now
     held: int = 0  # readers holding it (``Formats.hold``)
+    # The TP-free model digest (registry.model_key) and what re-sharding needs (transport/reshard.py); b"" and
+    # None for an engine that registered no model identity: its entries are read at its own TP size only.
+    model_key: bytes = b""
+    shard: ShardShape | None = None
 
     def rank_of(self, fingerprint: bytes) -> int:
         return self.fingerprints.index(fingerprint)
@@ -65,7 +70,7 @@ class Formats:
 
     def add(self, fingerprints: Sequence[bytes], rank: int, *, model: str, chunk_size: int,
             rules: Sequence[GroupRule], kinds: dict[int, str], entry_bytes: dict[int, int],
-            live: bool = False) -> WorldFormat:
+            live: bool = False, model_key: bytes = b"", shard: ShardShape | None = None) -> WorldFormat:
         """A registration of ``rank`` of the world ``fingerprints`` (``live``: by an engine that will
         ``leave``). The first registration of a world fixes its format; each one makes it the newest."""
         fps = tuple(fingerprints)
@@ -73,7 +78,8 @@ class Formats:
             raise ValueError(f"rank {rank} is outside a world of {len(fps)} ranks")
         w = self._worlds.get(fps)
         if w is None:
-            w = WorldFormat(fps, model, chunk_size, tuple(rules), dict(kinds), dict(entry_bytes))
+            w = WorldFormat(fps, model, chunk_size, tuple(rules), dict(kinds), dict(entry_bytes),
+                            model_key=model_key, shard=shard)
             self._worlds[fps] = w
             for fp in fps:
                 self._by_fp[fp] = fps
@@ -110,6 +116,12 @@ class Formats:
         """The world one of whose ranks has ``fingerprint`` (registered or not), if known."""
         key = self._by_fp.get(fingerprint)
         return self._worlds[key] if key is not None else None
+
+    def same_model(self, model_key: bytes, besides: World) -> list[WorldFormat]:
+        """The other worlds of the model ``model_key`` (other TP sizes), the most recently registered first."""
+        if not model_key:
+            return []
+        return [w for w in reversed(self._worlds.values()) if w.model_key == model_key and w.fingerprints != besides]
 
     def worlds(self) -> list[WorldFormat]:
         """Every known world, the least recently registered first."""

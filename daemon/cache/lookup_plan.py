@@ -74,6 +74,9 @@ class LookupPlan:
     withheld: int = 0
     missing: dict[str, int] = field(default_factory=dict)
     complete: bool = True
+    # Retrieves the lease serves: 0, one per rank of ``fingerprints``; else the reader world's ranks, where
+    # ``fingerprints`` is another TP size's world whose entries are re-sharded on read (transport/reshard.py).
+    readers: int = 0
 
     @property
     def whole_chunks(self) -> int:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from hkvd.daemon.engines.engine_traffic import EngineTraffic
     from hkvd.daemon.engines.places import Places
     from hkvd.daemon.engines.registry import EngineState
+    from hkvd.daemon.engines.reshards import Reshards
     from hkvd.daemon.metrics import Metrics
     from hkvd.daemon.tiers.promotion import Promoter
 
@@ -36,8 +37,9 @@ class LookupReplies:
     names where a leased hit lies in the pool (None: --in-step-loads off, no lookup gets places)."""
 
     def __init__(self, config: ConfigCell, index: Cache, promoter: Promoter, metrics: Metrics,
-                 traffic: EngineTraffic, places: Places | None = None) -> None:
+                 traffic: EngineTraffic, places: Places | None = None, reshards: Reshards | None = None) -> None:
         self.config = config
+        self.reshards = reshards  # hits in other TP sizes' entries (None: this world's format only)
         self.index = index
         self.promoter = promoter
         self.metrics = metrics
@@ -62,8 +64,11 @@ class LookupReplies:
     def _plan(self, engine: EngineState, msg: kv.Lookup, tails: list[Tail], seen: bool = False) -> LookupPlan:
         """The best hit the pool can serve to every rank, with the entries it lacks by kind."""
         layout = engine.world_fingerprints[0]  # engines of one layout share entries, and turn ends
-        return self.index.plan_lookup(engine, msg.keys, engine.rank_fingerprints, tails=tails,
+        plan = self.index.plan_lookup(engine, msg.keys, engine.rank_fingerprints, tails=tails,
                                       ends_of=layout if msg.ends else None, count_missing=True, seen=seen)
+        if self.reshards is not None and not plan.complete:  # other TP sizes' entries, re-sharded on read
+            plan = self.reshards.plan(engine, msg.keys, tails, plan)
+        return plan
 
     def _answer(self, conn: Conn, engine: EngineState, msg: kv.Lookup, plan: LookupPlan) -> None:
         """Reply with ``plan``, leased when asked."""
@@ -85,7 +90,9 @@ class LookupReplies:
             self.metrics.inc("lookup_miss_entries", n, kind=kind)
         if plan.ends:
             self.metrics.inc("lookup_turn_ends_named", len(plan.ends))
-        places = self.places.of(plan) if msg.places and lease_id and self.places is not None else []
+        # In-step loads read one rank's entries whole: never offered for a re-sharded hit (plan.readers).
+        places = (self.places.of(plan) if msg.places and lease_id and self.places is not None and not plan.readers
+                  else [])
         if places:
             self.metrics.inc("lookup_places")
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, cfg.lease_ttl_s, plan.tail, plan.ends,

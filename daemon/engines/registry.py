@@ -26,6 +26,7 @@ from hkvd.transport import layout
 from hkvd.transport.copy_engine import Attachment, CopyEngine
 from hkvd.transport.errors import OutOfRange, RegistrationError
 from hkvd.transport.layout import GroupSpec
+from hkvd.transport.reshard import HeadSplit, ShardShape
 from hkvd.transport.stat_fields import Sample, metric, status_only
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
@@ -60,6 +61,23 @@ def rank_fingerprints(spec: EngineSpec, chunk_size: int, ranks: Iterable[int]) -
         h.update(tail)
         out.append(h.digest())
     return tuple(out)
+
+
+def model_key(spec: EngineSpec) -> bytes:
+    """The TP-free digest of ``spec``'s model format: model, identity without the TP size
+    (``EngineSpec.model_identity``) and page order. Worlds of one model at different TP sizes share it (and
+    may read each other's attention entries: transport/reshard.py); b"" when the engine sent no model identity."""
+    if not spec.model_identity:
+        return b""
+    blob = msgpack.packb([FINGERPRINT_VERSION, "model", spec.model, spec.model_identity, spec.layout_tag],
+                         use_bin_type=True)
+    return hashlib.blake2b(blob, digest_size=16).digest()
+
+
+def shard_shape(spec: EngineSpec, chunk_size: int) -> ShardShape:
+    """What re-sharding needs of ``spec``'s world (transport/reshard.py)."""
+    return ShardShape.of(spec.world_size, chunk_size, spec.layout_tag, spec.groups,
+                         {gid: HeadSplit(here, total, states) for gid, here, total, states in spec.heads})
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +140,9 @@ class EngineState:
     # The server id of the daemon whose pool this engine's process mapped read-only (Register.mapped_pool):
     # this daemon's when its lookups may name pool extents for this rank (daemon/engines/places.py); "": none.
     mapped_pool: str = ""
+    # The TP-free model digest (``model_key``; b"": none) and the world's shape for re-sharding.
+    model_key: bytes = b""
+    shard: ShardShape | None = None
 
     @property
     def can_copy(self) -> bool:
@@ -204,10 +225,12 @@ class Registry:
             kinds={g.group_id: g.kind for g in spec.groups},
             rank_fingerprints=rank_fps,
             attachment=attachment, mapped_pool=mapped_pool,
+            model_key=model_key(spec), shard=shard_shape(spec, chunk_size) if spec.model_identity else None,
         )
         self._engines[state.engine_id] = state
         self.formats.add(rank_fps, spec.rank, model=spec.model, chunk_size=chunk_size, rules=state.rules,
-                         kinds=state.kinds, entry_bytes=state.entry_bytes, live=True)
+                         kinds=state.kinds, entry_bytes=state.entry_bytes, live=True, model_key=state.model_key,
+                         shard=state.shard)
         return state
 
     def _check_pool_holds_chunk(self, spec: EngineSpec, chunk_size: int) -> None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from hkvd.daemon.engines.copies import Copies
     from hkvd.daemon.engines.engine_traffic import EngineTraffic
     from hkvd.daemon.engines.registry import EngineState
+    from hkvd.daemon.engines.reshards import Reshards
     from hkvd.daemon.integrity.quarantine import Quarantine
     from hkvd.daemon.metrics import Metrics
 
@@ -43,8 +44,9 @@ class Retrieves:
     """Reads from the pool. ``quarantine``: (fingerprint, group) pairs never served."""
 
     def __init__(self, index: Cache, copies: Copies, metrics: Metrics, traffic: EngineTraffic,
-                 quarantine: Quarantine) -> None:
+                 quarantine: Quarantine, reshards: Reshards | None = None) -> None:
         self.index = index
+        self.reshards = reshards  # reads of another TP size's entries; None: this world's format only
         self.copies = copies
         self.metrics = metrics
         self.traffic = traffic
@@ -55,9 +57,16 @@ class Retrieves:
         engine = registered_engine(conn, copy=True)
         items = msg.items
         groups = [engine.check_item(it) for it in items]
-        entries = self._entries(engine, msg)
-        segments = layout.segments_for_entries(
-            [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
+        try:
+            entries = self._entries(engine, msg)
+            segments = layout.segments_for_entries(
+                [(g, it.block_ids, e.alloc.extents) for it, g, e in zip(items, groups, entries, strict=True)])
+        except (OutOfRange, NotFound):
+            # Not in this world's format: another TP size's entries, re-sharded (daemon/engines/reshards.py).
+            found = self.reshards.read(engine, msg) if self.reshards is not None else None
+            if found is None:
+                raise
+            entries, segments = found
         unpin = self.index.pin_for_read(entries)
         try:
             # A device copy answers once it is enqueued (the engine's stream waits on its done event):

@@ -41,6 +41,7 @@ from hkvd.daemon.engines.lookup_replies import LookupReplies
 from hkvd.daemon.engines.places import Places
 from hkvd.daemon.engines.registrations import Registrations
 from hkvd.daemon.engines.registry import Registry
+from hkvd.daemon.engines.reshards import Reshards
 from hkvd.daemon.engines.retrieves import Retrieves
 from hkvd.daemon.engines.service_stats import KVEventsStats, RateStats, ServiceStats
 from hkvd.daemon.engines.step_events import StepEvents
@@ -127,12 +128,14 @@ class KVService:
         # In-step loads (--in-step-loads, not reloadable): the one place that reads the option. Lookups answer
         # with places, Register answers in_step, and the server offers the pool's fd, only where this is set.
         self.places = Places(index, registry, self.server_id) if config.current.in_step_loads else None
+        # Entries of other TP sizes of a model, re-sharded on read (daemon/engines/reshards.py).
+        self.reshards = Reshards(index, metrics, self.quarantine)
         self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic,
-                                     self.places)
+                                     self.places, self.reshards)
         # KV hints (docs/hints.md): an engine's kv.Hints here, a router's POST /v1/kv/hints (daemon/app.py).
         self.hints = Hints(index, metrics, self.lookups.promoter, registry.engines)
         self.stores = Stores(config, index, self.copies, metrics, self.traffic, tiers, announcer)
-        self.retrieves = Retrieves(index, self.copies, metrics, self.traffic, self.quarantine)
+        self.retrieves = Retrieves(index, self.copies, metrics, self.traffic, self.quarantine, self.reshards)
         self.verification = Verification(config, index, self.copies, executor, self.quarantine)
         self.step_events = StepEvents(index, self.stores, self.verification, metrics)
         self.registrations = Registrations(index, registry, copy_engine, self.step_events, metrics, announcer,

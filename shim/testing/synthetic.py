@@ -53,7 +53,8 @@ class SyntheticEngine:
     def __init__(self, socket_path: str, shapes: Sequence[GroupShape], *, num_blocks: int = 64,
                  tokens_per_block: int = 16, chunk_size: int = 0, model: str = "synthetic",
                  layout_tag: str = "host/LBHNC", timeout_s: float = 10.0, aliased: bool = False,
-                 mamba_cache_mode: str = "align", world_size: int = 1, rank: int = 0) -> None:
+                 mamba_cache_mode: str = "align", world_size: int = 1, rank: int = 0, model_identity: str = "",
+                 heads: Sequence[tuple[int, int, int, int]] = (), dtype: str = "bfloat16") -> None:
         self.shapes = list(shapes)
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
@@ -73,7 +74,7 @@ class SyntheticEngine:
                 size += s.num_layers * num_blocks * stride
         self.buffer = np.zeros(size, dtype=np.int8)
         self.groups = [
-            GroupSpec(gid, s.kind, tokens_per_block, s.window_tokens, num_blocks, "bfloat16", (v,))
+            GroupSpec(gid, s.kind, tokens_per_block, s.window_tokens, num_blocks, dtype, (v,))
             for gid, (s, v) in enumerate(zip(self.shapes, views, strict=True))
         ]
         self.client = DaemonClient(socket_path, client_name=f"synthetic-{os.getpid()}", role="worker",
@@ -82,7 +83,8 @@ class SyntheticEngine:
         allow_ptracer(self.client.daemon_pid)
         region = Region(0, "host", self.buffer.nbytes, addr=self.buffer.ctypes.data)
         self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192,
-                               mamba_cache_mode, [region], self.groups)
+                               mamba_cache_mode, [region], self.groups, model_identity=model_identity,
+                               heads=list(heads))
         ack = self.client.register(self.spec)
         self.ack = ack
         self.chunk_size = ack.chunk_size

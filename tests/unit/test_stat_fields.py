@@ -294,6 +294,8 @@ PUBLISHED_COUNTERS = {
     "hkvd_step_events": "Step events, by outcome",
     "hkvd_stored_bytes": "Bytes stored into the pool, by group kind",
     "hkvd_stores_dropped": "Entries not stored because the pool was full of pinned entries, by kind",
+    "hkvd_tp_reshards": "Lookups (op=lookup) and retrieves (op=retrieve) served from entries another TP size "
+                        "stored, re-sharded on read",
     "hkvd_uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
     "hkvd_usable_prefix_requests":
         "Routers' usable-prefix lookups on the metrics port, by outcome (ok, bad_request, unknown_model)",

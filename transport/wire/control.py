@@ -30,6 +30,7 @@ MAX_TOTAL_PIECES = 65536
 MAX_IDENTITY = 256
 MAX_WORLD_SIZE = 256
 MAX_EVENT_KIND = 64
+MAX_HEADS = 1 << 16  # EngineSpec.heads: KV heads (on a rank, in the model) and states per page
 MAX_SERVER_ID = 64  # Register.mapped_pool: a daemon's server id (HelloAck.server_id, 12 hex digits today)
 
 # RegisterAck.kv_events: what the daemon does with KV-event notes (docs/routing.md). An older daemon
@@ -68,6 +69,13 @@ class EngineSpec:
     # Per group, how vLLM names it in KV events: (group_id, kv_cache_spec_kind, sliding window or None).
     # Not part of the fingerprint. Empty: derived from the group kinds (docs/routing.md).
     event_groups: list[tuple[int, str, int | None]] = field(default_factory=list)
+    # The identity without the tensor-parallel size (hkvd.shim.identity.model_identity): engines of one
+    # model at other TP sizes share it, and may read each other's attention entries (transport/reshard.py).
+    # Not part of the fingerprint. "": not offered (an older shim; its entries are read at its TP size only).
+    model_identity: str = ""
+    # Per attention group: (group_id, KV heads on each rank, KV heads in the model, states per page). Not
+    # part of the fingerprint. Empty: no group is re-sharded.
+    heads: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -76,6 +84,8 @@ class EngineSpec:
             "max_num_batched_tokens": self.max_num_batched_tokens, "mamba_cache_mode": self.mamba_cache_mode,
             "identity": self.identity,
             **({"event_groups": [list(g) for g in self.event_groups]} if self.event_groups else {}),
+            **({"model_identity": self.model_identity} if self.model_identity else {}),
+            **({"heads": [list(h) for h in self.heads]} if self.heads else {}),
             "regions": [
                 {"region_id": r.region_id, "kind": r.kind, "size": r.size, "addr": r.addr,
                  "handle": r.handle, "device_uuid": r.device_uuid, "offset": r.offset}
@@ -149,6 +159,8 @@ class EngineSpec:
             mamba_cache_mode=_get(d, "mamba_cache_mode", str, w), regions=regions, groups=groups,
             identity=_get(d, "identity", str, w),
             event_groups=_event_groups(d.get("event_groups"), len(groups_raw), f"{w}.event_groups"),
+            model_identity=_model_identity(d.get("model_identity"), f"{w}.model_identity"),
+            heads=_heads(d.get("heads"), len(groups_raw), f"{w}.heads"),
         )
         spec.validate_shape()
         return spec
@@ -177,6 +189,11 @@ class EngineSpec:
             raise ProtocolViolation(f"identity: at most {MAX_IDENTITY} characters")
         if self.event_groups and sorted(g[0] for g in self.event_groups) != sorted(gids):
             raise ProtocolViolation("event_groups must name each registered group once")
+        if len(self.model_identity) > MAX_IDENTITY:
+            raise ProtocolViolation(f"model_identity: at most {MAX_IDENTITY} characters")
+        hgids = [h[0] for h in self.heads]
+        if len(set(hgids)) != len(hgids) or not set(hgids) <= set(gids):
+            raise ProtocolViolation("heads must name registered groups, each at most once")
 
 
 def _pieces(raw: object, where: str) -> tuple[tuple[int, int], ...]:
@@ -189,6 +206,32 @@ def _pieces(raw: object, where: str) -> tuple[tuple[int, int], ...]:
             raise ProtocolViolation(f"{where}[{i}]: expected [offset from the page start, bytes]")
         out.append((p[0], p[1]))
     return tuple(out)
+
+
+def _model_identity(raw: object, where: str) -> str:
+    """Optional; absent from older clients."""
+    if raw is None:
+        return ""
+    if type(raw) is not str or len(raw) > MAX_IDENTITY:
+        raise ProtocolViolation(f"{where}: a string of at most {MAX_IDENTITY} characters")
+    return raw
+
+
+def _heads(raw: object, n_groups: int, where: str) -> list[tuple[int, int, int, int]]:
+    """Optional; absent from older clients: at most one [group_id, heads here, heads in all, states] per group."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > n_groups:
+        raise ProtocolViolation(f"{where}: a list of at most one [group_id, heads here, heads in all, states] "
+                                "per group")
+    out: list[tuple[int, int, int, int]] = []
+    for i, h in enumerate(raw):
+        if (not isinstance(h, list) or len(h) != 4 or not all(type(x) is int for x in h)
+                or h[0] < 0 or not all(1 <= x <= MAX_HEADS for x in h[1:])):
+            raise ProtocolViolation(f"{where}[{i}]: expected [group_id >= 0, heads on a rank, heads in the model, "
+                                    f"states per page], each 1 to {MAX_HEADS}")
+        out.append((h[0], h[1], h[2], h[3]))
+    return out
 
 
 def _event_groups(raw: object, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:

@@ -1,0 +1,168 @@
+"""Entries across tensor-parallel sizes against a real daemon: one TP size stores, another reads, re-sharded.
+
+Synthetic engine ranks of one model (the same ``model_identity``) whose attention pages hold their ranks'
+KV heads (``EngineSpec.heads``; pages [heads, states, cell], the ``HNC`` order). The model's whole KV per
+chunk is drawn with NumPy; each rank writes its heads' slices; a reader of another TP size must load exactly
+its own heads' slices. Shapes the daemon cannot re-shard are a miss and one log line naming why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
+from hkvd.transport.errors import LeaseExpired
+from hkvd.transport.keys import chunk_keys
+from hkvd.transport.reshard import rank_heads
+
+TOKENS, CELL, LAYERS, TOTAL = 16, 32, 2, 4  # tokens (states) per block, bytes per cell, layers, KV heads
+MODEL = "tiny-gqa"
+
+
+def shapes(here: int, mamba: bool = False) -> list[GroupShape]:
+    page = here * TOKENS * CELL
+    out = [GroupShape("full", LAYERS, page), GroupShape("swa", LAYERS, page, window_tokens=WINDOW)]
+    return [*out, GroupShape("mamba", 1, 4096)] if mamba else out
+
+
+def world(daemon, tp: int, *, total: int = TOTAL, here: int | None = None, mamba: bool = False,
+          identity: str = "weights-1", dtype: str = "bfloat16") -> list[SyntheticEngine]:
+    here = TOTAL // tp if here is None else here
+    return [SyntheticEngine(daemon.socket_path, shapes(here, mamba), world_size=tp, rank=r, model=MODEL,
+                            layout_tag="host/HNC", model_identity=identity, dtype=dtype,
+                            heads=[(0, here, total, TOKENS), (1, here, total, TOKENS)]) for r in range(tp)]
+
+
+def model_kv(keys: list[bytes]) -> dict[tuple[int, int, int], np.ndarray]:
+    """(group, chunk, block in chunk) -> the model's KV of that block: [layer, head, state, cell] bytes."""
+    out = {}
+    for c, key in enumerate(keys):
+        rng = np.random.default_rng(int.from_bytes(key[:4], "little"))
+        for g in (0, 1):
+            for i in range(2):
+                out[(g, c, i)] = rng.integers(-128, 128, size=(LAYERS, TOTAL, TOKENS, CELL), dtype=np.int8)
+    return out
+
+
+def rank_block(kv: np.ndarray, tp: int, rank: int) -> bytes:
+    return b"".join(kv[layer, rank_heads(tp, TOTAL, rank)].tobytes() for layer in range(LAYERS))
+
+
+WINDOW = 48
+
+
+def items(eng: SyntheticEngine, keys: list[bytes], first: int = 1, hit: bool = False):  # type: ignore[no-untyped-def]
+    """Both groups' items of ``keys``; ``hit``: only those a hit of every chunk loads (the window's chunks)."""
+    c, n = eng.chunk_size, len(keys)
+    swa = [i for i in range(n) if not hit or (i + 1) * c > n * c - WINDOW]
+    return eng.items(0, keys, first_block=first) + eng.items(1, keys, first_block=first, chunks=swa)
+
+
+def store(engines: list[SyntheticEngine], keys: list[bytes], kv) -> None:  # type: ignore[no-untyped-def]
+    tp = len(engines)
+    for eng in engines:
+        its = items(eng, keys)
+        for it in its:
+            for i, b in enumerate(it.block_ids):
+                data = np.frombuffer(rank_block(kv[(it.group_id, it.chunk_index, i)], tp, eng.spec.rank), np.int8)
+                page = eng.groups[it.group_id].views[0].page_bytes
+                for layer in range(LAYERS):
+                    eng.page(it.group_id, layer, b)[:] = data[layer * page:(layer + 1) * page]
+        eng.store(its)
+
+
+def check_loaded(eng: SyntheticEngine, keys: list[bytes], kv, first: int) -> None:  # type: ignore[no-untyped-def]
+    tp = eng.spec.world_size
+    for it in items(eng, keys, first, hit=True):
+        for i, b in enumerate(it.block_ids):
+            assert eng.block_bytes(it.group_id, b) == rank_block(kv[(it.group_id, it.chunk_index, i)], tp,
+                                                                 eng.spec.rank), (tp, eng.spec.rank, it.group_id)
+
+
+def test_tp2_stores_and_tp1_reads_its_heads(daemon):
+    writers = world(daemon, 2)
+    keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 3, seed=5), writers[0].chunk_size)
+    kv = model_kv(keys)
+    store(writers, keys, kv)
+    for w in writers:
+        w.close()  # the writers leave: their world's format stays known
+    (reader,) = world(daemon, 1)
+    assert reader.fingerprint != writers[0].fingerprint
+    hit, lease = reader.lookup(keys)
+    assert hit == 3
+    reader.retrieve(items(reader, keys, first=9, hit=True), lease)  # other blocks than the writers used
+    check_loaded(reader, keys, kv, first=9)
+    with pytest.raises(LeaseExpired):  # one use per reader rank: spent
+        reader.retrieve(items(reader, keys, first=9, hit=True), lease)
+    reader.close()
+
+
+def test_tp1_stores_and_each_tp2_rank_reads_its_heads_under_one_lease(daemon):
+    (writer,) = world(daemon, 1)
+    keys = chunk_keys(prompt_tokens(writer.chunk_size * 2, seed=6), writer.chunk_size)
+    kv = model_kv(keys)
+    store([writer], keys, kv)
+    readers = world(daemon, 2)
+    hit, lease = readers[0].lookup(keys)  # the scheduler's lookup, for both ranks
+    assert hit == 2
+    for r in readers:
+        r.retrieve(items(r, keys, first=5, hit=True), lease)
+        check_loaded(r, keys, kv, first=5)
+    # A TP=4 world with replication-free heads (one each) reads the TP=1 and TP=2 entries alike.
+    fours = world(daemon, 4)
+    hit, lease = fours[3].lookup(keys)
+    assert hit == 2
+    for r in fours:
+        r.retrieve(items(r, keys, first=3, hit=True), lease)
+        check_loaded(r, keys, kv, first=3)
+    for e in (writer, *readers, *fours):
+        e.close()
+
+
+def test_the_hit_is_what_every_source_rank_holds(daemon):
+    writers = world(daemon, 2)
+    keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 3, seed=7), writers[0].chunk_size)
+    kv = model_kv(keys)
+    store(writers, keys, kv)
+    (reader,) = world(daemon, 1)
+    assert reader.lookup(keys[:2], lease=False)[0] == 2
+    other = chunk_keys(prompt_tokens(writers[0].chunk_size * 3, seed=8), writers[0].chunk_size)
+    store(writers[:1], other, model_kv(other))  # only rank 0 of the TP=2 world stored this prompt
+    assert reader.lookup(other, lease=False)[0] == 0
+    for e in (*writers, reader):
+        e.close()
+
+
+@pytest.mark.parametrize(("kw", "reader_kw", "reason"), [
+    ({"mamba": True}, {"mamba": True}, "Mamba/GDN states are not re-sharded across TP sizes yet"),
+    ({"dtype": "float8_e4m3fn"}, {}, "kind, window or dtype differ"),
+    ({"total": 3, "here": 2}, {"total": 3, "here": 3}, "3 KV heads do not split over TP=2"),
+])
+def test_shapes_it_cannot_reshard_are_a_miss_and_one_log_line(daemon, kw, reader_kw, reason):
+    writers = world(daemon, 2, **kw)
+    keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 2, seed=9), writers[0].chunk_size)
+    kv = model_kv(keys)
+    if kw.get("mamba"):  # the attention entries and the states, on both ranks
+        for w in writers:
+            w.store(items(w, keys) + w.items(2, keys, first_block=1))
+    else:
+        store(writers, keys, kv)
+    (reader,) = world(daemon, 1, **reader_kw)
+    assert writers[0].lookup(keys, lease=False)[0] == 2  # the writers' own world hits
+    for _ in range(3):
+        assert reader.lookup(keys, lease=False)[0] == 0
+    log = daemon.log_path.read_text()
+    assert log.count(reason) == 1, log[-3000:]
+    for e in (*writers, reader):
+        e.close()
+
+
+def test_another_model_identity_is_never_read(daemon):
+    writers = world(daemon, 2, identity="weights-2")
+    keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 2, seed=10), writers[0].chunk_size)
+    store(writers, keys, model_kv(keys))
+    (reader,) = world(daemon, 1, identity="weights-1")
+    assert reader.lookup(keys, lease=False)[0] == 0
+    for e in (*writers, reader):
+        e.close()
