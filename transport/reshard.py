@@ -76,8 +76,6 @@ def rank_heads(tp: int, total: int, rank: int) -> list[int]:
 def refusal(src: ShardShape, dst: ShardShape) -> str | None:
     """Why a world of ``dst``'s shape cannot read ``src``'s entries by re-sharding; None when it can."""
     tp_k, tp_j = src.world_size, dst.world_size
-    if src.chunk_size != dst.chunk_size:
-        return f"the chunk sizes differ ({src.chunk_size} tokens at TP={tp_k}, {dst.chunk_size} at TP={tp_j})"
     if src.order != dst.order:
         return f"the page orders differ ({src.order} at TP={tp_k}, {dst.order} at TP={tp_j})"
     if dst.order not in ("HNC", "NHC"):
@@ -86,11 +84,11 @@ def refusal(src: ShardShape, dst: ShardShape) -> str | None:
         return "the KV-cache groups differ"
     for s, d in zip(src.groups, dst.groups, strict=True):
         where = f"group {d.group_id} ({d.kind})"
-        if d.kind == "mamba" or s.kind == "mamba":
-            return f"{where}: Mamba/GDN states are not re-sharded across TP sizes yet"
         if s.tokens_per_block != d.tokens_per_block:
             return (f"{where}: vLLM's block size differs ({s.tokens_per_block} tokens at TP={tp_k}, "
                     f"{d.tokens_per_block} at TP={tp_j})")
+        if d.kind == "mamba" or s.kind == "mamba":
+            return f"{where}: Mamba/GDN states are not re-sharded across TP sizes yet"
         if (s.kind, s.window_tokens, s.dtype) != (d.kind, d.window_tokens, d.dtype):
             return f"{where}: kind, window or dtype differ ({s.kind}/{s.window_tokens}/{s.dtype} at TP={tp_k})"
         if [v.num_layers for v in s.views] != [v.num_layers for v in d.views]:
@@ -107,6 +105,8 @@ def refusal(src: ShardShape, dst: ShardShape) -> str | None:
                 return f"{where}: a page is not {h.here} heads x {h.states} states of whole cells"
         if [v.page_bytes // hs.here for v in s.views] != [v.page_bytes // hd.here for v in d.views]:
             return f"{where}: a head's bytes differ between TP={tp_k} and TP={tp_j}"
+    if src.chunk_size != dst.chunk_size:
+        return f"the chunk sizes differ ({src.chunk_size} tokens at TP={tp_k}, {dst.chunk_size} at TP={tp_j})"
     return None
 
 
