@@ -48,3 +48,22 @@ def test_gemma3_tp2_to_tp1_and_tp1_to_tp2(tiny_models, outputs, daemon_factory, 
     for run in (one, two):
         assert "LEASE_EXPIRED" not in run["log"] and "expired or unknown" not in run["log"]
     assert "are not served to a TP=" not in (d.workdir / f"daemon-{d.starts}.log").read_text()  # no refusal
+
+
+def test_qwen3_next_across_tp_sizes_is_a_miss_and_one_log_line(tiny_lib, models_root, outputs, daemon_factory,
+                                                                engine_runner) -> None:
+    """Gated-DeltaNet + full attention: vLLM aligns the block size to the per-rank GDN state page, so TP=1 and
+    TP=2 engines of one model have other block sizes (and GDN states are not re-sharded yet): a TP=1 engine gets
+    a miss, never a wrong hit, and the daemon says why once."""
+    model = tiny_lib.build("qwen3_next_tp2", models_root)
+    d = daemon_factory(BLOCK)
+    common = {"model": str(model), "socket": d.socket, "max_num_batched_tokens": 256}
+    prompts = [_seq(901, 7, 3), P1]
+    stored = engine_runner({**common, "omp_bind": "0|1", "llm": {"tensor_parallel_size": 2}, "prompts": prompts},
+                           timeout_s=600)
+    assert outputs.hits(stored) == [0, 0], stored["log"][-3000:]
+    one = engine_runner({**common, "prompts": prompts}, timeout_s=600)
+    assert outputs.hits(one) == [0, 0], one["log"][-4000:]
+    log = (d.workdir / f"daemon-{d.starts}.log").read_text()
+    refused = [line for line in log.splitlines() if "are not served to a TP=1 engine" in line]
+    assert len(refused) == 1, refused  # the reason: the block size (or the GDN states) of the two TP sizes
