@@ -14,7 +14,9 @@ alone, hkvd with LRU only, hkvd with session pins) runs only when named (``--rou
 ``--sessions-only`` for the sessions without the one-shot stream), and so does ``long_context`` (a hit's
 TTFT on prompts of 8K-32K tokens against vLLM's own hit and against recompute). ``eviction`` (in-process: each
 eviction policy and admission on a mixed trace of agent sessions and one-shot prompts, the recompute each saves
-against lru's at the same pool size) takes about a minute and a half, a few seconds with ``--quick``.
+against lru's at the same pool size) takes about a minute and a half, a few seconds with ``--quick``. ``reasoning``
+(a reasoning model's chats: the bytes stored with ``store_decode`` "auto" against storing everything, two engines
+per round, ``--rounds``) runs only when named.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from bench import report
 from bench.common import git_commit, machine, try_pyplot, write_json
 
 RUNS = ("store_retrieve", "control_plane", "scale", "vllm_e2e", "peer_pull", "prefault", "backings", "cluster",
-        "load_overlap", "usable_prefix", "serving", "verify_cost", "agents", "long_context", "eviction")
+        "load_overlap", "usable_prefix", "serving", "verify_cost", "agents", "long_context", "eviction", "reasoning")
 # Not in `all --quick`: too slow for the 2-minute smoke.
 QUICK_SKIPS = ("vllm_e2e", "backings", "cluster", "load_overlap")
 # Not in `all`: vLLM servers one after another (serving, agents: four, verify_cost: three), tens of minutes on
 # 2 cores.
-ALONE = ("serving", "verify_cost", "agents", "long_context")
+ALONE = ("serving", "verify_cost", "agents", "long_context", "reasoning")
 LMCACHE_VENV = ".bench-lmcache"  # made by `make bench-peers`
 
 
@@ -72,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="serving's model (default qwen3_next_8l, the tiny qwen3_next with --quick; gemma3: the "
                          "tiny Gemma3, sliding windows, quick workload only)")
     ap.add_argument("--rounds", "--serving-rounds", dest="rounds", type=int, default=None,
-                    help="serving, verify_cost and agents: rounds of runs in the same order, each run's figures "
-                         "pooled over them and its ratios given round by round (default: serving 3, verify_cost 2, "
-                         "agents 1; 1 with --quick)")
+                    help="serving, verify_cost, agents and reasoning: rounds of runs in the same order, each run's "
+                         "figures pooled over them and its ratios given round by round (default: serving 3, "
+                         "verify_cost 2, agents 1, reasoning 3; 1 with --quick)")
     ap.add_argument("--in-step-loads", action="store_true",
                     help="long_context and agents: hkvd's engine loads hits in the step that plans them "
                          "(in_step_loads); the result is written as <bench>_in_step.json")
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["lmcache_venv"] = a.lmcache_venv or auto
         if name in ("serving", "verify_cost"):
             kwargs["model"] = a.serving_model
-        if name in ("serving", "verify_cost", "agents"):
+        if name in ("serving", "verify_cost", "agents", "reasoning"):
             kwargs["rounds"] = a.rounds
         if name in ("long_context", "agents") and a.in_step_loads:
             kwargs["in_step_loads"] = True
