@@ -23,7 +23,7 @@ from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
 from hkvd.daemon.cache import EntryState
-from hkvd.transport.reshard import Move, block_moves, refusal, segments
+from hkvd.transport.reshard import Move, ShardShape, block_moves, refusal, segments
 
 if TYPE_CHECKING:
     from hkvd.daemon.cache import Cache, Entry, LookupPlan, Tail, WorldFormat
@@ -52,21 +52,33 @@ class Reshards:
 
     def sources(self, engine: EngineState) -> list[WorldFormat]:
         """The worlds of ``engine``'s model at other TP sizes whose entries its world can read, most recent first."""
-        if not self.enabled or engine.shard is None or not engine.model_key:
+        return self._readable(engine.spec.model, engine.model_key, engine.shard, engine.world_fingerprints)
+
+    def readable(self, world: Sequence[bytes]) -> list[WorldFormat]:
+        """``sources`` for the engines of the world ``world`` (every rank's fingerprint), registered or gone: what
+        a router's usable-prefix question about that world may count (daemon/routing/usable_prefix.py)."""
+        w = self.index.formats.world(world[0]) if world else None
+        if w is None:
+            return []
+        return self._readable(w.model, w.model_key, w.shard, w.fingerprints)
+
+    def _readable(self, model: str, model_key: bytes, shard: ShardShape | None,
+                  world: Sequence[bytes]) -> list[WorldFormat]:
+        if not self.enabled or shard is None or not model_key:
             return []
         out = []
-        for w in self.index.formats.same_model(engine.model_key, engine.world_fingerprints):
-            why = "it registered no KV-head split" if w.shard is None else refusal(w.shard, engine.shard)
+        for w in self.index.formats.same_model(model_key, tuple(world)):
+            why = "it registered no KV-head split" if w.shard is None else refusal(w.shard, shard)
             if why is None:
                 out.append(w)
                 continue
-            pair = (w.fingerprints[0], engine.world_fingerprints[0])
+            pair = (w.fingerprints[0], world[0])
             if pair not in self._logged:
                 self._logged.add(pair)
                 tp_k = w.shard.world_size if w.shard is not None else len(w.fingerprints)
                 log.warning("hkvd: entries of %s stored by a TP=%d engine are not served to a TP=%d engine of the "
-                            "same model: %s (a miss; logged once per pair of TP shapes)", engine.spec.model, tp_k,
-                            engine.spec.world_size, why)
+                            "same model: %s (a miss; logged once per pair of TP shapes)", model, tp_k,
+                            shard.world_size, why)
         return out
 
     def plan(self, engine: EngineState, keys: Sequence[bytes], tails: Sequence[Tail], own: LookupPlan,

@@ -635,21 +635,33 @@ class UsablePrefix:
         if not pool and below is None:
             return {"model": fmt.model, "format": fmt.label, "chunk_size": C, "prompt_tokens": q.n_tokens,
                     "usable_tokens": 0, "prefix_tokens": 0, "tiers": tiers}
+        # Other TP sizes' worlds of the model whose pool entries this format's engines read re-sharded, as their
+        # lookups do (daemon/engines/reshards.py: the pool only).
+        reshards = getattr(self.service, "reshards", None)
+        others = [w.fingerprints for w in reshards.readable(fmt.rank_fingerprints)] if pool and reshards else []
         if isinstance(keys, LazyKeys):
             # Only the keys before the first chunk whose full-attention entries no tier holds can be in a hit.
             anywhere = _any_of([cache.is_ready] if below is None else [cache.is_ready, below]) if pool else below
-            keys = keys.while_(_full_held(fmt, cast("HasFn", anywhere))) if fmt.full_groups else keys.all()
+            held = [_full_held(fmt, cast("HasFn", anywhere))]
+            held += [_full_held(fmt, cache.is_ready, fps) for fps in others]
+            keys = keys.while_(held[0] if len(held) == 1 else lambda k: any(h(k) for h in held)) \
+                if fmt.full_groups else keys.all()
         pkeys = None
         if partial_prefix.servable(fmt) and q.lora is None and not q.mm and not q.salt:
             pkeys = partial_prefix.PartialKeys(q.tokens, C)  # past the last whole chunk: a partial chunk
 
-        def tokens(in_pool: bool, has: HasFn | None, chunks: int, limit: int) -> int:
+        def one(fps: Sequence[bytes], in_pool: bool, has: HasFn | None, chunks: int, limit: int) -> int:
             if pkeys is None:
-                return cache.plan_lookup(fmt, keys, fmt.rank_fingerprints, tiers=has, pool=in_pool,
-                                         max_chunks=chunks).hit_chunks * C
+                return cache.plan_lookup(fmt, keys, fps, tiers=has, pool=in_pool, max_chunks=chunks).hit_chunks * C
             tails = partial_prefix.PartialTails(keys, pkeys, C, limit)
-            return tails.tokens(cache.plan_lookup(fmt, keys, fmt.rank_fingerprints, tails=tails, tiers=has,
-                                                  pool=in_pool, max_chunks=chunks))
+            return tails.tokens(cache.plan_lookup(fmt, keys, fps, tails=tails, tiers=has, pool=in_pool,
+                                                  max_chunks=chunks))
+
+        def tokens(in_pool: bool, has: HasFn | None, chunks: int, limit: int) -> int:
+            got = one(fmt.rank_fingerprints, in_pool, has, chunks, limit)
+            for fps in others if in_pool else ():
+                got = max(got, one(fps, True, None, chunks, limit))
+            return got
 
         if pool:
             tiers["pool"] = tokens(True, None, cap, q.n_tokens - 1)
@@ -673,9 +685,11 @@ def _any_of(fns: list[Callable[[EntryKey], bool]]) -> Callable[[EntryKey], bool]
     return lambda k: any(f(k) for f in fns)
 
 
-def _full_held(fmt: Format, has: Callable[[EntryKey], bool]) -> Callable[[bytes], bool]:
-    """Whether some tier holds a chunk's full-attention entries, of every full group and rank."""
-    groups, fps = fmt.full_groups, fmt.rank_fingerprints
+def _full_held(fmt: Format, has: Callable[[EntryKey], bool],
+               world: Sequence[bytes] | None = None) -> Callable[[bytes], bool]:
+    """Whether some tier holds a chunk's full-attention entries, of every full group and rank (of ``world``, a
+    world of another TP size, where given)."""
+    groups, fps = fmt.full_groups, tuple(world) if world is not None else fmt.rank_fingerprints
     if len(groups) == 1 and len(fps) == 1:
         g, fp = groups[0], fps[0]
         return lambda key: has((fp, g, key))

@@ -166,3 +166,38 @@ def test_another_model_identity_is_never_read(daemon):
     assert reader.lookup(keys, lease=False)[0] == 0
     for e in (*writers, reader):
         e.close()
+
+
+def test_usable_prefix_answers_what_each_tp_size_would_hit(daemon_factory):
+    import http.client
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon_factory("--l1-size-gb", "0.125", "--chunk-size", "32", "--metrics-port", str(port))
+    writers = world(d, 2)
+    c = writers[0].chunk_size
+    tokens = prompt_tokens(c * 3 + 1, seed=11)
+    keys = chunk_keys(tokens, c)
+    store(writers, keys, model_kv(keys))
+    readers = {1: world(d, 1)[0], 4: world(d, 4)[0]}  # engines of two more TP sizes: three formats of the model
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def call(method: str, path: str, body: object = None):  # type: ignore[no-untyped-def]
+        conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+
+    code, listing = call("GET", "/v1/models")
+    assert code == 200, listing
+    labels = {f["world_size"]: f["format"] for f in listing["models"] if f["model"] == MODEL}
+    assert sorted(labels) == [1, 2, 4]
+    for tp, eng in readers.items():
+        code, out = call("POST", "/v1/usable_prefix", {"model": MODEL, "format": labels[tp], "token_ids": tokens})
+        assert code == 200, out
+        assert out["usable_tokens"] == 3 * c == eng.lookup(keys, lease=False)[0] * c, (tp, out)
+    for e in (*writers, *readers.values()):
+        e.close()
