@@ -219,15 +219,16 @@ def test_the_checks_see_a_package_cycle_a_shared_name_and_skip_type_checking(tmp
 # for a reader and for go-to-definition). Every shim module has a place here; a new one must be given one.
 SHIM_TIERS: tuple[frozenset[str], ...] = (
     # 0. Data and leaf helpers: settings, the jobs pickled to the workers, the daemon's typed results,
-    #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, connector stats, sampled verification,
+    #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, sampled verification,
     #    session pins asked for, tenant labels and the per-request timeline.
     frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
-               "connector_stats", "verify", "sessions", "tenants", "timeline"}),
+               "verify", "sessions", "tenants", "timeline"}),
     # 1. What the shim asks of its daemon (the port the client implements and the tests' fake stands in for);
-    #    the client's framed socket.
-    frozenset({"daemon_port", "client_socket"}),
-    # 2. The daemon client, the engine spec, the step metadata, a request's states.
-    frozenset({"client", "spec", "metadata", "request_state"}),
+    #    the client's framed socket; whether decode chunks are stored (beside the session pins' fields).
+    frozenset({"daemon_port", "client_socket", "decode_stores"}),
+    # 2. The daemon client, the engine spec, the step metadata, a request's states, the connector's stats (they
+    #    name decode_stores' counters).
+    frozenset({"client", "spec", "metadata", "request_state", "connector_stats"}),
     # 3. What drives the client (the link, the worker's loads, the KV event feed); block tables into items;
     #    partial chunks (keys and probes of hits inside a block); a request's chunk keys; the worker's map of
     #    the daemon's pool and its in-step copies.
