@@ -91,9 +91,27 @@ logger = logging.getLogger("hkvd.shim")
 __all__ = ["HkvdConnector", "HkvdConnectorMetadata"]
 
 
+def log_where_vllm_logs() -> None:
+    """Send hkvd's log records where vLLM sends its own.
+
+    vLLM configures its ``vllm`` logger (handler, format, ``VLLM_LOGGING_LEVEL``) and leaves the root logger
+    alone, so records of ``hkvd.*`` loggers would reach only Python's last-resort handler: warnings and up,
+    without time or place, and no INFO line (the connector's registration, the ``store_decode`` decision,
+    the pool map). Where neither the ``hkvd`` logger nor the root logger has a handler (an application or a
+    test that configured logging keeps its own), ``hkvd`` takes the handlers and level of ``vllm``; with
+    ``VLLM_CONFIGURE_LOGGING=0`` vLLM has none and nothing changes."""
+    ours, theirs = logging.getLogger("hkvd"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+
+
 class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_where_vllm_logs()
         self.cfg = ShimConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -688,3 +688,24 @@ def test_an_in_step_hit_is_synchronous_copied_before_the_forward_and_its_lease_r
     side.build_connector_meta(scheduler_output(req, computed=100, scheduled=1))
     side.update_connector_output(output)
     assert client.released == [77]
+
+
+def test_hkvd_logs_where_vllm_logs_unless_logging_is_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM leaves the root logger without handlers: hkvd's INFO lines would reach no one. The connector gives
+    the ``hkvd`` logger vLLM's handlers and level then, and leaves a configured root logger alone."""
+    from hkvd.shim.connector import log_where_vllm_logs
+
+    ours, vllm_logger, root = logging.getLogger("hkvd"), logging.getLogger("vllm"), logging.getLogger()
+    handler = logging.StreamHandler()
+    monkeypatch.setattr(vllm_logger, "handlers", [handler])
+    monkeypatch.setattr(vllm_logger, "level", logging.DEBUG)
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # configured (here: by pytest)
+    log_where_vllm_logs()
+    assert ours.handlers == [] and ours.level == logging.NOTSET
+    monkeypatch.setattr(root, "handlers", [])
+    log_where_vllm_logs()
+    assert ours.handlers == [handler] and ours.level == logging.DEBUG
+    log_where_vllm_logs()  # once only
+    assert ours.handlers == [handler]
