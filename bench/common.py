@@ -10,6 +10,7 @@ import select
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -118,6 +119,31 @@ class Daemon(DaemonProcess):
 # The benches' pools are at most 3.2 GiB (store_retrieve's 4 MiB pages): ~3 s at the 1.1 GB/s two pre-fault
 # threads reached on the 2-vCPU VM; the rest is room for a loaded machine.
 PREFAULT_TIMEOUT_S = 120.0
+
+
+def engine_result(proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> tuple[dict[str, Any], str]:
+    """Wait (at most ``timeout_s``) for a bench engine process whose stdout and stderr are one pipe, and return the
+    object of its ``HKVD_BENCH {json}`` line and its whole output. ``RuntimeError`` names ``what`` with the
+    output's tail when it runs past the time (it is stopped) or ends without that line."""
+    lines: list[bytes] = []
+    out = proc.stdout
+    if out is None:
+        raise ValueError(f"{what}: start it with stdout=subprocess.PIPE")
+    reader = threading.Thread(target=lambda: lines.extend(iter(out.readline, b"")), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_process(proc)
+        reader.join(10)
+        tail = b"".join(lines).decode(errors="replace")[-3000:]
+        raise RuntimeError(f"{what} ran past {timeout_s:.0f} s:\n{tail}") from None
+    reader.join(30)
+    text = b"".join(lines).decode(errors="replace")
+    for line in text.splitlines():
+        if line.startswith("HKVD_BENCH "):
+            return dict(json.loads(line[len("HKVD_BENCH "):])), text
+    raise RuntimeError(f"{what} failed (rc {proc.returncode}):\n{text[-4000:]}")
 
 
 def tree_cpu_s(pids: Sequence[int]) -> float:

@@ -43,12 +43,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Daemon, percentile, stop_process
+from bench.common import Daemon, engine_result, percentile
 
 BLOCK = 128
 PREFIX_TOKENS = 4096
@@ -117,26 +116,10 @@ def run_engine(args: dict[str, Any], omp_bind: str, log: Any = print, pin: bool 
 
 
 def _collect(proc: subprocess.Popen[bytes], t0: float, log: Any) -> dict[str, Any]:
-    lines: list[bytes] = []
-    assert proc.stdout is not None
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, b"")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    try:
-        proc.wait(ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stop_process(proc)
-        reader.join(10)
-        tail = b"".join(lines).decode(errors="replace")[-3000:]
-        raise RuntimeError(f"vLLM engine ran past {ENGINE_TIMEOUT_S:.0f} s:\n{tail}") from None
-    reader.join(30)
-    text = b"".join(lines).decode(errors="replace")
-    for line in text.splitlines():
-        if line.startswith("HKVD_BENCH "):
-            res = dict(json.loads(line[len("HKVD_BENCH "):]))
-            log(f"  engine: {time.perf_counter() - t0:.0f} s (start {res['startup_s']:.0f} s)")
-            res["log"] = text
-            return res
-    raise RuntimeError(f"vLLM engine failed (rc {proc.returncode}):\n{text[-4000:]}")
+    res, text = engine_result(proc, ENGINE_TIMEOUT_S, "vLLM engine")
+    log(f"  engine: {time.perf_counter() - t0:.0f} s (start {res['startup_s']:.0f} s)")
+    res["log"] = text
+    return res
 
 
 def classify(steps: list[dict[str, Any]]) -> list[tuple[str, float]]:

@@ -26,12 +26,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Daemon, median, stop_process
+from bench.common import Daemon, engine_result, median
 from bench.vllm_e2e import BLOCK, ROOT, _omp_bind, _tiny_models
 
 MODEL = "qwen3_next_think"
@@ -57,26 +56,9 @@ def _engine(args: dict[str, Any], log: Any, what: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "bench.reasoning_engine", json.dumps(args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    lines: list[bytes] = []
-    assert proc.stdout is not None
-    out = proc.stdout
-    reader = threading.Thread(target=lambda: lines.extend(iter(out.readline, b"")), daemon=True)
-    reader.start()
-    try:
-        proc.wait(ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stop_process(proc)
-        reader.join(10)
-        tail = b"".join(lines).decode(errors="replace")[-3000:]
-        raise RuntimeError(f"vLLM engine ({what}) ran past {ENGINE_TIMEOUT_S:.0f} s:\n{tail}") from None
-    reader.join(30)
-    text = b"".join(lines).decode(errors="replace")
-    for line in text.splitlines():
-        if line.startswith("HKVD_BENCH "):
-            res = json.loads(line[len("HKVD_BENCH "):])
-            log(f"    {what}: {time.perf_counter() - t0:.0f} s (engine start {res['startup_s']:.0f} s)")
-            return dict(res)
-    raise RuntimeError(f"vLLM engine ({what}) failed (rc {proc.returncode}):\n{text[-4000:]}")
+    res, _ = engine_result(proc, ENGINE_TIMEOUT_S, f"vLLM engine ({what})")
+    log(f"    {what}: {time.perf_counter() - t0:.0f} s (engine start {res['startup_s']:.0f} s)")
+    return res
 
 
 def _one(mode: str, base: dict[str, Any], hugepages: str, log: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 try:
     from bench import control_plane, load_overlap, scale, store_retrieve, vllm_e2e
-    from bench.common import Daemon, md_table
+    from bench.common import Daemon, engine_result, md_table
 finally:
     sys.path.remove(str(ROOT))
 
@@ -204,3 +204,18 @@ def test_scale_gc_pauses_compares_both_collectors_and_leaves_none_frozen() -> No
                                                                         "prefault_vs_memset": 0.5}})
     assert [row[0] for row in table] == ["collector: python", "collector: hkvd", "pre-fault 1 MiB plain"]
     assert all(len(row) == len(headers) for row in table)
+
+
+@pytest.mark.out_of_process
+def test_engine_result_reads_the_bench_line_and_names_a_failure_or_a_hang() -> None:
+    import subprocess
+
+    def child(code: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    res, text = engine_result(child('print("warming up"); print(\'HKVD_BENCH {"startup_s": 1.5}\')'), 10.0, "engine")
+    assert res == {"startup_s": 1.5} and text.startswith("warming up")
+    with pytest.raises(RuntimeError, match=r"(?s)engine x failed \(rc 3\):.*no luck"):
+        engine_result(child('import sys; print("no luck"); sys.exit(3)'), 10.0, "engine x")
+    with pytest.raises(RuntimeError, match=r"(?s)engine y ran past 0 s:.*started"):
+        engine_result(child('import time; print("started", flush=True); time.sleep(30)'), 0.3, "engine y")
