@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: make vllm")
+
 from tests.unit.test_connector_metadata import PIN, TABLE, pinned, scheduler_output
 
 pytestmark = pytest.mark.vllm  # vLLM's Request and scheduler types (through test_connector_metadata)
