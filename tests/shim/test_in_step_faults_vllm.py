@@ -278,13 +278,15 @@ def test_in_step_loads_survive_daemon_kill_stop_and_restart_under_four_engines(t
     pids = [r["pid"] for r in runs]
     # The engine that got the reply that killed daemon 1 loaded that hit in the step (its first prompt of phase 1),
     # from its map of the dead daemon's pool; the one that got the reply that stopped daemon 2 loaded its hit in
-    # the step too, in one of the prompts daemon 2 served.
+    # the step too, in one of the prompts daemon 2 served. Daemon 2 starts empty and its engines store while they
+    # look up, so that hit may be shorter than a whole family's 512 tokens (384 seen: another engine's last chunk
+    # not stored yet); any whole chunk proves the copy.
     killer = pids.index(int(killed.group(1)))
     assert hits[killer][STARTS[1]] == 512 and kinds[killer][STARTS[1]] == "in_step", (killer, kinds, why)
     stopped = re.search(r"SIGSTOP after lookup reply #1 with places \(engine \d+, pid (\d+),", logs[1])
     assert stopped, logs[1][-3000:]
     stopper = pids.index(int(stopped.group(1)))
-    assert any(hits[stopper][i] == 512 and kinds[stopper][i] == "in_step" for i in range(STARTS[1] + 1, STARTS[3])), \
+    assert any(hits[stopper][i] > 0 and kinds[stopper][i] == "in_step" for i in range(STARTS[1] + 1, STARTS[3])), \
         (stopper, kinds, why)
     # After the clean restart hits resume, as in-step loads; vLLM's counter agrees with the timeline.
     last = STARTS[4]
