@@ -5,10 +5,7 @@ gets its outcome and reason, and ``hkvd_hints_total`` counts them."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import re
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,8 @@ import pytest
 from hkvd.daemon.cli import format_status
 from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_tokens
 from hkvd.transport.keys import chunk_keys
+from tests.routing.test_usable_prefix_daemon import Router as UsablePrefixRouter
+from tests.routing.test_usable_prefix_daemon import free_port
 
 C = 16
 PAGE = 128 << 10  # 2 layers: 256 KiB per entry; a 64 MiB pool holds about 250, the pin budget (0.5) about 125
@@ -28,22 +27,8 @@ KW: dict[str, Any] = {"num_blocks": CHUNKS + 2, "tokens_per_block": C, "chunk_si
 FLOOD = 40  # prompts of 8 chunks: more than the pool holds
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Router:
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-
-    def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        self.conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        resp = self.conn.getresponse()
-        text = resp.read()
-        return resp.status, json.loads(text) if resp.getheader("Content-Type") == "application/json" else text
+class Router(UsablePrefixRouter):
+    """The usable-prefix tests' keep-alive client of the metrics port, with the hints' calls."""
 
     def hints(self, *actions: Any) -> list[dict[str, Any]]:
         env = {"protocol_version": 1, "message_id": "m-1",
