@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,13 @@ P3 = _seq(900, 13, 1)  # 7 full chunks: a hit of 896 tokens
 class FaultyDaemon(DaemonProcess):
     """``hkvd serve`` through tests/shim/faulty_serve.py, optionally armed with HKVD_FAULT."""
 
-    def __init__(self, socket_path: str, log_path: Path, fault: str = "") -> None:
+    def __init__(self, socket_path: str, log_path: Path, fault: str = "", extra_args: Sequence[str] = ()) -> None:
         env = {k: v for k, v in os.environ.items() if k != "HKVD_FAULT"}
         if fault:
             env["HKVD_FAULT"] = fault
-        super().__init__(socket_path, ["--chunk-size", str(BLOCK), "--l1-size-gb", "0.25", "--hugepages", "off"],
-                         log_path, env)
+        self.fault = fault
+        super().__init__(socket_path, ["--chunk-size", str(BLOCK), "--l1-size-gb", "0.25", "--hugepages", "off",
+                                       *extra_args], log_path, env)
 
     def spawn(self) -> FaultyDaemon:
         out = open(self.log_path, "ab")  # noqa: SIM115 - lives with the process

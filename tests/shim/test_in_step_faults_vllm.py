@@ -37,8 +37,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -47,7 +45,8 @@ from typing import Any
 import pytest
 
 from hkvd.shim import timeline
-from hkvd.shim.testing.launcher import DaemonProcess, prefault_over, wait_status
+from hkvd.shim.testing.launcher import prefault_over, wait_status
+from tests.shim.test_daemon_kill_vllm import FaultyDaemon as KillTestDaemon
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -74,23 +73,12 @@ def _families(e: int) -> list[int]:
     return [(e + rel) % ENGINES for phase in PHASES for rel in phase]
 
 
-class FaultyDaemon(DaemonProcess):
-    """``hkvd serve`` through tests/shim/faulty_serve.py, armed with ``fault`` (HKVD_FAULT) when given."""
+class FaultyDaemon(KillTestDaemon):
+    """The daemon-kill test's ``hkvd serve`` through tests/shim/faulty_serve.py (armed with ``fault``, HKVD_FAULT,
+    when given), with in-step loads on."""
 
     def __init__(self, socket_path: str, log_path: Path, fault: str = "") -> None:
-        env = {k: v for k, v in os.environ.items() if k != "HKVD_FAULT"}
-        if fault:
-            env["HKVD_FAULT"] = fault
-        self.fault = fault
-        super().__init__(socket_path, ["--chunk-size", str(BLOCK), "--l1-size-gb", "0.25", "--hugepages", "off",
-                                       "--in-step-loads", "on"], log_path, env)
-
-    def spawn(self) -> FaultyDaemon:
-        out = open(self.log_path, "ab")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "faulty_serve.py"), "serve", "--socket",
-                                      self.socket_path, *self.args], stdout=out, stderr=subprocess.STDOUT,
-                                     env=self.env)
-        return self
+        super().__init__(socket_path, log_path, fault, ["--in-step-loads", "on"])
 
     def start_prefaulted(self) -> FaultyDaemon:
         """Start and wait until the pool is pre-faulted: its pre-fault threads take every core for a moment,
