@@ -473,19 +473,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, rounds: int | No
         f"MiB, pin budget {pool['pin_budget_bytes'] / MiB:.1f} MiB ({agents.pin_max_fraction}) for the sessions' "
         f"pins at their largest, {pool['all_sessions_pins_bytes'] / MiB:.1f} MiB; the pool = "
         f"{pool['oneshots_to_fill_pool']:.1f} one-shots")
-    played: list[list[dict[str, Any]]] = []
-    failed: set[str] = set()
-    for rnd in range(1, rounds + 1):
-        played.append([])
-        for i, name in enumerate(RUNS, 1):
-            if name in failed:
-                continue
-            size = blocks["ample"] if name == "limit" else blocks["small"]
-            log(f"  round {rnd}/{rounds}, run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
-            res = _one_run(name, model_dir, max_len, agents, size, pool["pool_bytes"], hugepages, log, in_step_loads)
-            played[-1].append(res)
-            if "error" in res:
-                failed.add(name)
+    played = serving.play_rounds(RUNS, rounds, blocks, log, lambda name, size: _one_run(
+        name, model_dir, max_len, agents, size, pool["pool_bytes"], hugepages, log, in_step_loads))
     runs = merge_rounds(played, agents)
     result = {"config": {"model": model.name, "block": BLOCK, "agents": dataclasses.asdict(agents),
                          "mean_context_tokens": agents.mean_context_tokens(),

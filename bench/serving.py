@@ -62,7 +62,7 @@ import importlib.util
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +297,27 @@ def verify_fraction() -> float:
     return float(os.environ.get("HKVD_BENCH_VERIFY_FRACTION", "0"))
 
 
+def play_rounds(runs: Mapping[str, str], rounds: int, blocks: Mapping[str, int], log: Callable[[str], None],
+                one_run: Callable[[str, int], dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Play ``runs`` (name -> what it is) ``rounds`` times in the same order: each round's results, in order.
+    ``one_run(name, kv_blocks)`` plays one run; the limit run gets the ample KV blocks, every other the small
+    ones. A run that fails (its result has ``error``) is not played again in later rounds."""
+    played: list[list[dict[str, Any]]] = []
+    failed: set[str] = set()
+    for rnd in range(1, rounds + 1):
+        played.append([])
+        for i, name in enumerate(runs, 1):
+            if name in failed:
+                continue
+            size = blocks["ample"] if name == "limit" else blocks["small"]
+            log(f"  round {rnd}/{rounds}, run {i}/{len(runs)} {name}: {runs[name]} ({size} blocks)")
+            res = one_run(name, size)
+            played[-1].append(res)
+            if "error" in res:
+                failed.add(name)
+    return played
+
+
 def merge_rounds(played: Sequence[Sequence[dict[str, Any]]], turns: int) -> list[dict[str, Any]]:
     """One run per name from its rounds: replies pooled (the per-turn figures recomputed over them),
     counters and wall time summed, output tokens/s over the summed wall time; ``rounds`` keeps each
@@ -359,19 +380,8 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
     if rounds is not None and rounds < 1:
         raise ValueError(f"serving rounds: at least 1, got {rounds}")
     rounds = rounds or (1 if quick else 3)
-    played: list[list[dict[str, Any]]] = []
-    failed: set[str] = set()
-    for rnd in range(1, rounds + 1):
-        played.append([])
-        for i, name in enumerate(RUNS, 1):
-            if name in failed:
-                continue
-            size = blocks["ample"] if name == "limit" else blocks["small"]
-            log(f"  round {rnd}/{rounds}, run {i}/{len(RUNS)} {name}: {RUNS[name]} ({size} blocks)")
-            res = _one_run(name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log)
-            played[-1].append(res)
-            if "error" in res:
-                failed.add(name)
+    played = play_rounds(RUNS, rounds, blocks, log, lambda name, size: _one_run(
+        name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log))
     runs = merge_rounds(played, workload.turns)
     result = {"config": {"model": bench_model.name, "block": bench_model.block,
                          "workload": dataclasses.asdict(workload),

@@ -273,6 +273,22 @@ def test_rounds_pool_replies_and_sum_counters() -> None:
     assert "hkvd's later-turn TTFT p50 against the limit's, round by round: 1.09x, 1.05x" in serving.summary(result)
 
 
+def test_play_rounds_plays_in_order_sizes_the_limit_and_drops_a_failed_run() -> None:
+    calls: list[tuple[str, int]] = []
+    lines: list[str] = []
+
+    def one_run(name: str, size: int) -> dict:
+        calls.append((name, size))
+        return {"run": name, "error": "boom"} if name == "lmcache" else {"run": name}
+
+    runs = {"limit": "vLLM alone, ample", "hkvd": "vLLM + hkvd", "lmcache": "vLLM + LMCache"}
+    played = serving.play_rounds(runs, 2, {"small": 10, "ample": 40}, lines.append, one_run)
+    assert calls == [("limit", 40), ("hkvd", 10), ("lmcache", 10), ("limit", 40), ("hkvd", 10)]
+    assert [[r["run"] for r in rnd] for rnd in played] == [["limit", "hkvd", "lmcache"], ["limit", "hkvd"]]
+    assert lines[0] == "  round 1/2, run 1/3 limit: vLLM alone, ample (40 blocks)"
+    assert lines[-1] == "  round 2/2, run 2/3 hkvd: vLLM + hkvd (10 blocks)"
+
+
 def _result() -> dict:
     runs = [_run("limit", 0.10, 1024), _run("recompute", 1.00, 0), _run("hkvd", 0.105, 1024),
             {"run": "lmcache", "label": serving.RUNS["lmcache"], "kv_blocks": 440,
