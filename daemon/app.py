@@ -459,6 +459,7 @@ class Daemon:
         if left:
             log.warning("%d copies still running after %.0f s; closing anyway", left,
                         self.cfg.shutdown_timeout_s)
+        await self.service.hints.drain(deadline - time.monotonic())  # prefetches read the tiers closed below
         if self.disk is not None:
             await self._flush_disk(deadline)
         for conn in list(self.server.connections.values()):

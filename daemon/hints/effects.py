@@ -256,6 +256,19 @@ class Hints:
                                       self._hit(t)))
         return self.count(await self._read(a, t))
 
+    async def drain(self, timeout_s: float) -> int:
+        """At shutdown: wait up to ``timeout_s`` for the deferred prefetches (each bounded by its tiers' read
+        budgets), then cancel what is left; the number cancelled."""
+        if not self._deferred:
+            return 0
+        _, left = await asyncio.wait(set(self._deferred), timeout=max(timeout_s, 0.0))
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+            log.warning("%d deferred prefetches cancelled at shutdown; their chunks stay where they were", len(left))
+        return len(left)
+
     async def _read(self, a: Action, t: Target) -> Outcome:
         before = self._hit(t)
         engine = self.engine_for(t.world)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
 from hkvd.daemon.cache import Cache, Entry, EntryKey, Tail
@@ -62,15 +62,17 @@ class Promoter:
         self.tiers = list(tiers)
         self._promoting: dict[EntryKey, asyncio.Future[None]] = {}  # reads in flight, by key
 
-    def usable(self) -> bool:
-        return any(t.usable() for t in self.tiers)
+    def usable(self, skip: Container[str] = ()) -> bool:
+        """Whether any tier but those named in ``skip`` (a request's load tiers leave them out) is worth asking."""
+        return any(t.usable() for t in self.tiers if t.name not in skip)
 
     async def promote(self, engine: EngineState, keys: list[bytes], log_extra: RequestLog,
-                      tails: Sequence[Tail] = ()) -> bool:
+                      tails: Sequence[Tail] = (), skip: Container[str] = ()) -> bool:
         """Read what the best hit over the pool and the tiers needs and only the tiers have (the plan is the
-        cache's: ``Cache.plan_lookup``, ``tails`` included); True if any entry was read."""
+        cache's: ``Cache.plan_lookup``, ``tails`` included); True if any entry was read. The tiers named in
+        ``skip`` are neither asked nor read (the request's load tiers leave them out)."""
         loop = asyncio.get_running_loop()
-        tiers = [t for t in self.tiers if t.usable()]
+        tiers = [t for t in self.tiers if t.usable() and t.name not in skip]
         deadlines = {t.name: loop.time() + t.budget_s for t in tiers}
         held = await self._held(tiers, engine, [*keys, *(key for _, key in tails)], deadlines, log_extra)
         failed: set[EntryKey] = set()
@@ -181,14 +183,16 @@ class Promoter:
         reads = asyncio.gather(*[loop.run_in_executor(tier.executor, tier.read_batch,
                                                       [(e.key, h, e.alloc.extents) for e, h in part])
                                  for part in parts])
+        def abandon(_: object) -> None:  # the threads still write into these pages: freed once the reads return
+            self.index.abandon_store(e for e, _h in jobs)
+
         try:
             async with asyncio.timeout_at(deadline):
                 results = await asyncio.shield(reads)
+        except asyncio.CancelledError:  # the daemon stops (a deferred prefetch, Hints.drain)
+            reads.add_done_callback(abandon)
+            raise
         except TimeoutError:
-            # The threads still write into these pages: free them only once the reads return.
-            def abandon(_: object) -> None:
-                self.index.abandon_store(e for e, _h in jobs)
-
             reads.add_done_callback(abandon)
             self.metrics.inc(f"{tier.name}_read_failures", len(jobs), reason="timeout")
             log.warning("%s: reading %d entries took longer than %.3f s; the lookup goes on without them",

@@ -177,3 +177,24 @@ def test_the_session_pins_outcome() -> None:
     assert shim_hints.pin_outcome(False, {"hkvd": {"session": "s"}}) == "rejected"
     for params in (None, {}, {"hkvd": {}}, {"hkvd": {"store_decode": False}}, {"hkvd": "x"}, {"kv_hints": {}}):
         assert shim_hints.pin_outcome(False, params) == "", params
+
+
+def test_shutdown_waits_for_deferred_prefetches_then_cancels_the_rest() -> None:
+    import asyncio
+    from typing import Any, cast
+
+    from hkvd.daemon.hints.effects import Hints
+
+    async def main() -> tuple[int, bool, bool, int]:
+        h = Hints(cast(Any, None), cast(Any, None))
+        stuck = asyncio.Event()
+        quick = asyncio.get_running_loop().create_task(asyncio.sleep(0.01))
+        slow = asyncio.get_running_loop().create_task(stuck.wait())
+        for t in (quick, slow):
+            h._deferred.add(t)  # as prefetch(wait=False) keeps them
+        cancelled = await h.drain(0.2)
+        return cancelled, quick.done() and not quick.cancelled(), slow.cancelled(), await Hints.drain(h, 0.0)
+
+    cancelled, quick_ran, slow_cancelled, again = asyncio.run(main())
+    assert (cancelled, quick_ran, slow_cancelled) == (1, True, True)
+    assert again == 0  # a second drain finds nothing left to cancel
