@@ -72,6 +72,9 @@ class DaemonConfig:
     # In-step loads (docs/security.md): host engines may map the pool read-only (HelloAck.pool) and copy leased
     # hits themselves (LookupReply.places); off: every hit is a Retrieve. Read at start-up (not reloadable).
     in_step_loads: bool = True
+    # Entries across tensor-parallel sizes (daemon/engines/reshards.py): an engine world reads another TP size's
+    # attention entries of its model, re-sharded, locally and from peers; off: only its own world's entries.
+    tp_reshard: bool = True
     mamba_checkpoint_interval: int = 1
     # Sampled hits recomputed and compared (daemon/integrity/compare.py, quarantine.py; docs/verification.md)
     verify_tolerance: float = 0.25  # full and swa entries: ||fresh - stored|| / ||stored|| (integrity/compare.py)

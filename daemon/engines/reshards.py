@@ -38,8 +38,9 @@ MAX_MOVES_CACHED = 4096  # (source world, reader world, group, rank) move lists 
 
 
 class Reshards:
-    """Cross-TP reads for one daemon (module docstring). ``enabled=False``: none (every lookup stays in its
-    own world's format, as before)."""
+    """Cross-TP reads for one daemon (module docstring). ``enabled=False`` (``--tp-reshard off``): none, on this
+    node or from peers; every lookup stays in its own world's format, and another TP size's prefix is a miss,
+    logged once per pair of worlds."""
 
     def __init__(self, index: Cache, metrics: Metrics, quarantine: Container[object] = (),
                  enabled: bool = True) -> None:
@@ -64,7 +65,10 @@ class Reshards:
 
     def _readable(self, model: str, model_key: bytes, shard: ShardShape | None,
                   world: Sequence[bytes]) -> list[WorldFormat]:
-        if not self.enabled or shard is None or not model_key:
+        if shard is None or not model_key:
+            return []
+        if not self.enabled:
+            self._log_off(model, model_key, shard, world)
             return []
         out = []
         for w in self.index.formats.same_model(model_key, tuple(world)):
@@ -80,6 +84,16 @@ class Reshards:
                             "same model: %s (a miss; logged once per pair of TP shapes)", model, tp_k,
                             shard.world_size, why)
         return out
+
+    def _log_off(self, model: str, model_key: bytes, shard: ShardShape, world: Sequence[bytes]) -> None:
+        """With ``--tp-reshard off``, say once per pair of worlds that another TP size's entries are not read."""
+        for w in self.index.formats.same_model(model_key, tuple(world)):
+            pair = (w.fingerprints[0], world[0])
+            if pair not in self._logged:
+                self._logged.add(pair)
+                log.info("hkvd: entries of %s stored by a TP=%d engine are not served to a TP=%d engine of the same "
+                         "model: --tp-reshard off (a miss; logged once per pair of TP shapes)", model,
+                         len(w.fingerprints), shard.world_size)
 
     def plan(self, engine: EngineState, keys: Sequence[bytes], tails: Sequence[Tail], own: LookupPlan,
              seen: bool = False) -> LookupPlan:

@@ -129,7 +129,7 @@ class KVService:
         # with places, Register answers in_step, and the server offers the pool's fd, only where this is set.
         self.places = Places(index, registry, self.server_id) if config.current.in_step_loads else None
         # Entries of other TP sizes of a model, re-sharded on read (daemon/engines/reshards.py).
-        self.reshards = Reshards(index, metrics, self.quarantine)
+        self.reshards = Reshards(index, metrics, self.quarantine, enabled=config.current.tp_reshard)
         self.lookups = LookupReplies(config, index, Promoter(index, metrics, tiers), metrics, self.traffic,
                                      self.places, self.reshards)
         # KV hints (docs/hints.md): an engine's kv.Hints here, a router's POST /v1/kv/hints (daemon/app.py).

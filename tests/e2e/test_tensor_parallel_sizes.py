@@ -158,6 +158,22 @@ def test_shapes_it_cannot_reshard_are_a_miss_and_one_log_line(daemon, kw, reader
         e.close()
 
 
+def test_tp_reshard_off_keeps_each_tp_size_to_its_own_entries(daemon_factory):
+    d = daemon_factory("--l1-size-gb", "0.125", "--chunk-size", "32", "--tp-reshard", "off")
+    writers = world(d, 2)
+    keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 2, seed=12), writers[0].chunk_size)
+    store(writers, keys, model_kv(keys))
+    (reader,) = world(d, 1)
+    assert writers[0].lookup(keys, lease=False)[0] == 2  # the writers' own world hits
+    for _ in range(2):
+        assert reader.lookup(keys, lease=False)[0] == 0
+    log = d.log_path.read_text()
+    assert log.count("--tp-reshard off (a miss") == 1, log[-3000:]
+    assert "tp_reshards" not in d.status()["counters"]
+    for e in (*writers, reader):
+        e.close()
+
+
 def test_another_model_identity_is_never_read(daemon):
     writers = world(daemon, 2, identity="weights-2")
     keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 2, seed=10), writers[0].chunk_size)

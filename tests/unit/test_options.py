@@ -94,3 +94,23 @@ def test_the_reload_texts_name_every_reloadable_key():
         flag = field.replace("_", "-")
         assert f"`{flag}`" in reload_text, f"docs/operating.md's Reload paragraph does not name {flag}"
         assert flag in header, f"the example config's header (hkvd.daemon.options.example_toml) does not name {flag}"
+
+
+def test_tp_reshard_is_on_or_off_as_a_flag_and_a_toml_key(tmp_path):
+    import argparse
+
+    from hkvd.daemon.cli import _serve_parser
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="cmd"))
+    assert build_config(parser.parse_args(["serve"])).tp_reshard is True
+    assert build_config(parser.parse_args(["serve", "--tp-reshard", "off"])).tp_reshard is False
+    assert build_config(parser.parse_args(["serve", "--tp-reshard", "ON"])).tp_reshard is True
+    toml = tmp_path / "c.toml"
+    for text, want in (('tp-reshard = "off"\n', False), ("tp_reshard = false\n", False), ("tp-reshard = true\n", True)):
+        toml.write_text(text)
+        assert build_config(parser.parse_args(["serve", "--config", str(toml)])).tp_reshard is want, text
+    toml.write_text('tp-reshard = "off"\n')  # the flag wins over the file
+    assert build_config(parser.parse_args(["serve", "--config", str(toml), "--tp-reshard", "on"])).tp_reshard is True
+    with pytest.raises(ConfigError, match="--tp-reshard 'sometimes': expected on or off"):
+        build_config(parser.parse_args(["serve", "--tp-reshard", "sometimes"]))
