@@ -2,24 +2,28 @@
 """Faults during in-step loads, under four live vLLM engines: the daemon SIGKILLed, stopped and restarted
 mid-load; no engine dies, no token is wrong, and the next requests recompute or hit again.
 
-Four engines (tiny Qwen3-Next in Mamba align mode, one process each, ``in_step_loads`` on; tests/shim/e2e_run.py)
-share one daemon and four prompt families F0..F3 (601 tokens each: a hit is 512 tokens), so each engine hits
-what the others stored, copying it from its map of the daemon's pool in the step that plans it
-(docs/design.md, "In-step loads"). Engine ``e`` runs, phase by phase, all four engines meeting at a barrier
-between phases (vLLM's prefix cache reset before every prompt, so every hit comes from hkvd):
+Four engines, one process each, ``in_step_loads`` on (tests/shim/e2e_run.py): two of tiny Qwen3-Next in Mamba
+align mode (engines 0 and 1: the GDN states are copied in ``handle_preemptions``, the attention blocks in
+``start_load_kv``) and two of tiny Gemma3 (engines 2 and 3: sliding window and full attention, copied in
+``start_load_kv``). They share one daemon and four prompt families F0..F3 (601 tokens each: a hit is 512
+tokens); engine ``e`` computes F(e) first, and its partner is the other engine of its model (e xor 1), so each
+engine hits what its partner stored, copying it from its map of the daemon's pool in the step that plans it
+(docs/design.md, "In-step loads"). With ``P(e)`` the partner's family, engine ``e`` runs, phase by phase, all
+four engines meeting at a barrier between phases (vLLM's prefix cache reset before every prompt, so every hit
+comes from hkvd):
 
 0. F(e): cold, stored. These are the references.
-1. F(e+1), F(e+2), against a daemon armed with ``HKVD_FAULT=places:1`` (tests/shim/faulty_serve.py): it
+1. P(e), F(e), against a daemon armed with ``HKVD_FAULT=places:1`` (tests/shim/faulty_serve.py): it
    SIGKILLs itself with the first lookup reply that carries pool places, which reaches the engine that asked
    only once the daemon is dead, so that engine copies the hit from the map of a dead daemon's pool; the test
    starts ``hkvd serve`` again on the same socket at once, while the engines run on. That engine must still
    load the hit in the step (the map outlives the daemon); the others' lookups fail and they recompute.
-2. F(e+3), F(e), against that second daemon, armed with ``places-stop:1``: it stops itself (SIGSTOP) with its
+2. P(e), F(e), against that second daemon, armed with ``places-stop:1``: it stops itself (SIGSTOP) with its
    first reply with places (in this phase, unless a hit of phase 1's second prompts came first), which reaches
    the engine once the daemon is stopped; the test sends SIGCONT 3 s later. That engine copies its hit from a
    stopped daemon's pool; lookups, stores and step events wait or fail meanwhile.
 3. F(e), after a clean restart (SIGTERM, start, pool pre-faulted) at the barrier: the new daemon is empty.
-4. F(e+1): hits resume, as in-step loads again.
+4. P(e): hits resume, as in-step loads again.
 
 What must hold: every prompt's greedy tokens and logprobs equal its family's cold computation in phase 0 bit for
 bit (a hit computes exactly what a miss computes: same chunk boundaries, the same bytes; a block left unwritten
@@ -28,8 +32,8 @@ daemon sees every engine register (worker and scheduler side); and phase 4's pro
 (the connector's timeline, ``timeline_path``). It can fail: a worker made to skip the copy of a hit whose daemon
 is dead or stopped (and to note it copied) computes other greedy tokens, at the first prompt after the kill.
 
-Cost: four engine starts in parallel (most of it) and 28 prompts, about 60 s of them; 186 s in all on a shared
-2-core machine under other tests' load (2026-12-03).
+Cost: four engine starts in parallel (most of it) and 28 prompts, about 60 s of them; 167 s in all on a shared
+2-core machine under other jobs' load (2026-12-03).
 """
 
 from __future__ import annotations
@@ -62,15 +66,17 @@ def _seq(n: int, mul: int, add: int) -> list[int]:
 
 # Four families with no chunk in common: 4 full chunks + a tail each, a hit of 512 tokens.
 FAMILIES = [_seq(601, 7, 3), _seq(601, 13, 1), _seq(601, 17, 5), _seq(601, 19, 9)]
-# Engine e's prompts, as family numbers relative to e, phase by phase (the module docstring).
-PHASES = [[0], [1, 2], [3, 0], [0], [1]]
+# The engines' models: each engine's partner (e xor 1) is of its model.
+MODELS = ["qwen3_next", "qwen3_next", "gemma3", "gemma3"]
+# Engine e's prompts, phase by phase (the module docstring): 0 its own family, 1 its partner's.
+PHASES = [[0], [1, 0], [1, 0], [0], [1]]
 STARTS = [sum(len(p) for p in PHASES[:k]) for k in range(len(PHASES))]  # each phase's first prompt index
 PAUSES = STARTS[1:]  # the barriers: before phases 1..4
 RESTART_AT = STARTS[3]  # the clean restart, at the barrier before phase 3
 
 
 def _families(e: int) -> list[int]:
-    return [(e + rel) % ENGINES for phase in PHASES for rel in phase]
+    return [e ^ rel for phase in PHASES for rel in phase]
 
 
 class FaultyDaemon(KillTestDaemon):
@@ -206,8 +212,9 @@ def test_in_step_loads_survive_daemon_kill_stop_and_restart_under_four_engines(t
     def run(e: int) -> None:
         sync = tmp_path / f"sync-{e}"
         sync.mkdir()
-        args = {"model": str(tiny_models["qwen3_next"]), "socket": faults.sock, "max_num_batched_tokens": BLOCK,
-                "retention": BLOCK, "prompts": [FAMILIES[f] for f in _families(e)], "pause_before": PAUSES,
+        retention = {"retention": BLOCK} if MODELS[e] == "qwen3_next" else {}
+        args = {"model": str(tiny_models[MODELS[e]]), "socket": faults.sock, "max_num_batched_tokens": BLOCK,
+                **retention, "prompts": [FAMILIES[f] for f in _families(e)], "pause_before": PAUSES,
                 "sync_dir": str(sync), "vllm_metrics": True,
                 "extra": {"in_step_loads": True, "lookup_wait_s": 5.0, "lookup_wait_max_s": 5.0,
                           "timeline_path": str(tmp_path / f"timeline-{e}.jsonl")}}
