@@ -174,6 +174,7 @@ def format_status(s: dict[str, Any]) -> str:
         *_status_integrity(s),
         *_status_pins(s),
         *_status_hints(s),
+        *_status_keeping(s),
         f"engines   {len(s['engines'])} connected",
     ]
     for e in s["engines"]:
@@ -192,6 +193,24 @@ def _status_admission(idx: dict[str, Any]) -> list[str]:
     return [f"admitted  {n.get('admitted', 0)} entries ({_bytes(b.get('admitted', 0))}), {n.get('refused', 0)} "
             f"refused ({_bytes(b.get('refused', 0))}) by --admission {idx.get('admission', 'none')}; "
             f"evicted by {why}"]
+
+
+def _status_keeping(s: dict[str, Any]) -> list[str]:
+    """Engines' store entries by outcome, writes left out by store tiers, hits per pool byte (absent in older
+    daemons and before the first store)."""
+    k = s.get("keeping")
+    if not k or not k.get("stores"):
+        return []
+    n, b = k["stores"], k.get("store_bytes", {})
+    rows = ", ".join(f"{o} {int(n[o])} ({_bytes(b.get(o, 0))})" for o in sorted(n, key=lambda o: (o != "stored", o)))
+    left = k.get("tiers_left_out") or {}
+    lines = [f"stores    {rows}"]
+    if left:
+        lines.append("left out  " + ", ".join(f"{int(v)} entries not written to {t} (store tiers)"
+                                            for t, v in sorted(left.items())))
+    lines.append(f"hits/byte {k.get('hits_per_pool_byte', 0.0):.2f} ({_bytes(k.get('hit_bytes', 0))} served from "
+                 f"the pool, {_bytes(k.get('pool_bytes', 0))} held)")
+    return lines
 
 
 def _status_hints(s: dict[str, Any]) -> list[str]:

@@ -69,6 +69,21 @@ class CounterStats:
     hints: Series = counter_series(
         "hkvd_hints", "KV hints from routers and engines (docs/hints.md), by action (share, prefetch, demote, pin, "
         "retain, unknown) and outcome (accepted, clipped, deferred, rejected)")
+    store_entries: Series = counter_series(
+        "hkvd_store_entries", "Entries of engines' stores (and Mamba states offered), by outcome: stored, or why not "
+        "(present: the pool had it; admission: --admission refused it; no_room: the pool was full of entries it may "
+        "not evict; thinned: --mamba-checkpoint-interval; store_tiers: the request's kv_store_tiers leave the pool "
+        "out)", always=False)
+    store_bytes: Series = counter_series(
+        "hkvd_store_bytes", "Bytes of the entries of hkvd_store_entries_total, by the same outcome", always=False)
+    lookup_tiers_left_out: Series = counter_series(
+        "hkvd_lookup_tiers_left_out", "Lookups whose kv_load_tiers left a tier out (pool, disk, cluster), by tier",
+        always=False)
+    tier_writes_left_out: Series = counter_series(
+        "hkvd_tier_writes_left_out", "Stored entries not written to a tier below the pool because the request's "
+        "kv_store_tiers left it out, by tier (l2, cluster)", always=False)
+    tier_bytes_left_out: Series = counter_series(
+        "hkvd_tier_bytes_left_out", "Bytes of hkvd_tier_writes_left_out_total, by tier", always=False)
     # Only once counted (no 0 before): the tiers' and the collector's, and cross-TP reads.
     tp_reshards: Series = counter_series(
         "hkvd_tp_reshards", "Lookups (op=lookup) and retrieves (op=retrieve) served from entries another TP size "

@@ -127,21 +127,27 @@ class DaemonClient(DaemonPort):
 
     # ---- non-blocking submits ------------------------------------------------------------------
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True,
-                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False, places: bool = False) -> int:
+                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False, places: bool = False,
+                      skip_tiers: int = 0) -> int:
         """``tails``: (chunk index, key) of partial chunks that may end the hit, longest first; only to a
         daemon whose RegisterAck says ``lookup_tails``. ``ends``: ask for the turn ends the daemon knows
         (``LookupReply.ends``); only to a daemon whose RegisterAck says ``turn_ends``. ``places``: ask where a
-        leased hit lies in the pool (``LookupReply.places``, in-step loads); only to one that says ``in_step``."""
-        return self._submit(lambda r: kv.Lookup(r, list(keys), lease, [[j, k] for j, k in tails], ends, places))
+        leased hit lies in the pool (``LookupReply.places``, in-step loads); only to one that says ``in_step``.
+        ``skip_tiers``: the tiers the request's load tiers leave out; only to one that says ``request_tiers``."""
+        return self._submit(lambda r: kv.Lookup(r, list(keys), lease, [[j, k] for j, k in tails], ends, places,
+                                                skip_tiers))
 
     def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"",
-                     notes: Sequence[BlockNote] | None = None, tenant: str = "", turn_end: int = 0) -> int:
+                     notes: Sequence[BlockNote] | None = None, tenant: str = "", turn_end: int = 0,
+                     skip_tiers: int = 0) -> int:
         """``wait_event``: IPC handle of the step-end CUDA event to order the copy after (GPU KV only).
         ``notes``: vLLM's names of the chunks, for KV events; only to a daemon whose RegisterAck takes them.
         ``tenant``: the storing request's tenant (``hkvd.shim.tenants``); only to a daemon whose RegisterAck
         says ``pins``. ``turn_end``: the items are a turn-end state ending this far into its chunk; only to a
-        daemon whose RegisterAck says ``turn_ends``."""
-        return self._submit(lambda r: kv.Store(r, _items(items), wait_event, _notes(notes), tenant, turn_end))
+        daemon whose RegisterAck says ``turn_ends``. ``skip_tiers``: the tiers the request's store tiers leave out
+        (``hkvd.transport.tier_matchers``); only to a daemon whose RegisterAck says ``request_tiers``."""
+        return self._submit(lambda r: kv.Store(r, _items(items), wait_event, _notes(notes), tenant, turn_end,
+                                               skip_tiers))
 
     def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
         return self._submit(lambda r: kv.Retrieve(r, lease_id, _items(items)))

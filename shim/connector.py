@@ -227,6 +227,7 @@ class HkvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             return self._stats.take({k: self._sched.stats[k] for k in ("lookups_deferred", "loads_reported_early",
                                                                        "verify_sampled", "pins_sent", "pins_refused",
+                                                                       "tiers_refused",
                                                                        *DECODE_FIELDS)})
         return None
 

@@ -72,7 +72,7 @@ FIELDS = ("loads_ok", "loads_failed", "loaded_bytes", "load_seconds", "stored_by
           "verify_sampled", "verifies", "verifies_failed", "verify_checks", "verify_matches", "verify_divergences",
           "verify_missing", "verify_boundary_states",
           "verify_max_error", "verify_max_error_full", "verify_max_error_swa", "pins_sent", "pins_refused",
-          "in_step_loads", *DECODE_FIELDS)
+          "in_step_loads", "tiers_refused", *DECODE_FIELDS)
 # Fields that are a running maximum, not a sum: reported as is, combined by max (every other field by sum).
 MAX_FIELDS = frozenset({"verify_max_error", "verify_max_error_full", "verify_max_error_swa"})
 
@@ -158,6 +158,8 @@ COUNTERS = {  # FIELDS but the loads' outcomes -> vLLM's /metrics counter (vllm:
     "verify_boundary_states": "Recomputed Mamba boundary states sent for comparison in step events",
     "pins_sent": "Finished requests whose chunks were pinned for their session (a Pin sent to hkvd)",
     "pins_refused": "Requests whose kv_transfer_params asked for a pin in a shape refused (run unpinned, warned)",
+    "tiers_refused": "Requests whose kv_transfer_params kv_load_tiers or kv_store_tiers could not be read (they "
+                     "used every tier, warned)",
 }
 
 

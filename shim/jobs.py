@@ -65,6 +65,8 @@ class StoreJob:
     tenant: str = ""
     # A turn-end state: the offset inside its chunk where it ends (Store.turn_end); 0: not one.
     turn_end: int = 0
+    # The tiers the request's kv_store_tiers leave out (Store.skip_tiers); 0: every tier.
+    skip_tiers: int = 0
 
 
 @dataclass(slots=True)

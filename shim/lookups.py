@@ -55,6 +55,7 @@ class Lookups:
         self._step_intervals: deque[float] = deque(maxlen=STEP_HISTORY)
         self._meta_at: float | None = None
         self._wait_left_s = ctx.cfg.lookup_wait_s
+        self._tiers_unsupported_said = False  # an older daemon took no load tiers: said once
 
     # ---- submitting ---------------------------------------------------------------------------
     def submit(self, st: RequestRecord) -> None:
@@ -78,7 +79,13 @@ class Lookups:
             ends = bool(ack is not None and ack.turn_ends and ctx.cfg.turn_end_states and not st.ends_retried
                         and self._tails_apply(st))
             places = bool(ack is not None and ack.in_step and ctx.cfg.in_step_loads)
-            return port.submit_lookup(keys[:n], lease=True, tails=sent, ends=ends, places=places), tails
+            tiers = bool(ack is not None and ack.request_tiers)
+            if st.skip_load and not tiers and not self._tiers_unsupported_said:
+                self._tiers_unsupported_said = True
+                logger.warning("hkvd: the daemon is older than the connector and takes no load or store tiers "
+                               "(kv_load_tiers, kv_store_tiers): requests use every tier; upgrade hkvd serve")
+            return port.submit_lookup(keys[:n], lease=True, tails=sent, ends=ends, places=places,
+                                      skip_tiers=st.skip_load if tiers else 0), tails
 
         try:
             rid, tails = submit(port)
@@ -263,13 +270,14 @@ class Lookups:
             return False
         port = ctx.port
         submitted: dict[int, tuple[int, bytes]] = {}
+        skip = st.skip_load if ctx.link.ack is not None and ctx.link.ack.request_tiers else 0
         positions = [p for p in self._positions(st, keys, st.hit_chunks, checkpoints=True) if p not in tried]
         for pos in positions:
             key = partial.key_at(keys, st.tokens, pos, C)
             if key is None or port is None:
                 continue
             try:
-                submitted[port.submit_lookup([*keys[:st.hit_chunks], key], lease=True)] = (pos, key)
+                submitted[port.submit_lookup([*keys[:st.hit_chunks], key], lease=True, skip_tiers=skip)] = (pos, key)
             except Exception as e:  # the whole-chunk answer stands; the link recovers on a later call
                 ctx.link.lost(e)
                 break

@@ -160,6 +160,9 @@ class RequestRecord:
     tenant: str = ""  # whose quota its stores count against (hkvd.shim.tenants)
     pin: PinAsk | None = None  # the session pin its kv_transfer_params asked for (hkvd.shim.sessions)
     hints: RequestHints | None = None  # its KV hints (hkvd.shim.hints), sent when it finishes
+    # The tiers its kv_load_tiers / kv_store_tiers leave out (hkvd.transport.tier_matchers bits); 0: every tier.
+    skip_load: int = 0
+    skip_store: int = 0
     # The partial chunks whose blocks went out as stores or offers, in the order they did (pinned with it).
     partials_stored: dict[bytes, None] = field(default_factory=dict)
 

@@ -121,6 +121,7 @@ from hkvd.shim.scheduler_context import SchedulerContext
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.shim.spec import build_engine_spec, group_infos, validate_vllm
 from hkvd.shim.store_planner import StorePlanner
+from hkvd.transport import tier_matchers
 from hkvd.transport.layout import entry_bytes
 from hkvd.transport.wire.control import KV_EVENTS_ACCEPTED, EngineSpec
 
@@ -254,6 +255,13 @@ class SchedulerSide:
         st.hints, problem = hints.parse(params, hints.pin_outcome(st.pin is not None, params))
         if problem:
             logger.warning("%s (request %s)", problem, request.request_id)
+        # Load and store tiers (vLLM's kv_load_tiers / kv_store_tiers, docs/hints.md): a bad one is every tier.
+        st.skip_load, load_problem = tier_matchers.parse(params, tier_matchers.LOAD_KEY)
+        st.skip_store, store_problem = tier_matchers.parse(params, tier_matchers.STORE_KEY)
+        if load_problem or store_problem:
+            self.ctx.stats["tiers_refused"] += 1
+            for problem in filter(None, (load_problem, store_problem)):
+                logger.warning("%s (request %s)", problem, request.request_id)
         self.ctx.reqs[request.request_id] = st
         if tokens:
             self.lookups.submit(st)

@@ -45,7 +45,7 @@ STRICT_ENV = "HKVD_STRICT_STATES"
 # step that plans them (hkvd.shim.pool_reads).
 STAT_NAMES = ("lookups", "lookups_deferred", "hit_tokens", "load_jobs", "store_items", "offer_items",
               "uncacheable", "notes", "loads_reported_early", "lookups_for_turn_ends", "verify_sampled",
-              "verify_items", "pins_sent", "pins_refused", "in_step_loads")
+              "verify_items", "pins_sent", "pins_refused", "in_step_loads", "tiers_refused")
 
 
 class SchedulerContext:

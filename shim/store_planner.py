@@ -167,7 +167,7 @@ class StorePlanner:
                      for g in ctx.groups if g.kind == "full" and len(table[g.group_id]) > j
                      and table[g.group_id][j]]
             if items:
-                meta.stores.append(StoreJob(st.req_id, items, notes, st.tenant))
+                meta.stores.append(StoreJob(st.req_id, items, notes, st.tenant, skip_tiers=st.skip_store))
                 ctx.stats["store_items"] += len(items)
         self._add_offer(meta, st, Item(group_id, j, key, [block_id], parent_key))
         if not noted:
@@ -179,7 +179,8 @@ class StorePlanner:
         """Chunks complete in the engine's blocks: stored, or for a sampled hit's chunks, compared."""
         items, checks = plans.split_verified(items, st.verify_upto)
         if items:
-            stores.append(StoreJob(st.req_id, items, self._notes_for(st, items), st.tenant))
+            stores.append(StoreJob(st.req_id, items, self._notes_for(st, items), st.tenant,
+                                   skip_tiers=st.skip_store))
             self.ctx.stats["store_items"] += len(items)
         kinds = {g.group_id: g.kind for g in self.ctx.groups}
         for kind in sorted({kinds[it.group_id] for it in checks}):  # one Verify per group kind
@@ -265,7 +266,7 @@ class StorePlanner:
                 return None
             items.append(Item(g.group_id, j, key, [blk], plans.parent(keys, j)))
         self.finish_stores.append(StoreJob(st.req_id, items, self._partial_notes(st, key, end), st.tenant,
-                                           turn_end=end - j * C))
+                                           turn_end=end - j * C, skip_tiers=st.skip_store))
         ctx.stats["store_items"] += len(items)
         st.had_copies = True
         ctx.turn_ends.add(partial.before(keys, j), end - j * C)

@@ -407,9 +407,11 @@ class WorkerSide:
             event = self._gpu.step_end_event() if self._gpu is not None and copies else b""
             pins = bool(self.link.ack is not None and self.link.ack.pins)  # an older daemon takes no tenant
             ends = bool(self.link.ack is not None and self.link.ack.turn_ends)  # nor turn-end offsets
+            tiers = bool(self.link.ack is not None and self.link.ack.request_tiers)  # nor store tiers
             for sj in meta.stores:
                 rid = client.submit_store(sj.items, wait_event=event, notes=sj.notes,
-                                          tenant=sj.tenant if pins else "", turn_end=sj.turn_end if ends else 0)
+                                          tenant=sj.tenant if pins else "", turn_end=sj.turn_end if ends else 0,
+                                          skip_tiers=sj.skip_tiers if tiers else 0)
                 self._track(rid, _Job("store", item_blocks(sj.items), {sj.req_id}))
             for vj in meta.verifies:  # sampled hits (hkvd.shim.verify): where their stores would have gone
                 rid = client.submit_verify(vj.items, wait_event=event)

@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+from hkvd.daemon.cache import LookupPlan
 from hkvd.daemon.engines.connection import registered_engine, request_log
+from hkvd.daemon.tiers.contract import skipped_names
+from hkvd.transport.tier_matchers import POOL, TIER_NAMES
 from hkvd.transport.wire import kv
 
 if TYPE_CHECKING:
-    from hkvd.daemon.cache import Cache, LookupPlan, Tail
+    from hkvd.daemon.cache import Cache, Tail
     from hkvd.daemon.config import ConfigCell
     from hkvd.daemon.engines.connection import Conn
     from hkvd.daemon.engines.engine_traffic import EngineTraffic
@@ -51,14 +54,23 @@ class LookupReplies:
         cluster) what the hit needs."""
         engine = registered_engine(conn, copy=False)
         tails = [(t[0], t[1]) for t in msg.tails]
+        if msg.skip_tiers:
+            for bit, name in TIER_NAMES.items():
+                if msg.skip_tiers & bit:
+                    self.metrics.inc("lookup_tiers_left_out", tier=name)
+        if msg.skip_tiers & POOL:  # every hit is served from the pool: a lookup that leaves it out loads nothing
+            self._answer(conn, engine, msg, LookupPlan(0, {}, [], engine.rank_fingerprints))
+            return None
         plan = self._plan(engine, msg, tails, seen=True)  # the admission counts each request's keys once
-        if not plan.complete and self.promoter.usable():
-            return self._via_tiers(conn, engine, msg, tails)
+        skip = skipped_names(msg.skip_tiers)
+        if not plan.complete and self.promoter.usable(skip):
+            return self._via_tiers(conn, engine, msg, tails, skip)
         self._answer(conn, engine, msg, plan)
         return None
 
-    async def _via_tiers(self, conn: Conn, engine: EngineState, msg: kv.Lookup, tails: list[Tail]) -> None:
-        await self.promoter.promote(engine, msg.keys, request_log(conn, msg.req_id), tails)
+    async def _via_tiers(self, conn: Conn, engine: EngineState, msg: kv.Lookup, tails: list[Tail],
+                         skip: frozenset[str]) -> None:
+        await self.promoter.promote(engine, msg.keys, request_log(conn, msg.req_id), tails, skip)
         self._answer(conn, engine, msg, self._plan(engine, msg, tails))  # again: the pool may have changed meanwhile
 
     def _plan(self, engine: EngineState, msg: kv.Lookup, tails: list[Tail], seen: bool = False) -> LookupPlan:

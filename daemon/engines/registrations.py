@@ -71,7 +71,8 @@ class Registrations:
         conn.send(control.RegisterAck(msg.req_id, state.engine_id, state.fingerprint, state.chunk_size,
                                       self._kv_events_mode(), lease_watch=True, verify=True, pins=True,
                                       pin_partials=True, step_tenants=True, lookup_tails=True,
-                                      partial_notes=True, turn_ends=True, in_step=self.in_step, hints=True))
+                                      partial_notes=True, turn_ends=True, in_step=self.in_step, hints=True,
+                                      request_tiers=True))
 
     def _kv_events_mode(self) -> int:
         """What this daemon does with KV-event notes (``RegisterAck.kv_events``)."""

@@ -43,7 +43,7 @@ from hkvd.daemon.engines.registrations import Registrations
 from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.reshards import Reshards
 from hkvd.daemon.engines.retrieves import Retrieves
-from hkvd.daemon.engines.service_stats import KVEventsStats, RateStats, ServiceStats
+from hkvd.daemon.engines.service_stats import KeepingStats, KVEventsStats, RateStats, ServiceStats
 from hkvd.daemon.engines.step_events import StepEvents
 from hkvd.daemon.engines.stores import Stores
 from hkvd.daemon.engines.verification import Verification
@@ -300,10 +300,11 @@ class KVService:
         if self.announcer is not None:
             kv_events = KVEventsStats(self.announcer.statistics(),
                                       self.publisher.statistics() if self.publisher is not None else None)
+        entries = self.index.statistics()
         return ServiceStats(
             registry=self.registry.statistics(),
             pool=self.index.pool.statistics(),
-            index=self.index.statistics(),
+            index=entries,
             counters={name: self.metrics.total(name) for name in sorted(self.metrics.counters)},
             by_kind={name: self._by_kind(name) for name in ("lookup_hit_entries", "lookup_miss_entries", "l2_hits",
                                                              "cluster_hits")},
@@ -323,7 +324,17 @@ class KVService:
             pins=self.index.sessions.statistics(),
             tenants=self.index.tenants.statistics(),
             hints=self._hint_counts(),
+            keeping=self._keeping(entries.bytes_stored),
         )
+
+    def _keeping(self, pool_bytes: int) -> KeepingStats:
+        """Stores by outcome and hits per pool byte (``KeepingStats``)."""
+        hit = self.metrics.total("retrieved_bytes")
+        return KeepingStats(stores=self._by_label("store_entries", "outcome"),
+                            store_bytes=self._by_label("store_bytes", "outcome"),
+                            tiers_left_out=self._by_label("tier_writes_left_out", "tier"),
+                            hit_bytes=hit, pool_bytes=pool_bytes,
+                            hits_per_pool_byte=hit / pool_bytes if pool_bytes else 0.0)
 
     def _hint_counts(self) -> dict[str, dict[str, float]]:
         """``hkvd_hints_total`` as action -> outcome -> total (``hkvd status``; docs/hints.md)."""

@@ -39,6 +39,25 @@ class RateStats:
 
 
 @dataclass(frozen=True, slots=True)
+class KeepingStats:
+    """What the pool keeps and what it is worth (``hkvd status``: ``keeping``; docs/operating.md, "What is kept").
+
+    ``stores`` / ``store_bytes``: engines' store entries and their bytes by outcome (stored, or why not:
+    ``hkvd.daemon.engines.stores.STORE_OUTCOMES``); ``tiers_left_out``: entries not written to a tier below the pool
+    because the request's store tiers left it out, by tier; ``hit_bytes``: bytes retrieves copied out of the pool
+    since start; ``pool_bytes``: bytes the pool's entries hold now; ``hits_per_pool_byte``: their ratio."""
+
+    stores: dict[str, float] = status_only(default_factory=dict)
+    store_bytes: dict[str, float] = status_only(default_factory=dict)
+    tiers_left_out: dict[str, float] = status_only(default_factory=dict)
+    hit_bytes: float = status_only(default=0.0)
+    pool_bytes: int = status_only(default=0)
+    hits_per_pool_byte: float = metric(
+        "hkvd_pool_hits_per_byte", "Bytes retrieves copied out of the pool since start over the bytes its entries "
+        "hold now: how many times over the pool's contents have been served (0 while it holds nothing)", default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
 class KVEventsStats:
     """KV events (``hkvd status``: ``kv_events``): the announcer's fields, and ``publisher`` with
     --kv-events-endpoint (absent without)."""
@@ -72,3 +91,4 @@ class ServiceStats:
     pins: PinStats = part()  # session pins (docs/pins.md)
     tenants: TenantStats = part()  # bytes, quotas and evictions per tenant (docs/pins.md)
     hints: dict[str, dict[str, float]] = status_only(default_factory=dict)  # KV hints: action -> outcome -> total
+    keeping: KeepingStats = part(default_factory=KeepingStats)  # stores by outcome, hits per pool byte

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 
 from hkvd.daemon.cache import Cache, Entry, EntryState, Extent, NotAdmitted, mamba_checkpoint_keep
 from hkvd.daemon.engines.connection import registered_engine
+from hkvd.daemon.tiers.contract import skipped_names
 from hkvd.transport import layout
 from hkvd.transport.copy_engine import Direction
 from hkvd.transport.errors import Aborted, OutOfRange, PoolFull
 from hkvd.transport.keys import ROOT_KEY
+from hkvd.transport.tier_matchers import POOL
 from hkvd.transport.wire.kv import StoreResult
 
 if TYPE_CHECKING:
@@ -38,6 +40,13 @@ if TYPE_CHECKING:
     from hkvd.transport.wire import kv
     from hkvd.transport.wire.block_notes import BlockNote
     from hkvd.transport.wire.kv import Item
+
+
+# What became of engines' store entries (hkvd_store_entries_total{outcome}, hkvd_store_bytes_total{outcome}):
+# stored, or not: present (the pool had it already), admission (--admission refused it), no_room (the pool was full
+# of entries it may not evict), thinned (a Mamba state between checkpoints, --mamba-checkpoint-interval),
+# store_tiers (the request's kv_store_tiers leave the pool out).
+STORE_OUTCOMES = ("stored", "present", "admission", "no_room", "thinned", "store_tiers")
 
 
 def count_bytes(metrics: Metrics, name: str, entries: list[Entry]) -> int:
@@ -68,22 +77,28 @@ class Stores:
         items = msg.items
         notes = self.check_notes(engine, msg.parsed_notes(), items)
         parent = self._turn_end_parent(engine, msg) if msg.turn_end else None
+        if msg.skip_tiers & POOL:  # its store tiers leave the pool out: every tier below is written from the pool
+            groups = [engine.check_item(it) for it in items]
+            self.count_outcome("store_tiers", len(items), sum(engine.entry_bytes[g.group_id] for g in groups))
+            conn.send(StoreResult(msg.req_id, 0, 0, 0, len(items), 0))
+            return
         stored, _ = await self.write_items(conn, engine, items, job_id=msg.req_id, pending=False,
                                            wait_event=msg.wait_event, notes=notes, tenant=msg.tenant,
-                                           exempt=bool(msg.turn_end))
+                                           exempt=bool(msg.turn_end), skip_tiers=msg.skip_tiers)
         if parent is not None:
             self.index.add_turn_end(engine.world_fingerprints[0], parent, msg.turn_end)
         conn.send(stored)
 
     async def write_items(self, conn: Conn, engine: EngineState, items: list[Item], *, job_id: int,
                           pending: bool, wait_event: bytes = b"", notes: list[BlockNote] | None = None,
-                          tenant: str | Sequence[str] = "", exempt: bool = False,
+                          tenant: str | Sequence[str] = "", exempt: bool = False, skip_tiers: int = 0,
                           ) -> tuple[StoreResult, list[Entry]]:
         """Copy ``items`` into new pool entries of ``tenant`` (one for all, or one per item); the reply to job
         ``job_id`` with their counts, and the entries written.
 
         ``pending``: a step event's states, unconfirmed, whose copy has a deadline (``step_executor``). ``exempt``:
-        always admitted (a turn end; ``--admission``)."""
+        always admitted (a turn end; ``--admission``). ``skip_tiers``: the tiers below the pool the request's store
+        tiers leave out (``hkvd.transport.tier_matchers`` bits): its entries are not written to them."""
         groups = [engine.check_item(it) for it in items]  # all or nothing: check before any write
         announcer = self.announcer if notes else None
         tenants = [tenant] * len(items) if isinstance(tenant, str) else list(tenant)
@@ -108,7 +123,8 @@ class Stores:
         if announcer is not None:
             announcer.settle(engine, noted)
         if not pending:
-            self.write_behind(entries)
+            self.write_behind(entries, skip_tiers)
+        self.count_outcome("stored", len(entries), sum(e.nbytes for e in entries))
         self.traffic.stored(engine.spec.model, engine.spec.rank, count_bytes(self.metrics, "stored_bytes", entries))
         return StoreResult(job_id, nbytes, len(entries), skipped, dropped, thinned), entries
 
@@ -125,6 +141,7 @@ class Stores:
                 thinned += 1
                 self.metrics.inc("mamba_states_thinned")
                 self.metrics.inc("mamba_bytes_saved", engine.entry_bytes[g.group_id])
+                self.count_outcome("thinned", 1, engine.entry_bytes[g.group_id])
                 continue
             keep.append((it, g))
             kept_tenants.append(t)
@@ -145,12 +162,15 @@ class Stores:
         for (it, g), got in zip(keep, begun, strict=True):
             if got is None:
                 skipped += 1
-            elif isinstance(got, NotAdmitted):  # counted by the cache (admission_entries)
+                self.count_outcome("present", 1, sizes[g.group_id])
+            elif isinstance(got, NotAdmitted):  # counted by the cache (admission_entries) too
                 dropped += 1
+                self.count_outcome("admission", 1, sizes[g.group_id])
             elif isinstance(got, PoolFull):
                 dropped += 1
                 self.index.note_store_dropped()
                 self.metrics.inc("stores_dropped", kind=g.kind)
+                self.count_outcome("no_room", 1, sizes[g.group_id])
             else:
                 entries.append(got)
                 placed.append((g, it.block_ids, got.alloc.extents))
@@ -159,10 +179,25 @@ class Stores:
     def _abandon_writes(self, entries: list[Entry]) -> None:
         self.index.abandon_store(entries)
 
-    def write_behind(self, entries: list[Entry]) -> None:
-        """Offer READY entries to each lower tier; an entry stays pinned until each tier that took it is done.
-        (Reads from the tiers: daemon/tiers/promotion.py.)"""
+    def count_outcome(self, outcome: str, entries: int, nbytes: int) -> None:
+        """Count ``entries`` entries (``nbytes`` bytes) of engines' stores by what became of them: ``stored``, or
+        why not (``STORE_OUTCOMES``)."""
+        if entries:
+            self.metrics.inc("store_entries", entries, outcome=outcome)
+            self.metrics.inc("store_bytes", nbytes, outcome=outcome)
+
+    def write_behind(self, entries: list[Entry], skip_tiers: int = 0) -> None:
+        """Offer READY entries to each lower tier but those ``skip_tiers`` leaves out (a request's store tiers);
+        an entry stays pinned until each tier that took it is done. (Reads from the tiers:
+        daemon/tiers/promotion.py.)"""
+        left_out = skipped_names(skip_tiers)
         for tier in self.tiers:
+            if tier.name in left_out:
+                ready = [e for e in entries if e.state is EntryState.READY]
+                if ready:
+                    self.metrics.inc("tier_writes_left_out", len(ready), tier=tier.name)
+                    self.metrics.inc("tier_bytes_left_out", sum(e.nbytes for e in ready), tier=tier.name)
+                continue
             for e in entries:
                 if e.state is not EntryState.READY:
                     continue

@@ -12,6 +12,15 @@ from concurrent.futures import Executor
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from hkvd.daemon.cache import EntryKey, Extent
+from hkvd.transport.tier_matchers import CLUSTER, DISK
+
+# Each tier's bit in a request's skip_tiers (hkvd.transport.tier_matchers), by the tier's ``name``.
+TIER_BITS_BY_NAME = {"l2": DISK, "cluster": CLUSTER}
+
+
+def skipped_names(skip: int) -> frozenset[str]:
+    """The names of the tiers below the pool that a request's ``skip_tiers`` leaves out."""
+    return frozenset(name for name, bit in TIER_BITS_BY_NAME.items() if skip & bit)
 
 StatsT_co = TypeVar("StatsT_co", covariant=True)  # what ``statistics()`` returns: DiskStats, ClusterStats
 

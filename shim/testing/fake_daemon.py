@@ -126,8 +126,9 @@ class FakeDaemon:
         return {"peer": {"advertise": self.advertise}}
 
     def submit_lookup(self, keys: Sequence[bytes], lease: bool = True,
-                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False, places: bool = False) -> int:
-        rid = self._id("lookup", list(keys), list(tails), ends)
+                      tails: Sequence[tuple[int, bytes]] = (), ends: bool = False, places: bool = False,
+                      skip_tiers: int = 0) -> int:
+        rid = self._id("lookup", list(keys), list(tails), ends, *([skip_tiers] if skip_tiers else []))
         hit = min(self.hit, len(keys))
         tail = next((i + 1 for i, (j, _) in enumerate(tails) if j == hit), 0) if self.tail_held else 0
         named = self.ends if ends and not tail else []
@@ -141,8 +142,10 @@ class FakeDaemon:
         return rid
 
     def submit_store(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"",
-                     notes: Sequence[BlockNote] | None = None, tenant: str = "", turn_end: int = 0) -> int:
-        return self._id("store", list(items), tenant, *([turn_end] if turn_end else []))
+                     notes: Sequence[BlockNote] | None = None, tenant: str = "", turn_end: int = 0,
+                     skip_tiers: int = 0) -> int:
+        return self._id("store", list(items), tenant, *([turn_end] if turn_end else []),
+                        *([("skip_tiers", skip_tiers)] if skip_tiers else []))
 
     def submit_retrieve(self, items: Sequence[Item | Sequence[Any]], lease_id: int = 0) -> int:
         return self._id("retrieve", list(items), lease_id)

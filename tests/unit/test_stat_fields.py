@@ -235,6 +235,8 @@ PUBLISHED = {
     "hkvd_pool_bytes": ("gauge", "state", "Pool bytes by state"),
     "hkvd_pool_huge_bytes": ("gauge", "", "Pool bytes backed by huge pages (hugetlb or THP)"),
     "hkvd_pool_occupancy_ratio": ("gauge", "", "Used / total pool bytes"),
+    "hkvd_pool_hits_per_byte": ("gauge", "", "Bytes retrieves copied out of the pool since start over the bytes "
+        "its entries hold now: how many times over the pool's contents have been served (0 while it holds nothing)"),
     "hkvd_pool_page_size_bytes": ("gauge", "kind",
         "Page size backing the pool, by the kind the kernel reports (hugetlb, thp or plain; /proc/self/smaps)"),
     "hkvd_prefault_gbps": ("gauge", "", "Pool pre-fault bandwidth at start-up"),
@@ -294,6 +296,15 @@ PUBLISHED_COUNTERS = {
     "hkvd_step_events": "Step events, by outcome",
     "hkvd_stored_bytes": "Bytes stored into the pool, by group kind",
     "hkvd_stores_dropped": "Entries not stored because the pool was full of pinned entries, by kind",
+    "hkvd_store_entries": "Entries of engines' stores (and Mamba states offered), by outcome: stored, or why not "
+        "(present: the pool had it; admission: --admission refused it; no_room: the pool was full of entries it may "
+        "not evict; thinned: --mamba-checkpoint-interval; store_tiers: the request's kv_store_tiers leave the pool "
+        "out)",
+    "hkvd_store_bytes": "Bytes of the entries of hkvd_store_entries_total, by the same outcome",
+    "hkvd_lookup_tiers_left_out": "Lookups whose kv_load_tiers left a tier out (pool, disk, cluster), by tier",
+    "hkvd_tier_writes_left_out": "Stored entries not written to a tier below the pool because the request's "
+        "kv_store_tiers left it out, by tier (l2, cluster)",
+    "hkvd_tier_bytes_left_out": "Bytes of hkvd_tier_writes_left_out_total, by tier",
     "hkvd_tp_reshards": "Lookups (op=lookup) and retrieves (op=retrieve) served from entries another TP size "
                         "stored, re-sharded on read",
     "hkvd_uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
@@ -336,7 +347,7 @@ def test_undeclared_counters_export_generically(full: DaemonStats) -> None:
 STATUS_KEYS = {
     "": ["engines", "pool", "index", "counters", "by_kind", "uncacheable_requests", "rates", "l2", "cluster", "peer",
          "heap", "kv_events", "descriptors", "shutting_down", "engine_traffic", "latency", "verify",
-         "integrity", "pins", "tenants", "hints"],
+         "integrity", "pins", "tenants", "hints", "keeping"],
     "engines": ["engine_id", "pid", "model", "rank", "world_size", "chunk_size", "fingerprint", "role", "groups"],
     "pool": ["total_bytes", "used_bytes", "free_bytes", "kind", "page_size", "huge_bytes", "hugepages", "mapped_kind",
              "superblock_bytes", "faulted_bytes", "prefault", "numa_node", "numa_policy", "node_bytes"],
@@ -374,6 +385,7 @@ STATUS_KEYS = {
     "pins": ["pinned_bytes", "budget_bytes", "sessions", "pins", "lapsed", "refused", "longest"],
     "pins.longest": ["session", "tenant", "pins", "ttl_left_s"],
     "tenants": ["quotas", "bytes", "quota_bytes", "evictions"],
+    "keeping": ["stores", "store_bytes", "tiers_left_out", "hit_bytes", "pool_bytes", "hits_per_pool_byte"],
     "verify.groups": ["fingerprint", "group", "kind", "checks", "matches", "divergences", "missing", "max_error",
                       "quarantined", "since"],
 }

@@ -339,8 +339,13 @@ class RegisterAck(Message):
     # Whether it takes kv.Hints (a request's KV hints, docs/hints.md); an older daemon sends nothing: False, and
     # a client sends none (the hints are counted as rejected by the shim).
     hints: bool = False
+    # Whether it takes Lookup.skip_tiers and Store.skip_tiers (a request's load and store tiers, docs/hints.md); an
+    # older daemon sends nothing: False, and a client sends neither (its requests use every tier).
+    request_tiers: bool = False
 
     def validate(self) -> None:
+        if type(self.request_tiers) is not bool:
+            raise ProtocolViolation("RegisterAck.request_tiers must be a boolean")
         if type(self.in_step) is not bool:
             raise ProtocolViolation("RegisterAck.in_step must be a boolean")
         if type(self.hints) is not bool:

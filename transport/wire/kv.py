@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.tier_matchers import TIER_BITS
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
 from hkvd.transport.wire.control import MAX_WORLD_SIZE, check_session, check_tenant
 from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
@@ -108,9 +109,13 @@ class Lookup(Message):
     # an engine world whose ranks mapped the daemon's pool (``Register.mapped_pool``). Sent only to a daemon
     # whose RegisterAck.in_step says so.
     places: bool = False
+    # The tiers this request's lookup leaves out (``hkvd.transport.tier_matchers``: a bit per tier, its
+    # ``kv_load_tiers``); 0: every tier. Sent only to a daemon whose RegisterAck.request_tiers says so.
+    skip_tiers: int = 0
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
+        check_skip_tiers(self.skip_tiers, "Lookup.skip_tiers")
         if type(self.ends) is not bool:
             raise ProtocolViolation("Lookup.ends must be a boolean")
         if type(self.places) is not bool:
@@ -162,6 +167,11 @@ class LookupReply(Message):
                                         f"<= {MAX_KEYS}, 0 < offset < {MAX_TURN_END}")
 
 
+def check_skip_tiers(skip: object, where: str) -> None:
+    if type(skip) is not int or not 0 <= skip <= TIER_BITS or skip & ~TIER_BITS:
+        raise ProtocolViolation(f"{where}: the bits of the tiers left out, 0 to {TIER_BITS}, got {skip!r:.40}")
+
+
 def check_places(places: object) -> None:
     """``LookupReply.places``: per rank, ``[group_id, chunk_index, [offset, length, ...]]`` items."""
     if type(places) is not list or len(places) > MAX_WORLD_SIZE:
@@ -195,9 +205,13 @@ class Store(Message):
     # chunk these items store ends; the daemon remembers it for other engines' lookups (LookupReply.ends).
     # 0: not a turn end. Sent only to a daemon whose RegisterAck.turn_ends says so.
     turn_end: int = 0
+    # The tiers these chunks are not written to (``hkvd.transport.tier_matchers``: a bit per tier, the request's
+    # ``kv_store_tiers``); 0: every tier. Sent only to a daemon whose RegisterAck.request_tiers says so.
+    skip_tiers: int = 0
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
+        check_skip_tiers(self.skip_tiers, "Store.skip_tiers")
         if type(self.turn_end) is not int or not 0 <= self.turn_end < MAX_TURN_END:
             raise ProtocolViolation(f"Store.turn_end must be an offset in [0, {MAX_TURN_END})")
         check_event(self.wait_event, "Store.wait_event")
