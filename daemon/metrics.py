@@ -87,7 +87,8 @@ class CounterStats:
     # Only once counted (no 0 before): the tiers' and the collector's, and cross-TP reads.
     tp_reshards: Series = counter_series(
         "hkvd_tp_reshards", "Lookups (op=lookup) and retrieves (op=retrieve) served from entries another TP size "
-        "stored, re-sharded on read", always=False)
+        "stored, re-sharded on read; pulls from a peer's world of another TP size (op=pull), and pulls refused "
+        "because no such world could be read (op=pull_refused)", always=False)
     l2_hits: Series = counter_series(
         "hkvd_l2_hits", "Entries read from the disk tier into the pool for a lookup, by group kind", always=False)
     l2_read_failures: Series = counter_series(

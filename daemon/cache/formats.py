@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from hkvd.daemon.cache.hybrid import GroupRule
 from hkvd.transport.reshard import ShardShape
+from hkvd.transport.wire.control import EngineSpec
 
 MAX_WORLDS = 64
 
@@ -52,6 +53,10 @@ class WorldFormat:
     # None for an engine that registered no model identity: its entries are read at its own TP size only.
     model_key: bytes = b""
     shard: ShardShape | None = None
+    # The registration that fixed this format, without its regions and with the chunk size the daemon chose
+    # (None: one without a model identity). A serving daemon hands it to peers of another TP size of the model
+    # (daemon/peers/serving.py), which derive the world's fingerprints and shape from it (``Formats.learn``).
+    spec: EngineSpec | None = None
 
     def rank_of(self, fingerprint: bytes) -> int:
         return self.fingerprints.index(fingerprint)
@@ -70,25 +75,48 @@ class Formats:
 
     def add(self, fingerprints: Sequence[bytes], rank: int, *, model: str, chunk_size: int,
             rules: Sequence[GroupRule], kinds: dict[int, str], entry_bytes: dict[int, int],
-            live: bool = False, model_key: bytes = b"", shard: ShardShape | None = None) -> WorldFormat:
+            live: bool = False, model_key: bytes = b"", shard: ShardShape | None = None,
+            spec: EngineSpec | None = None) -> WorldFormat:
         """A registration of ``rank`` of the world ``fingerprints`` (``live``: by an engine that will
         ``leave``). The first registration of a world fixes its format; each one makes it the newest."""
         fps = tuple(fingerprints)
         if not 0 <= rank < len(fps):
             raise ValueError(f"rank {rank} is outside a world of {len(fps)} ranks")
-        w = self._worlds.get(fps)
-        if w is None:
-            w = WorldFormat(fps, model, chunk_size, tuple(rules), dict(kinds), dict(entry_bytes),
-                            model_key=model_key, shard=shard)
-            self._worlds[fps] = w
-            for fp in fps:
-                self._by_fp[fp] = fps
+        w = self._world_of(fps, model, chunk_size, rules, kinds, entry_bytes, model_key, shard, spec)
         w.ranks.add(rank)
         w.registered = time.time()
         w.live += live
         self._worlds.move_to_end(fps)
         self.version += 1
         self._trim()
+        return w
+
+    def learn(self, fingerprints: Sequence[bytes], *, model: str, chunk_size: int, rules: Sequence[GroupRule],
+              kinds: dict[int, str], entry_bytes: dict[int, int], model_key: bytes, shard: ShardShape,
+              spec: EngineSpec | None = None) -> WorldFormat:
+        """A world no engine registered here, whose entries this daemon holds: another TP size's, pulled from a
+        peer (daemon/peers/tp_pulls.py) to be read re-sharded. No rank counts as registered (a serving daemon
+        never offers it to its own peers); it is the newest world until another is added."""
+        fps = tuple(fingerprints)
+        w = self._world_of(fps, model, chunk_size, rules, kinds, entry_bytes, model_key, shard, spec)
+        w.registered = time.time()
+        self._worlds.move_to_end(fps)
+        self.version += 1
+        self._trim()
+        return w
+
+    def _world_of(self, fps: World, model: str, chunk_size: int, rules: Sequence[GroupRule], kinds: dict[int, str],
+                  entry_bytes: dict[int, int], model_key: bytes, shard: ShardShape | None,
+                  spec: EngineSpec | None) -> WorldFormat:
+        w = self._worlds.get(fps)
+        if w is None:
+            w = WorldFormat(fps, model, chunk_size, tuple(rules), dict(kinds), dict(entry_bytes),
+                            model_key=model_key, shard=shard, spec=spec)
+            self._worlds[fps] = w
+            for fp in fps:
+                self._by_fp[fp] = fps
+        elif w.spec is None and spec is not None:
+            w.spec = spec
         return w
 
     def leave(self, fingerprints: Sequence[bytes]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgpack
 
@@ -230,7 +230,8 @@ class Registry:
         self._engines[state.engine_id] = state
         self.formats.add(rank_fps, spec.rank, model=spec.model, chunk_size=chunk_size, rules=state.rules,
                          kinds=state.kinds, entry_bytes=state.entry_bytes, live=True, model_key=state.model_key,
-                         shard=state.shard)
+                         shard=state.shard,
+                         spec=replace(spec, regions=[], chunk_size=chunk_size) if state.shard else None)
         return state
 
     def _check_pool_holds_chunk(self, spec: EngineSpec, chunk_size: int) -> None:

@@ -5,7 +5,8 @@ Role
     layout (fingerprint) asked for. ``LayoutBook`` is the peer view of the cache's record of engine
     formats (``hkvd.daemon.cache.Formats``, fed by the registry): the layouts of the ranks that
     registered here, kept after their engines leave (within the record's bound), so a finished
-    prefill engine's entries can still be served.
+    prefill engine's entries can still be served; and, for a pulling engine of another TP size of the same
+    model, the worlds it may read re-sharded (``other_worlds``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from hkvd.daemon.cache import Formats, GroupRule, WorldFormat
 from hkvd.daemon.engines.registry import Registry
+from hkvd.transport.wire.peer import MAX_WORLDS_OFFERED
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,15 @@ class LayoutBook:
         if w is None or w.rank_of(fingerprint) not in w.ranks:
             return None
         return Layout.of(w, fingerprint)
+
+    def other_worlds(self, model_keys: list[bytes], besides: list[bytes]) -> list[WorldFormat]:
+        """This daemon's worlds of the models ``model_keys`` that hold none of the layouts ``besides`` (other TP
+        sizes of the pulling engines' models), with a registered rank and a spec to hand over, the most recently
+        registered first (``MAX_WORLDS_OFFERED`` at most)."""
+        keys, skip = set(model_keys), set(besides)
+        out = [w for w in reversed(self.formats.worlds())
+               if w.model_key in keys and w.spec is not None and w.ranks and not skip.intersection(w.fingerprints)]
+        return out[:MAX_WORLDS_OFFERED]
 
     def fingerprints(self) -> list[bytes]:
         """Every rank that registered, the least recently registered world first."""

@@ -54,6 +54,8 @@ from hkvd.daemon.engines.registry import EngineState
 from hkvd.daemon.integrity.checksums import Checksums, checksum
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.peers.auth import PeerConfigError, check_proof, client_proof, server_proof, split_address
+from hkvd.daemon.peers.layout_book import Layout
+from hkvd.daemon.peers.tp_pulls import Source, TpPulls
 from hkvd.transport.aio import FrameStream
 from hkvd.transport.base import DataTransport, Desc, Transfer
 from hkvd.transport.errors import (
@@ -105,6 +107,9 @@ ABANDONED_READ_RESET_TIMEOUTS = 2
 # to the GIL switch interval (5 ms) to post each next READ.
 FIRST_BATCH_SHARE = 4
 FIRST_BATCH_MIN_BYTES = 2 << 20
+# A pull across TP sizes looks its source ranks up again while their hits differ (each round can only shorten
+# the hit); past this many rounds the answer is what every needed rank holds here.
+ACROSS_ROUNDS = 3
 
 
 class ReadResult(NamedTuple):
@@ -282,9 +287,10 @@ class PeerClient:
         self._generation = transport.generation  # of the transport the names in _agents were loaded into
         self.quarantined = 0  # entries waiting for an abandoned READ to settle
         self.checks: Checksums | None = None  # pulled entries checked against the peer's checksums (PeerService)
+        self.tp = TpPulls(index.formats, cfg.tp_reshard)  # pulls from worlds of other TP sizes
 
     # ---- links ---------------------------------------------------------------------------------
-    async def _link(self, address: str, fingerprint: bytes) -> PeerLink:
+    async def _link(self, address: str, fingerprint: bytes, model_key: bytes = b"") -> PeerLink:
         key = (address, fingerprint)
         if self._generation != self.transport.generation:
             # Our transport restarted: the peers loaded into the old one are gone with it.
@@ -299,11 +305,11 @@ class PeerClient:
             if link is not None and not link.broken and link.generation != self._generation:
                 await link._break()
             if link is None or link.broken:
-                link = await self._connect(address, fingerprint)
+                link = await self._connect(address, fingerprint, model_key)
                 self._links[key] = link
             return link
 
-    async def _connect(self, address: str, fingerprint: bytes) -> PeerLink:
+    async def _connect(self, address: str, fingerprint: bytes, model_key: bytes = b"") -> PeerLink:
 
         try:
             host, port = split_address(address)
@@ -329,9 +335,10 @@ class PeerClient:
                 self.metrics.inc("peer_refused", why="server_token")
                 raise PermissionDenied(f"the peer at {address} does not know our peer token (different "
                                        "--peer-token-file?); not pulling from it")
-            await stream.send(PeerAuth(client_proof(self.token, nonce, challenge.nonce), [fingerprint]), timeout)
+            await stream.send(PeerAuth(client_proof(self.token, nonce, challenge.nonce), [fingerprint],
+                                       [model_key] if model_key else []), timeout)
             welcome = await self._expect(stream, PeerWelcome, timeout)
-            if fingerprint not in welcome.fingerprints:
+            if fingerprint not in welcome.fingerprints and not welcome.worlds:
                 raise ProtocolViolation(f"the peer at {address} welcomed us without our layout")
             if welcome.agent == self.transport.agent_name:
                 # NIXL cannot load its own agent as a peer (NIXL_ERR_INVALID_PARAM, once an INTERNAL error).
@@ -395,12 +402,21 @@ class PeerClient:
         local = self._plan_local(engine, keys, want)
         if local.hit_chunks >= want:  # nothing to move
             return self._answer(msg, engine, local, owner, nbytes=0, pulled=0, started=started)
+        model_key = engine.model_key if self.tp.wanted(engine) else b""
+        if model_key:
+            across = self.tp.local(self.index, engine, keys, want)  # another TP size's entries, pulled before
+            if across is not None and across.hit_chunks >= want:
+                return self._answer(msg, engine, across, owner, nbytes=0, pulled=0, started=started)
+            link = await self._link(msg.peer, fp, model_key)
+            if fp not in link.welcome.fingerprints:  # the peer holds this model at other TP sizes only
+                return await self._pull_across(engine, msg, link, want, owner, started, deadline)
+        own = self._own_layout(engine)
         for attempt in (0, 1):
-            reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline)
+            reply, link, sent_at = await self._lookup(msg, fp, keys[:want], want, deadline, model_key)
             reused = link.requests > 1
             looked_up = time.monotonic()
             try:
-                read = await self._read_leased(engine, keys, want, reply, link, msg.req_id, sent_at, deadline)
+                read = await self._read_leased(own, keys, want, reply, link, msg.req_id, sent_at, deadline)
             except (CopyFailedError, InternalError) as e:  # the transport failed, not the control link
                 await self._forget(link, e.message)
                 # A link that served before: the peer's transport may have restarted since (new agent,
@@ -410,18 +426,81 @@ class PeerClient:
                     continue
                 raise
             break
-        plan = await self._settle(engine, keys, reply.hit_chunks, deadline)
+        plan = await self._settle(engine, keys, (fp,), reply.hit_chunks, deadline)
         out = self._answer(msg, engine, plan, owner, nbytes=read.nbytes, pulled=read.pulled, started=started)
         return dataclasses.replace(out, lookup_s=round(looked_up - started, 6), read_s=round(read.seconds, 6),
                                    descs=read.descs)
 
-    async def _read_leased(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
+    async def _pull_across(self, engine: EngineState, msg: Pull, link: PeerLink, want: int, owner: int,
+                           started: float, deadline: float) -> PullResult:
+        """Pull, from a peer that holds ``engine``'s model at other TP sizes only, the entries of the source ranks
+        that hold this rank's KV heads (daemon/peers/tp_pulls.py), under the source world's fingerprints; the
+        answer's lease covers them for this rank's one retrieve, which re-shards them
+        (daemon/engines/reshards.py). A world this engine cannot read is a miss (hit 0).
+
+        Each source rank is looked up and READ in turn. The hit is what every needed rank holds: when one
+        rank's hit is shorter, the ranks READ for a longer hit are looked up again for the shorter one (a
+        window's entries end at the hit), at most ``ACROSS_ROUNDS`` rounds; what is here then is the answer."""
+        keys = msg.keys
+        src = self.tp.choose(engine, link.welcome.specs(), link.address)
+        if src is None or not set(src.fingerprints) <= set(link.welcome.fingerprints):
+            self.metrics.inc("tp_reshards", op="pull_refused")
+            if src is not None:
+                log.info("pull %d from %s: the peer no longer serves every rank of the TP=%d world this rank needs "
+                         "(a miss)", msg.req_id, link.address, len(src.world.fingerprints))
+            return self._answer(msg, engine, self._plan_local(engine, keys, 0), owner, nbytes=0, pulled=0,
+                                started=started)
+        hit, got = want, dict[int, int]()
+        nbytes = pulled = descs = 0
+        read_s = 0.0
+        release = msg.release_lease
+        for _ in range(ACROSS_ROUNDS):
+            for rank, lay in zip(src.ranks, src.layouts, strict=True):
+                if hit == 0:
+                    break
+                if got.get(rank) == hit:
+                    continue
+                reply, sent_at = await self._lookup_on(link, lay.fingerprint, keys[:hit], hit, deadline, release)
+                release = 0  # the producer's hold lease goes with the first lookup
+                read = await self._read_leased(lay, keys, hit, reply, link, msg.req_id, sent_at, deadline)
+                got[rank] = reply.hit_chunks
+                hit = min(hit, reply.hit_chunks)
+                nbytes, pulled, descs, read_s = (nbytes + read.nbytes, pulled + read.pulled, descs + read.descs,
+                                                 read_s + read.seconds)
+            if hit == 0 or all(got.get(r) == hit for r in src.ranks):
+                break
+        plan = await self._settle_across(engine, keys, src, hit, deadline)
+        self.metrics.inc("tp_reshards", op="pull")
+        out = self._answer(msg, engine, plan, owner, nbytes=nbytes, pulled=pulled, started=started)
+        return dataclasses.replace(out, read_s=round(read_s, 6), descs=descs)
+
+    async def _lookup_on(self, link: PeerLink, fp: bytes, keys: list[bytes], want: int, deadline: float,
+                         release: int) -> tuple[PeerLookupReply, float]:
+        """One PeerLookup of layout ``fp`` on ``link`` (no retry on another link: see ``_lookup``)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise KVTimeout(f"pull from {link.address}: no time left for the lookup "
+                            f"(--peer-pull-timeout-s {self.cfg.peer_pull_timeout_s:g})")
+        wait_s = min(LOOKUP_WAIT_S, remaining / 4)
+        sent_at = time.monotonic()
+        reply: PeerLookupReply = await link.call(
+            PeerLookup(link.next_id(), fp, keys, want, wait_s, release, checksums=True), PeerLookupReply,
+            min(remaining, self.cfg.peer_timeout_s + wait_s))
+        return reply, sent_at
+
+    async def _settle_across(self, engine: EngineState, keys: list[bytes], src: Source, hit: int,
+                             deadline: float) -> LookupPlan:
+        """``_settle`` for the source ranks' entries (another rank of this world may be pulling some of them)."""
+        await self._settle(engine, keys, src.fingerprints, hit, deadline)
+        return self.tp.plan(self.index, engine, keys, src, hit)
+
+    async def _read_leased(self, lay: Layout, keys: list[bytes], want: int, reply: PeerLookupReply,
                            link: PeerLink, job_id: int, sent_at: float, deadline: float) -> ReadResult:
         """``_read`` within the serving lease, which is released (when there is one) afterwards."""
         # The serving lease started after our request left: bound every use of it from the send.
         lease_deadline = sent_at + reply.lease_ttl_s * LEASE_USE_FRACTION
         try:
-            return await self._read(engine, keys, want, reply, link, job_id, min(deadline, lease_deadline),
+            return await self._read(lay, keys, want, reply, link, job_id, min(deadline, lease_deadline),
                                     lease_deadline)
         finally:
             if reply.lease_id and not link.broken:
@@ -429,9 +508,9 @@ class PeerClient:
                     await link.call(PeerRelease(link.next_id(), reply.lease_id), None, self.cfg.peer_timeout_s)
 
     async def _lookup(self, msg: Pull, fp: bytes, keys: list[bytes], want: int,
-                      deadline: float) -> tuple[PeerLookupReply, PeerLink, float]:
+                      deadline: float, model_key: bytes = b"") -> tuple[PeerLookupReply, PeerLink, float]:
         for attempt in (0, 1):
-            link = await self._link(msg.peer, fp)
+            link = await self._link(msg.peer, fp, model_key)
             reused = link.requests > 0
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -451,16 +530,16 @@ class PeerClient:
             return reply, link, sent_at
         raise AssertionError("unreachable")
 
-    async def _read(self, engine: EngineState, keys: list[bytes], want: int, reply: PeerLookupReply,
+    async def _read(self, lay: Layout, keys: list[bytes], want: int, reply: PeerLookupReply,
                     link: PeerLink, job_id: int, deadline: float, lease_deadline: float) -> ReadResult:
-        """Allocate the entries the peer leased to us and READ them in two batches (see
+        """Allocate the entries (of layout ``lay``) the peer leased to us and READ them in two batches (see
         FIRST_BATCH_SHARE): allocating the second overlaps the first's copy. Entries are published
         only when every READ completed whole."""
         hit = reply.hit_chunks
         if hit > want:
             raise ProtocolViolation(f"peer {link.address} reported a hit of {hit} chunks for {want} asked")
         entries = reply.entries()  # checked when the frame was decoded (PeerLookupReply.validate)
-        self._check_entries(engine, hit, entries, link.address)
+        self._check_entries(lay, hit, entries, link.address)
         if time.monotonic() >= deadline:
             raise KVTimeout("no time left for the READ (the pull or the serving lease ran out)")
         reads: list[tuple[Transfer, list[Entry]]] = []
@@ -473,7 +552,7 @@ class PeerClient:
                 break
         try:
             for part in (entries[:cut], entries[cut:]):  # the rest is allocated while the first is READ
-                begun, descs = begin_entries(self.index, self.pool.base_addr, engine.fingerprint, engine.kinds, keys,
+                begun, descs = begin_entries(self.index, self.pool.base_addr, lay.fingerprint, lay.kinds, keys,
                                              part, job_id)
                 if begun:
                     reads.append((self.transport.read(link.peer_name, merge(descs)), begun))
@@ -498,7 +577,7 @@ class PeerClient:
         except BaseException as e:
             self._discard(reads, repr(e))
             raise
-        await self._verify(engine.fingerprint, keys, entries, reply, reads)
+        await self._verify(lay.fingerprint, keys, entries, reply, reads)
         pulled = 0
         for _, begun in reads:
             self.index.complete_store(begun, pending=False)
@@ -536,16 +615,16 @@ class PeerClient:
         for i, (t, begun) in enumerate(reads):
             reads[i] = (t, [le for le in begun if id(le) not in bad])
 
-    def _check_entries(self, engine: EngineState, hit: int, entries: list[RemoteEntry], address: str) -> None:
-        need = self.index.needs(engine, hit)
+    def _check_entries(self, lay: Layout, hit: int, entries: list[RemoteEntry], address: str) -> None:
+        need = self.index.needs(lay, hit)
         got = [(e.group_id, e.chunk_index) for e in entries]
         if set(got) != need or len(got) != len(need):
             raise ProtocolViolation(f"peer {address} sent entries {sorted(got)[:8]}..., but a hit of {hit} chunks "
                                     f"needs {sorted(need)[:8]}... for this layout")
         for e in entries:
-            if e.nbytes != engine.entry_bytes[e.group_id]:
+            if e.nbytes != lay.entry_bytes[e.group_id]:
                 raise ProtocolViolation(f"peer {address}: group {e.group_id} entry of {e.nbytes} bytes, this layout's "
-                                        f"entries are {engine.entry_bytes[e.group_id]} bytes")
+                                        f"entries are {lay.entry_bytes[e.group_id]} bytes")
 
     def _discard(self, reads: list[tuple[Transfer, list[Entry]]], why: str) -> None:
         """Free the destination entries of a pull's READs, each once the transport no longer writes
@@ -596,22 +675,28 @@ class PeerClient:
     def _plan_local(self, engine: EngineState, keys: list[bytes], n: int) -> LookupPlan:
         return self.index.plan_lookup(engine, keys, (engine.fingerprint,), max_chunks=n)
 
-    async def _settle(self, engine: EngineState, keys: list[bytes], hit: int, deadline: float) -> LookupPlan:
-        """The hit now servable here. Entries another job is still writing are waited for (bounded)."""
+    async def _settle(self, engine: EngineState, keys: list[bytes], fps: tuple[bytes, ...], hit: int,
+                      deadline: float) -> LookupPlan:
+        """The hit now servable here from the entries of layouts ``fps`` (every one holds it). Entries another
+        job is still writing are waited for (bounded)."""
         while True:
-            plan = self._plan_local(engine, keys, hit)
+            plan = self.index.plan_lookup(engine, keys, fps, max_chunks=hit)
             if plan.hit_chunks >= hit or time.monotonic() >= deadline:
                 return plan
-            if not self.index.busy(engine, keys, engine.fingerprint, hit):
+            if not any(self.index.busy(engine, keys, fp, hit) for fp in fps):
                 return plan
             await asyncio.sleep(SETTLE_POLL_S)
+
+    @staticmethod
+    def _own_layout(engine: EngineState) -> Layout:
+        return Layout(engine.fingerprint, engine.chunk_size, tuple(engine.rules), engine.kinds, engine.entry_bytes)
 
     def _answer(self, msg: Pull, engine: EngineState, plan: LookupPlan, owner: int, *, nbytes: int,
                 pulled: int, started: float) -> PullResult:
         lease_id = 0
         if plan.hit_chunks:
             lease_id = self.index.lease(plan, owner, self.cfg.lease_ttl_s)
-        needed = sum(len(c) for c in plan.needed.values())
+        needed = sum(len(c) for c in plan.needed.values()) * len(plan.fingerprints)
         elapsed = time.monotonic() - started
         self.metrics.inc("peer_pull_chunks", plan.hit_chunks)
         return PullResult(msg.req_id, nbytes, plan.hit_chunks, lease_id, self.cfg.lease_ttl_s, pulled,

@@ -74,6 +74,7 @@ from hkvd.transport.errors import (
 from hkvd.transport.stat_fields import part, status_only
 from hkvd.transport.wire import KEY_BYTES, MAX_KEYS, Message, kv
 from hkvd.transport.wire.peer import (
+    MAX_FINGERPRINTS,
     NONCE_BYTES,
     PEER_VERSION,
     PeerAuth,
@@ -384,7 +385,10 @@ class PeerServer:
                                    "the same --peer-token-file")
         mine = self.layouts.fingerprints()
         common = [fp for fp in auth.fingerprints if fp in mine]
-        if not common:
+        # Other TP sizes of the pulling engines' models: the puller decides what it can read re-sharded.
+        others = self.layouts.other_worlds(auth.model_keys, auth.fingerprints) if auth.model_keys else []
+        offered = [w.fingerprints[r] for w in others for r in sorted(w.ranks)]
+        if not common and not offered:
             self.metrics.inc("peer_refused", why="layout")
             log.warning("refused peer %s (%s): no layout in common (theirs %s, ours %s)", session.address,
                         session.node, [fp.hex()[:12] for fp in auth.fingerprints], [fp.hex()[:12] for fp in mine])
@@ -392,9 +396,13 @@ class PeerServer:
                 "layout mismatch: the serving daemon has no engine with the layout "
                 f"{', '.join(fp.hex()[:12] for fp in auth.fingerprints) or '(none)'} (it serves "
                 f"{', '.join(fp.hex()[:12] for fp in mine) or 'none yet'}); prefill and decode must run the same "
-                "model, chunk size, tensor-parallel size and rank, and KV format")
-        session.fingerprints = set(common)
-        await stream.send(PeerWelcome(self.agent, self.agent_metadata, common, self.cfg.lease_ttl_s), budget_s)
+                "model, chunk size, tensor-parallel size and rank, and KV format (another TP size of the model is "
+                "pulled re-sharded only when both engines' shims send a model identity; docs/peers.md)")
+        agreed = [*common, *offered][:MAX_FINGERPRINTS]
+        session.fingerprints = set(agreed)
+        worlds = [w.spec.to_wire() for w in others if w.spec is not None]
+        await stream.send(PeerWelcome(self.agent, self.agent_metadata, agreed, self.cfg.lease_ttl_s, worlds),
+                          budget_s)
 
     async def _serve(self, stream: FrameStream, session: _Session) -> None:
         errors = 0

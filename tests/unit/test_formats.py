@@ -113,3 +113,28 @@ def test_the_routing_view_follows_the_record() -> None:
     add(book, 1, model="b")
     add(book, 2, model="c")
     assert len(routing) == 2 and [f["model"] for f in routing.listing()] == ["b", "c"]
+
+
+def test_a_world_of_another_tp_size_is_offered_to_peers_and_learned_by_the_puller(registry: Registry) -> None:
+    """The serving daemon keeps the spec that fixed a world's format and offers the world to a peer asking for its
+    model; the pulling daemon derives the same fingerprints and shape from that spec and learns the world, with no
+    rank registered (so it never offers it to peers of its own)."""
+    from hkvd.daemon.peers.tp_pulls import SpecFormat
+
+    group = GroupSpec(0, "full", 16, 0, 64, "bfloat16", (View(0, 0, 1, 64 * PAGE, PAGE, PAGE),))
+    spec = EngineSpec("m", 2, 1, "host/HNC", CHUNK, 16, 8192, "none", [], [group], model_identity="w",
+                      heads=[(0, 1, 2, 16)])
+    state = registry.register(spec, 1, 1)
+    peers = LayoutBook(registry)  # type: ignore[arg-type]
+    (offered,) = peers.other_worlds([state.model_key], [b"\0" * 16])
+    assert offered.spec is not None and offered.spec.regions == [] and offered.spec.chunk_size == CHUNK
+    assert peers.other_worlds([state.model_key], [state.fingerprint]) == []  # the asker's own world: not "other"
+    assert peers.other_worlds([b"\1" * 16], [b"\0" * 16]) == []  # another model
+
+    fmt = SpecFormat.of(offered.spec)
+    assert fmt.fingerprints == state.rank_fingerprints and fmt.model_key == state.model_key
+    assert fmt.shard == state.shard and fmt.entry_bytes == state.entry_bytes
+    book = Formats()
+    learned = book.learn(fmt.fingerprints, model="m", chunk_size=CHUNK, rules=fmt.rules, kinds=fmt.kinds,
+                         entry_bytes=fmt.entry_bytes, model_key=fmt.model_key, shard=fmt.shard, spec=offered.spec)
+    assert learned.ranks == set() and book.same_model(fmt.model_key, ()) == [learned]

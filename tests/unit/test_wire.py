@@ -302,3 +302,26 @@ def test_bad_in_step_fields_are_refused(msg: Message) -> None:
         msg.validate()
     with pytest.raises(ProtocolViolation):  # as a frame too: decoded, then checked
         decode_body(FrameDecoder().feed(encode(msg))[0])
+
+
+def test_peer_handshake_carries_model_keys_and_other_tp_sizes_worlds():
+    from hkvd.transport.layout import GroupSpec, View
+
+    group = GroupSpec(0, "full", 16, 0, 64, "bfloat16", (View(0, 0, 2, 64 * 4096, 4096, 4096),))
+    spec = control.EngineSpec("m", 2, 0, "host/HNC", 32, 16, 8192, "none", [], [group], model_identity="w",
+                              heads=[(0, 2, 4, 16)])
+    auth = peer.PeerAuth(b"p" * 32, [b"f" * 16], [b"m" * 16])
+    welcome = peer.PeerWelcome("agent", b"md", [b"f" * 16], 30.0, [spec.to_wire()])
+    for msg in (auth, welcome):
+        assert decode_body(FrameDecoder().feed(encode(msg))[0]) == msg
+    assert welcome.specs() == [spec]
+    old = peer.PeerAuth(b"p" * 32, [b"f" * 16])  # no model key: the field is left out
+    assert old.to_wire() == [int(MsgType.PEER_AUTH), b"p" * 32, [b"f" * 16]]
+    with pytest.raises(ProtocolViolation, match="a model key must be 16 bytes"):
+        peer.PeerAuth(b"p" * 32, [], [b"short"]).validate()
+    with pytest.raises(ProtocolViolation, match="carries no regions"):
+        with_regions = control.EngineSpec("m", 2, 0, "host/HNC", 32, 16, 8192, "none",
+                                          [control.Region(0, "host", 64 * 4096, 4096)], [group])
+        peer.PeerWelcome("agent", b"md", [], 30.0, [with_regions.to_wire()]).validate()
+    with pytest.raises(ProtocolViolation, match="EngineSpec"):
+        peer.PeerWelcome("agent", b"md", [], 30.0, [{"model": 1}]).validate()

@@ -12,12 +12,14 @@ Handshake (every step bounded by the daemon's peer timeout)
     3. server -> ``PeerChallenge(version, node, nonce_s, proof_s)``,
        ``proof_s = HMAC-SHA256(token, "hkvd-peer-1 server" || nonce_c || nonce_s)``;
        the client checks it, so it never pulls from a daemon that does not know the token;
-    4. client -> ``PeerAuth(proof_c, fingerprints)``,
+    4. client -> ``PeerAuth(proof_c, fingerprints[, model_keys])``,
        ``proof_c = HMAC-SHA256(token, "hkvd-peer-1 client" || nonce_s || nonce_c)``;
        a wrong proof gets ``Error(PERMISSION)`` and the connection is closed;
-    5. server -> ``PeerWelcome(agent, agent_metadata, fingerprints, lease_ttl_s)`` with the layout
-       fingerprints both sides serve; none in common gets ``Error(REGISTRATION)`` (layouts differ:
-       the daemons refuse to pair) and the connection is closed. The transport metadata, which
+    5. server -> ``PeerWelcome(agent, agent_metadata, fingerprints, lease_ttl_s[, worlds])`` with the
+       layout fingerprints both sides serve and, for the ``model_keys`` asked, the serving daemon's worlds
+       of those models at other TP sizes (their specs in ``worlds``, their registered ranks' fingerprints
+       in ``fingerprints``: a pull across TP sizes); none of either gets ``Error(REGISTRATION)`` (layouts
+       differ: the daemons refuse to pair) and the connection is closed. The transport metadata, which
        grants access to the serving pool, is sent only here, after both proofs.
     The token itself never crosses the wire.
 
@@ -44,15 +46,18 @@ Engine -> its own daemon (on the control socket, under ``PROTOCOL_VERSION``, not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from hkvd.transport.errors import ProtocolViolation
+from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.message import KEY_BYTES, MAX_ITEMS, MAX_KEYS, Message, MsgType, check_u64
 
-PEER_VERSION = 3  # 2: PeerLookupReply carries packed entry arrays; 3: keys with extra keys, engine identity
+# 2: PeerLookupReply carries packed entry arrays; 3: keys with extra keys, engine identity; 4: pulls across TP sizes
+# (PeerAuth.model_keys, PeerWelcome.worlds)
+PEER_VERSION = 4
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 FINGERPRINT_BYTES = 16
@@ -61,6 +66,8 @@ MAX_EXTENTS_PER_ENTRY = 1024
 MAX_METADATA_BYTES = 8 << 20
 MAX_WAIT_S = 30.0
 MAX_PEER_ADDRESS = 300
+MAX_MODEL_KEYS = 8
+MAX_WORLDS_OFFERED = 8  # other TP sizes' worlds of the asked models in one PeerWelcome (the most recent first)
 
 
 def _bytes_of(value: bytes, n: int, what: str) -> None:
@@ -113,10 +120,17 @@ class PeerAuth(Message):
     TYPE = MsgType.PEER_AUTH
     proof: bytes
     fingerprints: list[bytes]
+    # The TP-free model digests of the pulling engines (registry.model_key): the serving daemon offers its
+    # worlds of those models at other TP sizes in ``PeerWelcome.worlds``. Empty: the asked layouts only.
+    model_keys: list[bytes] = field(default_factory=list)
 
     def validate(self) -> None:
         _bytes_of(self.proof, PROOF_BYTES, "PeerAuth.proof")
         _fingerprints(self.fingerprints, "PeerAuth")
+        if len(self.model_keys) > MAX_MODEL_KEYS:
+            raise ProtocolViolation(f"PeerAuth: at most {MAX_MODEL_KEYS} model keys")
+        for k in self.model_keys:
+            _bytes_of(k, FINGERPRINT_BYTES, "PeerAuth: a model key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +140,11 @@ class PeerWelcome(Message):
     agent_metadata: bytes
     fingerprints: list[bytes]
     lease_ttl_s: float
+    # Worlds of the models in ``PeerAuth.model_keys`` at other TP sizes, each as the registration that fixed
+    # its format (``EngineSpec.to_wire`` without regions): the puller derives their fingerprints and shapes and
+    # pulls the ranks it can re-shard (daemon/peers/tp_pulls.py). ``fingerprints`` also lists every rank of
+    # these worlds that registered there (the layouts a PeerLookup may name).
+    worlds: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
         if not self.agent or len(self.agent) > 256:
@@ -135,6 +154,16 @@ class PeerWelcome(Message):
         _fingerprints(self.fingerprints, "PeerWelcome")
         if not self.lease_ttl_s > 0:
             raise ProtocolViolation("PeerWelcome.lease_ttl_s must be > 0")
+        if len(self.worlds) > MAX_WORLDS_OFFERED:
+            raise ProtocolViolation(f"PeerWelcome: at most {MAX_WORLDS_OFFERED} worlds")
+        for w in self.worlds:
+            spec = EngineSpec.from_wire(w)  # ProtocolViolation names what is wrong
+            if spec.regions:
+                raise ProtocolViolation("PeerWelcome.worlds: a world's spec carries no regions")
+
+    def specs(self) -> list[EngineSpec]:
+        """``worlds``, decoded (checked when the frame was decoded)."""
+        return [EngineSpec.from_wire(w) for w in self.worlds]
 
 
 @dataclass(frozen=True, slots=True)
