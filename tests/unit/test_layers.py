@@ -220,9 +220,10 @@ def test_the_checks_see_a_package_cycle_a_shared_name_and_skip_type_checking(tmp
 SHIM_TIERS: tuple[frozenset[str], ...] = (
     # 0. Data and leaf helpers: settings, the jobs pickled to the workers, the daemon's typed results,
     #    chunk identity, KV views, KV event notes, GPU ordering, ptrace, sampled verification,
-    #    session pins asked for, the KV hints a request carries, tenant labels and the per-request timeline.
+    #    session pins asked for, the KV hints a request carries, tenant labels, the per-request timeline and the
+    #    page tables of a pool map.
     frozenset({"shim_config", "jobs", "results", "identity", "kv_views", "kv_event_notes", "gpu", "ptrace",
-               "verify", "sessions", "hints", "tenants", "timeline"}),
+               "verify", "sessions", "hints", "tenants", "timeline", "map_populator"}),
     # 1. What the shim asks of its daemon (the port the client implements and the tests' fake stands in for);
     #    the client's framed socket; whether decode chunks are stored (beside the session pins' fields).
     frozenset({"daemon_port", "client_socket", "decode_stores"}),
