@@ -155,11 +155,15 @@ class DaemonClient(DaemonPort):
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
                           confirms: Iterable[int] = (), wait_event: bytes = b"",
                           notes: Sequence[BlockNote] | None = None,
-                          verifies: Sequence[Item | Sequence[Any]] = (), tenants: Sequence[str] = ()) -> int:
+                          verifies: Sequence[Item | Sequence[Any]] = (), tenants: Sequence[str] = (),
+                          skip_tiers: Sequence[int] = ()) -> int:
         """``verifies``: boundary states a sampled hit recomputed, compared once confirmed (never stored).
-        ``tenants``: each offer's tenant, or none (only to a daemon whose RegisterAck says ``step_tenants``)."""
+        ``tenants``: each offer's tenant, or none (only to a daemon whose RegisterAck says ``step_tenants``).
+        ``skip_tiers``: the tiers each offer's store tiers leave out, or none (only to one that says
+        ``request_tiers``)."""
         return self._submit(lambda r: events.StepEvent(r, seq, step, _items(offers), list(confirms), wait_event,
-                                                       _notes(notes), _items(verifies), list(tenants)))
+                                                       _notes(notes), _items(verifies), list(tenants),
+                                                       list(skip_tiers)))
 
     def submit_verify(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"") -> int:
         """A sampled hit's recomputed chunks, to compare with the entries under their keys; a ``VerifyResult``."""

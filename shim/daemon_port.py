@@ -50,7 +50,8 @@ class DaemonPort(Protocol):
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
                           confirms: Iterable[int] = (), wait_event: bytes = b"",
                           notes: Sequence[BlockNote] | None = None,
-                          verifies: Sequence[Item | Sequence[Any]] = (), tenants: Sequence[str] = ()) -> int: ...
+                          verifies: Sequence[Item | Sequence[Any]] = (), tenants: Sequence[str] = (),
+                          skip_tiers: Sequence[int] = ()) -> int: ...
 
     def submit_verify(self, items: Sequence[Item | Sequence[Any]], wait_event: bytes = b"") -> int: ...
 

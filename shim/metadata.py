@@ -25,6 +25,8 @@ class HkvdConnectorMetadata(KVConnectorMetadata):
     offer_notes: list[BlockNote] = field(default_factory=list)  # the offered chunks' notes, as StoreJob.notes
     # The tenant of the requests whose states are offered (hkvd.shim.tenants), where not the unsalted share.
     offer_tenants: dict[str, str] = field(default_factory=dict)
+    # The tiers the store tiers of those requests leave out (StepEvent.skip_tiers), where any.
+    offer_skips: dict[str, int] = field(default_factory=dict)
     # Sampled hits (hkvd.shim.verify): attention chunks to compare instead of storing, one Verify per job,
     # and Mamba boundary states to compare instead of offering, (req_id, item), in this step's StepEvent.
     verifies: list[VerifyJob] = field(default_factory=list)

@@ -140,6 +140,8 @@ class StorePlanner:
         meta.offers.append((st.req_id, item))
         if st.tenant:
             meta.offer_tenants[st.req_id] = st.tenant
+        if st.skip_store:
+            meta.offer_skips[st.req_id] = st.skip_store
         self.ctx.stats["offer_items"] += 1
 
     def _partial_offer(self, st: RequestRecord, group_id: int, block_id: int, boundary: int,

@@ -421,11 +421,13 @@ class WorkerSide:
             # Each offered state's tenant, to a daemon that takes them (an older one counts them all as "").
             tenants = ([meta.offer_tenants.get(r, "") for r, _ in meta.offers]
                        if meta.offer_tenants and self.link.ack is not None and self.link.ack.step_tenants else [])
+            # And the tiers each one's store tiers leave out, to a daemon that takes them.
+            skips = [meta.offer_skips.get(r, 0) for r, _ in meta.offers] if meta.offer_skips and tiers else []
             confirms, self._confirmable = self._confirmable, []
             self._seq += 1
             rid = client.submit_step_event(self._seq, meta.step, offers, confirms,
                                            wait_event=event if offers or checks else b"", notes=meta.offer_notes,
-                                           verifies=checks, tenants=tenants)
+                                           verifies=checks, tenants=tenants, skip_tiers=skips)
             self._track(rid, _Job("step", item_blocks(offers) | item_blocks(checks),
                                   {r for r, _ in meta.offers} | {r for r, _ in meta.boundary_verifies},
                                   step=meta.step))

@@ -153,8 +153,10 @@ class FakeDaemon:
     def submit_step_event(self, seq: int, step: int, offers: Sequence[Item | Sequence[Any]],
                           confirms: Iterable[int] = (), wait_event: bytes = b"",
                           notes: Sequence[BlockNote] | None = None,
-                          verifies: Sequence[Item | Sequence[Any]] = (), tenants: Sequence[str] = ()) -> int:
-        rid = self._id("step", step, list(offers), list(confirms), list(verifies), list(tenants))
+                          verifies: Sequence[Item | Sequence[Any]] = (), tenants: Sequence[str] = (),
+                          skip_tiers: Sequence[int] = ()) -> int:
+        rid = self._id("step", step, list(offers), list(confirms), list(verifies), list(tenants),
+                       *([list(skip_tiers)] if skip_tiers else []))
         self.seqs[rid] = seq
         return rid
 

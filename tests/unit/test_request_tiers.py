@@ -29,7 +29,7 @@ from hkvd.transport.copy_engine import Region
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
-from hkvd.transport.wire import Message, control, kv
+from hkvd.transport.wire import Message, control, events, kv
 from hkvd.transport.wire.control import EngineSpec
 
 POOL, DISK, CLUSTER = tm.POOL, tm.DISK, tm.CLUSTER
@@ -106,6 +106,18 @@ def test_skip_tiers_travel_and_an_older_clients_message_means_every_tier() -> No
     assert _round_trip(ack).request_tiers is False  # type: ignore[attr-defined]  # an older daemon: none sent
 
 
+def test_step_events_carry_one_skip_per_offer_or_none() -> None:
+    key = bytes(16)
+    offers = [kv.Item(1, 0, key, [1]), kv.Item(1, 1, key, [2])]
+    msg = events.StepEvent(1, 1, 1, offers, [], skip_tiers=[POOL, 0])
+    assert _round_trip(msg) == msg
+    assert _round_trip(events.StepEvent(2, 2, 2, offers, [])).skip_tiers == []  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolViolation, match="one per offer"):
+        events.StepEvent(3, 3, 3, offers, [], skip_tiers=[0]).validate()
+    with pytest.raises(ProtocolViolation, match="skip_tiers"):
+        events.StepEvent(4, 4, 4, offers, [], skip_tiers=[0, 9]).validate()
+
+
 @pytest.mark.parametrize("bad", [-1, 8, 1 << 40, True, 1.0])
 def test_skip_tiers_are_bounded(bad: object) -> None:
     key = bytes(16)
@@ -157,15 +169,18 @@ class Node:
         [reply] = self.sent[before:]
         return reply
 
-    async def register(self) -> None:
-        group = GroupSpec(0, "full", 16, 0, BLOCKS, "bfloat16", (View(0, 0, 1, PAGE, PAGE, PAGE),))
-        spec = EngineSpec("m", 1, 0, "t", CHUNK, 16, 8192, "none",
-                          [Region(0, "host", self.mem.nbytes, addr=self.mem.ctypes.data)], [group])
+    async def register(self, kinds: tuple[str, ...] = ("full",)) -> None:
+        """Register as an engine of ``kinds`` groups (group g's blocks after group g - 1's)."""
+        self.mem = np.zeros(len(kinds) * BLOCKS * PAGE, dtype=np.uint8)
+        groups = [GroupSpec(g, kind, 16, 0, BLOCKS, "bfloat16", (View(0, g * BLOCKS * PAGE, 1, PAGE, PAGE, PAGE),))
+                  for g, kind in enumerate(kinds)]
+        spec = EngineSpec("m", 1, 0, "t", CHUNK, 16, 8192, "align" if "mamba" in kinds else "none",
+                          [Region(0, "host", self.mem.nbytes, addr=self.mem.ctypes.data)], groups)
         ack = await self.call(control.Register(1, spec.to_wire()))
         assert isinstance(ack, control.RegisterAck) and ack.request_tiers
 
-    def key(self, chunk: int) -> tuple[bytes, int, bytes]:
-        return (self.conn.engine.fingerprint, 0, KEYS[chunk])  # type: ignore[union-attr]
+    def key(self, chunk: int, group: int = 0) -> tuple[bytes, int, bytes]:
+        return (self.conn.engine.fingerprint, group, KEYS[chunk])  # type: ignore[union-attr]
 
     async def store(self, req_id: int, chunks: range, skip: int = 0) -> kv.StoreResult:
         items = [kv.Item(0, c, KEYS[c], [2 * c + 1, 2 * c + 2], KEYS[c - 1] if c else b"") for c in chunks]
@@ -178,9 +193,9 @@ class Node:
         assert isinstance(reply, kv.LookupReply), reply
         return reply
 
-    async def on_disk(self, chunks: range) -> None:
+    async def on_disk(self, chunks: range, group: int = 0) -> None:
         for _ in range(2000):  # the write-behind's thread: 20 s at most
-            if all(self.disk.get(self.key(c)) is not None for c in chunks):
+            if all(self.disk.get(self.key(c, group)) is not None for c in chunks):
                 return
             await asyncio.sleep(0.01)
         pytest.fail("the disk tier did not write the entries within 20 s")
@@ -267,3 +282,21 @@ async def test_status_counts_stores_by_outcome_and_hits_per_pool_byte(node: Node
     text = format_status(node.service.status())
     assert "stores    stored 3 (24.0 KiB), present 2 (16.0 KiB), store_tiers 1 (8.0 KiB)" in text
     assert "hits/byte 1.00 (24.0 KiB served from the pool, 24.0 KiB held)" in text
+
+
+async def test_mamba_states_follow_each_offers_store_tiers(tmp_path: Path) -> None:
+    node = Node(tmp_path / "l2")
+    try:
+        await node.register(("full", "mamba"))
+        states = [kv.Item(1, c, KEYS[c], [c + 1], KEYS[c - 1] if c else b"") for c in range(3)]
+        # Chunk 0's state: the pool only; chunk 1's: no pool, so not stored; chunk 2's: every tier.
+        offered = await node.call(events.StepEvent(2, 0, 1, states, [], skip_tiers=[DISK | CLUSTER, POOL, 0]))
+        assert isinstance(offered, events.StepResult), offered
+        assert isinstance(await node.call(events.StepEvent(3, 1, 2, [], [2])), events.StepResult)  # confirmed
+        await node.on_disk(range(2, 3), group=1)
+        assert node.cache.is_ready(node.key(0, 1)) and node.disk.get(node.key(0, 1)) is None
+        assert not node.cache.is_ready(node.key(1, 1))
+        assert node.counter("store_entries", outcome="store_tiers") == 1
+        assert node.counter("tier_writes_left_out", tier="l2") == 1
+    finally:
+        node.close()

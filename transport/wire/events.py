@@ -24,7 +24,7 @@ from typing import Any, Self
 from hkvd.transport.errors import ProtocolViolation
 from hkvd.transport.wire.block_notes import BlockNote, check_notes, checked_notes
 from hkvd.transport.wire.control import check_tenant
-from hkvd.transport.wire.kv import Item, StoreResult, check_event
+from hkvd.transport.wire.kv import Item, StoreResult, check_event, check_skip_tiers
 from hkvd.transport.wire.message import MAX_ITEMS, Message, MsgType, check_u64
 
 # An offered state's copy must finish before the engine reports step s + COPY_DEADLINE_STEPS (the daemon
@@ -49,6 +49,9 @@ class StepEvent(Message):
     # The tenant of each offer (``Store.tenant``), or none: every offer the unsalted share's. Sent only to a
     # daemon whose RegisterAck.step_tenants says so.
     tenants: list[str] = field(default_factory=list)
+    # The tiers each offer's request leaves out of its stores (``Store.skip_tiers``), or none: every tier for
+    # every offer. Sent only to a daemon whose RegisterAck.request_tiers says so.
+    skip_tiers: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         check_u64(self.req_id, "req_id")
@@ -67,6 +70,11 @@ class StepEvent(Message):
                                     f"got {len(self.tenants)}")
         for t in self.tenants:
             check_tenant(t, "StepEvent.tenants")
+        if self.skip_tiers and len(self.skip_tiers) != len(self.offers):
+            raise ProtocolViolation(f"StepEvent.skip_tiers: one per offer ({len(self.offers)}) or none, "
+                                    f"got {len(self.skip_tiers)}")
+        for skip in self.skip_tiers:
+            check_skip_tiers(skip, "StepEvent.skip_tiers")
 
     def parsed_notes(self) -> list[BlockNote]:
         return checked_notes(self.notes)
