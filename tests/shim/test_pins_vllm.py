@@ -17,8 +17,9 @@ One engine runs four requests (vLLM's own prefix cache emptied before each, so h
   warning naming the key; the first prompt again with load tiers that leave the pool out misses, though the
   daemon holds it pinned.
 
-vLLM's own counters say one request pinned and one refused, and one request's tiers refused. The pin and tenant checks need a daemon that
-takes pins (``RegisterAck.pins``): against one that does not, the shim says so once, and they skip.
+vLLM's own counters say one request pinned and one refused, and one request's tiers refused. The pin and
+tenant checks need a daemon that takes pins (``RegisterAck.pins``): against one that does not, the shim says so
+once, and they skip.
 """
 
 from __future__ import annotations
