@@ -37,6 +37,8 @@ from hkvd.transport.wire.kv import Item, LookupReply, StoreResult
 if TYPE_CHECKING:
     import multiprocessing.queues
 
+    from hkvd.shim.pool_reads import PoolMaps
+
 
 @dataclass(frozen=True, slots=True)
 class GroupShape:
@@ -54,7 +56,8 @@ class SyntheticEngine:
                  tokens_per_block: int = 16, chunk_size: int = 0, model: str = "synthetic",
                  layout_tag: str = "host/LBHNC", timeout_s: float = 10.0, aliased: bool = False,
                  mamba_cache_mode: str = "align", world_size: int = 1, rank: int = 0, model_identity: str = "",
-                 heads: Sequence[tuple[int, int, int, int]] = (), dtype: str = "bfloat16") -> None:
+                 heads: Sequence[tuple[int, int, int, int]] = (), dtype: str = "bfloat16",
+                 pool_maps: PoolMaps | None = None) -> None:
         self.shapes = list(shapes)
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
@@ -81,6 +84,9 @@ class SyntheticEngine:
                                    timeout_s=timeout_s)
         self.client.connect()
         allow_ptracer(self.client.daemon_pid)
+        if pool_maps is not None:  # map the daemon's pool before registering, as a worker with in-step loads does
+            self.client.mapped_pool = pool_maps.map(int(self.client.daemon_pid), self.client.server_id,
+                                                    self.client.pool)
         region = Region(0, "host", self.buffer.nbytes, addr=self.buffer.ctypes.data)
         self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192,
                                mamba_cache_mode, [region], self.groups, model_identity=model_identity,
