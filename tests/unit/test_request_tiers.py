@@ -139,10 +139,13 @@ ENTRY = 2 * PAGE
 class Node:
     """The service over a 64 MiB pool and a disk tier, and this process as a full-attention engine."""
 
-    def __init__(self, root: Path) -> None:
-        cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
+    def __init__(self, root: Path | None, pool_bytes: int = 64 << 20) -> None:
+        """``root``: the disk tier's directory (None: no disk tier)."""
+        cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=pool_bytes, hugepages="off")
         self._parts = contextlib.ExitStack()
-        parts = self._parts.enter_context(in_process_service(cfg, threads=1, tiers=self._disk_tier(root)))
+        self.disk: DiskTier | None = None
+        parts = self._parts.enter_context(in_process_service(
+            cfg, threads=1, tiers=self._disk_tier(root) if root is not None else None))
         self.cache, self.service = parts.cache, parts.service
         self.sent: list[Message] = []
         self.conn = own_conn(self.sent)
@@ -158,8 +161,13 @@ class Node:
 
     def close(self) -> None:
         self.service.disconnect(self.conn)
-        self.disk.close(5.0)
+        if self.disk is not None:
+            self.disk.close(5.0)
         self._parts.close()
+
+    def on_disk_now(self, chunk: int, group: int = 0) -> bool:
+        assert self.disk is not None
+        return self.disk.get(self.key(chunk, group)) is not None
 
     async def call(self, msg: Message) -> Message:
         before = len(self.sent)
@@ -195,7 +203,7 @@ class Node:
 
     async def on_disk(self, chunks: range, group: int = 0) -> None:
         for _ in range(2000):  # the write-behind's thread: 20 s at most
-            if all(self.disk.get(self.key(c, group)) is not None for c in chunks):
+            if all(self.on_disk_now(c, group) for c in chunks):
                 return
             await asyncio.sleep(0.01)
         pytest.fail("the disk tier did not write the entries within 20 s")
@@ -246,7 +254,7 @@ async def test_a_store_whose_tiers_leave_the_disk_out_is_not_written_there(node:
     assert (kept.stored, kept.dropped) == (2, 0)
     await node.store(3, range(2, 4))  # a default store after it, through the same write-behind queue
     await node.on_disk(range(2, 4))
-    assert node.disk.get(node.key(0)) is None and node.disk.get(node.key(1)) is None
+    assert not node.on_disk_now(0) and not node.on_disk_now(1)
     assert node.cache.is_ready(node.key(0)) and node.cache.is_ready(node.key(1))  # in the pool, as asked
     assert node.counter("tier_writes_left_out", tier="l2") == 2
     assert node.counter("tier_bytes_left_out", tier="l2") == 2 * ENTRY
@@ -260,7 +268,7 @@ async def test_a_store_whose_tiers_leave_the_pool_out_is_not_stored(node: Node) 
     assert not node.cache.is_ready(node.key(0))
     await node.store(3, range(2, 3))
     await node.on_disk(range(2, 3))
-    assert node.disk.get(node.key(0)) is None  # nor on disk: every lower tier is written from the pool
+    assert not node.on_disk_now(0)  # nor on disk: every lower tier is written from the pool
     assert node.counter("store_entries", outcome="store_tiers") == 2
     assert node.counter("store_bytes", outcome="store_tiers") == 2 * ENTRY
 
@@ -294,9 +302,38 @@ async def test_mamba_states_follow_each_offers_store_tiers(tmp_path: Path) -> No
         assert isinstance(offered, events.StepResult), offered
         assert isinstance(await node.call(events.StepEvent(3, 1, 2, [], [2])), events.StepResult)  # confirmed
         await node.on_disk(range(2, 3), group=1)
-        assert node.cache.is_ready(node.key(0, 1)) and node.disk.get(node.key(0, 1)) is None
+        assert node.cache.is_ready(node.key(0, 1)) and not node.on_disk_now(0, 1)
         assert not node.cache.is_ready(node.key(1, 1))
         assert node.counter("store_entries", outcome="store_tiers") == 1
         assert node.counter("tier_writes_left_out", tier="l2") == 1
+    finally:
+        node.close()
+
+
+async def test_stores_the_pool_has_no_room_for_and_evictions_by_reason() -> None:
+    node = Node(None, pool_bytes=2 << 20)  # one 2 MiB superblock: 256 entries of 8 KiB
+    try:
+        await node.register()
+        n = (2 << 20) // ENTRY
+        keys = chunk_keys(list(range(9000, 9000 + (n + 2) * CHUNK)), CHUNK)
+
+        def item(c: int) -> kv.Item:  # blocks reused: the bytes do not matter here
+            return kv.Item(0, c, keys[c], [2 * (c % 15) + 1, 2 * (c % 15) + 2], keys[c - 1] if c else b"")
+
+        full = await node.call(kv.Store(2, [item(c) for c in range(n)]))
+        assert isinstance(full, kv.StoreResult) and full.stored == n
+        held = await node.call(kv.Lookup(3, keys[:n], True))  # a lease on every entry: none may be evicted
+        assert isinstance(held, kv.LookupReply) and held.hit_chunks == n
+        refused = await node.call(kv.Store(4, [item(n)]))
+        assert isinstance(refused, kv.StoreResult) and (refused.stored, refused.dropped) == (0, 1)
+        assert node.counter("store_entries", outcome="no_room") == 1
+        assert node.counter("store_bytes", outcome="no_room") == ENTRY
+        assert node.service.handle(node.conn, kv.Release(held.lease_id)) is None
+        again = await node.call(kv.Store(5, [item(n), item(n + 1)]))
+        assert isinstance(again, kv.StoreResult) and again.stored == 2
+        status = node.service.status()
+        assert status["index"]["evictions_by_reason"] == {"policy": 2}
+        assert status["keeping"]["stores"] == {"stored": n + 2, "no_room": 1}
+        assert status["keeping"]["hits_per_pool_byte"] == 0.0  # looked up, never retrieved
     finally:
         node.close()
