@@ -55,7 +55,6 @@ class Lookups:
         self._step_intervals: deque[float] = deque(maxlen=STEP_HISTORY)
         self._meta_at: float | None = None
         self._wait_left_s = ctx.cfg.lookup_wait_s
-        self._tiers_unsupported_said = False  # an older daemon took no load tiers: said once
 
     # ---- submitting ---------------------------------------------------------------------------
     def submit(self, st: RequestRecord) -> None:
@@ -79,11 +78,7 @@ class Lookups:
             ends = bool(ack is not None and ack.turn_ends and ctx.cfg.turn_end_states and not st.ends_retried
                         and self._tails_apply(st))
             places = bool(ack is not None and ack.in_step and ctx.cfg.in_step_loads)
-            tiers = bool(ack is not None and ack.request_tiers)
-            if st.skip_load and not tiers and not self._tiers_unsupported_said:
-                self._tiers_unsupported_said = True
-                logger.warning("hkvd: the daemon is older than the connector and takes no load or store tiers "
-                               "(kv_load_tiers, kv_store_tiers): requests use every tier; upgrade hkvd serve")
+            tiers = bool(ack is not None and ack.request_tiers)  # an older daemon takes none (said once: scheduler)
             return port.submit_lookup(keys[:n], lease=True, tails=sent, ends=ends, places=places,
                                       skip_tiers=st.skip_load if tiers else 0), tails
 

@@ -165,6 +165,7 @@ class SchedulerSide:
         speculative = getattr(vllm_config, "speculative_config", None) is not None
         self.stores = StorePlanner(self.ctx, notes, self.engine_events, speculative)
         self._step = 0
+        self._tiers_said = False  # a daemon older than the connector takes no request tiers: said once
         # The timeline (hkvd.shim.timeline): events carry the number of the step being scheduled (the next
         # build_connector_meta call); first_schedule and first_forward are noted once per request.
         self.timeline = self.ctx.timeline
@@ -262,6 +263,11 @@ class SchedulerSide:
             self.ctx.stats["tiers_refused"] += 1
             for problem in filter(None, (load_problem, store_problem)):
                 logger.warning("%s (request %s)", problem, request.request_id)
+        ack = self.link.ack
+        if (st.skip_load or st.skip_store) and ack is not None and not ack.request_tiers and not self._tiers_said:
+            self._tiers_said = True
+            logger.warning("hkvd: the daemon is older than the connector and takes no load or store tiers "
+                           "(kv_load_tiers, kv_store_tiers): requests use every tier; upgrade hkvd serve")
         self.ctx.reqs[request.request_id] = st
         if tokens:
             self.lookups.submit(st)
