@@ -102,9 +102,13 @@ EXCEPTIONS: dict[str, tuple[float, str]] = {
                                          "the Qwen3-Next refusal: a TP=2 and a TP=1 engine (87 s)"),
     "tests/shim/test_tp_vllm.py": (120.0, "TP=2: a cold and a warm engine, each an engine core and two worker "
                                    "processes (54 s measured)"),
-    "tests/peer/test_pd_vllm.py::test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size":
-        (150.0, "TP=2 prefill and decode engines and a refused TP=1 decode engine, each with processes of its own "
-                "(65 s measured)"),
+    "tests/peer/test_pull_tp_sizes.py": (30.0, "two daemons per test, each starting its NIXL transport host, and "
+                                         "synthetic engines of two TP sizes (10-15 s measured on a loaded 2-core "
+                                         "machine)"),
+    "tests/peer/test_pd_vllm.py::test_tensor_parallel_pairs_of_the_same_and_of_another_tp_size":
+        (300.0, "TP=2 prefill, decode and reference engines, then a TP=1 decode engine pulling across TP sizes and "
+                "its TP=1 reference, each with processes of its own (220 s measured on a loaded 2-core machine, "
+                "the session's engine zygote's start included)"),
     "tests/cluster/test_cluster_vllm.py": (150.0, "a Mooncake master, two daemons in two network namespaces and "
                                            "three engines (73 s measured, with the session's engine "
                                            "zygote's start)"),

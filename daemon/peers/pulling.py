@@ -462,7 +462,11 @@ class PeerClient:
                     continue
                 reply, sent_at = await self._lookup_on(link, lay.fingerprint, keys[:hit], hit, deadline, release)
                 release = 0  # the producer's hold lease goes with the first lookup
-                read = await self._read_leased(lay, keys, hit, reply, link, msg.req_id, sent_at, deadline)
+                try:
+                    read = await self._read_leased(lay, keys, hit, reply, link, msg.req_id, sent_at, deadline)
+                except (CopyFailedError, InternalError) as e:  # the transport failed: the next pull links afresh
+                    await self._forget(link, e.message)
+                    raise
                 got[rank] = reply.hit_chunks
                 hit = min(hit, reply.hit_chunks)
                 nbytes, pulled, descs, read_s = (nbytes + read.nbytes, pulled + read.pulled, descs + read.descs,

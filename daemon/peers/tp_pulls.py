@@ -39,6 +39,8 @@ from hkvd.transport.wire.control import EngineSpec
 
 log = logging.getLogger("hkvd.peer_client")
 
+MAX_RANKS_CACHED = 4096  # (source world, reader world, rank) source-rank lists kept; past that, all dropped
+
 
 @dataclass(frozen=True, slots=True)
 class Source:
@@ -81,6 +83,7 @@ class TpPulls:
         self.formats = formats
         self.enabled = enabled  # --tp-reshard
         self._logged: set[tuple[bytes, bytes]] = set()  # (source world, reader world) refusals logged
+        self._ranks: dict[tuple[bytes, bytes, int], tuple[int, ...]] = {}  # (source, reader world, rank) -> ranks
 
     @staticmethod
     def wanted(engine: EngineState) -> bool:
@@ -131,9 +134,15 @@ class TpPulls:
 
     def _source(self, world: WorldFormat, engine: EngineState) -> Source:
         assert world.shard is not None and engine.shard is not None
-        ranks = sorted({m[1] for g in engine.shard.groups
-                        for m in block_moves(world.shard, engine.shard, g.group_id, engine.spec.rank)})
-        return Source(world, tuple(ranks), tuple(Layout.of(world, world.fingerprints[r]) for r in ranks))
+        key = (world.fingerprints[0], engine.world_fingerprints[0], engine.spec.rank)
+        ranks = self._ranks.get(key)
+        if ranks is None:
+            ranks = tuple(sorted({m[1] for g in engine.shard.groups
+                                  for m in block_moves(world.shard, engine.shard, g.group_id, engine.spec.rank)}))
+            if len(self._ranks) >= MAX_RANKS_CACHED:
+                self._ranks.clear()
+            self._ranks[key] = ranks
+        return Source(world, ranks, tuple(Layout.of(world, world.fingerprints[r]) for r in ranks))
 
     def _refused(self, engine: EngineState, source: bytes, tp_k: int, peer: str, why: str) -> None:
         pair = (source, engine.world_fingerprints[0])

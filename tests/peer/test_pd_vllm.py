@@ -129,44 +129,59 @@ def test_prefill_decode_pair_matches_a_single_engine(tmp_path: Path, tmp_path_fa
             d.stop()
 
 
-def test_tensor_parallel_pair_pulls_every_rank_and_refuses_another_tp_size(tmp_path: Path, tmp_path_factory: Any,
-                                                                           lib: Any) -> None:
+def test_tensor_parallel_pairs_of_the_same_and_of_another_tp_size(tmp_path: Path, tmp_path_factory: Any,
+                                                                   lib: Any) -> None:
     """TP=2 prefill to TP=2 decode (Gemma3: two worker processes on each side): each decode rank's daemon
-    pull fetches that rank's shards, and the output equals a TP=2 single engine's. A TP=1 decode engine
-    gets nothing (a layout mismatch: the ranks' shards are other entries) and recomputes."""
+    pull fetches that rank's shards, and the output equals a TP=2 single engine's. Then a TP=1 decode engine
+    with a daemon of its own pulls across TP sizes: its daemon learns the TP=2 world from the prefill daemon,
+    pulls both prefill ranks' entries (each holds one of Gemma3's 2 KV heads) and its load re-shards them; the
+    output equals a TP=1 single engine's, and every loaded byte is one the pull moved."""
     why = _vllm_missing()
     if why:
         pytest.skip(why)
     model = str(_model(tmp_path_factory, "gemma3"))
     prefill, decode = lib.start_pair(tmp_path, chunk_size=BLOCK, pool_gb="0.5")
-    single = lib.PeerDaemon(tmp_path, "single", ["--l1-size-gb", "0.25", "--chunk-size", str(BLOCK)])
-    single.env.pop("HKVD_PEER_TOKEN", None)
-    single.start(60)
+    args = ["--l1-size-gb", "0.25", "--chunk-size", str(BLOCK)]
+    decode1 = lib.PeerDaemon(tmp_path, "decode1", [*args, "--peer-token-file", str(tmp_path / "decode.token")])
+    single = lib.PeerDaemon(tmp_path, "single", args)
+    single1 = lib.PeerDaemon(tmp_path, "single1", args)  # a fresh daemon: the TP=1 reference computes it all
+    for d in (single, single1):
+        d.env.pop("HKVD_PEER_TOKEN", None)
+    for d in (decode1, single, single1):
+        d.start(60)
     prompts = PROMPTS[:2]
     n = [(len(p) - 1) // BLOCK for p in prompts]
-    tp2 = {"model": model, "prompts": prompts, "max_num_batched_tokens": BLOCK, "omp_bind": "0|1",
-           "llm": {"tensor_parallel_size": 2}}
+    one = {"model": model, "prompts": prompts, "max_num_batched_tokens": BLOCK}
+    tp2 = {**one, "omp_bind": "0|1", "llm": {"tensor_parallel_size": 2}}
+
+    def check(dec: dict[str, Any], ref: dict[str, Any]) -> None:
+        for i, (d, r) in enumerate(zip(dec["results"], ref["results"], strict=True)):
+            assert d["tokens"] == r["tokens"], f"prompt {i}: decode {d['tokens']} vs single engine {r['tokens']}"
+            delta = max((abs(a - b) for a, b in zip(d["logprobs"], r["logprobs"], strict=True)), default=0.0)
+            assert delta <= LOGPROB_TOL, f"prompt {i}: logprob delta {delta:.5f}"
+            assert d["num_cached_tokens"] == n[i] * BLOCK, (i, d["num_cached_tokens"], _hkvd_lines(dec["log"]))
+            assert r["num_cached_tokens"] == 0
+
     try:
         prod = _run({**tp2, "role": "kv_producer", "socket": prefill.socket_path}, timeout_s=600)
         params = [r["params"] for r in prod["results"]]
         assert [p["hkvd_chunks"] for p in params] == n, params
         dec = _run({**tp2, "role": "kv_consumer", "socket": decode.socket_path, "params": params}, timeout_s=600)
         ref = _run({**tp2, "role": "kv_both", "socket": single.socket_path}, timeout_s=600)
-        for i, (d, r) in enumerate(zip(dec["results"], ref["results"], strict=True)):
-            assert d["tokens"] == r["tokens"], f"prompt {i}: decode {d['tokens']} vs single engine {r['tokens']}"
-            delta = max((abs(a - b) for a, b in zip(d["logprobs"], r["logprobs"], strict=True)), default=0.0)
-            assert delta <= LOGPROB_TOL, f"prompt {i}: logprob delta {delta:.5f}"
-            assert d["num_cached_tokens"] == n[i] * BLOCK, (i, d["num_cached_tokens"], _hkvd_lines(dec["log"]))
+        check(dec, ref)
         c = decode.status()["counters"]
         assert c["peer_pulls"] == 2 * len(prompts)  # one pull per rank per request
         assert c["retrieved_bytes"] == c["peer_pulled_bytes"] > 0
 
-        # Another TP size: its shards are other entries, so the serving daemon refuses the layout.
-        one = _run({"model": model, "prompts": prompts, "max_num_batched_tokens": BLOCK, "role": "kv_consumer",
-                    "socket": decode.socket_path, "params": params})
-        assert [r["num_cached_tokens"] for r in one["results"]] == [0, 0], _hkvd_lines(one["log"])
-        assert "layout mismatch" in one["log"] and "tensor-parallel size" in one["log"], _hkvd_lines(one["log"])
+        # Another TP size: a TP=1 decode engine reads both prefill ranks' entries, re-sharded.
+        dec1 = _run({**one, "role": "kv_consumer", "socket": decode1.socket_path, "params": params})
+        ref1 = _run({**one, "role": "kv_both", "socket": single1.socket_path})
+        check(dec1, ref1)
+        s = decode1.status()
+        c = s["counters"]
+        assert c["peer_pulls"] == len(prompts) and s["peer"]["transport"]["reads_failed"] == 0
+        assert c["retrieved_bytes"] == c["peer_pulled_bytes"] > 0  # the TP=1 rank loads every head pulled
+        assert "are not pulled for a TP=" not in decode1.log(), decode1.log()[-3000:]
     finally:
-        single.stop()
-        for d in (prefill, decode):
+        for d in (single, single1, decode1, prefill, decode):
             d.stop()
