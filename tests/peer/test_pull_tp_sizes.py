@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hkvd.shim.testing.synthetic import SyntheticEngine, prompt_tokens
@@ -92,6 +93,36 @@ def test_tp1_prefill_to_tp2_decode_moves_each_source_entry_once(pair: Any) -> No
     d = decode.status()
     assert d["index"]["ready"] == per_rank and d["peer"]["transport"]["reads"] >= 1
     for e in (writer, *readers):
+        e.close()
+
+
+def test_the_hit_is_what_every_needed_source_rank_holds(pair: Any) -> None:
+    """Rank 1 of the TP=2 prefill world stored 2 of the 3 chunks: the TP=1 decode engine's hit is 2, and rank 0,
+    first READ for a hit of 3, is looked up again for 2 (the sliding window's entries end at the hit: chunk 0's
+    is needed now), so the load is exact."""
+    prefill, decode = pair
+    writers = tp.world(prefill, 2)
+    c = writers[0].chunk_size
+    keys = chunk_keys(prompt_tokens(c * 3, seed=24), c)
+    kv = tp.model_kv(keys)
+    tp.store(writers, keys[:2], kv)  # both ranks: chunks 0 and 1
+    w0 = writers[0]
+    page = w0.groups[0].views[0].page_bytes
+    last = [it for it in tp.items(w0, keys) if it.chunk_index == 2]  # rank 0 alone: chunk 2
+    for it in last:
+        for i, b in enumerate(it.block_ids):
+            data = np.frombuffer(tp.rank_block(kv[(it.group_id, 2, i)], 2, 0), np.int8)
+            for layer in range(tp.LAYERS):
+                w0.page(it.group_id, layer, b)[:] = data[layer * page:(layer + 1) * page]
+    w0.store(last)
+
+    (reader,) = tp.world(decode, 1)
+    res = pull(reader, prefill.peer_address, keys)
+    # Rank 0 for a hit of 3: full 0-2, window 1-2; rank 1 for 2: full 0-1, window 0-1; rank 0 again: window 0.
+    assert (res.hit_chunks, res.pulled) == (2, 5 + 4 + 1), res
+    reader.retrieve(tp.items(reader, keys[:2], first=9, hit=True), res.lease_id)
+    tp.check_loaded(reader, keys[:2], kv, first=9)
+    for e in (*writers, reader):
         e.close()
 
 
