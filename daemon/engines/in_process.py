@@ -13,6 +13,7 @@ that wants the control socket wraps ``parts.service`` in a ``Server`` (``hkvd.da
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -29,6 +30,7 @@ from hkvd.daemon.engines.registry import Registry
 from hkvd.daemon.engines.service import KVService
 from hkvd.daemon.integrity.quarantine import Quarantine
 from hkvd.daemon.metrics import Metrics
+from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.transport.wire import Message
 
 
@@ -77,3 +79,15 @@ def own_conn(sent: list[Message], conn_id: int = 1) -> Conn:
     """A connection from this process (its pid and uid) whose replies are appended to ``sent``."""
     return Conn(conn_id=conn_id, pid=os.getpid(), uid=os.getuid(), send=sent.append,
                 process=ClientProcess.open(os.getpid()))
+
+
+def disk_tier(root: str, keep: Callable[[DiskTier], None]) -> Callable[[HugePagePool], dict[str, Any]]:
+    """A ``tiers`` builder for ``in_process_service``: a 1 GiB disk tier in ``root`` over the pool, opened and
+    started on the running loop, handed to ``keep`` (the caller closes it)."""
+    def build(pool: HugePagePool) -> dict[str, Any]:
+        disk = DiskTier(root, 1 << 30, pool.buffer, queue_bytes=1 << 30)
+        disk.open()
+        disk.start(asyncio.get_running_loop())
+        keep(disk)
+        return {"disk": disk}
+    return build

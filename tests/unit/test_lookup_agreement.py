@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from hkvd.daemon.cache import HugePagePool
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.engines.in_process import in_process_service, own_conn
+from hkvd.daemon.engines.in_process import disk_tier, in_process_service, own_conn
 from hkvd.daemon.http import Request, Response
 from hkvd.daemon.metrics import Metrics
 from hkvd.daemon.routing.usable_prefix import UsablePrefix
@@ -50,19 +48,14 @@ class Node:
     def __init__(self, root: Path) -> None:
         cfg = DaemonConfig(chunk_size=CHUNK, l1_size_bytes=64 << 20, hugepages="off")
         self._parts = contextlib.ExitStack()
-        parts = self._parts.enter_context(in_process_service(cfg, threads=2, tiers=self._disk_tier(root)))
+        parts = self._parts.enter_context(in_process_service(cfg, threads=2, tiers=disk_tier(str(root), self._keep)))
         self.pool, self.cache, self.service = parts.pool, parts.cache, parts.service
         self.sent: list[Message] = []
         self.conn = own_conn(self.sent)
         self.mem = np.zeros(2 * BLOCKS * PAGE, dtype=np.uint8)
 
-    def _disk_tier(self, root: Path) -> Callable[[HugePagePool], dict[str, Any]]:
-        def build(pool: HugePagePool) -> dict[str, Any]:
-            self.disk = DiskTier(str(root), 1 << 30, pool.buffer, queue_bytes=1 << 30)
-            self.disk.open()
-            self.disk.start(asyncio.get_running_loop())
-            return {"disk": self.disk}
-        return build
+    def _keep(self, disk: DiskTier) -> None:
+        self.disk = disk
 
     def close(self) -> None:
         self.service.disconnect(self.conn)

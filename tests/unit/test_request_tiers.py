@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hkvd.daemon.cache import HugePagePool
 from hkvd.daemon.cli import format_status
 from hkvd.daemon.config import DaemonConfig
-from hkvd.daemon.engines.in_process import in_process_service, own_conn
+from hkvd.daemon.engines.in_process import disk_tier, in_process_service, own_conn
 from hkvd.daemon.tiers.disk import DiskTier
 from hkvd.transport import tier_matchers as tm
 from hkvd.transport.codec import decode_body, encode
@@ -145,19 +144,14 @@ class Node:
         self._parts = contextlib.ExitStack()
         self.disk: DiskTier | None = None
         parts = self._parts.enter_context(in_process_service(
-            cfg, threads=1, tiers=self._disk_tier(root) if root is not None else None))
+            cfg, threads=1, tiers=disk_tier(str(root), self._keep) if root is not None else None))
         self.cache, self.service = parts.cache, parts.service
         self.sent: list[Message] = []
         self.conn = own_conn(self.sent)
         self.mem = np.zeros(BLOCKS * PAGE, dtype=np.uint8)
 
-    def _disk_tier(self, root: Path) -> Callable[[HugePagePool], dict[str, Any]]:
-        def build(pool: HugePagePool) -> dict[str, Any]:
-            self.disk = DiskTier(str(root), 1 << 30, pool.buffer, queue_bytes=1 << 30)
-            self.disk.open()
-            self.disk.start(asyncio.get_running_loop())
-            return {"disk": self.disk}
-        return build
+    def _keep(self, disk: DiskTier) -> None:
+        self.disk = disk
 
     def close(self) -> None:
         self.service.disconnect(self.conn)
