@@ -57,6 +57,10 @@ REQUEST_TIMEOUT_S = 300.0
 TARGETS = {"hit_vs_limit": 1.10, "hit_vs_recompute": 0.20, "miss_vs_recompute": 1.03}
 BEFORE = "before arrival: front end"  # generate() called -> the connector's on_new_request
 AFTER = "after first_forward: forward and sampling"  # the step that computes the request -> the first token
+# A worker's events of an in-step load, which come after first_forward (the scheduler side) in the same step:
+# the load's copies (states in handle_preemptions, then vLLM's preparation of the step, then the attention
+# blocks in start_load_kv), before the forward. With them the last segment starts at the load's end.
+IN_STEP = ("load_issued", "states_copied", "attention_copy", "load_done", "load_failed")
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -126,12 +130,17 @@ def sample(alone: Engine, hkvd: Engine, length: int, seed: int) -> dict[str, Any
 
 def segments(events: list[list[Any]], ttft_ms: float) -> list[tuple[str, float]]:
     """A request's time to first token cut at its timeline's events ([event, ms since generate(), step], by
-    time): before the first event, between consecutive ones up to ``first_forward``, and the remainder to
-    ``ttft_ms``. Their sum is ``ttft_ms``. Empty without a ``first_forward``."""
+    time): before the first event, between consecutive ones up to ``first_forward`` or, for an in-step load,
+    whose worker events follow ``first_forward`` inside the same step, up to the last of those (``IN_STEP``),
+    and the remainder to ``ttft_ms``. Their sum is ``ttft_ms``. Empty without a ``first_forward``."""
     names = [e[0] for e in events]
     if "first_forward" not in names:
         return []
-    upto = events[:names.index("first_forward") + 1]
+    end = names.index("first_forward")
+    step = events[end][2]
+    while end + 1 < len(events) and events[end + 1][0] in IN_STEP and events[end + 1][2] == step:
+        end += 1
+    upto = events[:end + 1]
     out = [(BEFORE if upto[0][0] == "arrival" else f"before {upto[0][0]}", upto[0][1])]
     out += [(f"{a[0]} -> {b[0]}", b[1] - a[1]) for a, b in itertools.pairwise(upto)]
     out.append((AFTER, ttft_ms - upto[-1][1]))

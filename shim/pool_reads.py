@@ -152,8 +152,7 @@ class InStepLoads:
             if job.places is None or job.req_id in self._failed:
                 continue
             items = [it for it in job.items if (groups[it.group_id].kind == "mamba") is states]
-            if states:
-                self.timeline.note(job.req_id, "load_issued")
+            self.timeline.note(job.req_id, "load_issued" if states else "attention_copy")
             pool = self.maps.get(job.pool)
             try:
                 if pool is None:
@@ -162,6 +161,8 @@ class InStepLoads:
                     raise ValueError(f"no places for rank {rank} ({len(job.places)} ranks placed)")
                 places = {(int(g), int(c)): ext for g, c, ext in job.places[rank]}
                 nbytes = copy_in_step(pool, items, places, groups, regions) if items else 0
+                if states:
+                    self.timeline.note(job.req_id, "states_copied")
             except (ValueError, KeyError, TypeError) as e:
                 logger.error("hkvd worker: in-step load of %s could not be copied (%s); its %d blocks are reported "
                              "as load errors", job.req_id, e, len(job.block_ids))

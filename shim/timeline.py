@@ -13,10 +13,13 @@ Role
     the order a hit meets them: ``arrival`` (``on_new_request``), ``lookup_sent``, ``lookup_answered``,
     ``first_schedule`` (the first ``get_num_new_matched_tokens``), ``load_planned`` (``update_state_after_alloc``
     with external tokens), ``load_issued`` and ``load_done`` or ``load_failed`` (a worker: the Retrieve
-    submitted, its reply read), ``load_reported`` (``update_connector_output``: the load vLLM hears of as
-    finished), ``first_forward`` (``build_connector_meta`` of the first step that schedules tokens of the
-    request) and ``finished`` (``request_finished``). docs/design.md ("Timeline") says what lies between them
-    and which points vLLM gives no hook for.
+    submitted, its reply read; an in-step load's copies begun in ``handle_preemptions`` and ended in
+    ``start_load_kv``, with ``states_copied`` after its Mamba/GDN states' copy and ``attention_copy`` when its
+    attention blocks' copy begins: vLLM's own preparation of the step lies between those two),
+    ``load_reported`` (``update_connector_output``: the load vLLM hears of as finished), ``first_forward``
+    (``build_connector_meta`` of the first step that schedules tokens of the request) and ``finished``
+    (``request_finished``). docs/design.md ("Timeline") says what lies between them and which points vLLM
+    gives no hook for.
 
 Cost
     Off (the default) a hook pays one attribute test. On, an event is a tuple appended to a list; the list
@@ -43,7 +46,8 @@ logger = logging.getLogger("hkvd.shim")
 
 # Every event name, in the order a hit meets them (load_failed ends a failed load instead of load_done).
 EVENTS = ("arrival", "lookup_sent", "lookup_answered", "first_schedule", "load_planned", "load_issued",
-          "load_done", "load_failed", "load_reported", "first_forward", "finished")
+          "states_copied", "attention_copy", "load_done", "load_failed", "load_reported", "first_forward",
+          "finished")
 
 
 class Timeline:

@@ -55,6 +55,15 @@ def check(path: str, async_scheduling: bool) -> dict[str, Any]:
             # An in-step load (in_step_loads): copied by the workers before the forward of the step that planned
             # it, never reported: the request runs in its first scheduling, like a miss.
             assert at.get("load_issued") == at["load_planned"], f"{req}: in-step load issued late: {at}"
+            # Its copies in order, in that step: the states (handle_preemptions), then the attention blocks
+            # (start_load_kv), as the first worker to copy wrote them.
+            pid = first["load_issued"]["pid"]
+            order = [e["event"] for e in sorted(events, key=lambda e: float(e["t"]))  # type: ignore[arg-type]
+                     if e["pid"] == pid and e["event"] in ("load_issued", "states_copied", "attention_copy",
+                                                           "load_done")]
+            assert order[:4] == ["load_issued", "states_copied", "attention_copy", "load_done"], \
+                f"{req}: an in-step load's copies out of order: {order}"
+            assert at["states_copied"] == at["attention_copy"] == at["load_planned"], f"{req}: {at}"
             assert steps == 0, f"{req}: an in-step load took {steps} steps to its first forward: {events}"
             in_step.append(steps)
             continue

@@ -102,6 +102,23 @@ def test_segments_cut_the_ttft_at_each_event_up_to_the_first_forward() -> None:
     assert long_context.steps_to_forward(HIT_EVENTS[:3]) is None
 
 
+def test_an_in_step_loads_copies_are_cut_out_of_its_forward_step() -> None:
+    in_step = [["arrival", 1.0, 4], ["lookup_sent", 1.5, 4], ["first_schedule", 2.5, 4], ["lookup_answered", 2.6, 4],
+               ["load_planned", 3.0, 4], ["first_forward", 3.2, 4], ["load_issued", 4.0, 4],
+               ["states_copied", 4.5, 4], ["attention_copy", 8.0, 4], ["load_done", 11.0, 4],
+               ["finished", 40.0, 5]]
+    segs = dict(long_context.segments(in_step, ttft_ms=30.0))
+    assert segs["first_forward -> load_issued"] == pytest.approx(0.8)
+    assert segs["load_issued -> states_copied"] == pytest.approx(0.5)  # the Mamba/GDN states' copy
+    assert segs["states_copied -> attention_copy"] == pytest.approx(3.5)  # vLLM's preparation of the step
+    assert segs["attention_copy -> load_done"] == pytest.approx(3.0)  # the attention blocks' copy
+    assert segs[long_context.AFTER] == pytest.approx(19.0)  # from the load's end
+    assert sum(segs.values()) == pytest.approx(30.0)
+    # A worker event of a later step (an asynchronous load issued after the forward) is no cut.
+    late = [*in_step[:6], ["load_issued", 4.0, 5], ["load_done", 11.0, 5]]
+    assert list(long_context.segments(late, 30.0))[-1] == (long_context.AFTER, pytest.approx(26.8))
+
+
 def test_the_breakdown_takes_medians_per_segment_for_hits_and_misses() -> None:
     samples = [_s(1000, 1000, 50, 52), _s(1000, 1010, 50, 60), _s(1000, 1000, 50, 70)]
     later = [[e, ms + 2.0 if e == "first_forward" else ms, step + 1 if e == "first_forward" else step]
