@@ -37,7 +37,8 @@ def test_old_clients_without_the_optional_fields_still_parse():
     assert kv.Store.from_wire(with_event.to_wire()[1:]) == with_event
     with pytest.raises(ProtocolViolation, match="64 bytes"):
         kv.Store.from_wire([7, [], b"short"])
-    with pytest.raises(ProtocolViolation, match="expected 2 to 6 fields"):  # wait_event, notes, tenant, turn_end
+    # The optional fields: wait_event, notes, tenant, turn_end, skip_tiers.
+    with pytest.raises(ProtocolViolation, match="expected 2 to 7 fields"):
         kv.Store.from_wire([7])
 
 

@@ -306,7 +306,8 @@ PUBLISHED_COUNTERS = {
         "kv_store_tiers left it out, by tier (l2, cluster)",
     "hkvd_tier_bytes_left_out": "Bytes of hkvd_tier_writes_left_out_total, by tier",
     "hkvd_tp_reshards": "Lookups (op=lookup) and retrieves (op=retrieve) served from entries another TP size "
-                        "stored, re-sharded on read",
+                        "stored, re-sharded on read; pulls from a peer's world of another TP size (op=pull), and "
+                        "pulls refused because no such world could be read (op=pull_refused)",
     "hkvd_uncacheable_requests": "Requests the shim could not key safely, never cached, by reason",
     "hkvd_usable_prefix_requests":
         "Routers' usable-prefix lookups on the metrics port, by outcome (ok, bad_request, unknown_model)",
