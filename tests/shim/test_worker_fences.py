@@ -25,15 +25,14 @@ class FenceDaemon(FakeDaemon):
     """The one fake daemon (hkvd.shim.testing.fake_daemon), with the worker's ordering rules checked where
     they are observed: host KV caches send no GPU events, and no step waits for a load."""
 
-    def submit_store(self, items: Any, wait_event: bytes = b"", notes: Any = None, tenant: str = "",
-                     turn_end: int = 0) -> int:
+    def submit_store(self, items: Any, wait_event: bytes = b"", *args: Any, **kw: Any) -> int:
         assert wait_event == b""  # host KV caches: no GPU events
-        return super().submit_store(items, wait_event, notes, tenant, turn_end)
+        return super().submit_store(items, wait_event, *args, **kw)
 
     def submit_step_event(self, seq: int, step: int, offers: Any, confirms: Any = (), wait_event: bytes = b"",
-                          notes: Any = None, verifies: Any = (), tenants: Any = ()) -> int:
+                          notes: Any = None, verifies: Any = (), *args: Any, **kw: Any) -> int:
         assert wait_event == b"" and list(verifies) == []  # no sampled hits here
-        return super().submit_step_event(seq, step, offers, confirms, wait_event, notes, verifies, tenants)
+        return super().submit_step_event(seq, step, offers, confirms, wait_event, notes, verifies, *args, **kw)
 
     def wait(self, req_ids: Any, timeout_s: float) -> dict[int, Any]:
         kinds = {s[0]: s[1] for s in self.sent}
