@@ -103,8 +103,8 @@ class LookupReplies:
         if plan.ends:
             self.metrics.inc("lookup_turn_ends_named", len(plan.ends))
         # In-step loads read one rank's entries whole: never offered for a re-sharded hit (plan.readers).
-        places = (self.places.of(plan) if msg.places and lease_id and self.places is not None and not plan.readers
-                  else [])
+        places = (self.places.of(plan, engine)
+                  if msg.places and lease_id and self.places is not None and not plan.readers else [])
         if places:
             self.metrics.inc("lookup_places")
         conn.send(kv.LookupReply(msg.req_id, plan.hit_chunks, lease_id, cfg.lease_ttl_s, plan.tail, plan.ends,

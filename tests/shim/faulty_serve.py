@@ -69,9 +69,9 @@ def _after_places(target: int, sig: signal.Signals) -> None:
     of, answer = places.Places.of, lookup_replies.LookupReplies._answer
     placed = 0
 
-    def counted_of(self, plan):  # type: ignore[no-untyped-def]
+    def counted_of(self, plan, *args, **kw):  # type: ignore[no-untyped-def]
         nonlocal placed
-        out = of(self, plan)
+        out = of(self, plan, *args, **kw)
         placed += bool(out)
         return out
 

@@ -218,3 +218,40 @@ async def test_a_schedulers_lookup_is_placed_once_every_rank_of_the_world_mapped
         assert isinstance(ack, control.HelloAck) and ack.pool == []
         for c in (w0.s, w1.s, sched.s, s):
             await c.aclose()
+
+
+@pytest.mark.out_of_process  # a child process stands for a worker vLLM starts as the engine core's child
+def test_only_the_asking_engines_own_workers_count_for_places() -> None:
+    """A worker counts for an engine's lookup when it runs in the engine's process or a child of it: another
+    engine of the same format whose worker mapped the pool does not make this one's places safe (just after a
+    daemon restart this engine's worker may not have registered, or mapped the new pool, yet)."""
+    import os
+    import subprocess
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from hkvd.daemon.engines.places import Places, of_engine, parent_pid
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert parent_pid(child.pid) == os.getpid() and parent_pid(2**22 + 12345) == -1
+
+        def worker(pid: int, fp: bytes, mapped: str = "srv") -> Any:
+            return SimpleNamespace(can_copy=True, fingerprint=fp, pid=pid, mapped_pool=mapped,
+                                   spec=SimpleNamespace(regions=[SimpleNamespace(kind="host")]))
+
+        asker = cast(Any, SimpleNamespace(pid=os.getpid()))
+        registered: list[Any] = []
+        places = Places(cast(Any, None), cast(Any, SimpleNamespace(engines=lambda: registered)), "srv")
+        fps = (b"r0", b"r1")
+        registered += [worker(1, b"r0"), worker(1, b"r1")]  # another engine's workers (pid 1 is no child)
+        assert not of_engine(registered[0], asker) and not places.world_mapped(fps, asker)
+        registered.append(worker(os.getpid(), b"r0"))  # this engine's rank 0, in its own process
+        assert not places.world_mapped(fps, asker)  # its rank 1 has not registered
+        registered.append(worker(child.pid, b"r1", mapped="old"))  # rank 1, a child, mapped another pool
+        assert of_engine(registered[-1], asker) and not places.world_mapped(fps, asker)
+        registered[-1].mapped_pool = "srv"
+        assert places.world_mapped(fps, asker)
+    finally:
+        child.kill()
+        child.wait()
