@@ -78,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
                          "figures pooled over them and its ratios given round by round (default: serving 3, "
                          "verify_cost 2, agents 1, reasoning 3; 1 with --quick)")
     ap.add_argument("--in-step-loads", action="store_true",
-                    help="long_context and agents: hkvd's engine loads hits in the step that plans them "
+                    help="long_context, agents and serving: hkvd's engine loads hits in the step that plans them "
                          "(in_step_loads); the result is written as <bench>_in_step.json")
     ap.add_argument("--sessions-only", action="store_true",
                     help="agents: the sessions without the one-shot stream (their TTFT without other traffic); "
                          "the result is written as agents_sessions_only[_in_step].json")
+    ap.add_argument("--runs", default=None,
+                    help="serving and agents: the runs to make, comma-separated (default all; e.g. "
+                         "limit,hkvd_pins), in the bench's own order")
     a = ap.parse_args(argv)
     if a.run == "gpu_copy" or (a.engine == "cuda" and a.run == "store_retrieve"):
         return _gpu(a.quick)
@@ -105,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["model"] = a.serving_model
         if name in ("serving", "verify_cost", "agents", "reasoning"):
             kwargs["rounds"] = a.rounds
-        if name in ("long_context", "agents") and a.in_step_loads:
+        if name in ("long_context", "agents", "serving") and a.in_step_loads:
             kwargs["in_step_loads"] = True
+        if name in ("serving", "agents") and a.runs:
+            kwargs["runs"] = [r.strip() for r in a.runs.split(",") if r.strip()]
         if name == "agents" and a.sessions_only:
             kwargs["sessions_only"] = True
         result = mod.run(**kwargs)

@@ -34,9 +34,9 @@ compared across runs: batches follow arrival times, and a random-weight model's 
 greedy tokens flip with the batch (the two vLLM-alone runs' answers differ too); tests/shim
 checks hkvd's outputs token for token.
 
-``HKVD_BENCH_IN_STEP=1`` has the hkvd run load its hits in the step that plans them (``in_step_loads``,
-docs/design.md "In-step loads"; recorded in the config). ``HKVD_BENCH_VERIFY_FRACTION`` sets the hkvd run's
-``verify_fraction`` (default 0 here: every hit loaded; the
+``in_step_loads`` (``--in-step-loads``) has the hkvd run load its hits in the step that plans them (docs/design.md
+"In-step loads"; recorded in the config; the result goes to ``serving_in_step.json``).
+``HKVD_BENCH_VERIFY_FRACTION`` sets the hkvd run's ``verify_fraction`` (default 0 here: every hit loaded; the
 daemon's verify counts then come with the run; recorded in the config). ``HKVD_BENCH_DAEMON_ARGS`` adds ``hkvd serve``
 arguments to the hkvd runs (recorded in the config). ``HKVD_BENCH_VLLM_ARGS`` adds
 ``vllm serve`` arguments to every run (recorded in the config). vLLM
@@ -210,10 +210,10 @@ def _play(server: VllmServer, workload: Workload, log: Log, also: Sequence[int] 
 
 
 def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, workload: Workload, blocks: int,
-             hugepages: str, lmcache_venv: Path | None, log: Log) -> dict[str, Any]:
-    """One run in fresh processes; a run that cannot start or serve returns ``{"error": ...}``, and so does
-    one whose conversations outgrow ``max_len`` or whose ``blocks`` hold less than one conversation of
-    ``model`` (before starting anything)."""
+             hugepages: str, lmcache_venv: Path | None, log: Log, in_step: bool = False) -> dict[str, Any]:
+    """One run in fresh processes (``in_step``: the hkvd run's engine loads hits in the step that plans them);
+    a run that cannot start or serve returns ``{"error": ...}``, and so does one whose conversations outgrow
+    ``max_len`` or whose ``blocks`` hold less than one conversation of ``model`` (before starting anything)."""
     base: dict[str, Any] = {"run": name, "label": RUNS[name], "kv_blocks": blocks}
     t0 = time.perf_counter()
     block = model.block
@@ -249,7 +249,7 @@ def _one_run(name: str, model_dir: Path, model: BenchModel, max_len: int, worklo
                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket_path": daemon.socket_path,
                                                                           "require_daemon": True,
                                                                           "verify_fraction": verify_fraction(),
-                                                                          "in_step_loads": in_step_loads()}}
+                                                                          "in_step_loads": in_step}}
                 res = serve(kv, also=[daemon.proc.pid] if daemon.proc is not None else [])
                 status = daemon.status()
                 res["daemon"] = {k: status["index"][k] for k in ("entries", "bytes_stored", "evictions",
@@ -286,15 +286,22 @@ def _block_counting(model: BenchModel) -> str:
     return "attention, and 2 per Mamba group per request"
 
 
-def in_step_loads() -> bool:
-    """``HKVD_BENCH_IN_STEP=1``: the hkvd run loads its hits in the step that plans them (``in_step_loads``)."""
-    return os.environ.get("HKVD_BENCH_IN_STEP", "0") == "1"
-
-
 def verify_fraction() -> float:
     """``HKVD_BENCH_VERIFY_FRACTION``: the hkvd run's sampled verification (``verify_fraction``); 0 by default,
     so every hit is loaded and runs compare. The connector's own default (0.01) recomputes a random 1 %."""
     return float(os.environ.get("HKVD_BENCH_VERIFY_FRACTION", "0"))
+
+
+def pick_runs(runs: Mapping[str, str], names: Sequence[str] | None) -> dict[str, str]:
+    """The runs named in ``names`` (all when None), in ``runs``' order; an error that lists the runs for a name
+    that is not one of them."""
+    if names is None:
+        return dict(runs)
+    unknown = [n for n in names if n not in runs]
+    if unknown or not names:
+        raise ValueError(f"runs {', '.join(unknown) or '(none)'}: not runs of this bench; choose among "
+                         f"{', '.join(runs)}")
+    return {k: v for k, v in runs.items() if k in names}
 
 
 def play_rounds(runs: Mapping[str, str], rounds: int, blocks: Mapping[str, int], log: Callable[[str], None],
@@ -364,7 +371,9 @@ def setup(quick: bool, model: str | None) -> Setup:
 
 
 def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: str | None = None,
-        model: str | None = None, rounds: int | None = None) -> dict[str, Any]:
+        model: str | None = None, rounds: int | None = None, in_step_loads: bool = False,
+        runs: Sequence[str] | None = None) -> dict[str, Any]:
+    chosen = pick_runs(RUNS, runs)
     if importlib.util.find_spec("vllm") is None:
         log("  vLLM not installed: make vllm")
         return {"skipped": "vllm not installed (make vllm)", "runs": []}
@@ -380,17 +389,18 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
     if rounds is not None and rounds < 1:
         raise ValueError(f"serving rounds: at least 1, got {rounds}")
     rounds = rounds or (1 if quick else 3)
-    played = play_rounds(RUNS, rounds, blocks, log, lambda name, size: _one_run(
-        name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log))
-    runs = merge_rounds(played, workload.turns)
+    played = play_rounds(chosen, rounds, blocks, log, lambda name, size: _one_run(
+        name, model_dir, bench_model, max_len, workload, size, hugepages, venv, log, in_step_loads))
+    merged = merge_rounds(played, workload.turns)
     result = {"config": {"model": bench_model.name, "block": bench_model.block,
                          "workload": dataclasses.asdict(workload),
                          "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                          "kv_blocks": blocks, "max_model_len": max_len, "rounds": rounds,
                          "omp_bind": os.environ.get("HKVD_BENCH_OMP_BIND") or "all usable CPUs",
                          "extra_vllm_args": extra_vllm_args(), "extra_daemon_args": extra_daemon_args(),
-                         "verify_fraction": verify_fraction(), "in_step_loads": in_step_loads()},
-              "runs": runs, "ratios": ratios(runs),
+                         "verify_fraction": verify_fraction(), "in_step_loads": in_step_loads,
+                         "runs": list(chosen)},
+              "runs": merged, "ratios": ratios(merged),
               # each round's runs carry their own per-turn figures
               "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}
     for line in summary(result):
