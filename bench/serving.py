@@ -100,7 +100,8 @@ RUNS = {
     "hkvd": "vLLM + hkvd, small KV memory",
     "lmcache": "vLLM + LMCache MP, small KV memory",
 }
-TARGETS = {"hkvd_vs_limit_ttft": 1.1, "hkvd_vs_recompute_ttft": 0.5}  # at most; hits: at least the limit's
+# At most; hits: at least the limit's. The limit's bound is the one of the issue "Hits that pay" (1.05x).
+TARGETS = {"hkvd_vs_limit_ttft": 1.05, "hkvd_vs_recompute_ttft": 0.5}
 START_TIMEOUT_S = 900.0  # a vLLM server start: ~45 s alone, minutes on a loaded 2-core machine
 REQUEST_TIMEOUT_S = 600.0
 Log = Callable[[str], None]
@@ -127,11 +128,19 @@ def _later(run: dict[str, Any]) -> dict[str, Any] | None:
     return next((t for t in run.get("turns", []) if t["turn"] == "later"), None)
 
 
-def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def rounds_of(runs: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each round's runs, from the merged runs' own ``rounds`` (a run that failed has none)."""
+    n = max((len(r.get("rounds") or ()) for r in runs), default=0)
+    return [[r["rounds"][i] for r in runs if i < len(r.get("rounds") or ())] for i in range(n)]
+
+
+def ratios(runs: Sequence[dict[str, Any]], rounds: Sequence[Sequence[dict[str, Any]]] = ()) -> dict[str, Any]:
     """Later-turn TTFT p50 and hit share of every run that served against the limit's and recompute's.
 
     ``targets``: hkvd's three checks (``None`` where a run they need is missing), each with
-    the measured value, the bound and whether it is met.
+    the measured value, the bound and whether it is met. With more than one of ``rounds`` (each round's runs),
+    each target lists its value round by round and is met only where the pooled value and every round's are
+    (it clears the spread).
     """
     later = {r["run"]: lt for r in runs if (lt := _later(r)) is not None}
     out: dict[str, Any] = {"ttft_p50_vs_limit": {}, "ttft_p50_vs_recompute": {}, "hit_share": {}}
@@ -150,6 +159,12 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if "limit" in later:
             value, bound = later["hkvd"]["hit_share"], later["limit"]["hit_share"]
             targets["hkvd_hit_share"] = {"value": value, "at_least": bound, "met": value >= bound}
+    if len(rounds) > 1:
+        each = [ratios(rnd)["targets"] for rnd in rounds]
+        for key, t in targets.items():
+            if t is not None:
+                t["rounds"] = [None if e.get(key) is None else e[key]["value"] for e in each]
+                t["met"] = t["met"] and all(e.get(key) is not None and e[key]["met"] for e in each)
     out["targets"] = targets
     if "hkvd" in later and "limit" in later and later["hkvd"]["stream_tok_s_p50"]:
         # vLLM runs a request whose load it awaits (WAITING_FOR_REMOTE_KVS) in the step after the
@@ -400,7 +415,7 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
                          "extra_vllm_args": extra_vllm_args(), "extra_daemon_args": extra_daemon_args(),
                          "verify_fraction": verify_fraction(), "in_step_loads": in_step_loads,
                          "runs": list(chosen)},
-              "runs": merged, "ratios": ratios(merged),
+              "runs": merged, "ratios": ratios(merged, played),
               # each round's runs carry their own per-turn figures
               "round_ratios": [ratios(rnd)["ttft_p50_vs_limit"] for rnd in played]}
     for line in summary(result):
@@ -409,8 +424,10 @@ def run(quick: bool, hugepages: str = "auto", log: Log = print, lmcache_venv: st
 
 
 def summary(result: dict[str, Any]) -> list[str]:
-    """The later-turn ratios and the targets, one line each (printed after a run, and in the docs)."""
-    rt = result.get("ratios") or {}
+    """The later-turn ratios and the targets, one line each (printed after a run, and in the docs). The ratios
+    and targets are computed again from the runs, so the docs follow the bench's current targets."""
+    runs = result.get("runs") or []
+    rt = ratios(runs, rounds_of(runs)) if runs else (result.get("ratios") or {})
     lines = []
     cfg = result.get("config") or {}
     if cfg.get("kv_blocks"):
@@ -428,7 +445,10 @@ def summary(result: dict[str, Any]) -> list[str]:
         if t is None:
             lines.append(f"target {key}: not measured (a run it needs failed)")
         elif "at_most" in t:
-            lines.append(f"target {key}: {t['value']:.2f} (at most {t['at_most']}): {'met' if t['met'] else 'MISSED'}")
+            each = t.get("rounds")
+            lines.append(f"target {key}: {t['value']:.2f} (at most {t['at_most']}"
+                         + (f"; rounds {', '.join('-' if v is None else f'{v:.2f}' for v in each)}" if each else "")
+                         + f"): {'met' if t['met'] else 'MISSED'}")
         else:
             lines.append(f"target {key}: {t['value']:.1%} (at least the limit's {t['at_least']:.1%}): "
                          f"{'met' if t['met'] else 'MISSED'}")
@@ -436,7 +456,12 @@ def summary(result: dict[str, Any]) -> list[str]:
     if len(per_round) > 1 and all(v is not None for v in per_round):
         lines.append("hkvd's later-turn TTFT p50 against the limit's, round by round: "
                      + ", ".join(f"{v:.2f}x" for v in per_round))
-    if rt.get("hkvd_over_limit"):
+    if rt.get("hkvd_over_limit") and cfg.get("in_step_loads"):
+        x = rt["hkvd_over_limit"]
+        lines.append(f"hkvd's later-turn TTFT p50 is {x['ttft_p50_ms']:.0f} ms over the limit's; one decode step of "
+                     f"the running batch takes {x['decode_step_ms_p50']:.0f} ms (p50); with in-step loads a hit is "
+                     "copied in the step that plans it, so it costs no step that a hit in vLLM's own cache does not")
+    elif rt.get("hkvd_over_limit"):
         x = rt["hkvd_over_limit"]
         lines.append(f"hkvd's later-turn TTFT p50 is {x['ttft_p50_ms']:.0f} ms over the limit's; one decode step of "
                      f"the running batch takes {x['decode_step_ms_p50']:.0f} ms (p50); vLLM runs a request whose "

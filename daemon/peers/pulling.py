@@ -513,22 +513,15 @@ class PeerClient:
 
     async def _lookup(self, msg: Pull, fp: bytes, keys: list[bytes], want: int,
                       deadline: float, model_key: bytes = b"") -> tuple[PeerLookupReply, PeerLink, float]:
+        """One PeerLookup of layout ``fp`` at ``msg.peer``; an idle link the peer closed (a restart?) gets one
+        fresh try."""
         for attempt in (0, 1):
             link = await self._link(msg.peer, fp, model_key)
             reused = link.requests > 0
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise KVTimeout(f"pull from {msg.peer}: no time left for the lookup "
-                                f"(--peer-pull-timeout-s {self.cfg.peer_pull_timeout_s:g})")
-            wait_s = min(LOOKUP_WAIT_S, remaining / 4)
-            sent_at = time.monotonic()
             try:
-                reply: PeerLookupReply = await link.call(
-                    PeerLookup(link.next_id(), fp, keys, want, wait_s, msg.release_lease, checksums=True),
-                    PeerLookupReply,
-                    min(remaining, self.cfg.peer_timeout_s + wait_s))
+                reply, sent_at = await self._lookup_on(link, fp, keys, want, deadline, msg.release_lease)
             except DaemonUnavailable:
-                if attempt == 0 and reused:  # an idle link the peer closed (restart?): one fresh try
+                if attempt == 0 and reused:
                     continue
                 raise
             return reply, link, sent_at
