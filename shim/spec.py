@@ -232,7 +232,23 @@ def build_engine_spec(
         event_groups=event_groups(kv_cache_config),
         model_identity=model_identity(vllm_config),
         heads=head_splits(vllm_config, kv_cache_config),
+        replicated=replicated_groups(vllm_config, kv_cache_config),
     )
+
+
+def replicated_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[int]:
+    """The groups whose pages hold the same bytes on every tensor-parallel rank: vLLM's MLA latent cache (one
+    head, written from replicated projections), unless decode or prefill context parallelism splits its tokens
+    over the ranks. The daemon stores a world whose every group is one of these once per node
+    (docs/design.md, "Replicated groups (MLA)")."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    par = vllm_config.parallel_config
+    if (int(getattr(par, "decode_context_parallel_size", 1) or 1) > 1
+            or int(getattr(par, "prefill_context_parallel_size", 1) or 1) > 1):
+        return []
+    groups = kv_cache_config.kv_cache_groups
+    return [gid for gid, g in enumerate(groups) if isinstance(g.kv_cache_spec, MLAAttentionSpec)]
 
 
 def head_splits(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[tuple[int, int, int, int]]:

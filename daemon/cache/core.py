@@ -40,7 +40,7 @@ from hkvd.daemon.cache.formats import Formats
 from hkvd.daemon.cache.hybrid import required_chunks
 from hkvd.daemon.cache.index import Index, IndexStats
 from hkvd.daemon.cache.leases import Lease
-from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource, plan, turn_ends_past
+from hkvd.daemon.cache.lookup_plan import HasFn, LookupPlan, Shape, Tail, TailSource, distinct, plan, turn_ends_past
 from hkvd.daemon.cache.pool import Allocation, HugePagePool
 from hkvd.daemon.cache.quotas import Tenants
 from hkvd.daemon.cache.recompute_cost import RecomputeCost
@@ -127,8 +127,9 @@ class Cache:
             out.ends.extend(turn_ends_past(self.turn_ends, ends_of, keys, hit.hit_chunks))
         if tiers is not None and pool:
             ready = self.is_ready
-            out.promote.extend(((fp, gid, covered[c]), covered[c - 1] if c else b"") for fp in out.fingerprints
-                               for gid, chunks in hit.needed.items() for c in chunks
+            out.promote.extend(((fp, gid, covered[c]), covered[c - 1] if c else b"")
+                               for fp in distinct(out.fingerprints) for gid, chunks in hit.needed.items()
+                               for c in chunks
                                if not ready((fp, gid, covered[c])))
         return out
 

@@ -141,7 +141,8 @@ class Formats:
             self._trim()
 
     def world(self, fingerprint: bytes) -> WorldFormat | None:
-        """The world one of whose ranks has ``fingerprint`` (registered or not), if known."""
+        """The world one of whose ranks has ``fingerprint`` (registered or not), if known; of the replicated
+        worlds of one model at several TP sizes, which share it, the one added last (the same format per rank)."""
         key = self._by_fp.get(fingerprint)
         return self._worlds[key] if key is not None else None
 
@@ -167,5 +168,10 @@ class Formats:
             del self._worlds[fps]
             for fp in fps:
                 if self._by_fp.get(fp) == fps:
-                    del self._by_fp[fp]
+                    # Replicated worlds of one model at other TP sizes share their fingerprint: name one left.
+                    other = next((k for k in reversed(self._worlds) if fp in k), None)
+                    if other is None:
+                        del self._by_fp[fp]
+                    else:
+                        self._by_fp[fp] = other
             self.version += 1

@@ -84,9 +84,17 @@ class LookupPlan:
         return self.hit_chunks - (self.tail > 0)
 
     def entries(self) -> list[EntryKey]:
-        """Every rank's entry keys that a retrieve of the hit loads, rank by rank."""
+        """Every rank's entry keys that a retrieve of the hit loads, rank by rank (once each: the ranks of a
+        replicated world share one fingerprint, so one entry per group and chunk)."""
         keys = self.keys
-        return [(fp, gid, keys[c]) for fp in self.fingerprints for gid, chunks in self.needed.items() for c in chunks]
+        return [(fp, gid, keys[c]) for fp in distinct(self.fingerprints) for gid, chunks in self.needed.items()
+                for c in chunks]
+
+
+def distinct(fingerprints: Sequence[bytes]) -> Sequence[bytes]:
+    """``fingerprints`` without repeats, in order: a replicated world's ranks share one (docs/design.md,
+    "Replicated groups (MLA)"); any other world's are distinct and come back as given."""
+    return fingerprints if len(set(fingerprints)) == len(fingerprints) else tuple(dict.fromkeys(fingerprints))
 
 
 def plan_ranks(shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], has: HasFn,
@@ -119,7 +127,7 @@ def plan(shape: Shape, keys: Sequence[bytes], fingerprints: Sequence[bytes], has
          missing: dict[str, int] | None = None) -> tuple[HitPlan, Sequence[bytes], int, bool]:
     """The whole chunks' hit over ``keys`` (at most ``max_chunks``), extended by the first tail that serves
     (module docstring): (its plan, the keys it covers, 1 + the tail's index or 0, complete)."""
-    fps = tuple(fingerprints)
+    fps = tuple(distinct(fingerprints))
     whole = plan_ranks(shape, keys, fps, has, max_chunks, missing)
     n = whole.hit_chunks
     offered = tails(n) if callable(tails) else tails

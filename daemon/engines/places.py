@@ -78,11 +78,11 @@ class Places:
 
     def world_mapped(self, fingerprints: tuple[bytes, ...], asker: EngineState) -> bool:
         """Whether every rank of ``fingerprints`` has a worker of ``asker``'s engine, and each of them maps the
-        pool."""
-        workers: dict[bytes, list[EngineState]] = {fp: [] for fp in fingerprints}
+        pool. Ranks are told apart by fingerprint and rank: a replicated world's ranks share one fingerprint."""
+        workers: dict[tuple[bytes, int], list[EngineState]] = {(fp, r): [] for r, fp in enumerate(fingerprints)}
         for e in self.registry.engines():
-            if e.can_copy and e.fingerprint in workers and of_engine(e, asker):
-                workers[e.fingerprint].append(e)
+            if e.can_copy and (e.fingerprint, e.spec.rank) in workers and of_engine(e, asker):
+                workers[(e.fingerprint, e.spec.rank)].append(e)
         return all(ws and all(maps_pool(e, self.server_id) for e in ws) for ws in workers.values())
 
     def of(self, plan: LookupPlan, asker: EngineState) -> list[list[list[object]]]:

@@ -46,9 +46,12 @@ def rank_fingerprints(spec: EngineSpec, chunk_size: int, ranks: Iterable[int]) -
     """The fingerprint of ``spec`` at each rank of ``ranks``: the msgpack of one list, hashed.
 
     The list's parts other than the rank are packed once, so a 256-rank world costs one pack of
-    the groups and 256 hashes, not 256 packs.
+    the groups and 256 hashes, not 256 packs. A world whose every group is replicated
+    (``replicated_world``) has one fingerprint for every rank, ``replica_fingerprint``.
     """
     pack = msgpack.Packer(use_bin_type=True).pack
+    if replicated_world(spec):
+        return (replica_fingerprint(spec, chunk_size),) * len(list(ranks))
     head = b"\x98" + b"".join(pack(x) for x in (FINGERPRINT_VERSION, spec.model, spec.identity, spec.world_size))
     tail = b"".join(pack(x) for x in (spec.layout_tag, chunk_size, [
         [g.group_id, g.kind, g.tokens_per_block, g.window_tokens, g.dtype,
@@ -61,6 +64,24 @@ def rank_fingerprints(spec: EngineSpec, chunk_size: int, ranks: Iterable[int]) -
         h.update(tail)
         out.append(h.digest())
     return tuple(out)
+
+
+def replicated_world(spec: EngineSpec) -> bool:
+    """Whether every group of ``spec`` holds the same bytes on every rank (``EngineSpec.replicated``: vLLM's
+    MLA latent cache) and the engine named its TP-free model identity: then its entries are stored once per
+    node, under ``replica_fingerprint``, and read by every rank of any TP size of the model."""
+    return bool(spec.model_identity) and bool(spec.replicated) and (
+        {g.group_id for g in spec.groups} <= set(spec.replicated))
+
+
+def replica_fingerprint(spec: EngineSpec, chunk_size: int) -> bytes:
+    """The one fingerprint of a replicated world's entries (``replicated_world``): the format without the TP
+    size or the rank (model, ``model_identity``, page order, chunk size, each group's format)."""
+    blob = msgpack.packb([FINGERPRINT_VERSION, "replicated", spec.model, spec.model_identity, spec.layout_tag,
+                          chunk_size, [[g.group_id, g.kind, g.tokens_per_block, g.window_tokens, g.dtype,
+                                        [[v.num_layers, v.page_bytes] for v in g.views]] for g in spec.groups]],
+                         use_bin_type=True)
+    return hashlib.blake2b(blob, digest_size=16).digest()
 
 
 def model_key(spec: EngineSpec) -> bytes:
@@ -214,7 +235,8 @@ class Registry:
                     f"region {r.region_id} is {r.kind!r} memory, but this daemon runs the "
                     f"{self.copy_engine.name} copy engine; start hkvd serve with the matching engine")
         attachment = self.copy_engine.attach(process, list(spec.regions)) if spec.regions else None
-        # Tensor-parallel ranks split heads evenly, so every rank's entries have this rank's format.
+        # Tensor-parallel ranks split heads evenly, so every rank's entries have this rank's format (a
+        # replicated world's ranks share one fingerprint: one entry per chunk serves them all).
         rank_fps = rank_fingerprints(spec, chunk_size, range(spec.world_size))
         fp = rank_fps[spec.rank]
         state = EngineState(
@@ -243,7 +265,8 @@ class Registry:
         pool = self.pool
         if pool is None:
             return
-        sizes = [layout.entry_bytes(g, chunk_size) for g in spec.groups] * spec.world_size
+        copies = 1 if replicated_world(spec) else spec.world_size  # a replicated world's chunk is one rank's
+        sizes = [layout.entry_bytes(g, chunk_size) for g in spec.groups] * copies
         if pool.allocator.holds(sizes):
             return
         fixed = None if pool.superblocks_auto else pool.allocator.superblock_bytes
@@ -251,7 +274,7 @@ class Registry:
         sb = pool.allocator.superblock_bytes
         raise RegistrationError(
             f"the {pool.size / MIB:g} MiB pool cannot hold one chunk of this engine: {chunk_size} tokens are "
-            f"{len(sizes)} entries ({len(spec.groups)} groups x {spec.world_size} ranks, {sum(sizes) / MIB:.1f} MiB) "
+            f"{len(sizes)} entries ({len(spec.groups)} groups x {copies} ranks, {sum(sizes) / MIB:.1f} MiB) "
             f"that take {superblocks_needed(sizes, sb)} superblocks of {sb / MIB:g} MiB, and the pool has "
             f"{pool.allocator.num_superblocks}; restart hkvd serve with --l1-size-gb {need / GIB!r} or more "
             "(the smallest pool that holds one chunk), or use a smaller --chunk-size")

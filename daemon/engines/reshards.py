@@ -72,6 +72,8 @@ class Reshards:
             return []
         out = []
         for w in self.index.formats.same_model(model_key, tuple(world)):
+            if set(w.fingerprints) <= set(world):
+                continue  # replicated worlds of the model at any TP size: the same entries, read without re-sharding
             why = "it registered no KV-head split" if w.shard is None else refusal(w.shard, shard)
             if why is None:
                 out.append(w)
@@ -89,7 +91,7 @@ class Reshards:
         """With ``--tp-reshard off``, say once per pair of worlds that another TP size's entries are not read."""
         for w in self.index.formats.same_model(model_key, tuple(world)):
             pair = (w.fingerprints[0], world[0])
-            if pair not in self._logged:
+            if pair not in self._logged and not set(w.fingerprints) <= set(world):
                 self._logged.add(pair)
                 log.info("hkvd: entries of %s stored by a TP=%d engine are not served to a TP=%d engine of the same "
                          "model: --tp-reshard off (a miss; logged once per pair of TP shapes)", model,

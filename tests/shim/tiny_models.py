@@ -18,6 +18,9 @@ Role
       size of 128, up to 8192 positions. A prefix of thousands of tokens is then a load of
       ~100 MiB and more, longer than a decode step: what the asynchronous-load tests and
       ``bench/load_overlap.py`` need.
+    - ``deepseek_mla``: a DeepSeek-V2 with multi-head latent attention (MLA) and no MoE layer: 2 layers, 4 query
+      heads (2 per rank at TP=2), a latent KV of 512 + 64 rope dims (the only size vLLM's CPU MLA kernel takes;
+      its platform then forces block 16), so every rank's KV cache is the same latent page.
     - ``qwen3_next_think``: ``qwen3_next``'s weights and tokenizer with a reasoning model's chat template
       (``THINK_TEMPLATE``: an earlier answer's ``<think>...</think>`` part is not in the next prompt).
     - ``idefics3``: a vision-language model (``Idefics3ForConditionalGeneration``) whose image
@@ -55,7 +58,7 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SEED = 1234
 DEFAULT_ROOT = Path("/tmp/hkvd-models")
-KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2", "wide_kv", "qwen3_next_think")
+KINDS = ("qwen3_next", "gemma3", "idefics3", "qwen3_next_tp2", "wide_kv", "qwen3_next_think", "deepseek_mla")
 
 # qwen3_next_think's chat template: ChatML turns, and an assistant message written before the last user
 # message loses everything up to its last "</think>", as a reasoning model's template does (Qwen3's drops the
@@ -172,6 +175,21 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
             shared_expert_intermediate_size=64,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+        )
+    if kind == "deepseek_mla":
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=2,  # every layer a dense MLP: no MoE
         )
     if kind == "wide_kv":
         from transformers import LlamaConfig

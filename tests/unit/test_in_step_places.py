@@ -238,7 +238,7 @@ def test_only_the_asking_engines_own_workers_count_for_places() -> None:
 
         def worker(pid: int, fp: bytes, mapped: str = "srv") -> Any:
             return SimpleNamespace(can_copy=True, fingerprint=fp, pid=pid, mapped_pool=mapped,
-                                   spec=SimpleNamespace(regions=[SimpleNamespace(kind="host")]))
+                                   spec=SimpleNamespace(rank=fps.index(fp), regions=[SimpleNamespace(kind="host")]))
 
         asker = cast(Any, SimpleNamespace(pid=os.getpid()))
         registered: list[Any] = []

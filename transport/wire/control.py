@@ -76,6 +76,11 @@ class EngineSpec:
     # Per attention group: (group_id, KV heads on each rank, KV heads in the model, states per page). Not
     # part of the fingerprint. Empty: no group is re-sharded.
     heads: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # The groups whose entries are the same bytes on every rank of the world (vLLM's MLA latent cache: one
+    # head, computed from replicated weights). Where they are every group and ``model_identity`` is given, the
+    # daemon keys the world's entries by one TP-free fingerprint, so a chunk is stored once per node
+    # (docs/design.md, "Replicated groups (MLA)"). Empty: per-rank entries (an older shim's registration too).
+    replicated: list[int] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -86,6 +91,7 @@ class EngineSpec:
             **({"event_groups": [list(g) for g in self.event_groups]} if self.event_groups else {}),
             **({"model_identity": self.model_identity} if self.model_identity else {}),
             **({"heads": [list(h) for h in self.heads]} if self.heads else {}),
+            **({"replicated": list(self.replicated)} if self.replicated else {}),
             "regions": [
                 {"region_id": r.region_id, "kind": r.kind, "size": r.size, "addr": r.addr,
                  "handle": r.handle, "device_uuid": r.device_uuid, "offset": r.offset}
@@ -161,6 +167,7 @@ class EngineSpec:
             event_groups=_event_groups(d.get("event_groups"), len(groups_raw), f"{w}.event_groups"),
             model_identity=_model_identity(d.get("model_identity"), f"{w}.model_identity"),
             heads=_heads(d.get("heads"), len(groups_raw), f"{w}.heads"),
+            replicated=_replicated(d.get("replicated"), len(groups_raw), f"{w}.replicated"),
         )
         spec.validate_shape()
         return spec
@@ -194,6 +201,8 @@ class EngineSpec:
         hgids = [h[0] for h in self.heads]
         if len(set(hgids)) != len(hgids) or not set(hgids) <= set(gids):
             raise ProtocolViolation("heads must name registered groups, each at most once")
+        if len(set(self.replicated)) != len(self.replicated) or not set(self.replicated) <= set(gids):
+            raise ProtocolViolation("replicated must name registered groups, each at most once")
 
 
 def _pieces(raw: object, where: str) -> tuple[tuple[int, int], ...]:
@@ -232,6 +241,16 @@ def _heads(raw: object, n_groups: int, where: str) -> list[tuple[int, int, int, 
                                     f"states per page], each 1 to {MAX_HEADS}")
         out.append((h[0], h[1], h[2], h[3]))
     return out
+
+
+def _replicated(raw: object, n_groups: int, where: str) -> list[int]:
+    """Optional; absent from older clients: at most one group id per group."""
+    if raw is None:
+        return []
+    if (not isinstance(raw, list) or len(raw) > n_groups
+            or not all(type(g) is int and g >= 0 for g in raw)):
+        raise ProtocolViolation(f"{where}: a list of at most one group id (>= 0) per group")
+    return list(raw)
 
 
 def _event_groups(raw: object, n_groups: int, where: str) -> list[tuple[int, str, int | None]]:
