@@ -73,7 +73,7 @@ class DaemonConfig:
     # hits themselves (LookupReply.places); off: every hit is a Retrieve. Read at start-up (not reloadable).
     in_step_loads: bool = True
     # Entries across tensor-parallel sizes (daemon/engines/reshards.py): an engine world reads another TP size's
-    # attention entries of its model, re-sharded, locally and from peers; off: only its own world's entries.
+    # entries of its model (attention, GDN states), re-sharded, locally and from peers; off: only its own world's.
     tp_reshard: bool = True
     mamba_checkpoint_interval: int = 1
     # Sampled hits recomputed and compared (daemon/integrity/compare.py, quarantine.py; docs/verification.md)

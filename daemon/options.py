@@ -188,9 +188,10 @@ OPTIONS: tuple[Option, ...] = (
            "themselves in the step that plans them (docs/security.md, In-step loads); off: every hit is a "
            "Retrieve", example='"on"'),
     Option("--tp-reshard", "tp_reshard", _on_off("--tp-reshard"), "on",
-           "on: engines of one model at different tensor-parallel sizes read each other's attention entries, "
-           "re-sharded on read, on this node and from peers (docs/peers.md, Tensor parallelism); off: each TP "
-           "size reads only its own entries (another TP size's prefix is a miss)", example='"on"'),
+           "on: engines of one model at different tensor-parallel sizes read each other's entries (attention "
+           "and GDN states), re-sharded on read, on this node and from peers (docs/peers.md, Tensor "
+           "parallelism); off: each TP size reads only its own entries (another TP size's prefix is a miss)",
+           example='"on"'),
     Option("--event-loop", "event_loop", _lower, "uvloop", "uvloop, or asyncio (the standard library's loop)",
            example='"uvloop"'),
     Option("--mamba-checkpoint-interval", "mamba_checkpoint_interval", int, "1",

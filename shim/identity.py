@@ -125,7 +125,7 @@ def engine_identity(vllm_config: VllmConfig) -> str:
 
 def model_identity(vllm_config: VllmConfig) -> str:
     """``engine_identity`` without the tensor-parallel size and the KV-cache dtype setting: engines of one model
-    at different TP sizes share it, and the daemon may re-shard one's attention entries for the other
+    at different TP sizes share it, and the daemon may re-shard one's entries for the other
     (docs/design.md, "Entries across tensor-parallel sizes"). The cache's element type stays in each group's
     registered dtype, which the daemon compares: two worlds whose cache dtypes differ are told apart (and the
     refusal logged) there."""

@@ -28,7 +28,7 @@ from hkvd.shim.identity import engine_identity, model_identity
 from hkvd.shim.kv_views import Pieces, config_place, layout_name, page_order
 from hkvd.shim.shim_config import ShimConfig
 from hkvd.transport.layout import GroupSpec, View
-from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.control import EngineSpec, StateSplits
 
 if TYPE_CHECKING:  # vLLM's and torch's types, for annotations only (vLLM is imported where it is used)
     import torch
@@ -232,6 +232,7 @@ def build_engine_spec(
         event_groups=event_groups(kv_cache_config),
         model_identity=model_identity(vllm_config),
         heads=head_splits(vllm_config, kv_cache_config),
+        states=state_splits(vllm_config, kv_cache_config),
         replicated=replicated_groups(vllm_config, kv_cache_config),
     )
 
@@ -270,6 +271,53 @@ def head_splits(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list
             continue
         out.append((gid, int(s.num_kv_heads), total, int(s.num_states)))
     return out
+
+
+def state_splits(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[StateSplits]:
+    """Per Mamba group: (group id, vLLM's Mamba type in lower case, how each state splits over TP ranks), what the
+    daemon needs to re-shard its states for an engine of another TP size (transport/state_shards.py). The splits
+    are given for GDN groups whose per-rank shapes are the ones ``_gdn_splits`` computes from the model's config;
+    any other type (and a GDN group that does not match) gets none, so its states are read at its TP size only."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    out: list[StateSplits] = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        s = g.kv_cache_spec
+        if not isinstance(s, MambaSpec):
+            continue
+        kind = str(getattr(getattr(s, "mamba_type", None), "name", "unknown")).lower()[:64]
+        splits = () if kind != "gdn_attn" or getattr(s, "tp_replicated", False) else _gdn_splits(vllm_config, s)
+        out.append((gid, kind, splits))
+    return out
+
+
+def _gdn_splits(vllm_config: VllmConfig, spec: KVCacheSpec) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A GDN layer's two states as vLLM 0.32 lays them on a rank of tp: the conv state (state_len, conv_dim / tp)
+    ("SD", vLLM's default conv layout) or (conv_dim / tp, state_len) ("DS"), its dim the rank's q, k and v
+    channels one after another (vLLM loads conv1d's weight so: each of q, k, v split evenly over the ranks);
+    the SSM state (num_v_heads / tp, head_v_dim, head_k_dim), the rank's value heads. () when the config does not
+    name the GDN sizes or the spec's shapes are not these."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        cfg = vllm_config.model_config.hf_text_config
+        nk, nv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
+        dk, dv, kernel = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim), int(cfg.linear_conv_kernel_dim)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        spec_cfg = vllm_config.speculative_config
+        state_len = kernel - 1 + (int(spec_cfg.num_speculative_tokens or 0) if spec_cfg else 0)
+        dim_first = bool(is_conv_state_dim_first())
+        shapes = [tuple(int(d) for d in shape) for shape in spec.shapes]  # type: ignore[attr-defined]
+    except Exception:  # a config or a vLLM without these names: not described
+        return ()
+    key_dim, value_dim = nk * dk, nv * dv
+    if tp < 1 or key_dim % tp or value_dim % tp or nv % tp:
+        return ()
+    conv_dim = (2 * key_dim + value_dim) // tp
+    conv = (conv_dim, state_len) if dim_first else (state_len, conv_dim)
+    if shapes != [conv, (nv // tp, dv, dk)]:
+        return ()
+    return ((0 if dim_first else 1, (key_dim, key_dim, value_dim)), (0, (nv,)))
 
 
 def event_groups(kv_cache_config: KVCacheConfig) -> list[tuple[int, str, int | None]]:

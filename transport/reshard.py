@@ -1,11 +1,12 @@
-"""Re-sharding on read: a TP=j rank's attention blocks assembled from the entries a TP=k world stored.
+"""Re-sharding on read: a TP=j rank's blocks assembled from the entries a TP=k world stored.
 
 Role
     Entries stay per rank (each rank's own heads, in its own format). An engine registers, per attention
     group, how its KV heads split (``HeadSplit``: heads on each rank, heads in the model, states per page);
     with the layout tag's page order (``HNC``: a head's cells are one run of the page; ``NHC``: one run per
-    state) that says where every head's bytes lie in a page. ``refusal`` decides whether a world's entries
-    can be read by another world of the same model (same TP-free model digest: the daemon's
+    state) that says where every head's bytes lie in a page. Per Mamba group it registers how each state
+    splits (``MambaSplit``; transport/state_shards.py: GDN's conv and SSM states). ``refusal`` decides whether
+    a world's entries can be read by another world of the same model (same TP-free model digest: the daemon's
     ``Formats.same_model``); ``block_moves`` lists, for one rank of the reader, which byte ranges of which
     source rank's block make up its block; ``segments`` turns an entry's moves into copy segments (several
     pool entries into one engine block).
@@ -26,8 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from hkvd.transport import state_shards
 from hkvd.transport.copy_engine import Segment
-from hkvd.transport.layout import GroupSpec, _block_template
+from hkvd.transport.layout import GroupSpec, View, _block_template
+from hkvd.transport.state_shards import MambaSplit
 
 #: One run of a block: (offset in the reader's block, source rank, offset in that rank's block, bytes).
 Move = tuple[int, int, int, int]
@@ -44,18 +47,20 @@ class HeadSplit:
 
 @dataclass(frozen=True, slots=True)
 class ShardShape:
-    """What re-sharding needs of an engine world: its size, chunk, page order, groups and head splits."""
+    """What re-sharding needs of an engine world: its size, chunk, page order, groups, head and state splits."""
 
     world_size: int
     chunk_size: int
     order: str  # "HNC" or "NHC": the canonical page order (the layout tag's suffix)
     groups: tuple[GroupSpec, ...]
     heads: Mapping[int, HeadSplit] = field(default_factory=dict)  # attention groups only
+    states: Mapping[int, MambaSplit] = field(default_factory=dict)  # Mamba groups only
 
     @classmethod
     def of(cls, world_size: int, chunk_size: int, layout_tag: str, groups: Sequence[GroupSpec],
-           heads: Mapping[int, HeadSplit]) -> ShardShape:
-        return cls(world_size, chunk_size, layout_tag.rpartition("/")[2], tuple(groups), dict(heads))
+           heads: Mapping[int, HeadSplit], states: Mapping[int, MambaSplit] | None = None) -> ShardShape:
+        return cls(world_size, chunk_size, layout_tag.rpartition("/")[2], tuple(groups), dict(heads),
+                   dict(states or {}))
 
 
 def split_ok(tp: int, total: int) -> bool:
@@ -88,7 +93,14 @@ def refusal(src: ShardShape, dst: ShardShape) -> str | None:
             return (f"{where}: vLLM's block size differs ({s.tokens_per_block} tokens at TP={tp_k}, "
                     f"{d.tokens_per_block} at TP={tp_j})")
         if d.kind == "mamba" or s.kind == "mamba":
-            return f"{where}: Mamba/GDN states are not re-sharded across TP sizes yet"
+            if s.kind != d.kind:
+                return f"{where}: kinds differ ({s.kind} at TP={tp_k})"
+            if [v.num_layers for v in s.views] != [v.num_layers for v in d.views]:
+                return f"{where}: the layers differ"
+            why = state_shards.refusal(s, d, src.states.get(s.group_id), dst.states.get(d.group_id), tp_k, tp_j)
+            if why is not None:
+                return why
+            continue
         if (s.kind, s.window_tokens, s.dtype) != (d.kind, d.window_tokens, d.dtype):
             return f"{where}: kind, window or dtype differ ({s.kind}/{s.window_tokens}/{s.dtype} at TP={tp_k})"
         if [v.num_layers for v in s.views] != [v.num_layers for v in d.views]:
@@ -117,32 +129,48 @@ def _head_runs(order: str, heads: int, states: int, cell: int, h: int) -> list[t
     return [(s * heads * cell + h * cell, cell) for s in range(states)]
 
 
-def block_moves(src: ShardShape, dst: ShardShape, group_id: int, rank: int) -> tuple[Move, ...]:
-    """The runs of one block of ``group_id`` for rank ``rank`` of ``dst``, from ``src``'s ranks (``refusal``
-    must have passed): each head from the first source rank that holds it. Adjacent runs merge."""
-    sg = next(g for g in src.groups if g.group_id == group_id)
-    dg = next(g for g in dst.groups if g.group_id == group_id)
+def _head_page_runs(src: ShardShape, dst: ShardShape, group_id: int, rank: int,
+                    dv: View) -> list[tuple[int, int, int, int]]:
+    """(offset in the reader's page, source rank, offset in its page, bytes) of each head of rank ``rank``'s page,
+    each head from the first source rank that holds it."""
     hs, hd = src.heads[group_id], dst.heads[group_id]
     owner: dict[int, tuple[int, int]] = {}  # model head -> (source rank, its index on that rank)
     for r in range(src.world_size):
         for i, head in enumerate(rank_heads(src.world_size, hs.total, r)):
             owner.setdefault(head, (r, i))
+    cell = dv.page_bytes // (hd.here * hd.states)
+    out = []
+    for i, head in enumerate(rank_heads(dst.world_size, hd.total, rank)):
+        r, j = owner[head]
+        for (doff, n), (soff, _) in zip(_head_runs(dst.order, hd.here, hd.states, cell, i),
+                                        _head_runs(src.order, hs.here, hs.states, cell, j), strict=True):
+            out.append((doff, r, soff, n))
+    return out
+
+
+def block_moves(src: ShardShape, dst: ShardShape, group_id: int, rank: int) -> tuple[Move, ...]:
+    """The runs of one block of ``group_id`` for rank ``rank`` of ``dst``, from ``src``'s ranks (``refusal``
+    must have passed): an attention page's heads, each from the first source rank that holds it; a Mamba page's
+    states, each part's units from the source ranks that hold them (``state_shards.page_runs``). Adjacent runs
+    merge."""
+    sg = next(g for g in src.groups if g.group_id == group_id)
+    dg = next(g for g in dst.groups if g.group_id == group_id)
     moves: list[list[int]] = []
     s_view = d_view = 0
     for sv, dv in zip(sg.views, dg.views, strict=True):
-        cell = dv.page_bytes // (hd.here * hd.states)
+        if dg.kind == "mamba":
+            page = state_shards.page_runs(sg, dg, dst.states[group_id], src.world_size, dst.world_size, rank)
+        else:
+            page = _head_page_runs(src, dst, group_id, rank, dv)
         for layer in range(dv.num_layers):
             d_page, s_page = d_view + layer * dv.page_bytes, s_view + layer * sv.page_bytes
-            for i, head in enumerate(rank_heads(dst.world_size, hd.total, rank)):
-                r, j = owner[head]
-                for (doff, n), (soff, _) in zip(_head_runs(dst.order, hd.here, hd.states, cell, i),
-                                                _head_runs(src.order, hs.here, hs.states, cell, j), strict=True):
-                    last = moves[-1] if moves else None
-                    if last is not None and last[1] == r and last[0] + last[3] == d_page + doff \
-                            and last[2] + last[3] == s_page + soff:
-                        last[3] += n
-                    else:
-                        moves.append([d_page + doff, r, s_page + soff, n])
+            for doff, r, soff, n in page:
+                last = moves[-1] if moves else None
+                if last is not None and last[1] == r and last[0] + last[3] == d_page + doff \
+                        and last[2] + last[3] == s_page + soff:
+                    last[3] += n
+                else:
+                    moves.append([d_page + doff, r, s_page + soff, n])
         s_view += sv.block_bytes
         d_view += dv.block_bytes
     return tuple((m[0], m[1], m[2], m[3]) for m in moves)

@@ -28,6 +28,7 @@ from hkvd.transport.errors import OutOfRange, RegistrationError
 from hkvd.transport.layout import GroupSpec
 from hkvd.transport.reshard import HeadSplit, ShardShape
 from hkvd.transport.stat_fields import Sample, metric, status_only
+from hkvd.transport.state_shards import MambaSplit, StateSplit
 from hkvd.transport.wire.control import EngineSpec
 from hkvd.transport.wire.kv import Item
 
@@ -87,7 +88,7 @@ def replica_fingerprint(spec: EngineSpec, chunk_size: int) -> bytes:
 def model_key(spec: EngineSpec) -> bytes:
     """The TP-free digest of ``spec``'s model format: model, identity without the TP size
     (``EngineSpec.model_identity``) and page order. Worlds of one model at different TP sizes share it (and
-    may read each other's attention entries: transport/reshard.py); b"" when the engine sent no model identity."""
+    may read each other's entries: transport/reshard.py); b"" when the engine sent no model identity."""
     if not spec.model_identity:
         return b""
     blob = msgpack.packb([FINGERPRINT_VERSION, "model", spec.model, spec.model_identity, spec.layout_tag],
@@ -98,7 +99,9 @@ def model_key(spec: EngineSpec) -> bytes:
 def shard_shape(spec: EngineSpec, chunk_size: int) -> ShardShape:
     """What re-sharding needs of ``spec``'s world (transport/reshard.py)."""
     return ShardShape.of(spec.world_size, chunk_size, spec.layout_tag, spec.groups,
-                         {gid: HeadSplit(here, total, states) for gid, here, total, states in spec.heads})
+                         {gid: HeadSplit(here, total, states) for gid, here, total, states in spec.heads},
+                         {gid: MambaSplit(kind, tuple(StateSplit(axis, totals) for axis, totals in splits))
+                          for gid, kind, splits in spec.states})
 
 
 @dataclass(frozen=True, slots=True)

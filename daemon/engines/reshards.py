@@ -5,10 +5,11 @@ Role
     own format is offered the worlds of the same model at other TP sizes (``Formats.same_model``: the
     TP-free model digest, ``registry.model_key``) whose shapes it can read (``transport.reshard.refusal``):
     ``plan`` is the longest hit every rank of one such world holds, leased for one retrieve per reader rank;
-    ``read`` serves a reader rank's retrieve from the source ranks that hold its heads, assembling each of
-    its blocks from byte ranges of several entries (``transport.reshard.segments``). A world this engine's
-    world cannot read (Mamba/GDN groups, another block size, a head split that does not divide, another
-    chunk size) is a miss, logged once per pair of worlds with the reason. In-step loads (``places``) are
+    ``read`` serves a reader rank's retrieve from the source ranks that hold its heads (and its parts of the
+    GDN states), assembling each of its blocks from byte ranges of several entries
+    (``transport.reshard.segments``). A world this engine's world cannot read (Mamba states of a type other
+    than GDN or with no state split registered, another block size, a head or state split that does not divide,
+    another chunk size) is a miss, logged once per pair of worlds with the reason. In-step loads (``places``) are
     never offered for such a hit: they read one rank's entries whole.
 
 Threading

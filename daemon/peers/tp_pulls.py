@@ -10,14 +10,15 @@ Role
       record of formats (``Formats.learn``), so the local retrieve finds the world and re-shards from it as it
       does on one node (daemon/engines/reshards.py);
     - the source ranks the reader rank needs: those holding its KV heads, each head from the first rank that
-      holds it (``transport.reshard.block_moves``), each with its ``Layout`` for the peer lookup and the READ.
+      holds it, and its parts of the GDN states (``transport.reshard.block_moves``), each with its ``Layout``
+      for the peer lookup and the READ.
     The entries land in this pool under the source world's fingerprints, so a second decode rank that needs
     the same source entries finds them here (``local``) and nothing moves twice.
 
 Refusals
-    A world this engine cannot read (``transport.reshard.refusal``: Mamba/GDN groups, another block size, a
-    head split that does not divide, ...) or ``--tp-reshard off`` on this daemon: the pull is a miss (hit 0,
-    the engine recomputes) and one warning per pair of worlds names the reason.
+    A world this engine cannot read (``transport.reshard.refusal``: Mamba states not described as GDN's, another
+    block size, a head split that does not divide, ...) or ``--tp-reshard off`` on this daemon: the pull is a
+    miss (hit 0, the engine recomputes) and one warning per pair of worlds names the reason.
 
 Threading
     Event loop only; pure apart from the record of formats and the refusals already logged.

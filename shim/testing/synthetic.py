@@ -31,7 +31,7 @@ from hkvd.transport.copy_engine import Region
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.layout import GroupSpec, View
 from hkvd.transport.wire.block_notes import BlockNote
-from hkvd.transport.wire.control import EngineSpec
+from hkvd.transport.wire.control import EngineSpec, StateSplits
 from hkvd.transport.wire.kv import Item, LookupReply, StoreResult
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class GroupShape:
     page_bytes: int
     block_stride: int = 0  # 0: == page_bytes (no padding)
     window_tokens: int = 0
+    dtype: str = ""  # "": the engine's dtype (a Mamba group's: "state:<dtype>[shape];...")
 
 
 class SyntheticEngine:
@@ -60,7 +61,7 @@ class SyntheticEngine:
                  layout_tag: str = "host/LBHNC", timeout_s: float = 10.0, aliased: bool = False,
                  mamba_cache_mode: str = "align", world_size: int = 1, rank: int = 0, model_identity: str = "",
                  heads: Sequence[tuple[int, int, int, int]] = (), dtype: str = "bfloat16",
-                 pool_maps: PoolMaps | None = None) -> None:
+                 pool_maps: PoolMaps | None = None, states: Sequence[StateSplits] = ()) -> None:
         self.shapes = list(shapes)
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
@@ -86,7 +87,7 @@ class SyntheticEngine:
         start = -int(raw.ctypes.data) % _ALIGN
         self.buffer = raw[start:start + size]
         self.groups = [
-            GroupSpec(gid, s.kind, tokens_per_block, s.window_tokens, num_blocks, dtype, (v,))
+            GroupSpec(gid, s.kind, tokens_per_block, s.window_tokens, num_blocks, s.dtype or dtype, (v,))
             for gid, (s, v) in enumerate(zip(self.shapes, views, strict=True))
         ]
         self.client = DaemonClient(socket_path, client_name=f"synthetic-{os.getpid()}", role="worker",
@@ -99,7 +100,7 @@ class SyntheticEngine:
         region = Region(0, "host", self.buffer.nbytes, addr=self.buffer.ctypes.data)
         self.spec = EngineSpec(model, world_size, rank, layout_tag, chunk_size, tokens_per_block, 8192,
                                mamba_cache_mode, [region], self.groups, model_identity=model_identity,
-                               heads=list(heads))
+                               heads=list(heads), states=list(states))
         ack = self.client.register(self.spec)
         self.ack = ack
         self.chunk_size = ack.chunk_size

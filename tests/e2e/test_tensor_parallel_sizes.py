@@ -3,7 +3,9 @@
 Synthetic engine ranks of one model (the same ``model_identity``) whose attention pages hold their ranks'
 KV heads (``EngineSpec.heads``; pages [heads, states, cell], the ``HNC`` order). The model's whole KV per
 chunk is drawn with NumPy; each rank writes its heads' slices; a reader of another TP size must load exactly
-its own heads' slices. Shapes the daemon cannot re-shard are a miss and one log line naming why.
+its own heads' slices. GDN states likewise (``EngineSpec.states``): the model's whole conv and SSM states per
+chunk, each rank's page cut from them as vLLM lays it. Shapes the daemon cannot re-shard are a miss and one log line
+naming why.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hkvd.shim.testing.synthetic import GroupShape, SyntheticEngine, prompt_toke
 from hkvd.transport.errors import LeaseExpired
 from hkvd.transport.keys import chunk_keys
 from hkvd.transport.reshard import rank_heads
+from hkvd.transport.wire.kv import Item
 
 TOKENS, CELL, LAYERS, TOTAL = 16, 32, 2, 4  # tokens (states) per block, bytes per cell, layers, KV heads
 MODEL = "tiny-gqa"
@@ -135,7 +138,7 @@ def test_the_hit_is_what_every_source_rank_holds(daemon):
 
 
 @pytest.mark.parametrize(("kw", "reader_kw", "reason"), [
-    ({"mamba": True}, {"mamba": True}, "Mamba/GDN states are not re-sharded across TP sizes yet"),
+    ({"mamba": True}, {"mamba": True}, "Mamba states are not re-sharded across TP sizes: no state split registered"),
     ({"dtype": "float8_e4m3fn"}, {}, "kind, window or dtype differ"),
     ({"total": 3, "here": 2}, {"total": 3, "here": 3}, "3 KV heads do not split over TP=2"),
 ])
@@ -216,4 +219,89 @@ def test_usable_prefix_answers_what_each_tp_size_would_hit(daemon_factory):
         assert code == 200, out
         assert out["usable_tokens"] == 3 * c == eng.lookup(keys, lease=False)[0] * c, (tp, out)
     for e in (*writers, *readers.values()):
+        e.close()
+
+
+# A GDN group beside the full-attention one: 4 key heads of 2, 8 value heads of 2, conv kernel 4 (state_len 3); conv
+# state (state_len, conv_dim) bfloat16 (vLLM's "SD"), SSM state (value heads, 2, 2) float32. One GDN layer.
+NK, NV, DK, DV, STATE_LEN = 4, 8, 2, 2, 3
+KD, VD = NK * DK, NV * DV
+
+
+def gdn_world(daemon, tp: int) -> list[SyntheticEngine]:  # type: ignore[no-untyped-def]
+    here = TOTAL // tp
+    conv = (2 * KD + VD) // tp
+    dtype = f"state:bfloat16[{STATE_LEN}, {conv}];float32[{NV // tp}, {DV}, {DK}]"
+    shapes = [GroupShape("full", LAYERS, here * TOKENS * CELL),
+              GroupShape("mamba", 1, 2 * STATE_LEN * conv + 4 * NV // tp * DV * DK, dtype=dtype)]
+    return [SyntheticEngine(daemon.socket_path, shapes, world_size=tp, rank=r, model=MODEL, layout_tag="host/HNC",
+                            model_identity="gdn-1", heads=[(0, here, TOTAL, TOKENS)],
+                            states=[(1, "gdn_attn", ((1, (KD, KD, VD)), (0, (NV,))))]) for r in range(tp)]
+
+
+def gdn_states(keys: list[bytes]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """chunk -> the model's states at its end: conv [state_len, q k v channels, 2 bytes], SSM [NV, DV, DK, 4 bytes]."""
+    out = {}
+    for c, key in enumerate(keys):
+        rng = np.random.default_rng(int.from_bytes(key[4:8], "little"))
+        out[c] = (rng.integers(0, 256, size=(STATE_LEN, 2 * KD + VD, 2), dtype=np.uint8),
+                  rng.integers(0, 256, size=(NV, DV, DK, 4), dtype=np.uint8))
+    return out
+
+
+def gdn_page(states: tuple[np.ndarray, np.ndarray], tp: int, rank: int) -> bytes:
+    """A rank's GDN page as vLLM lays it: its q, k and v channels of the conv state, then its value heads' SSM."""
+    conv, ssm = states
+    q, v = KD // tp, VD // tp
+    chans = [*range(rank * q, (rank + 1) * q), *range(KD + rank * q, KD + (rank + 1) * q),
+             *range(2 * KD + rank * v, 2 * KD + (rank + 1) * v)]
+    return conv[:, chans].tobytes() + ssm[rank * (NV // tp):(rank + 1) * (NV // tp)].tobytes()
+
+
+def gdn_items(eng: SyntheticEngine, keys: list[bytes], first: int, hit: bool = False) -> list[Item]:
+    """Full items of ``keys`` and the states at each chunk's end (``hit``: at the last chunk's only)."""
+    states = eng.items(1, keys, first_block=first + 2 * len(keys))
+    return eng.items(0, keys, first_block=first) + (states[-1:] if hit else states)
+
+
+def gdn_store(engines: list[SyntheticEngine], keys: list[bytes], kv, states) -> None:  # type: ignore[no-untyped-def]
+    tp = len(engines)
+    for eng in engines:
+        its = gdn_items(eng, keys, 1)
+        for it in its:
+            for i, b in enumerate(it.block_ids):
+                if it.group_id == 1:
+                    eng.page(1, 0, b)[:] = np.frombuffer(gdn_page(states[it.chunk_index], tp, eng.spec.rank), np.int8)
+                    continue
+                data = np.frombuffer(rank_block(kv[(0, it.chunk_index, i)], tp, eng.spec.rank), np.int8)
+                page = eng.groups[0].views[0].page_bytes
+                for layer in range(LAYERS):
+                    eng.page(0, layer, b)[:] = data[layer * page:(layer + 1) * page]
+        eng.store(its)
+
+
+def gdn_check(eng: SyntheticEngine, keys: list[bytes], kv, states, first: int) -> None:  # type: ignore[no-untyped-def]
+    tp, rank = eng.spec.world_size, eng.spec.rank
+    for it in gdn_items(eng, keys, first, hit=True):
+        for i, b in enumerate(it.block_ids):
+            want = (gdn_page(states[it.chunk_index], tp, rank) if it.group_id == 1
+                    else rank_block(kv[(0, it.chunk_index, i)], tp, rank))
+            assert eng.block_bytes(it.group_id, b) == want, (tp, rank, it.group_id, it.chunk_index)
+
+
+@pytest.mark.parametrize(("k", "j"), [(2, 1), (1, 2)])
+def test_gdn_states_are_read_across_tp_sizes(daemon, k: int, j: int) -> None:
+    writers = gdn_world(daemon, k)
+    keys = chunk_keys(prompt_tokens(writers[0].chunk_size * 3, seed=40 + k), writers[0].chunk_size)
+    kv, states = model_kv(keys), gdn_states(keys)
+    gdn_store(writers, keys, kv, states)
+    readers = gdn_world(daemon, j)
+    hit, lease = readers[0].lookup(keys)
+    assert hit == 3
+    for r in readers:
+        r.retrieve(gdn_items(r, keys, 9, hit=True), lease)
+        gdn_check(r, keys, kv, states, 9)
+    assert daemon.status()["counters"]["tp_reshards"]
+    assert "are not served to a TP=" not in daemon.log_path.read_text()
+    for e in (*writers, *readers):
         e.close()

@@ -31,6 +31,15 @@ MAX_IDENTITY = 256
 MAX_WORLD_SIZE = 256
 MAX_EVENT_KIND = 64
 MAX_HEADS = 1 << 16  # EngineSpec.heads: KV heads (on a rank, in the model) and states per page
+# EngineSpec.states: per Mamba group, its type's name, at most MAX_STATE_SPLITS states, each split along an axis
+# below MAX_STATE_DIMS into at most MAX_STATE_PARTS parts of 1 to MAX_STATE_UNITS units each.
+MAX_MAMBA_TYPE = 64
+MAX_STATE_SPLITS = 8
+MAX_STATE_DIMS = 8
+MAX_STATE_PARTS = 8
+MAX_STATE_UNITS = 1 << 24
+#: EngineSpec.states' item: (group_id, mamba type, ((axis, part totals), ...) one per state).
+StateSplits = tuple[int, str, tuple[tuple[int, tuple[int, ...]], ...]]
 MAX_SERVER_ID = 64  # Register.mapped_pool: a daemon's server id (HelloAck.server_id, 12 hex digits today)
 
 # RegisterAck.kv_events: what the daemon does with KV-event notes (docs/routing.md). An older daemon
@@ -70,12 +79,16 @@ class EngineSpec:
     # Not part of the fingerprint. Empty: derived from the group kinds (docs/routing.md).
     event_groups: list[tuple[int, str, int | None]] = field(default_factory=list)
     # The identity without the tensor-parallel size (hkvd.shim.identity.model_identity): engines of one
-    # model at other TP sizes share it, and may read each other's attention entries (transport/reshard.py).
+    # model at other TP sizes share it, and may read each other's entries (transport/reshard.py).
     # Not part of the fingerprint. "": not offered (an older shim; its entries are read at its TP size only).
     model_identity: str = ""
     # Per attention group: (group_id, KV heads on each rank, KV heads in the model, states per page). Not
     # part of the fingerprint. Empty: no group is re-sharded.
     heads: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # Per Mamba group: (group_id, vLLM's Mamba type, per state (axis of the TP split, the model's totals of the
+    # parts concatenated along it)); no states: a type not described (transport/state_shards.py). Not part of
+    # the fingerprint. Empty: no Mamba group is re-sharded.
+    states: list[StateSplits] = field(default_factory=list)
     # The groups whose entries are the same bytes on every rank of the world (vLLM's MLA latent cache: one
     # head, computed from replicated weights). Where they are every group and ``model_identity`` is given, the
     # daemon keys the world's entries by one TP-free fingerprint, so a chunk is stored once per node
@@ -91,6 +104,8 @@ class EngineSpec:
             **({"event_groups": [list(g) for g in self.event_groups]} if self.event_groups else {}),
             **({"model_identity": self.model_identity} if self.model_identity else {}),
             **({"heads": [list(h) for h in self.heads]} if self.heads else {}),
+            **({"states": [[gid, kind, [[axis, list(totals)] for axis, totals in splits]]
+                           for gid, kind, splits in self.states]} if self.states else {}),
             **({"replicated": list(self.replicated)} if self.replicated else {}),
             "regions": [
                 {"region_id": r.region_id, "kind": r.kind, "size": r.size, "addr": r.addr,
@@ -167,6 +182,7 @@ class EngineSpec:
             event_groups=_event_groups(d.get("event_groups"), len(groups_raw), f"{w}.event_groups"),
             model_identity=_model_identity(d.get("model_identity"), f"{w}.model_identity"),
             heads=_heads(d.get("heads"), len(groups_raw), f"{w}.heads"),
+            states=_states(d.get("states"), len(groups_raw), f"{w}.states"),
             replicated=_replicated(d.get("replicated"), len(groups_raw), f"{w}.replicated"),
         )
         spec.validate_shape()
@@ -201,6 +217,9 @@ class EngineSpec:
         hgids = [h[0] for h in self.heads]
         if len(set(hgids)) != len(hgids) or not set(hgids) <= set(gids):
             raise ProtocolViolation("heads must name registered groups, each at most once")
+        sgids = [st[0] for st in self.states]
+        if len(set(sgids)) != len(sgids) or not set(sgids) <= {g.group_id for g in self.groups if g.kind == "mamba"}:
+            raise ProtocolViolation("states must name registered Mamba groups, each at most once")
         if len(set(self.replicated)) != len(self.replicated) or not set(self.replicated) <= set(gids):
             raise ProtocolViolation("replicated must name registered groups, each at most once")
 
@@ -240,6 +259,33 @@ def _heads(raw: object, n_groups: int, where: str) -> list[tuple[int, int, int, 
             raise ProtocolViolation(f"{where}[{i}]: expected [group_id >= 0, heads on a rank, heads in the model, "
                                     f"states per page], each 1 to {MAX_HEADS}")
         out.append((h[0], h[1], h[2], h[3]))
+    return out
+
+
+def _states(raw: object, n_groups: int, where: str) -> list[StateSplits]:
+    """Optional; absent from older clients: at most one [group_id, mamba type, [[axis, [part totals]], ...]] per
+    group (bounds: the MAX_STATE_* constants)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > n_groups:
+        raise ProtocolViolation(f"{where}: a list of at most one [group_id, mamba type, state splits] per group")
+    out: list[StateSplits] = []
+    for i, st in enumerate(raw):
+        if (not isinstance(st, list) or len(st) != 3 or type(st[0]) is not int or st[0] < 0
+                or not isinstance(st[1], str) or not 0 < len(st[1]) <= MAX_MAMBA_TYPE
+                or not isinstance(st[2], list) or len(st[2]) > MAX_STATE_SPLITS):
+            raise ProtocolViolation(f"{where}[{i}]: expected [group_id >= 0, mamba type (1 to {MAX_MAMBA_TYPE} "
+                                    f"characters), at most {MAX_STATE_SPLITS} state splits]")
+        splits = []
+        for j, sp in enumerate(st[2]):
+            if (not isinstance(sp, list) or len(sp) != 2 or type(sp[0]) is not int
+                    or not 0 <= sp[0] < MAX_STATE_DIMS or not isinstance(sp[1], list)
+                    or not 0 < len(sp[1]) <= MAX_STATE_PARTS
+                    or not all(type(t) is int and 1 <= t <= MAX_STATE_UNITS for t in sp[1])):
+                raise ProtocolViolation(f"{where}[{i}][2][{j}]: expected [axis 0 to {MAX_STATE_DIMS - 1}, 1 to "
+                                        f"{MAX_STATE_PARTS} part totals, each 1 to {MAX_STATE_UNITS}]")
+            splits.append((sp[0], tuple(sp[1])))
+        out.append((st[0], st[1], tuple(splits)))
     return out
 
 
