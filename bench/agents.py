@@ -530,7 +530,7 @@ def summary(result: dict[str, Any]) -> list[str]:
                      + ": how far the machine's load moved between runs")
     for key, t in (rt.get("targets") or {}).items():
         if t is None:
-            lines.append(f"target {key}: not measured (a run it needs failed)")
+            lines.append(f"target {key}: not measured (a run it needs failed or was not played)")
         elif "at_most" in t or "at_least" in t:
             bound = f"at most {t['at_most']}" if "at_most" in t else f"at least {t['at_least']}"
             each = ("; round by round " + ", ".join("-" if v is None else f"{v:.2f}" for v in t["rounds"])

@@ -273,6 +273,10 @@ def test_ratios_and_targets() -> None:
     ends = agents.ratios([*runs, _run("hkvd_turn_ends", 0.5, 1000)])["targets"]
     assert ends["turn_ends_hits_vs_limit"]["met"] and not ends["turn_ends_ttft_vs_recompute"]["met"]
     assert ends["pins_ttft_vs_recompute"]["met"]
+    # Against the limit: 0.135 / 0.115 over the later turns' medians is above 1.10; 0.12 at the limit's is not.
+    assert not t["pins_ttft_vs_limit"]["met"] and t["pins_ttft_vs_limit"]["at_most"] == agents.TARGETS["ttft_vs_limit"]
+    near = agents.ratios([_run("limit", 0.10, 1024), _run("hkvd_pins", 0.10, 1000)])["targets"]
+    assert near["pins_ttft_vs_limit"]["met"] and near["pins_ttft_vs_recompute"] is None
 
 
 def _played(name: str, ttft_s: float, hit: int) -> dict:
