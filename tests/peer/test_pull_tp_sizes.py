@@ -1,6 +1,7 @@
 """Pulls across tensor-parallel sizes between two real daemons (NIXL over TCP): a prefill world of one TP size
 stores on the serving daemon, a decode engine of another TP size pulls through its own daemon, and each decode
-rank loads exactly its own KV heads, re-sharded from the source ranks' entries (daemon/peers/tp_pulls.py).
+rank loads exactly its own KV heads (and GDN states), re-sharded from the source ranks' entries
+(daemon/peers/tp_pulls.py).
 
 The synthetic model, its per-rank pages and the NumPy reference are tests/e2e/test_tensor_parallel_sizes.py's
 (loaded by path). A shape the decode daemon cannot re-shard, or ``--tp-reshard off`` there, is a miss (hit 0)
@@ -126,8 +127,29 @@ def test_the_hit_is_what_every_needed_source_rank_holds(pair: Any) -> None:
         e.close()
 
 
+@pytest.mark.parametrize(("k", "j"), [(2, 1), (1, 2)])
+def test_gdn_states_are_pulled_across_tp_sizes(pair: Any, k: int, j: int) -> None:
+    """A GDN group beside the attention one: each decode rank loads its own conv channels and value heads' SSM
+    states, re-sharded from the prefill ranks' entries, as on one node."""
+    prefill, decode = pair
+    writers = tp.gdn_world(prefill, k)
+    c = writers[0].chunk_size
+    keys = chunk_keys(prompt_tokens(c * 3, seed=30 + k), c)
+    kv, states = tp.model_kv(keys), tp.gdn_states(keys)
+    tp.gdn_store(writers, keys, kv, states)
+    readers = tp.gdn_world(decode, j)
+    for r in readers:
+        res = pull(r, prefill.peer_address, keys)
+        assert res.hit_chunks == 3, res
+        r.retrieve(tp.gdn_items(r, keys, 9, hit=True), res.lease_id)
+        tp.gdn_check(r, keys, kv, states, 9)
+    assert decode.status()["peer"]["transport"]["reads_failed"] == 0
+    for e in (*writers, *readers):
+        e.close()
+
+
 @pytest.mark.parametrize(("pull_args", "kw", "reason"), [
-    ((), {"mamba": True}, "Mamba/GDN states are not re-sharded across TP sizes yet"),
+    ((), {"mamba": True}, "Mamba states are not re-sharded across TP sizes: no state split registered"),
     (("--tp-reshard", "off"), {}, "--tp-reshard off (a miss"),
 ], ids=["mamba", "tp-reshard-off"])
 def test_a_world_it_cannot_read_is_a_miss_and_one_log_line(pair_factory: Any, pull_args: tuple[str, ...],
