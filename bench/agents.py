@@ -436,11 +436,7 @@ def ratios(runs: Sequence[dict[str, Any]], rounds: Sequence[Sequence[dict[str, A
     targets["lru_below_limit"] = None if "hkvd_lru" not in hits else {
         "value": hits["hkvd_lru"], "below": bound, "met": hits["hkvd_lru"] < bound}
     if len(rounds) > 1:
-        each = [ratios(rnd)["targets"] for rnd in rounds]
-        for key, t in targets.items():
-            if t is not None:
-                t["rounds"] = [None if e.get(key) is None else e[key]["value"] for e in each]
-                t["met"] = t["met"] and all(e.get(key) is not None and e[key]["met"] for e in each)
+        serving.clear_spread(targets, [ratios(rnd)["targets"] for rnd in rounds])
     out["targets"] = targets
     return out
 

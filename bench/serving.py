@@ -134,6 +134,15 @@ def rounds_of(runs: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [[r["rounds"][i] for r in runs if i < len(r.get("rounds") or ())] for i in range(n)]
 
 
+def clear_spread(targets: dict[str, Any], each: Sequence[dict[str, Any]]) -> None:
+    """Give every measured target its value in each round (``each``: the rounds' own targets) and leave it met
+    only where every round's value meets it too."""
+    for key, t in targets.items():
+        if t is not None:
+            t["rounds"] = [None if e.get(key) is None else e[key]["value"] for e in each]
+            t["met"] = t["met"] and all(e.get(key) is not None and e[key]["met"] for e in each)
+
+
 def ratios(runs: Sequence[dict[str, Any]], rounds: Sequence[Sequence[dict[str, Any]]] = ()) -> dict[str, Any]:
     """Later-turn TTFT p50 and hit share of every run that served against the limit's and recompute's.
 
@@ -160,11 +169,7 @@ def ratios(runs: Sequence[dict[str, Any]], rounds: Sequence[Sequence[dict[str, A
             value, bound = later["hkvd"]["hit_share"], later["limit"]["hit_share"]
             targets["hkvd_hit_share"] = {"value": value, "at_least": bound, "met": value >= bound}
     if len(rounds) > 1:
-        each = [ratios(rnd)["targets"] for rnd in rounds]
-        for key, t in targets.items():
-            if t is not None:
-                t["rounds"] = [None if e.get(key) is None else e[key]["value"] for e in each]
-                t["met"] = t["met"] and all(e.get(key) is not None and e[key]["met"] for e in each)
+        clear_spread(targets, [ratios(rnd)["targets"] for rnd in rounds])
     out["targets"] = targets
     if "hkvd" in later and "limit" in later and later["hkvd"]["stream_tok_s_p50"]:
         # vLLM runs a request whose load it awaits (WAITING_FOR_REMOTE_KVS) in the step after the
